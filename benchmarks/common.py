@@ -1,0 +1,275 @@
+"""Shared helpers for sloth's benchmarks: what ran where, how long it took, how much memory it used.
+
+Every benchmark writes one JSON file per run::
+
+    {"benchmark": str, "env": {...}, "config": {...}, "columns": [str, ...], "rows": [{column: value}]}
+
+so that `render_markdown` can turn any of them into a table (``python -m benchmarks.common FILE...``).
+
+Timing is a median: on CUDA through `triton.testing.do_bench` (CUDA events, L2 flushed before each
+rep, warm-up included); on CPU a wall-clock median, good only for proving a code path runs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+GiB = 1024**3
+MiB = 1024**2
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def use_triton_interpreter_without_cuda() -> bool:
+    """Set TRITON_INTERPRET=1 when there is no CUDA device, so Triton kernels run on CPU tensors.
+
+    Triton reads the variable when a kernel is decorated, i.e. when `sloth` (or peft, which
+    imports triton) is first imported: call this before those imports. Returns True if set.
+    """
+    if torch.cuda.is_available():
+        return False
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return True
+
+
+def import_sloth() -> Any:
+    """Import sloth and make sure `backend="sloth"` resolves.
+
+    sloth is found through its installed entry point; on a machine where the checkout was copied
+    but never installed (the device machine), the repository root *is* the package
+    (setup.cfg: ``package_dir sloth = .``), so we load it from there under the name ``sloth``.
+    """
+    try:
+        sloth = importlib.import_module("sloth")
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(
+            "sloth", REPO_ROOT / "__init__.py", submodule_search_locations=[str(REPO_ROOT)]
+        )
+        if spec is None or spec.loader is None:
+            raise
+        sloth = importlib.util.module_from_spec(spec)
+        sys.modules["sloth"] = sloth
+        spec.loader.exec_module(sloth)
+    # Without an installed entry point Dynamo cannot find the backend by name: register it by hand.
+    from torch._dynamo.backends.registry import list_backends, register_backend
+
+    if "sloth" not in list_backends(exclude_tags=()):
+        backend = importlib.import_module("sloth.compiler.backend").sloth_backend
+        register_backend(compiler_fn=backend, name="sloth")
+    return sloth
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def _run(cmd: Sequence[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Where and with what a result was measured (device, driver, library versions, date, commit)."""
+    cuda = torch.cuda.is_available()
+    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    # The device machine gets a copy of the working tree without .git: GIT_COMMIT can say it instead.
+    commit = _run(["git", "rev-parse", "HEAD"]) or os.environ.get("GIT_COMMIT")
+    dirty = _run(["git", "status", "--porcelain"])
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "driver": driver.splitlines()[0] if driver else None,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "git_commit": commit,
+        "git_dirty": bool(dirty) if dirty is not None else None,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+
+
+# ----------------------------------------------------------------------------- timing and memory
+
+
+def bench_ms(
+    fn: Callable[[], Any],
+    *,
+    warmup_ms: int = 25,
+    rep_ms: int = 100,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+    cpu_reps: int = 3,
+) -> float:
+    """Median milliseconds of one call of `fn`.
+
+    CUDA: `triton.testing.do_bench(return_mode="median")`, which warms up for `warmup_ms`, runs for
+    about `rep_ms`, clears the L2 before every rep (so memory-bound ops are not flattered by a hot
+    cache) and sets `grad_to_none` to None between reps (so backward does not time accumulation).
+    CPU: a wall-clock median of `cpu_reps` calls after one warm-up call; not a measurement.
+    """
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(
+            triton.testing.do_bench(
+                fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none or []), return_mode="median"
+            )
+        )
+    fn()
+    times = []
+    for _ in range(cpu_reps):
+        for t in grad_to_none or []:
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def peak_memory_bytes(fn: Callable[[], Any]) -> int | None:
+    """Peak CUDA memory that one call of `fn` allocates above what was allocated before it.
+
+    What already exists (inputs, a retained autograd graph) is not counted; what `fn` returns is,
+    if it is still alive at its peak. None on CPU, where the caching allocator keeps no statistics.
+    """
+    if not torch.cuda.is_available():
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 * GiB) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9 bytes), counting bytes read plus written.
+
+    The ceiling that memory-bound kernels are held to: a plain `dst.copy_(src)` of `nbytes`,
+    far past the 60 MB L2, timed like every kernel (median, L2 flushed).
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = nbytes if device == "cuda" else 16 * MiB  # CPU: proves the code path only
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured dense matmul rate, TFLOP/s, of an n x n x n product on random data (2 n^3 FLOPs).
+
+    The MFU denominator: the H200's datasheet says ~990 bf16 TFLOP/s, a random-data 8192^3 product
+    measures ~790, and only the measured number is reachable.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = n if device == "cuda" else min(n, 256)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = bench_ms(lambda: a @ b, rep_ms=200)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def result_record(benchmark: str, config: dict[str, Any], columns: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document every benchmark writes."""
+    return {"benchmark": benchmark, "env": environment(), "config": config, "columns": columns, "rows": rows}
+
+
+def write_result(record: dict[str, Any], results_dir: Path | None = None, suffix: str = "") -> list[Path]:
+    """Write `record` as `<UTC date>_<benchmark><suffix>.json` into the results folder and, when the
+    OUT environment variable is set (the device machine), into $OUT as well; also a `.md` table
+    beside each. Returns the paths written."""
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M")
+    stem = f"{date}_{record['benchmark']}{suffix}"
+    dirs = [results_dir or RESULTS_DIR]
+    if os.environ.get("OUT"):
+        dirs.append(Path(os.environ["OUT"]))
+    written = []
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{stem}.json"
+        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        path.with_suffix(".md").write_text(render_markdown([record]))
+        written.append(path)
+    return written
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        # ms, GB/s, tokens/s: integers carry no meaning past 4 digits; losses need 4 significant.
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    return str(value)
+
+
+def render_markdown(records: Iterable[dict[str, Any]]) -> str:
+    """Markdown: for each record a heading (benchmark, device, date, commit) and its rows as a table."""
+    parts = []
+    for rec in records:
+        env = rec.get("env", {})
+        commit = (env.get("git_commit") or "no commit")[:10] + (" (dirty)" if env.get("git_dirty") else "")
+        parts.append(
+            f"### {rec['benchmark']} on {env.get('device')} ({env.get('date')}, torch {env.get('torch')}, "
+            f"triton {env.get('triton')}, {commit})\n"
+        )
+        cols = rec["columns"]
+        parts.append("| " + " | ".join(cols) + " |")
+        parts.append("|" + "---|" * len(cols))
+        for row in rec["rows"]:
+            parts.append("| " + " | ".join(_cell(row.get(c)) for c in cols) + " |")
+        parts.append("")
+    return "\n".join(parts) + "\n"
+
+
+def render_text(columns: list[str], rows: list[dict[str, Any]]) -> str:
+    """A fixed-width table for the terminal."""
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.common RESULT.json...``: print the results as markdown tables."""
+    paths = argv if argv is not None else sys.argv[1:]
+    if not paths:
+        sys.exit("usage: python -m benchmarks.common RESULT.json [RESULT.json ...]")
+    print(render_markdown(json.loads(Path(p).read_text()) for p in paths), end="")
+
+
+if __name__ == "__main__":
+    main()

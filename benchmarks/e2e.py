@@ -1,0 +1,293 @@
+"""End-to-end benchmark: one LoRA training step of a random-weight Llama, eager vs Inductor vs sloth.
+
+The workload is /work/shared/BENCHMARKING.md's, so our numbers sit beside DESIGN.md's peer table:
+a transformers model built from a config (random bf16 weights, SDPA attention), peft LoRA r=16,
+alpha=16, dropout 0 on every q/k/v/o/gate/up/down projection, fused AdamW on the trainable
+parameters, `model(input_ids=ids, labels=ids)` on one fixed random batch. 3 warm-up steps (the first
+one's wall time is reported as warm-up/compile seconds), then 8 steps timed between two CUDA events;
+peak memory is `torch.cuda.max_memory_allocated()` over those 8 steps. Weights and batch come from
+seed 0, so every variant trains the same model on the same data and final losses must agree.
+
+    python -m benchmarks.e2e --model llama3-8b --variant sloth --batch 2 --seq 2048   # one run
+    python -m benchmarks.e2e --all --model llama3-8b --batch 2 --seq 2048             # every variant
+    python -m benchmarks.e2e --smoke --all                                            # CPU, 2-layer toy
+
+`--all` runs each variant in its own process (a fresh CUDA allocator, Dynamo cache and peak counter),
+one after another, and writes JSON and a markdown table to benchmarks/results/ (and $OUT if set).
+
+MFU = model FLOPs per step / step time / a measured bf16 matmul rate (8192^3, or --peak-tflops).
+Model FLOPs per step, T = batch x seq tokens, recomputation under checkpointing not counted:
+  frozen matmul weights (base projections, lm_head), P params:  4 P T   (forward 2PT + input grad 2PT;
+                                                                          no weight grad)
+  trainable matmul weights (LoRA A and B), P params:             6 P T   (+ weight grad 2PT)
+  causal attention, per layer: QK^T and PV are 2 b s^2 (heads x head_dim) each forward, backward
+  is twice forward, causal halves it:                             6 b s^2 (heads x head_dim) layers
+For Llama-3-8B at 2 x 2048 that is 1.23e14 + 1.0e12 + 6.6e12 = 1.31e14, DESIGN.md's floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import common
+
+VARIANTS = ["eager", "inductor", "sloth"]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODELS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=8192, tie_word_embeddings=False),
+    # The smoke model: every code path of the 8B one (GQA, gated MLP, RMSNorm, RoPE), seconds on a CPU.
+    "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                       max_position_embeddings=256, tie_word_embeddings=False),
+}
+COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "warm-up s", "loss", "sloth sites", "error"]
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
+    """The random-weight LoRA model, on `device`, and its config."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    fields = dict(MODELS[args.model])
+    if args.layers:
+        fields["num_hidden_layers"] = args.layers
+    fields["max_position_embeddings"] = max(fields["max_position_embeddings"], args.seq)
+    cfg = LlamaConfig(**fields)
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False  # training: no KV cache (checkpointing would turn it off with a warning anyway)
+    torch.manual_seed(0)
+    # Built on the device: an 8B model initialises in seconds there, minutes on the CPU.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if args.grad_ckpt:
+        # Non-reentrant: works with frozen embeddings (no enable_input_require_grads) and with Dynamo.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    model.train()
+    return model, cfg
+
+
+def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[str, float]:
+    """Model FLOPs of one training step, split as in the module docstring."""
+    tokens = batch * seq
+    frozen = trainable = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            if module.weight.requires_grad:
+                trainable += module.weight.numel()
+            else:
+                frozen += module.weight.numel()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 6 * batch * seq**2 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+    matmul = 4 * frozen * tokens + 6 * trainable * tokens
+    return {"total": float(matmul + attention), "matmul": float(matmul), "attention": float(attention),
+            "frozen_matmul_params": float(frozen), "trainable_params": float(trainable)}
+
+
+def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str, Any]) -> torch.nn.Module:
+    if variant == "eager":
+        return model
+    if variant == "inductor":
+        return torch.compile(model)
+    if variant == "sloth":
+        return torch.compile(model, backend="sloth", options=sloth_options or None)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """Build, warm up and time one variant; returns one result row (plus details)."""
+    common.use_triton_interpreter_without_cuda()  # before peft or sloth import triton
+    sloth = common.import_sloth() if args.variant == "sloth" else None
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("no CUDA device: use --smoke for the CPU toy run")
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    model, cfg = build_model(args, device)
+    flops = step_flops(model, cfg, args.batch, args.seq)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
+    compiled = compile_model(model, args.variant, json.loads(args.sloth_options))
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+
+    def step() -> torch.Tensor:
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    warmup_walls = []
+    for _ in range(args.warmup):
+        start = time.perf_counter()
+        step()
+        sync()
+        warmup_walls.append(time.perf_counter() - start)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(args.steps):
+            loss = step()
+        end.record()
+        torch.cuda.synchronize()
+        step_ms = begin.elapsed_time(end) / args.steps
+        peak_gib = torch.cuda.max_memory_allocated() / common.GiB
+    else:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step()
+        step_ms = (time.perf_counter() - start) * 1e3 / args.steps
+        peak_gib = None
+
+    peak_tflops = args.peak_tflops or common.matmul_tflops()
+    tokens = args.batch * args.seq
+    report = sloth.last_report() if sloth is not None and hasattr(sloth, "last_report") else None
+    counts = dict(getattr(report, "counts", {}) or {}) if report is not None else None
+    return {
+        "variant": args.variant,
+        "step ms": step_ms,
+        "tok/s": tokens / (step_ms * 1e-3),
+        "MFU %": 100 * flops["total"] / (step_ms * 1e-3) / (peak_tflops * 1e12),
+        "peak GiB": peak_gib,
+        "warm-up s": warmup_walls[0] if warmup_walls else None,
+        "loss": loss.float().item(),
+        "sloth sites": sum(counts.values()) if counts else (0 if counts is not None else None),
+        "sloth counts": counts,
+        "warm-up walls s": warmup_walls,
+        "flops": flops,
+        "peak_tflops": peak_tflops,
+    }
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "benchmarks.e2e", "--variant", variant, "--json-out", str(json_out),
+           "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--sloth-options", args.sloth_options]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    if args.grad_ckpt:
+        cmd.append("--grad-ckpt")
+    if args.smoke:
+        cmd.append("--smoke")
+    if args.peak_tflops:
+        cmd += ["--peak-tflops", str(args.peak_tflops)]
+    return cmd
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """Each variant in its own subprocess, in order; one progress line per run; JSON + table at the end."""
+    variants = args.variants.split(",")
+    if not args.peak_tflops:
+        # Measured once, here, so every row shares one denominator; freed before the children start.
+        args.peak_tflops = common.matmul_tflops()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print(f"bf16 matmul peak (8192^3, measured): {args.peak_tflops:.0f} TFLOP/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, variant in enumerate(variants, 1):
+            json_out, log = Path(tmp) / f"{variant}.json", Path(tmp) / f"{variant}.log"
+            print(f"[{i}/{len(variants)}] {variant}: running ...", flush=True)
+            start = time.perf_counter()
+            with log.open("w") as fh:
+                try:
+                    rc = subprocess.run(_child_args(args, variant, json_out), stdout=fh, stderr=subprocess.STDOUT,
+                                        timeout=args.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            wall = time.perf_counter() - start
+            if rc == 0 and json_out.exists():
+                row = json.loads(json_out.read_text())
+                print(f"[{i}/{len(variants)}] {variant}: {row['step ms']:.1f} ms/step, {row['tok/s']:.0f} tok/s, "
+                      f"MFU {row['MFU %']:.1f}%, peak {_gib(row['peak GiB'])}, warm-up {row['warm-up s']:.1f} s, "
+                      f"loss {row['loss']:.4f}, sloth sites {row['sloth sites']} ({wall:.0f} s)", flush=True)
+            else:
+                tail = log.read_text().splitlines()[-25:]
+                error = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), f"exit {rc}")
+                row = {"variant": variant, "error": error.strip()[:160]}
+                print(f"[{i}/{len(variants)}] {variant}: FAILED ({rc}, {wall:.0f} s); last lines:", flush=True)
+                print("\n".join("    " + ln for ln in tail), flush=True)
+            rows.append(row)
+    eager = next((r for r in rows if r["variant"] == "eager" and "step ms" in r), None)
+    for r in rows:
+        if eager and "step ms" in r:
+            r["x eager"] = eager["step ms"] / r["step ms"]
+    print()
+    print(common.render_text(COLUMNS, rows))
+    config = {k: v for k, v in vars(args).items() if k not in ("all", "json_out", "variant", "results_dir")}
+    config["tokens_per_step"] = args.batch * args.seq
+    config["flops_formula"] = "4 P_frozen T + 6 P_trainable T + 6 b s^2 (heads x head_dim) layers (causal)"
+    record = common.result_record("e2e", config, COLUMNS, rows)
+    if not args.smoke or args.results_dir:
+        suffix = f"-{args.model}-b{args.batch}-s{args.seq}" + ("-ckpt" if args.grad_ckpt else "") + (
+            f"-L{args.layers}" if args.layers else "") + ("-smoke" if args.smoke else "")
+        for path in common.write_result(record, args.results_dir, suffix):
+            print(f"wrote {path}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _gib(value: float | None) -> str:
+    return f"{value:.1f} GiB" if value is not None else "- GiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--all", action="store_true", help="run every variant of --variants, each in a subprocess")
+    parser.add_argument("--variant", choices=VARIANTS, default="eager")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="for --all")
+    parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=0, help="shrink the model to N decoder layers")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--grad-ckpt", action="store_true", help="non-reentrant gradient checkpointing")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="MFU denominator; measured if 0")
+    parser.add_argument("--sloth-options", default="{}", help='JSON, e.g. \'{"inner": "aot_eager"}\'')
+    parser.add_argument("--smoke", action="store_true", help="CPU toy: tiny-llama, batch 2 x 32, 2 + 2 steps")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per variant under --all")
+    parser.add_argument("--json-out", type=Path, default=None, help="(internal) write the one row here")
+    parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results (smoke: none)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.batch, args.seq = "tiny-llama", 2, 32
+        args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 2)
+
+    if args.all:
+        return run_all(args)
+    row = run_one(args)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(row, default=str))
+    print(json.dumps({k: row[k] for k in COLUMNS if k in row}, default=str))
+    if not args.json_out and (not args.smoke or args.results_dir):
+        record = common.result_record("e2e", vars(args) | {"results_dir": None, "json_out": None}, COLUMNS, [row])
+        for path in common.write_result(record, args.results_dir, f"-{args.model}-{args.variant}"):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

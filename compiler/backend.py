@@ -1,0 +1,91 @@
+"""The ``sloth`` torch.compile backend (found by Dynamo through the ``torch_dynamo_backends`` entry point).
+
+    torch.compile(model, backend="sloth", options={"inner": "inductor", "patterns": [...], "report": True})
+
+Dynamo hands over its FX graph (torch-level ops, parameters as inputs); sloth canonicalises it,
+replaces the pattern families it recognises with ``torch.ops.sloth.*`` custom ops, and hands the
+rewritten graph to the inner compiler. AOTAutograd traces through each custom op's registered
+autograd, so the backward graph holds sloth's backward kernels and Inductor fuses the glue around them.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from .pipeline import resolve_families, run_passes
+from .report import Report
+
+log = logging.getLogger("sloth")
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+_SLOTH_OPTIONS = ("inner", "patterns", "report")
+
+_last_report: Optional[Report] = None
+
+
+def last_report() -> Optional[Report]:
+    """The report of the most recent graph sloth compiled in this process (None before the first)."""
+    return _last_report
+
+
+def _publish(report: Report) -> None:
+    global _last_report
+    _last_report = report
+
+
+def _inductor_config(mode: Optional[str], extra: dict[str, Any]) -> dict[str, Any]:
+    """Inductor config patches from ``mode`` and from any option that is an Inductor config key."""
+    import torch._inductor.config as inductor_config
+
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    unknown = [k for k in extra if not hasattr(inductor_config, k)]
+    if unknown:
+        raise ValueError(f"sloth: unknown option(s) {unknown}; sloth's own options are {list(_SLOTH_OPTIONS)}, "
+                         "and any other key must be an Inductor config name")
+    patches.update(extra)
+    return patches
+
+
+def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, mode: Optional[str] = None,
+                  inductor_options: Optional[dict[str, Any]] = None) -> Callable:
+    """Compile the rewritten graph with ``inner``: Inductor, AOTAutograd without codegen, or plain eager."""
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = _inductor_config(mode, inductor_options or {})
+        return compile_fx(gm, list(example_inputs), config_patches=patches or None)
+    if inductor_options:
+        raise ValueError(f"sloth: options {list(inductor_options)} are Inductor settings, but inner={inner!r}")
+    if inner == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, list(example_inputs))
+    if inner == "eager":
+        return gm.forward
+    raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
+
+
+def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Optional[dict[str, Any]] = None,
+                  mode: Optional[str] = None) -> Callable:
+    """torch.compile backend: rewrite ``gm`` with sloth's passes, then compile it with the inner compiler.
+
+    Options: ``inner`` ("inductor" default, "aot_eager", "eager"), ``patterns`` (families to enable,
+    default all), ``report`` (print the report after compiling); other keys go to Inductor's config.
+    """
+    options = dict(options or {})
+    inner = options.pop("inner", "inductor")
+    if inner not in INNER_COMPILERS:
+        raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
+    families = resolve_families(options.pop("patterns", None))
+    show_report = bool(options.pop("report", False))
+
+    report = Report()
+    gm = run_passes(gm, example_inputs, families, report)
+    _publish(report)
+    if show_report:
+        print(report)
+    log.debug("sloth: rewritten graph\n%s", gm.graph)
+    return compile_inner(gm, example_inputs, inner, mode, options)

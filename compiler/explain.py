@@ -1,0 +1,33 @@
+"""``sloth.explain``: what sloth would replace in a model, without compiling or training it."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import backend as _backend
+from .pipeline import FAMILIES, run_passes
+from .report import Report
+
+
+def explain(model_or_fn: Callable, *args: Any, **kwargs: Any) -> Report:
+    """Capture ``model_or_fn(*args, **kwargs)`` with Dynamo, run every pass, and return the merged Report.
+
+    The call runs once under ``torch.no_grad()`` (through the rewritten graphs, eagerly), so the model
+    must accept these inputs; nothing is compiled by Inductor and no gradient is taken.
+    """
+    if not callable(model_or_fn):
+        raise TypeError(f"sloth.explain: expected a model or function, got {type(model_or_fn).__name__}")
+    merged = Report()
+
+    def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        report = Report()
+        gm = run_passes(gm, example_inputs, FAMILIES, report)
+        merged.merge(report)
+        _backend._publish(report)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model_or_fn, backend=capture)(*args, **kwargs)
+    return merged

@@ -1,0 +1,128 @@
+"""Small helpers over Dynamo's FX graphs: node values, static shape facts, source locations.
+
+Dynamo records each node's fake value under ``meta["example_value"]`` (AOT-level graphs use
+``meta["val"]``); passes read dtypes and shapes from there and write it on every node they insert, so
+the next pass can read them too.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def value_of(node: Any) -> Any:
+    """The fake value a node stands for (a FakeTensor, SymInt, ...), or the constant itself."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def tensor_of(node: Any) -> Optional[torch.Tensor]:
+    """The fake tensor behind ``node``, or None when it is not a tensor (or has no recorded value)."""
+    v = value_of(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def dtype_of(node: Any) -> Optional[torch.dtype]:
+    t = tensor_of(node)
+    return t.dtype if t is not None else None
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """True when two sizes (ints or SymInts) are equal for every shape this graph can see."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # a size expression the shape environment cannot decide
+        return False
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(same_size(x, y) for x, y in zip(a.shape, b.shape))
+
+
+def is_number(x: Any) -> bool:
+    """A Python constant number baked into the graph (not a tensor, not a symbolic value)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def set_value(node: fx.Node, value: Any) -> None:
+    node.meta["example_value"] = value
+
+
+def compute_value(target: Callable, args: tuple, kwargs: Optional[dict] = None) -> Any:
+    """Evaluate ``target`` on the fake values of its node arguments (for the meta of a new node)."""
+    fargs = fx.node.map_arg(args, value_of)
+    fkwargs = fx.node.map_arg(kwargs or {}, value_of)
+    try:
+        return target(*fargs, **fkwargs)
+    except Exception:  # a node without a recorded value; later guards then see "unknown" and say no
+        return None
+
+
+def insert_call(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple, kwargs: Optional[dict] = None,
+                meta_from: Optional[fx.Node] = None) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` before ``before``; its value is computed on fakes.
+
+    ``meta_from`` copies stack trace and module stack so the report can still point at the source.
+    """
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args, kwargs or {})
+    src = meta_from or before
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta:
+            node.meta[key] = src.meta[key]
+    set_value(node, compute_value(target, args, kwargs))
+    return node
+
+
+def single_user(node: fx.Node) -> Optional[fx.Node]:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def is_call(node: Any, *targets: Callable) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def source_location(node: fx.Node) -> str:
+    """``file.py:LINE  code`` of the innermost frame outside torch that produced ``node`` ('' if unknown).
+
+    Frames inside torch itself (``F.rms_norm``, ``nn.RMSNorm.forward``) are skipped so the report points
+    at the user's model code.
+    """
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.rstrip().splitlines()
+    fallback = ""
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "'):].partition('", line ')
+            lineno = rest.split(",")[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            where = f"{os.path.basename(path)}:{lineno}  {code}"
+            if not path.startswith(_TORCH_DIR):
+                return where
+            fallback = fallback or where
+    return fallback
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted path of the innermost nn.Module that produced ``node`` ('' if unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # Dynamo spells the root module after forward's first argument, e.g. L['self'].model.layers[0].
+    return re.sub(r"^L\['[^']+'\]\.?", "", path)
+

@@ -1,0 +1,73 @@
+"""The Report: what each pass replaced, where in the user's source, and why near-misses were refused."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+
+log = logging.getLogger("sloth")
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One replaced subgraph: ``family`` (e.g. "rms_norm"), the op it became, where it came from."""
+    family: str
+    op: str
+    module: str
+    source: str
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    """A near-miss a pass looked at and left as it was, with the reason."""
+    family: str
+    module: str
+    source: str
+    reason: str
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything sloth did to the graphs of one compile (or one ``sloth.explain`` call).
+
+    ``counts`` maps each family to the number of sites replaced; ``str(report)`` is a table.
+    """
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    rejections: list[Rejection] = dataclasses.field(default_factory=list)
+    disabled: list[str] = dataclasses.field(default_factory=list)
+    graphs: int = 0
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(site.family for site in self.sites))
+
+    def replaced(self, site: Site) -> None:
+        self.sites.append(site)
+        log.info("sloth: %s -> %s at %s %s", site.family, site.op, site.module or "?", site.source)
+
+    def rejected(self, rejection: Rejection) -> None:
+        self.rejections.append(rejection)
+        log.info("sloth: %s left as it was at %s %s: %s", rejection.family, rejection.module or "?",
+                 rejection.source, rejection.reason)
+
+    def merge(self, other: "Report") -> None:
+        self.sites += other.sites
+        self.rejections += other.rejections
+        self.disabled = sorted(set(self.disabled) | set(other.disabled))
+        self.graphs += other.graphs
+
+    def __str__(self) -> str:
+        out = [f"sloth report: {self.graphs} graph(s), "
+               + (", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "nothing replaced")]
+        if self.disabled:
+            out.append(f"  disabled passes: {', '.join(self.disabled)}")
+        if self.sites:
+            out.append("  replaced:")
+            out += [f"    {s.family:<14} {s.op:<22} {s.module or '-':<40} {s.source}"
+                    + (f"  [{s.detail}]" if s.detail else "") for s in self.sites]
+        if self.rejections:
+            out.append("  left as they were:")
+            out += [f"    {r.family:<14} {r.module or '-':<40} {r.source}\n      why: {r.reason}"
+                    for r in self.rejections]
+        return "\n".join(out)

@@ -1,0 +1,1 @@
+"""Pattern families, one file each: the pattern as plain PyTorch, its variants, its guard, its replacement."""

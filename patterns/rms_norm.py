@@ -1,0 +1,249 @@
+"""RMSNorm family (``"rms_norm"`` in the report): the pattern, its variants, its guard, its replacement.
+
+The meaning, as plain PyTorch (these functions are also the test oracle and the eager benchmark
+baseline)::
+
+    rms_norm_pattern(x, w, eps)        Llama/Mistral/Qwen: upcast, normalise, cast back, times w
+    gemma_rms_norm_pattern(x, w, eps)  Gemma: times (1 + w) in fp32, then cast back
+
+Variants matched on the canonical graph (see compiler/canonicalize.py), whatever module wrote them:
+
+    r   = rsqrt(mean(square(xf), (-1,), True) + eps)      xf = x or a widening cast of x
+    n   = xf * r                                          (either operand order; the other may be x itself)
+    out = chain of single-user steps after n:             casts, and at most one multiply by a
+                                                          weight-like [D] tensor w or (w + c)
+    and torch.rms_norm(x, (D,), w, eps) (F.rms_norm, nn.RMSNorm), followed by the same chain of casts.
+
+The replacement is one ``torch.ops.sloth.rms_norm(x, w, eps, offset, out_dtype)`` node that computes in
+fp32 and rounds once (lowering/rms_norm.py), so it is at least as accurate as every variant above.
+Anything that would change a value says no and leaves the graph as it was: a mean over another dim,
+an eps that is not a constant, a variance or rstd read by someone else, float64, a narrowing cast of
+the input, a weight of another shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from ..compiler.canonicalize import cast
+from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, same_shape, same_size,
+                                 single_user, source_location, tensor_of)
+from ..compiler.report import Rejection, Report, Site
+from ..lowering import rms_norm as rms_norm_lowering
+
+FAMILY = "rms_norm"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm_pattern(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm: upcast to fp32, normalise, cast back to x's dtype, multiply by the weight."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def gemma_rms_norm_pattern(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-style RMSNorm: normalise in fp32, multiply by ``1 + weight`` in fp32, cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def weightless_rms_norm_pattern(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (OLMo-style norms, some q/k-norms)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@dataclasses.dataclass
+class RmsNormMatch:
+    """A matched site: ``out``'s value equals ``sloth.rms_norm(x, weight, eps, offset, out.dtype)``."""
+    x: fx.Node
+    weight: Optional[fx.Node]
+    eps: float
+    offset: float
+    out: fx.Node
+    anchor: fx.Node
+
+
+def _widened_root(node: Any) -> Any:
+    """Strip casts that are exact (bf16/fp16 -> fp32, or to the same dtype): the value is unchanged."""
+    while is_call(node, cast):
+        src, dst = tensor_of(node.args[0]), node.args[1]
+        if src is None or not (dst == src.dtype or (dst == torch.float32 and src.dtype in _KERNEL_DTYPES)):
+            break
+        node = node.args[0]
+    return node
+
+
+def _other_operand(mul: fx.Node, node: fx.Node) -> Any:
+    a, b = mul.args
+    return b if a is node else a
+
+
+def _weight_like(node: Any, hidden: Any) -> Union[tuple[fx.Node, float], None]:
+    """(w, offset) when ``node`` is a [D] float tensor w, or ``w + c`` / ``c + w`` with c a constant."""
+    offset = 0.0
+    if is_call(node, torch.add):
+        a, b = node.args
+        if is_number(b) and isinstance(a, fx.Node):
+            node, offset = a, float(b)
+        elif is_number(a) and isinstance(b, fx.Node):
+            node, offset = b, float(a)
+        else:
+            return None
+    w = _widened_root(node)
+    wt = tensor_of(w)
+    if wt is None or wt.dim() != 1 or not same_size(wt.shape[0], hidden) or wt.dtype not in _KERNEL_DTYPES:
+        return None
+    return w, offset
+
+
+def _extend_chain(start: fx.Node, weight: Optional[fx.Node], offset: float, hidden: Any
+                  ) -> tuple[fx.Node, Optional[fx.Node], float]:
+    """Follow single-user casts and at most one weight multiply after the normalised value."""
+    cur = start
+    while True:
+        user = single_user(cur)
+        if user is None:
+            return cur, weight, offset
+        if is_call(user, cast) and user.args[1] in _KERNEL_DTYPES:
+            cur = user
+            continue
+        if weight is None and is_call(user, torch.mul):
+            found = _weight_like(_other_operand(user, cur), hidden)
+            if found is not None:
+                weight, offset = found
+                cur = user
+                continue
+        return cur, weight, offset
+
+
+def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
+    report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
+
+
+def _match_decomposed(r: fx.Node) -> Union[RmsNormMatch, str, None]:
+    """Match around an ``rsqrt`` anchor. None: not an RMSNorm shape; str: a near-miss and why."""
+    s = r.args[0]
+    eps: Any = 0.0
+    if is_call(s, torch.add):
+        a, b = s.args
+        ms, eps = (a, b) if is_call(a, torch.mean) else (b, a)
+    else:
+        ms = s
+    if not is_call(ms, torch.mean) or not is_call(ms.args[0], torch.square):
+        return None
+    sq = ms.args[0]
+    xf, dims, keepdim = sq.args[0], ms.args[1], ms.args[2]
+    if tuple(dims) != (-1,):
+        return f"the mean square is over dims {tuple(dims)}, not the last dimension only"
+    if not keepdim:
+        return "the mean square drops the reduced dimension (keepdim=False)"
+    if not is_number(eps):
+        return "eps is a tensor or a symbolic value, not a constant"
+    if len(sq.users) != 1 or len(ms.users) != 1 or (s is not ms and len(s.users) != 1):
+        return "the mean square / variance has other users, so it cannot be fused away"
+    x = _widened_root(xf)
+    if len(r.users) != 1 or not is_call(single_user(r), torch.mul):
+        return "rsqrt(variance + eps) has other users or is not multiplied by the input"
+    n = single_user(r)
+    if _widened_root(_other_operand(n, r)) is not x:
+        return "rsqrt(variance + eps) multiplies a different tensor than the one normalised"
+    return _finish(x, None, float(eps), 0.0, n, r)
+
+
+def _match_functional(node: fx.Node) -> Union[RmsNormMatch, str, None]:
+    """Match ``torch.rms_norm(x, normalized_shape, weight, eps)`` (F.rms_norm, nn.RMSNorm)."""
+    x, shape, weight, eps = node.args
+    xt = tensor_of(x)
+    if xt is None:
+        return "the input's shape is unknown"
+    if not isinstance(shape, (list, tuple)) or len(shape) != 1 or not same_size(shape[0], xt.shape[-1]):
+        return f"normalised over the trailing dims {shape}, not over the last dimension only"
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps  # what torch.rms_norm uses for fp32/bf16/fp16 inputs
+    if not is_number(eps):
+        return "eps is a symbolic value, not a constant"
+    if weight is not None and _weight_like(weight, xt.shape[-1]) is None:
+        return "the weight is not a float32/bfloat16/float16 vector of the hidden size"
+    return _finish(x, weight, float(eps), 0.0, node, node)
+
+
+def _finish(x: fx.Node, weight: Optional[fx.Node], eps: float, offset: float, start: fx.Node,
+            anchor: fx.Node) -> Union[RmsNormMatch, str]:
+    """Common guard: dtypes, sizes and the chain of casts and weight after the normalised value."""
+    xt = tensor_of(x)
+    if xt is None or xt.dim() == 0:
+        return "the input's shape is unknown"
+    if xt.dtype not in _KERNEL_DTYPES or tensor_of(start) is None or tensor_of(start).dtype not in _KERNEL_DTYPES:
+        return f"computes in {tensor_of(start).dtype if tensor_of(start) is not None else '?'} from {xt.dtype}; " \
+               "the fused kernel supports float32, bfloat16 and float16"
+    hidden = xt.shape[-1]
+    if not isinstance(hidden, int):
+        return "the hidden size is symbolic; the kernel needs it at compile time"
+    if hidden > rms_norm_lowering.MAX_HIDDEN:
+        return f"hidden size {hidden} exceeds the single-pass kernel's limit {rms_norm_lowering.MAX_HIDDEN}"
+    out, weight, offset = _extend_chain(start, weight, offset, hidden)
+    ot = tensor_of(out)
+    if ot is None or not same_shape(ot, xt):
+        return "the result does not have the input's shape (the weight broadcasts it)"
+    return RmsNormMatch(x, weight, eps, offset, out, anchor)
+
+
+def _replace(gm: fx.GraphModule, m: RmsNormMatch) -> set[fx.Node]:
+    """Insert the fused node for ``m``; returns the nodes erased."""
+    graph = gm.graph
+    erased: set[fx.Node] = set()
+    out_dtype = tensor_of(m.out).dtype
+    fused = insert_call(graph, m.out, torch.ops.sloth.rms_norm.default,
+                        (m.x, m.weight, m.eps, m.offset, out_dtype), meta_from=m.anchor)
+    old = m.out
+    old.replace_all_uses_with(fused)
+    # Erase what fed only the old result, walking back from it (inputs x and weight stay).
+    stack = [old]
+    while stack:
+        node = stack.pop()
+        if node.users or node.op != "call_function" or node in (m.x, m.weight):
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        stack += inputs
+    return erased
+
+
+def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+    """Replace every RMSNorm in the canonical graph with ``torch.ops.sloth.rms_norm``.
+
+    before:  xf = cast(x, f32); r = rsqrt(mean(square(xf), (-1,), True) + eps); y = w * cast(xf * r, bf16)
+    after:   y = sloth.rms_norm(x, w, eps, 0.0, bf16)
+    """
+    rms_norm_lowering.register()
+    erased: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node in erased or node.op != "call_function":
+            continue
+        if node.target is torch.rsqrt:
+            found = _match_decomposed(node)
+        elif node.target is torch.rms_norm:
+            found = _match_functional(node)
+        else:
+            continue
+        if found is None:
+            continue
+        if isinstance(found, str):
+            _reject(report, node, found)
+            continue
+        detail = (f"eps={found.eps:g}" + (f", weight+{found.offset:g}" if found.offset else "")
+                  + ("" if found.weight is not None else ", no weight")
+                  + f", {tensor_of(found.x).dtype} -> {tensor_of(found.out).dtype}".replace("torch.", ""))
+        erased |= _replace(gm, found)
+        report.replaced(Site(FAMILY, "sloth.rms_norm", module_path(node), source_location(node), detail))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
