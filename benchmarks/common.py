@@ -203,7 +203,9 @@ def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
 # ----------------------------------------------------------------------------- results
 
 
-def result_record(benchmark: str, config: dict[str, Any], columns: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def result_record(
+    benchmark: str, config: dict[str, Any], columns: list[str], rows: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The JSON document every benchmark writes."""
     return {"benchmark": benchmark, "env": environment(), "config": config, "columns": columns, "rows": rows}
 
@@ -212,7 +214,7 @@ def write_result(record: dict[str, Any], results_dir: Path | None = None, suffix
     """Write `record` as `<UTC date>_<benchmark><suffix>.json` into the results folder and, when the
     OUT environment variable is set (the device machine), into $OUT as well; also a `.md` table
     beside each. Returns the paths written."""
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M")
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
     stem = f"{date}_{record['benchmark']}{suffix}"
     dirs = [results_dir or RESULTS_DIR]
     if os.environ.get("OUT"):
@@ -227,9 +229,11 @@ def write_result(record: dict[str, Any], results_dir: Path | None = None, suffix
     return written
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, column: str = "") -> str:
     if value is None:
         return "-"
+    if isinstance(value, float) and column == "loss":
+        return f"{value:.4f}"  # losses of variants are compared to the 4th decimal
     if isinstance(value, float):
         # ms, GB/s, tokens/s: integers carry no meaning past 4 digits; losses need 4 significant.
         return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.1f}" if abs(value) >= 100 else f"{value:.4g}"
@@ -250,14 +254,14 @@ def render_markdown(records: Iterable[dict[str, Any]]) -> str:
         parts.append("| " + " | ".join(cols) + " |")
         parts.append("|" + "---|" * len(cols))
         for row in rec["rows"]:
-            parts.append("| " + " | ".join(_cell(row.get(c)) for c in cols) + " |")
+            parts.append("| " + " | ".join(_cell(row.get(c), c) for c in cols) + " |")
         parts.append("")
     return "\n".join(parts) + "\n"
 
 
 def render_text(columns: list[str], rows: list[dict[str, Any]]) -> str:
     """A fixed-width table for the terminal."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    cells = [[_cell(r.get(c), c) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
     return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])

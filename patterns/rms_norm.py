@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, same_shape, same_size,
-                                 single_user, source_location, tensor_of)
+                                 single_user, source_location, tensor_of, value_of)
 from ..compiler.report import Rejection, Report, Site
 from ..lowering import rms_norm as rms_norm_lowering
 
@@ -61,10 +61,15 @@ def weightless_rms_norm_pattern(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclasses.dataclass
 class RmsNormMatch:
-    """A matched site: ``out``'s value equals ``sloth.rms_norm(x, weight, eps, offset, out.dtype)``."""
+    """A matched site: ``out``'s value equals ``sloth.rms_norm(x, weight, eps, offset, out.dtype)``.
+
+    ``eps`` is a constant, or a node holding a SymFloat when Dynamo made the float dynamic (it does so
+    after seeing several values for one code object); either way it reaches the kernel as a runtime
+    argument, never a recompile key.
+    """
     x: fx.Node
     weight: Optional[fx.Node]
-    eps: float
+    eps: Union[float, fx.Node]
     offset: float
     out: fx.Node
     anchor: fx.Node
@@ -123,6 +128,15 @@ def _extend_chain(start: fx.Node, weight: Optional[fx.Node], offset: float, hidd
         return cur, weight, offset
 
 
+def _runtime_float(eps: Any) -> Union[float, fx.Node, None]:
+    """eps as the op takes it: a Python float, or a node whose value is a SymFloat; None otherwise."""
+    if is_number(eps):
+        return float(eps)
+    if isinstance(eps, fx.Node) and isinstance(value_of(eps), torch.SymFloat):
+        return eps
+    return None
+
+
 def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
     report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
 
@@ -144,8 +158,9 @@ def _match_decomposed(r: fx.Node) -> Union[RmsNormMatch, str, None]:
         return f"the mean square is over dims {tuple(dims)}, not the last dimension only"
     if not keepdim:
         return "the mean square drops the reduced dimension (keepdim=False)"
-    if not is_number(eps):
-        return "eps is a tensor or a symbolic value, not a constant"
+    eps = _runtime_float(eps)
+    if eps is None:
+        return "eps is a tensor, not a float"
     if len(sq.users) != 1 or len(ms.users) != 1 or (s is not ms and len(s.users) != 1):
         return "the mean square / variance has other users, so it cannot be fused away"
     x = _widened_root(xf)
@@ -154,7 +169,7 @@ def _match_decomposed(r: fx.Node) -> Union[RmsNormMatch, str, None]:
     n = single_user(r)
     if _widened_root(_other_operand(n, r)) is not x:
         return "rsqrt(variance + eps) multiplies a different tensor than the one normalised"
-    return _finish(x, None, float(eps), 0.0, n, r)
+    return _finish(x, None, eps, 0.0, n, r)
 
 
 def _match_functional(node: fx.Node) -> Union[RmsNormMatch, str, None]:
@@ -167,14 +182,15 @@ def _match_functional(node: fx.Node) -> Union[RmsNormMatch, str, None]:
         return f"normalised over the trailing dims {shape}, not over the last dimension only"
     if eps is None:
         eps = torch.finfo(torch.float32).eps  # what torch.rms_norm uses for fp32/bf16/fp16 inputs
-    if not is_number(eps):
-        return "eps is a symbolic value, not a constant"
+    eps = _runtime_float(eps)
+    if eps is None:
+        return "eps is a tensor, not a float"
     if weight is not None and _weight_like(weight, xt.shape[-1]) is None:
         return "the weight is not a float32/bfloat16/float16 vector of the hidden size"
-    return _finish(x, weight, float(eps), 0.0, node, node)
+    return _finish(x, weight, eps, 0.0, node, node)
 
 
-def _finish(x: fx.Node, weight: Optional[fx.Node], eps: float, offset: float, start: fx.Node,
+def _finish(x: fx.Node, weight: Optional[fx.Node], eps: Union[float, fx.Node], offset: float, start: fx.Node,
             anchor: fx.Node) -> Union[RmsNormMatch, str]:
     """Common guard: dtypes, sizes and the chain of casts and weight after the normalised value."""
     xt = tensor_of(x)
@@ -208,7 +224,7 @@ def _replace(gm: fx.GraphModule, m: RmsNormMatch) -> set[fx.Node]:
     stack = [old]
     while stack:
         node = stack.pop()
-        if node.users or node.op != "call_function" or node in (m.x, m.weight):
+        if node in erased or node.users or node.op != "call_function" or node in (m.x, m.weight):
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
@@ -239,7 +255,7 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, rep
         if isinstance(found, str):
             _reject(report, node, found)
             continue
-        detail = (f"eps={found.eps:g}" + (f", weight+{found.offset:g}" if found.offset else "")
+        detail = (f"eps={found.eps if isinstance(found.eps, fx.Node) else format(found.eps, 'g')}" + (f", weight+{found.offset:g}" if found.offset else "")
                   + ("" if found.weight is not None else ", no weight")
                   + f", {tensor_of(found.x).dtype} -> {tensor_of(found.out).dtype}".replace("torch.", ""))
         erased |= _replace(gm, found)

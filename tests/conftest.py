@@ -1,0 +1,27 @@
+"""Test setup: Triton kernels run through the CPU interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: no cache entries or automatic-dynamic state leak across tests."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
