@@ -2,14 +2,15 @@
 
     model = torch.compile(model, backend="sloth")          # found through its entry point
     print(sloth.explain(model, input_ids))                 # what it would replace, and why not
+    print(sloth.report())                                  # what it replaced in everything compiled
 
 See README.md. Importing sloth defines functions and registers nothing; the custom ops register the
 first time a pass inserts them.
 """
-from .compiler.backend import last_report, sloth_backend
+from .compiler.backend import last_report, report, reset_report, sloth_backend
 from .compiler.explain import explain
 from .compiler.pipeline import FAMILIES
 from .compiler.report import Rejection, Report, Site
 
-__all__ = ["sloth_backend", "explain", "last_report", "FAMILIES", "Report", "Site", "Rejection"]
+__all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "Report", "Site", "Rejection"]
 __version__ = "0.1.0"

@@ -101,50 +101,20 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
             "frozen_matmul_params": float(frozen), "trainable_params": float(trainable)}
 
 
-class SlothWithReports:
-    """The registered `sloth` backend, unchanged, keeping the report of every graph it compiles.
-
-    `sloth.last_report()` covers the last graph only; with graph breaks (gradient checkpointing
-    makes 3 graphs of the toy model) the sites of the others would go uncounted.
-    """
-
-    __name__ = "sloth"
-
-    def __init__(self, sloth: Any) -> None:
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.sloth, self.backend = sloth, lookup_backend("sloth")
-        self.reports: list[Any] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
-        compiled = self.backend(gm, example_inputs, **kwargs)
-        self.reports.append(self.sloth.last_report())
-        return compiled
-
-    def counts(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for report in self.reports:
-            for family, n in (getattr(report, "counts", None) or {}).items():
-                total[family] = total.get(family, 0) + n
-        return total
-
-
-def compile_model(model: torch.nn.Module, variant: str, sloth: SlothWithReports | None,
-                  sloth_options: dict[str, Any]) -> Callable[..., Any]:
+def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str, Any]) -> Callable[..., Any]:
     if variant == "eager":
         return model
     if variant == "inductor":
         return torch.compile(model)
-    if variant == "sloth" and sloth is not None:
-        # Same as torch.compile(model, backend="sloth", options=...), with the reports kept.
-        return torch.compile(model, backend=sloth, options=sloth_options or None)
+    if variant == "sloth":
+        return torch.compile(model, backend="sloth", options=sloth_options or None)
     raise ValueError(f"unknown variant {variant!r}")
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """Build, warm up and time one variant; returns one result row (plus details)."""
     common.use_triton_interpreter_without_cuda()  # before peft or sloth import triton
-    sloth = SlothWithReports(common.import_sloth()) if args.variant == "sloth" else None
+    sloth = common.import_sloth() if args.variant == "sloth" else None
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("no CUDA device: use --smoke for the CPU toy run")
@@ -155,7 +125,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     flops = step_flops(model, cfg, args.batch, args.seq)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
-    compiled = compile_model(model, args.variant, sloth, json.loads(args.sloth_options))
+    compiled = compile_model(model, args.variant, json.loads(args.sloth_options))
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))
 
@@ -192,7 +162,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     peak_tflops = args.peak_tflops or common.matmul_tflops()
     tokens = args.batch * args.seq
-    counts = sloth.counts() if sloth is not None else None
+    # sloth.report() merges every graph compiled in this process (graph breaks, checkpointed layers).
+    report = sloth.report() if sloth is not None else None
+    counts = report.counts if report is not None else None
     dynamo = torch._dynamo.utils.counters
     return {
         "variant": args.variant,
@@ -206,7 +178,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "graphs": dynamo["stats"]["unique_graphs"] if args.variant != "eager" else None,
         "graph breaks": sum(dynamo["graph_break"].values()) if args.variant != "eager" else None,
         "sloth counts": counts,
-        "sloth reports": [str(r) for r in sloth.reports] if sloth is not None else None,
+        "sloth report": str(report) if report is not None else None,
         "warm-up walls s": warmup_walls,
         "flops": flops,
         "peak_tflops": peak_tflops,

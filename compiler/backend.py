@@ -24,6 +24,7 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _SLOTH_OPTIONS = ("inner", "patterns", "report")
 
 _last_report: Optional[Report] = None
+_session_report = Report()
 
 
 def last_report() -> Optional[Report]:
@@ -31,9 +32,27 @@ def last_report() -> Optional[Report]:
     return _last_report
 
 
-def _publish(report: Report) -> None:
+def report() -> Report:
+    """Every graph sloth compiled since the process started or ``reset_report()``, merged.
+
+    One model often compiles to several graphs (a graph break, the loss in its own frame), so this,
+    not ``last_report()``, is the one to read after a training step.
+    """
+    merged = Report()
+    merged.merge(_session_report)
+    return merged
+
+
+def reset_report() -> None:
+    """Start ``report()`` afresh (for example before compiling the next model)."""
+    global _last_report, _session_report
+    _last_report, _session_report = None, Report()
+
+
+def _publish(graph_report: Report) -> None:
     global _last_report
-    _last_report = report
+    _last_report = graph_report
+    _session_report.merge(graph_report)
 
 
 def _inductor_config(mode: Optional[str], extra: dict[str, Any]) -> dict[str, Any]:
@@ -82,10 +101,10 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     families = resolve_families(options.pop("patterns", None))
     show_report = bool(options.pop("report", False))
 
-    report = Report()
-    gm = run_passes(gm, example_inputs, families, report)
-    _publish(report)
+    graph_report = Report()
+    gm = run_passes(gm, example_inputs, families, graph_report)
+    _publish(graph_report)
     if show_report:
-        print(report)
+        print(graph_report)
     log.debug("sloth: rewritten graph\n%s", gm.graph)
     return compile_inner(gm, example_inputs, inner, mode, options)

@@ -123,6 +123,7 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    # Dynamo spells the root module after forward's first argument, e.g. L['self'].model.layers[0].
-    return re.sub(r"^L\['[^']+'\]\.?", "", path)
+    # Dynamo spells the root module after forward's first argument, e.g. L['self'].model.layers[0],
+    # or L['args'][0].model... when a decorator wraps forward(*args).
+    return re.sub(r"^L\['[^']+'\](\[\d+\])?\.?", "", path)
 

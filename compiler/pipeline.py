@@ -46,13 +46,25 @@ def resolve_families(patterns: Optional[Iterable[str]]) -> list[str]:
     return chosen
 
 
+def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """Graph bodies of higher-order ops (activation checkpointing, autograd.Function, cond, ...).
+
+    Dynamo puts e.g. each gradient-checkpointed decoder layer into such a body; the passes rewrite
+    them like the top-level graph. A rewrite there is safe for the same reason as at top level: it
+    keeps every value the body returns, and an intermediate the body returns (say, one saved for a
+    custom backward) has a user outside the pattern, which makes the guards say no.
+    """
+    return [m for name, m in gm.named_modules() if m is not gm and isinstance(m, fx.GraphModule)]
+
+
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequence[str],
                report: Report) -> fx.GraphModule:
-    """Canonicalise, then run each enabled family's pass in order; the report collects what happened."""
+    """Canonicalise, then run each enabled family's pass in order, on the graph and on every subgraph."""
     report.graphs += 1
     report.disabled = sorted(set(report.disabled) | (set(FAMILIES) - set(families)))
-    gm = canonicalize_pass(gm, example_inputs, report=report)
-    for family_pass in FAMILY_PASSES:
-        if family_pass.family in families:
-            gm = family_pass.run(gm, example_inputs, report=report)
+    for graph_module in [gm, *_subgraphs(gm)]:
+        canonicalize_pass(graph_module, example_inputs, report=report)
+        for family_pass in FAMILY_PASSES:
+            if family_pass.family in families:
+                family_pass.run(graph_module, example_inputs, report=report)
     return gm

@@ -64,10 +64,15 @@ class Report:
             out.append(f"  disabled passes: {', '.join(self.disabled)}")
         if self.sites:
             out.append("  replaced:")
-            out += [f"    {s.family:<14} {s.op:<22} {s.module or '-':<40} {s.source}"
-                    + (f"  [{s.detail}]" if s.detail else "") for s in self.sites]
+            for s in self.sites:
+                out.append(f"    {s.family:<12} -> {s.op:<16} {s.module or '(top level)'}"
+                           + (f"  [{s.detail}]" if s.detail else ""))
+                if s.source:
+                    out.append(f"    {'':<12}    at {s.source}")
         if self.rejections:
             out.append("  left as they were:")
-            out += [f"    {r.family:<14} {r.module or '-':<40} {r.source}\n      why: {r.reason}"
-                    for r in self.rejections]
+            for r in self.rejections:
+                out.append(f"    {r.family:<12}    {r.module or '(top level)'}: {r.reason}")
+                if r.source:
+                    out.append(f"    {'':<12}    at {r.source}")
         return "\n".join(out)

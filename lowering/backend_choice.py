@@ -12,9 +12,14 @@ import os
 import torch
 
 
+# Triton decides when a kernel is defined (at import of its lowering module) whether it runs through
+# the interpreter; read the variable once, at the same moment, so the two can never disagree.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def triton_interpreter_on() -> bool:
-    """True when Triton runs kernels through its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when sloth's kernels were defined for Triton's CPU interpreter."""
+    return _INTERPRETED
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -32,9 +32,18 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, same_shape, same_size,
                                  single_user, source_location, tensor_of, value_of)
 from ..compiler.report import Rejection, Report, Site
-from ..lowering import rms_norm as rms_norm_lowering
 
 FAMILY = "rms_norm"
+
+
+def _lowering():
+    """The kernel module, imported on first use: importing it imports triton, whose kernels decide
+    at definition whether they run natively or through the CPU interpreter (TRITON_INTERPRET), so
+    ``import sloth`` must not do it before a script has had the chance to set that variable."""
+    from ..lowering import rms_norm
+
+    return rms_norm
+
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -202,8 +211,8 @@ def _finish(x: fx.Node, weight: Optional[fx.Node], eps: Union[float, fx.Node], o
     hidden = xt.shape[-1]
     if not isinstance(hidden, int):
         return "the hidden size is symbolic; the kernel needs it at compile time"
-    if hidden > rms_norm_lowering.MAX_HIDDEN:
-        return f"hidden size {hidden} exceeds the single-pass kernel's limit {rms_norm_lowering.MAX_HIDDEN}"
+    if hidden > _lowering().MAX_HIDDEN:
+        return f"hidden size {hidden} exceeds the single-pass kernel's limit {_lowering().MAX_HIDDEN}"
     out, weight, offset = _extend_chain(start, weight, offset, hidden)
     ot = tensor_of(out)
     if ot is None or not same_shape(ot, xt):
@@ -239,7 +248,7 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, rep
     before:  xf = cast(x, f32); r = rsqrt(mean(square(xf), (-1,), True) + eps); y = w * cast(xf * r, bf16)
     after:   y = sloth.rms_norm(x, w, eps, 0.0, bf16)
     """
-    rms_norm_lowering.register()
+    _lowering().register()
     erased: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node in erased or node.op != "call_function":

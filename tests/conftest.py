@@ -22,6 +22,9 @@ def _fresh_dynamo():
     """Each test compiles from scratch: no cache entries or automatic-dynamic state leak across tests."""
     import torch._dynamo
 
+    import sloth
+
     torch._dynamo.reset()
+    sloth.reset_report()
     yield
     torch._dynamo.reset()
