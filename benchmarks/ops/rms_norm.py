@@ -31,7 +31,8 @@ FP32_BYTES = 4
 
 # (name, rows N = batch x tokens, hidden D). 4096 x 4096 is one Llama-3-8B step of 2 x 2048 tokens;
 # 16384 x 4096 is the long-context row of DESIGN.md's table (1 x 16384).
-SHAPES = [("llama3-8b", 4096, 4096), ("long-ctx", 16384, 4096)]
+SHAPES = [("llama3-8b", 4096, 4096), ("long-ctx", 16384, 4096),
+          ("qk-norm", 4096 * 32, 128)]  # Qwen3's q-norm: every head of 4096 tokens, head_dim 128
 SMOKE_SHAPES = [("tiny", 8, 64), ("tiny-odd", 5, 100)]  # 100: not a power of two, masks exercised
 MODES = ["fwd", "bwd", "fwd+bwd"]
 PROVIDERS = ["eager", "inductor", "sloth"]
