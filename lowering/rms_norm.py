@@ -178,10 +178,22 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, o
     return y_ND.view(x.shape)
 
 
-def _num_bwd_programs(x: torch.Tensor, n_blocks: int) -> int:
-    # Two programs per SM keep the GPU busy while bounding the fp32 dW partials to 2*SMs rows.
+# Programs per SM for the backward with a weight gradient: each program sums the dW of its rows in
+# registers and writes one fp32 partial row, so more programs hide more latency but write (and
+# re-read in the final .sum) more partials. Set from the H200 sweep in benchmarks/ops/rms_norm.py.
+BWD_PROGRAMS_PER_SM = 8
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_bwd_programs(x: torch.Tensor, n_blocks: int, compute_dw: bool) -> int:
+    if not compute_dw:
+        return n_blocks  # no partial sums to bound: one program per row block, as in the forward
     if x.device.type == "cuda":
-        return max(1, min(n_blocks, 2 * torch.cuda.get_device_properties(x.device).multi_processor_count))
+        return max(1, min(n_blocks, BWD_PROGRAMS_PER_SM * _sm_count(x.device.index or 0)))
     return max(1, min(n_blocks, 4))
 
 
@@ -202,7 +214,7 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     dx_ND = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
     n_blocks = triton.cdiv(n_rows, block_m)
-    n_progs = _num_bwd_programs(x, n_blocks)
+    n_progs = _num_bwd_programs(x, n_blocks, compute_dw)
     blocks_per_prog = triton.cdiv(n_blocks, n_progs)
     n_progs = triton.cdiv(n_blocks, blocks_per_prog)
     dw_partial = torch.empty((n_progs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=x.device)
@@ -263,5 +275,4 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     ``out_dtype`` defaults to x's dtype.
     """
     register()
-    _check_inputs(x, weight)
     return torch.ops.sloth.rms_norm(x, weight, float(eps), float(offset), out_dtype or x.dtype)

@@ -36,7 +36,10 @@ SHAPES = [("llama3-8b", 4096, 4096), ("long-ctx", 16384, 4096),
 SMOKE_SHAPES = [("tiny", 8, 64), ("tiny-odd", 5, 100)]  # 100: not a power of two, masks exercised
 MODES = ["fwd", "bwd", "fwd+bwd"]
 PROVIDERS = ["eager", "inductor", "sloth"]
-COLUMNS = ["shape", "dw", "mode", "provider", "ms", "GB/s", "% copy", "x eager", "peak MiB", "max err", "error"]
+# ms / GB/s / % copy: end to end per call (host overhead included); kernel ms / kernel % copy: the
+# GPU kernels alone (see common.kernel_ms), the number a busy training step sees.
+COLUMNS = ["shape", "dw", "mode", "provider", "ms", "GB/s", "% copy", "x eager", "kernel ms", "kernel % copy",
+           "peak MiB", "max err", "error"]
 
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,8 +95,8 @@ def make_inputs(n: int, d: int, dtype: torch.dtype, weight_grad: bool, device: s
     return Inputs(x.requires_grad_(True), w.requires_grad_(weight_grad), dy)
 
 
-def run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, int | None]:
-    """(median ms, peak bytes above inputs) of one mode.
+def run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, float | None, int | None]:
+    """(median ms per call, kernel ms per call, peak bytes above inputs) of one mode.
 
     bwd replays the backward on a retained graph. AOTAutograd donates saved tensors to the backward
     by default and refuses retain_graph then; its config is read when the forward compiles and when
@@ -103,7 +106,7 @@ def run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, int | None]:
         return _run_case(fn, inp, mode)
 
 
-def _run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, int | None]:
+def _run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, float | None, int | None]:
     grads = [t for t in (inp.x, inp.w) if t.requires_grad]
     if mode == "fwd":
         call: Callable[[], Any] = lambda: fn(inp.x, inp.w)  # noqa: E731
@@ -119,9 +122,10 @@ def _run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, int | None]:
     for t in grads:
         t.grad = None
     ms = common.bench_ms(call, grad_to_none=grads)
+    kernel = common.kernel_ms(call, grad_to_none=grads)
     for t in grads:
         t.grad = None
-    return ms, peak
+    return ms, kernel, peak
 
 
 def forward_error(fn: NormFn, reference: NormFn, inp: Inputs) -> float:
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         fn = make_provider(provider)
                         if mode == "fwd":
                             row["max err"] = forward_error(fn, reference, inp)
-                        ms, peak = run_case(fn, inp, mode)
+                        ms, kernel, peak = run_case(fn, inp, mode)
                     except Exception as exc:  # one broken provider must not hide the others' numbers
                         traceback.print_exc()
                         row["error"] = f"{type(exc).__name__}: {exc}"[:120]
@@ -178,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     eager_ms = ms if provider == "eager" else eager_ms
                     gbps = nbytes / (ms * 1e-3) / 1e9
+                    kernel_gbps = nbytes / (kernel * 1e-3) / 1e9 if kernel else None
                     row.update({"ms": ms, "GB/s": gbps, "% copy": 100 * gbps / copy_gbps,
                                 "x eager": eager_ms / ms if eager_ms else None,
+                                "kernel ms": kernel, "kernel % copy": 100 * kernel_gbps / copy_gbps if kernel else None,
                                 "peak MiB": peak / common.MiB if peak is not None else None})
                     rows.append(row)
                     print(f"{row['shape']:>22} dw={row['dw']:<3} {mode:<7} {provider:<8} {ms:8.4f} ms "
