@@ -180,8 +180,14 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, o
 
 # Programs per SM for the backward with a weight gradient: each program sums the dW of its rows in
 # registers and writes one fp32 partial row, so more programs hide more latency but write (and
-# re-read in the final .sum) more partials. Set from the H200 sweep in benchmarks/ops/rms_norm.py.
-BWD_PROGRAMS_PER_SM = 8
+# re-read in the final .sum) more partials. H200 sweep (benchmarks/ops/rms_norm_sweep.py, bf16,
+# kernel time as % of copy bandwidth, programs/SM = 1, 2, 4, 8, 16, 32):
+#   4096 x 4096    33  47  39  42  35  31      -> 2 for wide rows
+#   16384 x 4096   38  60  56  57  54  48
+#   131072 x 128   22  31  28  34  34  38      -> 32 for narrow rows (q/k-norm)
+BWD_PROGRAMS_PER_SM = 2
+BWD_PROGRAMS_PER_SM_NARROW = 32
+_NARROW = 512  # hidden sizes at or below this take the narrow setting
 
 
 @functools.cache
@@ -193,7 +199,8 @@ def _num_bwd_programs(x: torch.Tensor, n_blocks: int, compute_dw: bool) -> int:
     if not compute_dw:
         return n_blocks  # no partial sums to bound: one program per row block, as in the forward
     if x.device.type == "cuda":
-        return max(1, min(n_blocks, BWD_PROGRAMS_PER_SM * _sm_count(x.device.index or 0)))
+        per_sm = BWD_PROGRAMS_PER_SM_NARROW if x.shape[-1] <= _NARROW else BWD_PROGRAMS_PER_SM
+        return max(1, min(n_blocks, per_sm * _sm_count(x.device.index or 0)))
     return max(1, min(n_blocks, 4))
 
 

@@ -22,7 +22,7 @@ def main() -> None:
         inp = make_inputs(n, d, torch.bfloat16, True, "cuda")
         nbytes = minimal_bytes(n, d, 2, 2, "bwd", True)
         for per_sm in (1, 2, 4, 8, 16, 32):
-            lowering.BWD_PROGRAMS_PER_SM = per_sm
+            lowering.BWD_PROGRAMS_PER_SM = lowering.BWD_PROGRAMS_PER_SM_NARROW = per_sm
             _, kernel, _ = run_case(lambda x, w: lowering.rms_norm(x, w, EPS), inp, "bwd")
             pct = 100 * nbytes / (kernel * 1e-3) / 1e9 / copy_gbps
             print(f"{n}x{d} programs/SM={per_sm:<3} bwd kernel {kernel:.4f} ms  {pct:5.1f}% of copy", flush=True)
