@@ -1,0 +1,368 @@
+"""``canonicalize_pass``: every spelling of an operation becomes one canonical node, values unchanged.
+
+Each case captures a tiny function with Dynamo (the graphs sloth really sees), canonicalises the graph,
+asserts on the canonical nodes, and runs the canonical graph against the function run eagerly.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from sloth.compiler.canonicalize import canonicalize_pass, cast
+from sloth.compiler.fx_utils import tensor_of
+from sloth.compiler.report import Report
+
+
+def canonicalize(fn: Callable, *args: Any, rtol: float = 1e-6, atol: float = 1e-7) -> fx.GraphModule:
+    """Capture ``fn(*args)`` with Dynamo, canonicalise it, check it still computes ``fn``; return the graph."""
+    captured: dict[str, fx.GraphModule] = {}
+
+    def capture(gm: fx.GraphModule, example_inputs):
+        captured["gm"] = canonicalize_pass(gm, example_inputs, report=Report())
+        return gm.forward
+
+    out = torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    assert "gm" in captured, "Dynamo produced no graph"
+    expected = fn(*args)
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)  # also checks dtype and shape
+    return captured["gm"]
+
+
+def calls(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def targets(gm: fx.GraphModule) -> list[Any]:
+    return [n.target for n in calls(gm)]
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
+    """The graph input for the function argument ``name`` (Dynamo calls it ``l_<name>_``)."""
+    (node,) = [n for n in placeholders(gm) if n.name == f"l_{name}_"]
+    return node
+
+
+# ---------------------------------------------------------------------------------------------------
+# square
+# ---------------------------------------------------------------------------------------------------
+
+SQUARES = {
+    "method-pow": lambda x: x.pow(2),
+    "operator-pow": lambda x: x ** 2,
+    "operator-pow-float": lambda x: x ** 2.0,
+    "torch-pow": lambda x: torch.pow(x, 2),
+    "x-times-x": lambda x: x * x,
+    "torch-mul-x-x": lambda x: torch.mul(x, x),
+    "method-square": lambda x: x.square(),
+}
+
+
+@pytest.mark.parametrize("fn", list(SQUARES.values()), ids=list(SQUARES))
+def test_square_spellings(fn):
+    gm = canonicalize(fn, torch.randn(3, 5))
+    (node,) = calls(gm)
+    assert node.op == "call_function" and node.target is torch.square
+    assert node.args == (placeholders(gm)[0],) and not node.kwargs
+
+
+def test_x_times_other_is_not_a_square():
+    gm = canonicalize(lambda x, y: x * y, torch.randn(3, 5), torch.randn(3, 5))
+    assert targets(gm) == [torch.mul]
+
+
+@pytest.mark.parametrize("exponent", [3, 1.5], ids=["pow3", "pow1.5"])
+def test_other_powers_stay_pow(exponent):
+    gm = canonicalize(lambda x: x.pow(exponent), torch.rand(3, 5))
+    (node,) = calls(gm)
+    assert node.target is torch.pow and node.args[1] == exponent
+
+
+# ---------------------------------------------------------------------------------------------------
+# mean over the last dim (and sum / D)
+# ---------------------------------------------------------------------------------------------------
+
+MEANS = {
+    "method-positional": lambda x: x.mean(-1, keepdim=True),
+    "torch-kwargs": lambda x: torch.mean(x, dim=-1, keepdim=True),
+    "method-dim-list": lambda x: x.mean(dim=[-1], keepdim=True),
+    "method-positive-dim-positional-keepdim": lambda x: x.mean(2, True),
+    "torch-positive-tuple": lambda x: torch.mean(x, (2,), keepdim=True),
+    "sum-div-literal": lambda x: x.sum(-1, keepdim=True) / 7,
+    "sum-div-shape": lambda x: x.sum(-1, keepdim=True) / x.shape[-1],
+    "torch-sum-times-reciprocal": lambda x: torch.sum(x, dim=-1, keepdim=True) * (1 / 7),
+}
+
+
+@pytest.mark.parametrize("fn", list(MEANS.values()), ids=list(MEANS))
+def test_mean_spellings(fn):
+    gm = canonicalize(fn, torch.randn(2, 3, 7))
+    (node,) = calls(gm)
+    assert node.op == "call_function" and node.target is torch.mean
+    assert node.args == (placeholders(gm)[0], (-1,), True) and not node.kwargs
+
+
+def test_mean_without_keepdim_and_over_two_dims():
+    gm = canonicalize(lambda x: x.mean((1, 2)) + x.mean(dim=(0, 1)).sum(), torch.randn(2, 3, 7))
+    means = [n for n in calls(gm) if n.target is torch.mean]
+    assert [n.args[1:] for n in means] == [((-2, -1), False), ((-3, -2), False)]
+
+
+def _sum_read_twice(x):
+    s = x.sum(-1, keepdim=True)
+    return s / 7 + s
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.sum(-1, keepdim=True) / 6,  # not the reduced size
+    _sum_read_twice,                        # the sum is read by someone else too
+    lambda x: x.sum(1, keepdim=True) / 7,   # the reduced size is 3, not 7
+], ids=["wrong-divisor", "sum-used-twice", "wrong-dim"])
+def test_sum_that_is_not_a_mean_stays(fn):
+    gm = canonicalize(fn, torch.randn(2, 3, 7))
+    assert torch.mean not in targets(gm)
+    assert torch.sum in targets(gm) and torch.div in targets(gm)
+
+
+def test_mean_with_dtype_is_left_alone():
+    gm = canonicalize(lambda x: x.mean(-1, keepdim=True, dtype=torch.float32), torch.randn(2, 7, dtype=torch.bfloat16))
+    (node,) = calls(gm)
+    assert node.kwargs.get("dtype") is torch.float32 or torch.float32 in node.args
+
+
+# ---------------------------------------------------------------------------------------------------
+# rsqrt, and division by a square root
+# ---------------------------------------------------------------------------------------------------
+
+RSQRTS = {
+    "one-over-sqrt": lambda v: 1 / torch.sqrt(v),
+    "one-over-method-sqrt": lambda v: 1.0 / v.sqrt(),
+    "pow-minus-half": lambda v: v ** -0.5,
+    "torch-pow-minus-half": lambda v: torch.pow(v, -0.5),
+    "reciprocal-sqrt": lambda v: torch.reciprocal(torch.sqrt(v)),
+    "method-rsqrt": lambda v: v.rsqrt(),
+}
+
+
+@pytest.mark.parametrize("fn", list(RSQRTS.values()), ids=list(RSQRTS))
+def test_rsqrt_spellings(fn):
+    gm = canonicalize(fn, torch.rand(4, 1) + 0.5)
+    (node,) = calls(gm)
+    assert node.op == "call_function" and node.target is torch.rsqrt
+    assert node.args == (placeholders(gm)[0],)
+
+
+def test_divide_by_sqrt_becomes_multiply_by_rsqrt():
+    gm = canonicalize(lambda x, v: x / torch.sqrt(v), torch.randn(4, 6), torch.rand(4, 1) + 0.5)
+    x, v = placeholder(gm, "x"), placeholder(gm, "v")
+    rsqrt, mul = calls(gm)
+    assert (rsqrt.target, rsqrt.args) == (torch.rsqrt, (v,))
+    assert (mul.target, mul.args) == (torch.mul, (x, rsqrt))
+    # The inserted node carries a fake value, which later passes read for shapes and dtypes.
+    assert tensor_of(rsqrt) is not None and tuple(tensor_of(rsqrt).shape) == (4, 1)
+
+
+def test_sqrt_read_elsewhere_is_kept():
+    gm = canonicalize(lambda x, v: x / torch.sqrt(v) + torch.sqrt(v), torch.randn(4, 6), torch.rand(4, 1) + 0.5)
+    assert targets(gm).count(torch.sqrt) == 1 and torch.rsqrt in targets(gm) and torch.div not in targets(gm)
+
+
+def test_one_over_x_is_reciprocal_not_rsqrt():
+    gm = canonicalize(lambda v: 1 / v, torch.rand(4, 1) + 0.5)
+    assert targets(gm) == [torch.reciprocal]
+
+
+# ---------------------------------------------------------------------------------------------------
+# casts and no-op layout calls
+# ---------------------------------------------------------------------------------------------------
+
+CASTS = {
+    "float": lambda x, y: x.float(),
+    "to-dtype": lambda x, y: x.to(torch.float32),
+    "to-dtype-kwarg": lambda x, y: x.to(dtype=torch.float32),
+    "type-as": lambda x, y: x.type_as(y),
+    "type-dtype": lambda x, y: x.type(torch.float32),
+    "to-other-dtype": lambda x, y: x.to(y.dtype),
+}
+
+
+@pytest.mark.parametrize("fn", list(CASTS.values()), ids=list(CASTS))
+def test_cast_spellings(fn):
+    gm = canonicalize(fn, torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(2))
+    (node,) = calls(gm)
+    assert node.op == "call_function" and node.target is cast
+    assert node.args == (placeholders(gm)[0], torch.float32) and not node.kwargs
+
+
+@pytest.mark.parametrize("fn,dtype", [
+    (lambda x: x.bfloat16(), torch.bfloat16),
+    (lambda x: x.half(), torch.float16),
+    (lambda x: x.double(), torch.float64),
+], ids=["bfloat16", "half", "double"])
+def test_other_cast_methods(fn, dtype):
+    gm = canonicalize(fn, torch.randn(3, 5))
+    (node,) = calls(gm)
+    assert node.target is cast and node.args[1] is dtype
+
+
+NO_OPS = {
+    "to-same-dtype": lambda x: x.to(torch.float32) + 1,
+    "float-on-fp32": lambda x: x.float() + 1,
+    "type-as-same": lambda x: x.type_as(x) + 1,
+    "contiguous": lambda x: x.contiguous() + 1,
+    "view-same-shape": lambda x: x.view(x.shape) + 1,
+    "view-same-sizes": lambda x: x.view(3, 5) + 1,
+    "reshape-same-shape": lambda x: x.reshape(3, 5) + 1,
+    "torch-reshape-same-shape": lambda x: torch.reshape(x, (3, 5)) + 1,
+}
+
+
+@pytest.mark.parametrize("fn", list(NO_OPS.values()), ids=list(NO_OPS))
+def test_no_op_calls_disappear(fn):
+    gm = canonicalize(fn, torch.randn(3, 5))
+    (node,) = calls(gm)
+    assert (node.target, node.args) == (torch.add, (placeholders(gm)[0], 1))
+
+
+KEPT = {
+    "contiguous-of-transpose": (lambda x: x.t().contiguous() + 1, "contiguous"),
+    "view-changing-shape": (lambda x: x.view(-1) + 1, "view"),
+    "to-with-copy": (lambda x: x.to(torch.float32, copy=True) + 1, "to"),
+}
+
+
+@pytest.mark.parametrize("fn,kept", list(KEPT.values()), ids=list(KEPT))
+def test_calls_that_do_something_stay(fn, kept):
+    gm = canonicalize(fn, torch.randn(3, 5))
+    assert kept in targets(gm)
+
+
+# ---------------------------------------------------------------------------------------------------
+# binary spellings, F.rms_norm keywords, a whole norm, idempotence
+# ---------------------------------------------------------------------------------------------------
+
+BINARY = {
+    "operator-add": (lambda x, y: x + y, torch.add),
+    "method-add": (lambda x, y: x.add(y), torch.add),
+    "method-sub": (lambda x, y: x.sub(y), torch.sub),
+    "operator-truediv": (lambda x, y: x / y, torch.div),
+    "true-divide": (lambda x, y: torch.true_divide(x, y), torch.div),
+    "method-mul": (lambda x, y: x.mul(y), torch.mul),
+}
+
+
+@pytest.mark.parametrize("fn,target", list(BINARY.values()), ids=list(BINARY))
+def test_binary_spellings(fn, target):
+    gm = canonicalize(fn, torch.randn(3, 5), torch.rand(3, 5) + 0.5)
+    (node,) = calls(gm)
+    assert node.op == "call_function" and node.target is target
+    assert node.args == (placeholder(gm, "x"), placeholder(gm, "y")) and not node.kwargs
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, w: F.rms_norm(x, (5,), weight=w, eps=1e-5),      # Dynamo passes these positionally
+    lambda x, w: torch.rms_norm(x, (5,), weight=w, eps=1e-5),  # and these as keywords
+], ids=["F.rms_norm", "torch.rms_norm"])
+def test_functional_rms_norm_keywords_become_positional(fn):
+    gm = canonicalize(fn, torch.randn(3, 5), torch.randn(5))
+    (node,) = calls(gm)
+    x, w = placeholder(gm, "x"), placeholder(gm, "w")
+    assert node.target is torch.rms_norm and node.args == (x, (5,), w, 1e-5) and not node.kwargs
+
+
+def test_functional_rms_norm_defaults_are_filled_in():
+    gm = canonicalize(lambda x: F.rms_norm(x, [5]), torch.randn(3, 5))
+    (node,) = calls(gm)
+    assert node.target is torch.rms_norm and len(node.args) == 4 and node.args[2:] == (None, None)
+
+
+def llama_norm(x, w):
+    h = x.float()
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + 1e-6)
+    return w * h.to(x.dtype)
+
+
+def test_whole_llama_norm_is_canonical():
+    gm = canonicalize(llama_norm, torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16))
+    assert targets(gm) == [cast, torch.square, torch.mean, torch.add, torch.rsqrt, torch.mul, cast, torch.mul]
+
+
+def test_canonicalize_is_idempotent():
+    gm = canonicalize(llama_norm, torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16))
+    once = str(gm.graph)
+    canonicalize_pass(gm, [], report=Report())
+    assert str(gm.graph) == once
+
+
+def test_shape_arithmetic_is_left_alone():
+    # With a dynamic batch, Dynamo records sizes as SymInt nodes; only tensor-valued nodes are rewritten.
+    def fn(x):
+        return x.view(x.shape[0] * 2, -1) * 2
+
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["gm"] = canonicalize_pass(gm, example_inputs, report=Report())
+        return gm.forward
+
+    x = torch.randn(4, 6)
+    torch._dynamo.mark_dynamic(x, 0)
+    out = torch.compile(fn, backend=capture)(x)
+    torch.testing.assert_close(out, fn(x))
+    assert operator.mul in targets(captured["gm"])  # the SymInt product stays an operator.mul
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bugs: rewrites that change a value or crash. Each asserts what the pass promises (values unchanged).
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compiler/canonicalize.py _no_op_removed: x.view(torch.int32) has x's shape, so same_shape() "
+    "treats it as a no-op view and removes it; the dtype-reinterpreting view is lost (int32 -> float32)"))
+def test_view_as_other_dtype_is_kept():
+    canonicalize(lambda x: x.view(torch.int32) + 1, torch.randn(3, 5))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compiler/canonicalize.py _sum_to_mean: rewrites sum(x)/D to torch.mean for an integer x, and "
+    "torch.mean refuses integer inputs (RuntimeError 'mean(): could not infer output dtype')"))
+def test_integer_sum_over_count_is_not_a_mean():
+    canonicalize(lambda x: x.sum(-1, keepdim=True) / 5, torch.randint(0, 9, (3, 5)))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compiler/canonicalize.py _sum_to_mean unpacks `x, dims, keepdim = total.args` for every "
+    "torch.sum: torch.sum(x) has one argument, so the pass raises ValueError and the compile fails"))
+def test_full_torch_sum_divided_does_not_crash():
+    canonicalize(lambda x: torch.sum(x) / 15, torch.randn(3, 5))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compiler/canonicalize.py: _reduction leaves torch.sum(x, -1, True, dtype=...) as is (dtype kwarg), "
+    "then _sum_to_mean iterates its int dim (`for d in dims`): TypeError, the compile fails"))
+def test_sum_with_dtype_and_int_dim_divided_does_not_crash():
+    canonicalize(lambda x: torch.sum(x, -1, True, dtype=torch.float32) / 5, torch.randn(3, 5, dtype=torch.bfloat16))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compiler/canonicalize.py _sum_to_mean rewrites torch.sum(x, dims, k, dtype=float32) / D into "
+    "torch.mean(x, dims, k) and drops the dtype keyword: a bfloat16 result instead of float32"))
+def test_sum_with_dtype_divided_keeps_dtype():
+    canonicalize(lambda x: torch.sum(x, (-1,), True, dtype=torch.float32) / 5,
+                 torch.randn(3, 5, dtype=torch.bfloat16))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "compiler/canonicalize.py _algebra: pow(x, 2.0) -> square(x) is only equal for float x; for an "
+    "integer x, x ** 2.0 is float32 but torch.square(x) stays int64"))
+def test_integer_pow_float_two_keeps_dtype():
+    canonicalize(lambda x: x ** 2.0, torch.randint(-4, 4, (3, 5)))
