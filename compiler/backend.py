@@ -77,6 +77,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
         patches = _inductor_config(mode, inductor_options or {})
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)
     if inductor_options:
+        _inductor_config(None, inductor_options)  # a misspelt option is named as unknown first
         raise ValueError(f"sloth: options {list(inductor_options)} are Inductor settings, but inner={inner!r}")
     if inner == "aot_eager":
         from torch._dynamo.backends.registry import lookup_backend

@@ -17,6 +17,9 @@ any value the graph computes:
     changes nothing
     F.rms_norm(x, s, weight=w, eps=e)               torch.rms_norm(x, s, w, e)
 
+Canonical nodes carry no keyword arguments; a node that keeps one (``torch.add(a, b, alpha=2)``, a
+reduction with ``dtype=``) is left in its own spelling and no pattern reads it. Values are unchanged
+except for one rounding: a floating ``sum / N`` rounds twice where ``mean`` rounds once.
 Dtypes and shapes come from the fake values Dynamo recorded on each node, never from module classes.
 """
 from __future__ import annotations
@@ -151,7 +154,7 @@ def _no_op_removed(node: fx.Node) -> bool:
     if node.op == "call_method" and node.target == "contiguous":
         ok = not node.kwargs and _is_contiguous(xt)
     elif (node.op == "call_method" and node.target in _VIEW_METHODS) or is_call(node, *_VIEW_FUNCTIONS):
-        ok = same_shape(xt, out)
+        ok = same_shape(xt, out) and xt.dtype == out.dtype  # x.view(torch.int32) reinterprets
     else:
         return False
     if ok:
@@ -165,10 +168,16 @@ def _erase_if_dead(node: Any) -> None:
         node.graph.erase_node(node)
 
 
+def _same_dtype(x: Any, node: fx.Node) -> bool:
+    """True when ``node`` keeps its input's dtype (``int ** 2.0`` is float; ``square(int)`` is int)."""
+    xt, out = tensor_of(x), tensor_of(node)
+    return xt is not None and out is not None and xt.dtype == out.dtype
+
+
 def _algebra(node: fx.Node) -> bool:
     """Equal-value rewrites between canonical ops (square, rsqrt, mean). True if rewritten."""
     a = node.args
-    if is_call(node, torch.pow) and is_number(a[1]):
+    if is_call(node, torch.pow) and is_number(a[1]) and _same_dtype(a[0], node):
         new = {2: torch.square, 0.5: torch.sqrt, -0.5: torch.rsqrt}.get(a[1])
         if new is not None:
             _rewrite(node, new, (a[0],))
@@ -198,9 +207,11 @@ def _algebra(node: fx.Node) -> bool:
 def _sum_to_mean(node: fx.Node) -> bool:
     """``sum(x, dims, k) / N`` or ``* (1/N)`` with N the number of reduced elements -> ``mean``."""
     total = node.args[0]
+    if len(total.args) != 3 or not isinstance(total.args[1], tuple):
+        return False  # a full sum, or one with dtype=: not the canonical sum over dims
     x, dims, keepdim = total.args
     xt = tensor_of(x)
-    if xt is None or len(total.users) != 1:
+    if xt is None or not xt.is_floating_point() or len(total.users) != 1:
         return False
     count = 1
     for d in dims:

@@ -67,11 +67,16 @@ def compute_value(target: Callable, args: tuple, kwargs: Optional[dict] = None) 
         return None
 
 
+_UNSET = object()
+
+
 def insert_call(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple, kwargs: Optional[dict] = None,
-                meta_from: Optional[fx.Node] = None) -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` before ``before``; its value is computed on fakes.
+                meta_from: Optional[fx.Node] = None, value: Any = _UNSET) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` before ``before``; its value is computed on fakes unless given.
 
     ``meta_from`` copies stack trace and module stack so the report can still point at the source.
+    Pass ``value`` when running ``target`` on fakes would add a guard (a SymFloat argument to a custom
+    op is specialised, which would make that float a recompile key).
     """
     with graph.inserting_before(before):
         node = graph.call_function(target, args, kwargs or {})
@@ -79,7 +84,7 @@ def insert_call(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple,
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if key in src.meta:
             node.meta[key] = src.meta[key]
-    set_value(node, compute_value(target, args, kwargs))
+    set_value(node, compute_value(target, args, kwargs) if value is _UNSET else value)
     return node
 
 
@@ -89,7 +94,14 @@ def single_user(node: fx.Node) -> Optional[fx.Node]:
 
 
 def is_call(node: Any, *targets: Callable) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+    """A ``call_function`` of one of ``targets`` in canonical form: positional arguments only.
+
+    Canonical nodes never carry keywords, so a node that still does (``torch.add(a, b, alpha=2)``,
+    ``torch.mean(x, -1, dtype=...)``) is one canonicalisation left alone on purpose, and no pattern
+    may read it as the plain op.
+    """
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+            and not node.kwargs)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

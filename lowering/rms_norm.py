@@ -133,12 +133,15 @@ def _check_inputs(x: torch.Tensor, weight: Optional[torch.Tensor]) -> None:
 
 def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float,
                        out_dtype: torch.dtype) -> torch.Tensor:
-    """The op's math in plain PyTorch (fp32, one rounding): the fallback where Triton cannot run."""
+    """The op's math in plain PyTorch (fp32, one rounding): the fallback where Triton cannot run.
+
+    Contiguous output whatever x's layout, as the fake implementation promises.
+    """
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * (weight.float() + offset)
-    return y.to(out_dtype)
+    return y.to(out_dtype).contiguous()
 
 
 def rms_norm_backward_reference(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
@@ -153,7 +156,7 @@ def rms_norm_backward_reference(dy: torch.Tensor, x: torch.Tensor, weight: Optio
         dw = (dyf * n).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
     else:
         dw = x.new_empty(0)
-    return dx.to(x.dtype), dw
+    return dx.to(x.dtype).contiguous(), dw
 
 
 def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float,
@@ -219,24 +222,23 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
         dy_ND = dy_ND.contiguous()
     n_rows = x_ND.shape[0]
     dx_ND = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
+        return dx_ND.view(x.shape), dw
     block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
     n_blocks = triton.cdiv(n_rows, block_m)
     n_progs = _num_bwd_programs(x, n_blocks, compute_dw)
     blocks_per_prog = triton.cdiv(n_blocks, n_progs)
     n_progs = triton.cdiv(n_blocks, blocks_per_prog)
     dw_partial = torch.empty((n_progs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=x.device)
-    if n_rows > 0:
-        _rms_norm_bwd_kernel[(n_progs,)](
-            dy_ND, x_ND, weight if weight is not None else x_ND, dx_ND, dw_partial,
-            n_rows, n_cols, dy_ND.stride(0), x_ND.stride(0), dx_ND.stride(0), blocks_per_prog,
-            float(eps), float(offset),
-            HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
-        )
-    if compute_dw:
-        dw = dw_partial.sum(0).to(weight.dtype) if n_rows > 0 else torch.zeros_like(weight)
-    else:
-        dw = x.new_empty(0)
+    _rms_norm_bwd_kernel[(n_progs,)](
+        dy_ND, x_ND, weight if weight is not None else x_ND, dx_ND, dw_partial,
+        n_rows, n_cols, dy_ND.stride(0), x_ND.stride(0), dx_ND.stride(0), blocks_per_prog,
+        float(eps), float(offset),
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else x.new_empty(0)
     return dx_ND.view(x.shape), dw
 
 

@@ -17,8 +17,9 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
 The replacement is one ``torch.ops.sloth.rms_norm(x, w, eps, offset, out_dtype)`` node that computes in
 fp32 and rounds once (lowering/rms_norm.py), so it is at least as accurate as every variant above.
 Anything that would change a value says no and leaves the graph as it was: a mean over another dim,
-an eps that is not a constant, a variance or rstd read by someone else, float64, a narrowing cast of
-the input, a weight of another shape.
+an eps that is a tensor, a variance or rstd read by someone else, float64, a weight of another shape.
+Only exact (widening) casts are looked through: after a narrowing cast (fp64 -> fp32) the cast stays
+in the graph and the norm runs on its result, which is the value eager normalises.
 """
 from __future__ import annotations
 
@@ -159,8 +160,8 @@ def _match_decomposed(r: fx.Node) -> Union[RmsNormMatch, str, None]:
         ms, eps = (a, b) if is_call(a, torch.mean) else (b, a)
     else:
         ms = s
-    if not is_call(ms, torch.mean) or not is_call(ms.args[0], torch.square):
-        return None
+    if not is_call(ms, torch.mean) or len(ms.args) != 3 or not is_call(ms.args[0], torch.square):
+        return None  # not a mean over dims of a square (a full mean keeps its one-argument form)
     sq = ms.args[0]
     xf, dims, keepdim = sq.args[0], ms.args[1], ms.args[2]
     if tuple(dims) != (-1,):
@@ -209,9 +210,9 @@ def _finish(x: fx.Node, weight: Optional[fx.Node], eps: Union[float, fx.Node], o
         return f"computes in {tensor_of(start).dtype if tensor_of(start) is not None else '?'} from {xt.dtype}; " \
                "the fused kernel supports float32, bfloat16 and float16"
     hidden = xt.shape[-1]
-    if not isinstance(hidden, int):
-        return "the hidden size is symbolic; the kernel needs it at compile time"
-    if hidden > _lowering().MAX_HIDDEN:
+    # A symbolic hidden size (dynamic=True) is fine: the launcher reads the real size at run time and
+    # refuses one past MAX_HIDDEN there with a clear error.
+    if isinstance(hidden, int) and hidden > _lowering().MAX_HIDDEN:
         return f"hidden size {hidden} exceeds the single-pass kernel's limit {_lowering().MAX_HIDDEN}"
     out, weight, offset = _extend_chain(start, weight, offset, hidden)
     ot = tensor_of(out)
@@ -224,9 +225,12 @@ def _replace(gm: fx.GraphModule, m: RmsNormMatch) -> set[fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased."""
     graph = gm.graph
     erased: set[fx.Node] = set()
-    out_dtype = tensor_of(m.out).dtype
+    out = tensor_of(m.out)
+    # The value is the fake's (a fresh contiguous tensor of x's shape), written here rather than
+    # computed by calling the op on fakes: that call would specialise a SymFloat eps into a guard.
     fused = insert_call(graph, m.out, torch.ops.sloth.rms_norm.default,
-                        (m.x, m.weight, m.eps, m.offset, out_dtype), meta_from=m.anchor)
+                        (m.x, m.weight, m.eps, m.offset, out.dtype), meta_from=m.anchor,
+                        value=tensor_of(m.x).new_empty(tensor_of(m.x).shape, dtype=out.dtype))
     old = m.out
     old.replace_all_uses_with(fused)
     # Erase what fed only the old result, walking back from it (inputs x and weight stay).

@@ -325,44 +325,26 @@ def test_shape_arithmetic_is_left_alone():
 # Bugs: rewrites that change a value or crash. Each asserts what the pass promises (values unchanged).
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/canonicalize.py _no_op_removed: x.view(torch.int32) has x's shape, so same_shape() "
-    "treats it as a no-op view and removes it; the dtype-reinterpreting view is lost (int32 -> float32)"))
 def test_view_as_other_dtype_is_kept():
     canonicalize(lambda x: x.view(torch.int32) + 1, torch.randn(3, 5))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/canonicalize.py _sum_to_mean: rewrites sum(x)/D to torch.mean for an integer x, and "
-    "torch.mean refuses integer inputs (RuntimeError 'mean(): could not infer output dtype')"))
 def test_integer_sum_over_count_is_not_a_mean():
     canonicalize(lambda x: x.sum(-1, keepdim=True) / 5, torch.randint(0, 9, (3, 5)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/canonicalize.py _sum_to_mean unpacks `x, dims, keepdim = total.args` for every "
-    "torch.sum: torch.sum(x) has one argument, so the pass raises ValueError and the compile fails"))
 def test_full_torch_sum_divided_does_not_crash():
     canonicalize(lambda x: torch.sum(x) / 15, torch.randn(3, 5))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/canonicalize.py: _reduction leaves torch.sum(x, -1, True, dtype=...) as is (dtype kwarg), "
-    "then _sum_to_mean iterates its int dim (`for d in dims`): TypeError, the compile fails"))
 def test_sum_with_dtype_and_int_dim_divided_does_not_crash():
     canonicalize(lambda x: torch.sum(x, -1, True, dtype=torch.float32) / 5, torch.randn(3, 5, dtype=torch.bfloat16))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/canonicalize.py _sum_to_mean rewrites torch.sum(x, dims, k, dtype=float32) / D into "
-    "torch.mean(x, dims, k) and drops the dtype keyword: a bfloat16 result instead of float32"))
 def test_sum_with_dtype_divided_keeps_dtype():
     canonicalize(lambda x: torch.sum(x, (-1,), True, dtype=torch.float32) / 5,
                  torch.randn(3, 5, dtype=torch.bfloat16))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/canonicalize.py _algebra: pow(x, 2.0) -> square(x) is only equal for float x; for an "
-    "integer x, x ** 2.0 is float32 but torch.square(x) stays int64"))
 def test_integer_pow_float_two_keeps_dtype():
     canonicalize(lambda x: x ** 2.0, torch.randint(-4, 4, (3, 5)))

@@ -535,10 +535,6 @@ def test_bad_options_raise_value_error_naming_them(options, name):
         sloth_backend(torch.fx.symbolic_trace(lambda t: t + 1), [x], options=options)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/backend.py compile_inner: with inner='eager' or 'aot_eager', a key that is neither a sloth "
-    "option nor an Inductor config name is reported as \"options [...] are Inductor settings\" instead "
-    "of as unknown; the unknown-key check (_inductor_config) only runs for inner='inductor'"))
 def test_typo_option_with_eager_inner_is_called_unknown():
     with pytest.raises(ValueError, match="unknown"):
         sloth_backend(torch.fx.symbolic_trace(lambda t: t + 1), [torch.randn(2)],
@@ -619,10 +615,6 @@ def test_dynamic_true_no_recompile_and_correct():
     assert len(calls) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "patterns/rms_norm.py _finish refuses every norm whose hidden size is symbolic ('the kernel needs it "
-    "at compile time'), so dynamic=True fuses nothing; but the op's launcher reads the real shape at run "
-    "time and its fake handles symbolic shapes, so nothing needs the hidden size at compile time"))
 def test_dynamic_true_still_fuses():
     torch.compile(llama_norm, backend="sloth", options={"inner": "eager"}, dynamic=True)(
         torch.randn(5, 64), torch.randn(64))
@@ -646,10 +638,6 @@ def test_eps_argument_values_are_honoured(inner):
     assert (outs[1e-6] - outs[0.5]).abs().max() > 0.1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/fx_utils.py insert_call -> compute_value runs torch.ops.sloth.rms_norm on the fake values, "
-    "and the op's float schema argument specialises the SymFloat eps: a guard 'eps == <value>' "
-    "(_ops.py __call__) is added, so every new eps value recompiles (plain backend='eager' compiles twice)"))
 def test_eps_argument_does_not_recompile_per_value():
     calls: list = []
     compiled = torch.compile(norm_with_eps, backend=_counting_backend(calls, "eager"))
@@ -741,10 +729,6 @@ def mean_with_dtype_keyword(x, w):
     return w * (x * torch.rsqrt(var + 1e-6)).to(x.dtype)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "patterns/rms_norm.py _match_decomposed reads ms.args[1] / ms.args[2] of any torch.mean; "
-    "canonicalize leaves a mean with a dtype= keyword un-normalised (dim and keepdim still keywords), so "
-    "the pass raises IndexError and the compile fails instead of skipping or rejecting the site"))
 def test_mean_with_dtype_keyword_does_not_crash():
     # Matching it or leaving it are both fine; crashing the compile is not.
     check_case(fn_case("mean-dtype-kwarg", mean_with_dtype_keyword, count=None), torch.bfloat16)
@@ -760,10 +744,6 @@ def add_alpha_weight(x, w):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.add(w.float(), 1.0, alpha=3.0)).to(x.dtype)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.add(a, b, alpha=k) keeps target torch.add with an alpha keyword through canonicalize, and "
-    "patterns/rms_norm.py (_match_decomposed for eps, _weight_like for 1 + w) reads only args: eps is "
-    "taken as b instead of k*b, the offset as 1 instead of 3 -- silently wrong results"))
 @pytest.mark.parametrize("fn", [add_alpha_eps, add_alpha_weight], ids=["eps-alpha", "weight-offset-alpha"])
 def test_add_with_alpha_is_not_misread(fn):
     x = torch.randn(3, 64) * 0.1
