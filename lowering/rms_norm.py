@@ -198,13 +198,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_bwd_programs(x: torch.Tensor, n_blocks: int, compute_dw: bool) -> int:
+def _bwd_launch_config(x: torch.Tensor, n_rows: int, n_cols: int, compute_dw: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_D, num_warps, programs) of the backward kernel."""
+    block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
+    n_blocks = triton.cdiv(n_rows, block_m)
     if not compute_dw:
-        return n_blocks  # no partial sums to bound: one program per row block, as in the forward
+        return block_m, block_d, num_warps, n_blocks  # no partials to bound: one program per block
     if x.device.type == "cuda":
-        per_sm = BWD_PROGRAMS_PER_SM_NARROW if x.shape[-1] <= _NARROW else BWD_PROGRAMS_PER_SM
-        return max(1, min(n_blocks, per_sm * _sm_count(x.device.index or 0)))
-    return max(1, min(n_blocks, 4))
+        per_sm = BWD_PROGRAMS_PER_SM_NARROW if n_cols <= _NARROW else BWD_PROGRAMS_PER_SM
+        return block_m, block_d, num_warps, max(1, min(n_blocks, per_sm * _sm_count(x.device.index or 0)))
+    return block_m, block_d, num_warps, max(1, min(n_blocks, 4))
 
 
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float,
@@ -225,9 +228,8 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     if n_rows == 0:
         dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
         return dx_ND.view(x.shape), dw
-    block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
+    block_m, block_d, num_warps, n_progs = _bwd_launch_config(x, n_rows, n_cols, compute_dw)
     n_blocks = triton.cdiv(n_rows, block_m)
-    n_progs = _num_bwd_programs(x, n_blocks, compute_dw)
     blocks_per_prog = triton.cdiv(n_blocks, n_progs)
     n_progs = triton.cdiv(n_blocks, blocks_per_prog)
     dw_partial = torch.empty((n_progs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=x.device)
