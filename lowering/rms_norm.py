@@ -181,15 +181,16 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, o
     return y_ND.view(x.shape)
 
 
-# Programs per SM for the backward with a weight gradient: each program sums the dW of its rows in
-# registers and writes one fp32 partial row, so more programs hide more latency but write (and
-# re-read in the final .sum) more partials. H200 sweep (benchmarks/ops/rms_norm_sweep.py, bf16,
-# kernel time as % of copy bandwidth, programs/SM = 1, 2, 4, 8, 16, 32):
-#   4096 x 4096    33  47  39  42  35  31      -> 2 for wide rows
-#   16384 x 4096   38  60  56  57  54  48
-#   131072 x 128   22  31  28  34  34  38      -> 32 for narrow rows (q/k-norm)
-BWD_PROGRAMS_PER_SM = 2
-BWD_PROGRAMS_PER_SM_NARROW = 32
+# The backward with a weight gradient runs persistent programs that each sum the dW of their rows in
+# registers and write one fp32 partial row: more programs hide more latency but write (and re-read in
+# the final .sum) more partials, and more rows per block put more bytes in flight per iteration.
+# H200 sweep, bf16, kernel time as % of copy bandwidth (benchmarks/results/*_rms_norm_bwd_sweep.log):
+#   wide rows: 4 rows x 4096 per block, 8 warps, 1 program per SM: 55.8% at 4096 x 4096 and 70.7% at
+#              16384 x 4096 (1 row, 2 programs/SM, the first setting: 46.5% and 59.9%)
+#   narrow rows (q/k-norm, 131072 x 128): 16 rows per block, 2 warps, 16 programs/SM: 50.1% (32 rows,
+#              8 warps, 32 programs/SM: 37.3%)
+_DW_WIDE = dict(block_elements=16384, num_warps=8, programs_per_sm=1)
+_DW_NARROW = dict(block_rows=16, num_warps=2, programs_per_sm=16)
 _NARROW = 512  # hidden sizes at or below this take the narrow setting
 
 
@@ -201,13 +202,18 @@ def _sm_count(device_index: int) -> int:
 def _bwd_launch_config(x: torch.Tensor, n_rows: int, n_cols: int, compute_dw: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_D, num_warps, programs) of the backward kernel."""
     block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
-    n_blocks = triton.cdiv(n_rows, block_m)
     if not compute_dw:
-        return block_m, block_d, num_warps, n_blocks  # no partials to bound: one program per block
-    if x.device.type == "cuda":
-        per_sm = BWD_PROGRAMS_PER_SM_NARROW if n_cols <= _NARROW else BWD_PROGRAMS_PER_SM
-        return block_m, block_d, num_warps, max(1, min(n_blocks, per_sm * _sm_count(x.device.index or 0)))
-    return block_m, block_d, num_warps, max(1, min(n_blocks, 4))
+        return block_m, block_d, num_warps, triton.cdiv(n_rows, block_m)  # no partials: a program a block
+    if x.device.type != "cuda":
+        return block_m, block_d, num_warps, max(1, min(triton.cdiv(n_rows, block_m), 4))
+    if n_cols <= _NARROW:
+        block_m, num_warps, per_sm = _DW_NARROW["block_rows"], _DW_NARROW["num_warps"], _DW_NARROW["programs_per_sm"]
+    else:
+        block_m = max(1, _DW_WIDE["block_elements"] // block_d)
+        num_warps, per_sm = _DW_WIDE["num_warps"], _DW_WIDE["programs_per_sm"]
+    block_m = min(block_m, triton.next_power_of_2(n_rows))
+    n_progs = max(1, min(triton.cdiv(n_rows, block_m), per_sm * _sm_count(x.device.index or 0)))
+    return block_m, block_d, num_warps, n_progs
 
 
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float,

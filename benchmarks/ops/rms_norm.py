@@ -134,6 +134,15 @@ def forward_error(fn: NormFn, reference: NormFn, inp: Inputs) -> float:
         return (fn(inp.x, inp.w).float() - reference(inp.x, inp.w).float()).abs().max().item()
 
 
+def backward_error(fn: NormFn, reference: NormFn, inp: Inputs) -> float:
+    """Largest |grad - grad_eager| over dx (and dw when the weight is trained), relative to the
+    largest eager gradient entry: the backward kernel is checked on the device before it is timed."""
+    wrt = [t for t in (inp.x, inp.w) if t.requires_grad]
+    ours = torch.autograd.grad(fn(inp.x, inp.w), wrt, inp.dy)
+    theirs = torch.autograd.grad(reference(inp.x, inp.w), wrt, inp.dy)
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(ours, theirs))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU-capable tiny shapes; proves the code paths")
@@ -174,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                         fn = make_provider(provider)
                         if mode == "fwd":
                             row["max err"] = forward_error(fn, reference, inp)
+                        elif mode == "bwd":
+                            row["max err"] = backward_error(fn, reference, inp)
                         ms, kernel, peak = run_case(fn, inp, mode)
                     except Exception as exc:  # one broken provider must not hide the others' numbers
                         traceback.print_exc()

@@ -3,7 +3,7 @@
     python -m benchmarks.ops.rms_norm_sweep        (H200; kernel ms and % of copy bandwidth per setting)
 
 The backward with dW runs persistent programs that each sum the dW of their rows in registers; the
-constants in lowering/rms_norm.py (BWD_PROGRAMS_PER_SM, ...) cite this sweep's best settings.
+constants in lowering/rms_norm.py (_DW_WIDE, _DW_NARROW) cite this sweep's best settings.
 """
 from __future__ import annotations
 
