@@ -16,14 +16,27 @@ any value the graph computes:
     a cast, view, reshape or .contiguous() that     removed
     changes nothing
     F.rms_norm(x, s, weight=w, eps=e)               torch.rms_norm(x, s, w, e)
+    x[..., a:b], x[:, :, a:b], x.narrow(d, a, n)    torch.narrow(x, d, a, n)       (d negative; unit step,
+    getitem(x.chunk(n, d) / x.split(s, d), i)       torch.narrow(x, d, a_i, n_i)    static bounds, one dim)
+    a slice or narrow that takes the whole dim      removed
+    torch.cat/concat/concatenate(ts, dim=d)         torch.cat([ts], d)             (d negative)
+    x * -1, -1 * x                                  torch.neg(x)
+    F.silu(x, inplace=False), nn.SiLU, _C._nn.silu  F.silu(x)
+    x * torch.sigmoid(x), torch.sigmoid(x) * x      F.silu(x)
+    F.gelu(x, approximate=a), nn.GELU(a)            gelu(x, a)                     (a: "none" or "tanh")
+    0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x**3)))    gelu(x, "tanh")                (any arrangement of the
+    0.5*x*(1+erf(x/sqrt(2)))                        gelu(x, "none")                 same polynomials)
+    x.erf(), torch.special.erf(x)                   torch.erf(x)
 
 Canonical nodes carry no keyword arguments; a node that keeps one (``torch.add(a, b, alpha=2)``, a
 reduction with ``dtype=``) is left in its own spelling and no pattern reads it. Values are unchanged
 except for one rounding: a floating ``sum / N`` rounds twice where ``mean`` rounds once.
+Likewise ``x * sigmoid(x)`` and the written-out GELUs round at every step where ``F.silu`` / ``gelu`` round once.
 Dtypes and shapes come from the fake values Dynamo recorded on each node, never from module classes.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
@@ -72,6 +85,10 @@ def _rewrite(node: fx.Node, target: Any, args: tuple) -> None:
 
 def _spelling(node: fx.Node) -> bool:
     """Method, operator and keyword spellings -> canonical ``torch.*`` calls. True if rewritten."""
+    if _slice_spelling(node) or _cat_spelling(node):  # slices and concatenation (section below)
+        return True
+    if _activation_spelling(node):  # SiLU, GELU, erf (section below)
+        return True
     key = _key(node)
     out = tensor_of(node)
     if key is None or out is None:  # only tensor-valued ops; shape arithmetic on SymInts stays
@@ -176,6 +193,10 @@ def _same_dtype(x: Any, node: fx.Node) -> bool:
 
 def _algebra(node: fx.Node) -> bool:
     """Equal-value rewrites between canonical ops (square, rsqrt, mean). True if rewritten."""
+    if _neg_algebra(node):
+        return True
+    if _silu_algebra(node) or _gelu_formula(node):  # activations (section below)
+        return True
     a = node.args
     if is_call(node, torch.pow) and is_number(a[1]) and _same_dtype(a[0], node):
         new = {2: torch.square, 0.5: torch.sqrt, -0.5: torch.rsqrt}.get(a[1])
@@ -225,6 +246,323 @@ def _sum_to_mean(node: fx.Node) -> bool:
         node.graph.erase_node(total)
         return True
     return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Slices along one dim and concatenation (RoPE's rotate_half; any pattern that splits a dim)
+# ---------------------------------------------------------------------------------------------------
+
+_SPLITS = {"chunk": "chunk", torch.chunk: "chunk", "split": "split", torch.split: "split"}
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def _neg_dim(dim: Any, ndim: int) -> Any:
+    """``dim`` as a negative int, or None when it is not a static int in range."""
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -ndim <= dim < ndim:
+        return None
+    return dim - ndim if dim >= 0 else dim
+
+
+def _narrow_or_removed(node: fx.Node, x: fx.Node, dim: int, start: int, length: int) -> bool:
+    """Make ``node`` the canonical ``torch.narrow(x, dim, start, length)``, or drop it if it takes everything."""
+    if start == 0 and length == tensor_of(x).shape[dim]:
+        node.replace_all_uses_with(x)
+        node.graph.erase_node(node)
+        return True
+    if (node.op, node.target, node.args, dict(node.kwargs)) == ("call_function", torch.narrow,
+                                                                 (x, dim, start, length), {}):
+        return False
+    _rewrite(node, torch.narrow, (x, dim, start, length))
+    return True
+
+
+def _slice_spelling(node: fx.Node) -> bool:
+    """``x[..., a:b]``, ``x[:, :, a:b]``, ``x.narrow(d, a, n)``, ``x.chunk(n, d)[i]``, ``x.split(s, d)[i]``
+    -> ``torch.narrow(x, negative d, start, length)``: the same view. True if rewritten.
+
+    Only unit-step slices of static bounds along a single dim; anything else keeps its spelling. A slice
+    that takes the whole dim is the tensor itself and is removed, like the no-op views above.
+    """
+    key = _key(node)
+    if key is None or getattr(node, "_erased", False):
+        return False
+    if key in _SPLITS:
+        return _split_to_narrows(node, _SPLITS[key])
+    xt = tensor_of(node.args[0]) if node.args else None
+    if xt is None or tensor_of(node) is None:
+        return False
+    x = node.args[0]
+    if key in ("narrow", torch.narrow) and len(node.args) + len(node.kwargs) == 4:
+        params = dict(zip(("input", "dim", "start", "length"), node.args), **node.kwargs)
+        dim, start, length = _neg_dim(params.get("dim"), xt.dim()), params.get("start"), params.get("length")
+        if dim is None or not all(isinstance(v, int) for v in (start, length)) or not isinstance(xt.shape[dim], int):
+            return False
+        if start < 0:
+            start += xt.shape[dim]
+        return _narrow_or_removed(node, x, dim, start, length)
+    if key is not operator.getitem or node.kwargs or not (isinstance(node.args[1], (slice, tuple))
+                                                          or node.args[1] is Ellipsis):
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if index.count(Ellipsis) > 1 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return False  # ints, None (new axes), tensors: not a plain slice
+    slices = [i for i in index if i is not Ellipsis]
+    if len(slices) > xt.dim():
+        return False
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        full = index[:at] + (slice(None),) * (xt.dim() - len(slices)) + index[at + 1:]
+    else:
+        full = index + (slice(None),) * (xt.dim() - len(index))
+    picked = [(d, s) for d, s in enumerate(full) if s != slice(None)]
+    if len(picked) > 1:
+        return False
+    if not picked:  # x[...], x[:, :]: the tensor itself
+        node.replace_all_uses_with(x)
+        node.graph.erase_node(node)
+        return True
+    d, s = picked[0]
+    size = xt.shape[d]
+    if not isinstance(size, int) or not all(v is None or isinstance(v, int) for v in (s.start, s.stop, s.step)):
+        return False
+    start, stop, step = s.indices(size)
+    if step != 1:
+        return False
+    return _narrow_or_removed(node, x, d - xt.dim(), start, max(0, stop - start))
+
+
+def _split_to_narrows(node: fx.Node, kind: str) -> bool:
+    """Each ``getitem(chunk/split(x, ...), i)`` user -> ``torch.narrow`` of x; the split goes once unused."""
+    names = ("input", "chunks" if kind == "chunk" else "split_size_or_sections", "dim")
+    params = dict(zip(names, node.args), **node.kwargs)
+    x = params.get("input")
+    xt = tensor_of(x)
+    if xt is None or set(params) - set(names) or names[1] not in params:
+        return False
+    dim = _neg_dim(params.get("dim", 0), xt.dim())
+    if dim is None or not isinstance(xt.shape[dim], int):
+        return False
+    size, arg = xt.shape[dim], params[names[1]]
+    if kind == "chunk":
+        if not isinstance(arg, int) or arg < 1:
+            return False
+        step = -(-size // arg) if size else 0
+        lengths = [min(step, size - i) for i in range(0, size, step)] if step else [0]
+    elif isinstance(arg, int) and arg > 0:
+        lengths = [min(arg, size - i) for i in range(0, size, arg)] or [0]
+    elif isinstance(arg, (list, tuple)) and all(isinstance(v, int) for v in arg) and sum(arg) == size:
+        lengths = list(arg)
+    else:
+        return False
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    changed = False
+    for user in list(node.users):
+        if (user.op == "call_function" and user.target is operator.getitem and not user.kwargs
+                and isinstance(user.args[1], int) and -len(lengths) <= user.args[1] < len(lengths)):
+            i = user.args[1] % len(lengths)
+            changed |= _narrow_or_removed(user, x, dim, starts[i], lengths[i])
+    if not node.users:
+        node.graph.erase_node(node)
+        changed = True
+    return changed
+
+
+def _cat_spelling(node: fx.Node) -> bool:
+    """``torch.cat/concat/concatenate(tensors, dim=d)`` -> ``torch.cat([tensors], negative d)``."""
+    if node.op != "call_function" or node.target not in _CATS or tensor_of(node) is None:
+        return False
+    params = dict(zip(("tensors", "dim"), node.args), **node.kwargs)
+    if set(params) - {"tensors", "dim", "axis"} or not isinstance(params.get("tensors"), (list, tuple)):
+        return False
+    dim = _neg_dim(params.get("dim", params.get("axis", 0)), tensor_of(node).dim())
+    if dim is None:
+        return False
+    new_args = (list(params["tensors"]), dim)
+    if (node.target, node.args, dict(node.kwargs)) == (torch.cat, new_args, {}):
+        return False
+    _rewrite(node, torch.cat, new_args)
+    return True
+
+
+def _neg_algebra(node: fx.Node) -> bool:
+    """``x * -1`` / ``-1 * x`` -> ``torch.neg(x)`` (exact in floating point, dtype kept)."""
+    if not is_call(node, torch.mul):
+        return False
+    a, b = node.args
+    x = a if (is_number(b) and b == -1) else b if (is_number(a) and a == -1) else None
+    if not isinstance(x, fx.Node) or not _same_dtype(x, node) or not same_shape(tensor_of(x), tensor_of(node)):
+        return False
+    _rewrite(node, torch.neg, (x,))
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activations: SiLU and GELU, however they are spelled (gated MLPs)
+# ---------------------------------------------------------------------------------------------------
+
+def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """The one canonical GELU; ``approximate`` is "none" (erf) or "tanh", always given positionally.
+
+    ``F.gelu`` takes ``approximate`` only as a keyword, and canonical nodes carry no keywords.
+    """
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+_SILUS = (torch.nn.functional.silu, torch._C._nn.silu)
+_GELUS = (torch.nn.functional.gelu,)  # F.gelu is torch._C._nn.gelu itself
+_ERFS = ("erf", torch.erf, torch.special.erf)
+_GELU_TANH_INNER = {1: math.sqrt(2 / math.pi), 3: math.sqrt(2 / math.pi) * 0.044715}  # z = k * (x + c * x^3)
+_GELU_ERF_INNER = {1: math.sqrt(0.5)}                                                 # z = x / sqrt(2)
+_GELU_OUTER = {(1, 0): 0.5, (1, 1): 0.5}                                              # 0.5 * x * (1 + t)
+
+
+def _activation_spelling(node: fx.Node) -> bool:
+    """``F.silu(x, inplace=False)``, ``nn.SiLU``, ``torch._C._nn.silu`` -> ``F.silu(x)``; ``F.gelu(x,
+    approximate=a)``, ``nn.GELU`` -> ``gelu(x, a)``; ``x.erf()``, ``torch.special.erf`` -> ``torch.erf``."""
+    key = _key(node)
+    if key is None or tensor_of(node) is None or not node.args:
+        return False
+    if node.op == "call_function" and key in _SILUS:
+        params = dict(zip(("input", "inplace"), node.args), **node.kwargs)
+        if set(params) - {"input", "inplace"} or params.get("inplace"):
+            return False  # in place: a mutation of the input, not just a value
+        if (node.target, node.args, dict(node.kwargs)) == (torch.nn.functional.silu, (params["input"],), {}):
+            return False
+        _rewrite(node, torch.nn.functional.silu, (params["input"],))
+        return True
+    if node.op == "call_function" and key in _GELUS:
+        approximate = node.kwargs.get("approximate", "none")
+        if len(node.args) != 1 or set(node.kwargs) - {"approximate"} or approximate not in ("none", "tanh"):
+            return False
+        _rewrite(node, gelu, (node.args[0], approximate))
+        return True
+    if key in _ERFS and len(node.args) == 1 and not node.kwargs:
+        if (node.op, node.target) == ("call_function", torch.erf):
+            return False
+        _rewrite(node, torch.erf, (node.args[0],))
+        return True
+    return False
+
+
+def _silu_algebra(node: fx.Node) -> bool:
+    """``x * sigmoid(x)`` / ``sigmoid(x) * x`` -> ``F.silu(x)`` (one rounding where the product had two)."""
+    if not is_call(node, torch.mul):
+        return False
+    a, b = node.args
+    for x, s in ((a, b), (b, a)):
+        if isinstance(x, fx.Node) and is_call(s, torch.sigmoid) and s.args[0] is x and _same_dtype(x, node) \
+                and same_shape(tensor_of(x), tensor_of(node)):
+            _rewrite(node, torch.nn.functional.silu, (x,))
+            _erase_if_dead(s)
+            return True
+    return False
+
+
+def _poly(e: Any, x: fx.Node, t: Any, depth: int = 0) -> Any:
+    """``e`` as a polynomial in the nodes x and t, ``{(power of x, power of t): coefficient}``, or None
+    when e reads anything else (or is deeper than any GELU formula)."""
+    if is_number(e):
+        return {(0, 0): float(e)} if e else {}
+    if e is x:
+        return {(1, 0): 1.0}
+    if e is t:
+        return {(0, 1): 1.0}
+    if depth > 12 or not isinstance(e, fx.Node) or tensor_of(e) is None:
+        return None
+    a = e.args
+    if is_call(e, torch.add, torch.sub, torch.mul) or (is_call(e, torch.div) and is_number(a[1]) and a[1]):
+        p, q = _poly(a[0], x, t, depth + 1), _poly(a[1], x, t, depth + 1)
+        if p is None or q is None:
+            return None
+        if e.target is torch.mul:
+            return _poly_mul(p, q)
+        if e.target is torch.div:
+            return {k: v / a[1] for k, v in p.items()}
+        sign = 1.0 if e.target is torch.add else -1.0
+        out = dict(p)
+        for k, v in q.items():
+            out[k] = out.get(k, 0.0) + sign * v
+        return {k: v for k, v in out.items() if v}
+    if is_call(e, torch.neg, torch.square) or (is_call(e, torch.pow) and a[1] in (1, 2, 3)):
+        p = _poly(a[0], x, t, depth + 1)
+        if p is None:
+            return None
+        if e.target is torch.neg:
+            return {k: -v for k, v in p.items()}
+        out = p
+        for _ in range((2 if e.target is torch.square else int(a[1])) - 1):
+            out = _poly_mul(out, p)
+        return out
+    return None
+
+
+def _poly_mul(p: dict, q: dict) -> dict:
+    out: dict = {}
+    for (i, j), v in p.items():
+        for (k, m), w in q.items():
+            out[(i + k, j + m)] = out.get((i + k, j + m), 0.0) + v * w
+    return {k: v for k, v in out.items() if v}
+
+
+def _poly_equals(p: Any, want: dict) -> bool:
+    """Same terms, coefficients within fp32's rounding (1e-7): HF's FastGELU writes k as 0.7978845608."""
+    return p is not None and p.keys() == want.keys() and all(abs(p[k] - w) <= 1e-7 * abs(w) for k, w in want.items())
+
+
+def _gelu_formula(node: fx.Node) -> bool:
+    """A GELU written out, ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))`` or ``0.5 * x *
+    (1 + erf(x / sqrt(2)))``, in any arrangement of the same polynomials -> ``gelu(x, "tanh" / "none")``.
+
+    Anchored at the tanh (erf): its argument must be k*x + k*c*x^3 (x/sqrt(2)) in one node x, and a chain
+    of single-user arithmetic above it must reach 0.5*x + 0.5*x*t. That node becomes the gelu; the rest
+    goes once unused. One rounding where the formula rounded at every step.
+    """
+    if is_call(node, torch.tanh):
+        inner, approximate = _GELU_TANH_INNER, "tanh"
+    elif is_call(node, torch.erf):
+        inner, approximate = _GELU_ERF_INNER, "none"
+    else:
+        return False
+    # x is some node inside the argument (itself possibly arithmetic, e.g. a LoRA sum): try each.
+    seen, stack, x = set(), [node.args[0]], None
+    while stack and x is None:
+        cand = stack.pop()
+        if not isinstance(cand, fx.Node) or cand in seen or len(seen) > 16:
+            continue
+        seen.add(cand)
+        p = _poly(node.args[0], cand, node)  # node (t) cannot occur in its own argument
+        if p is not None and all(j == 0 for _, j in p) and _poly_equals({i: v for (i, _), v in p.items()}, inner):
+            x = cand
+        stack += cand.all_input_nodes
+    xt = tensor_of(x)
+    if xt is None or not xt.is_floating_point():
+        return False
+    root, cur = None, node
+    for _ in range(8):
+        cur = next(iter(cur.users)) if len(cur.users) == 1 else None
+        p = _poly(cur, x, node) if cur is not None else None
+        if p is None:
+            return False
+        if _poly_equals(p, _GELU_OUTER):
+            root = cur
+            break
+    rt = tensor_of(root)
+    if root is None or rt is None or rt.dtype != xt.dtype or not same_shape(rt, xt):
+        return False
+    inputs = root.all_input_nodes
+    _rewrite(root, gelu, (x, approximate))
+    _erase_dead_arithmetic(inputs)
+    return True
+
+
+def _erase_dead_arithmetic(nodes: list) -> None:
+    """Erase nodes left without users, and what only they read, as long as they are pure arithmetic."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, fx.Node) and not n.users and is_call(n, *_PURE, torch.erf):
+            stack += n.all_input_nodes
+            n.graph.erase_node(n)
 
 
 def canonicalize_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:

@@ -12,7 +12,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
 
+from ..patterns.glu import fuse_glu_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
+from ..patterns.rope import fuse_rope_pass
 from .canonicalize import canonicalize_pass
 from .report import Report
 
@@ -28,6 +30,8 @@ class FamilyPass:
 # Roadmap order (DESIGN.md). A family's pass may rely on the passes before it having run.
 FAMILY_PASSES: tuple[FamilyPass, ...] = (
     FamilyPass("rms_norm", fuse_rms_norm_pass),
+    FamilyPass("rope", fuse_rope_pass),
+    FamilyPass("glu", fuse_glu_pass),
 )
 FAMILIES: tuple[str, ...] = tuple(p.family for p in FAMILY_PASSES)
 

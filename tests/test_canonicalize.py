@@ -5,6 +5,7 @@ asserts on the canonical nodes, and runs the canonical graph against the functio
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable
 
@@ -14,6 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from sloth.compiler.canonicalize import canonicalize_pass, cast
+from sloth.compiler.canonicalize import gelu
 from sloth.compiler.fx_utils import tensor_of
 from sloth.compiler.report import Report
 
@@ -348,3 +350,237 @@ def test_sum_with_dtype_divided_keeps_dtype():
 
 def test_integer_pow_float_two_keeps_dtype():
     canonicalize(lambda x: x ** 2.0, torch.randint(-4, 4, (3, 5)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Slices along one dim, chunk/split, cat, neg (RoPE's rotate_half)
+# ---------------------------------------------------------------------------------------------------
+
+SLICES = {  # each is x[..., 2:6] of a [2, 3, 16] x
+    "ellipsis-slice": lambda x: x[..., 2:6],
+    "full-leading-slices": lambda x: x[:, :, 2:6],
+    "method-narrow-positive-dim": lambda x: x.narrow(2, 2, 4),
+    "torch-narrow": lambda x: torch.narrow(x, -1, 2, 4),
+    "negative-bounds": lambda x: x[..., -14:-10],
+    "split-getitem": lambda x: torch.split(x, [2, 4, 10], -1)[1],
+    "method-split-negative-index": lambda x: x.split([2, 4, 10], 2)[-2],
+}
+
+
+@pytest.mark.parametrize("fn", list(SLICES.values()), ids=list(SLICES))
+def test_slice_spellings(fn):
+    gm = canonicalize(fn, torch.randn(2, 3, 16))
+    (node,) = calls(gm)
+    assert node.op == "call_function" and node.target is torch.narrow
+    assert node.args == (placeholders(gm)[0], -1, 2, 4) and not node.kwargs
+
+
+@pytest.mark.parametrize("fn,start,length", [
+    (lambda x: x.chunk(4, dim=-1)[1], 4, 4),
+    (lambda x: torch.chunk(x, 3, -1)[2], 12, 4),   # pieces of ceil(16 / 3) = 6: the last has 4
+    (lambda x: x.split(6, -1)[-1], 12, 4),
+], ids=["chunk", "chunk-uneven", "split-size-uneven"])
+def test_chunk_and_split_pieces(fn, start, length):
+    gm = canonicalize(fn, torch.randn(2, 3, 16))
+    (node,) = calls(gm)
+    assert node.target is torch.narrow and node.args == (placeholders(gm)[0], -1, start, length)
+
+
+def test_chunk_halves_and_split_go_away():
+    gm = canonicalize(lambda x: torch.cat(x.chunk(2, -1)[::-1], -1) + torch.cat(x.split(8, -1), -1),
+                      torch.randn(3, 16))
+    assert not {"chunk", "split", torch.split, operator.getitem} & set(targets(gm))
+    narrows = [n.args[1:] for n in calls(gm) if n.target is torch.narrow]
+    assert sorted(narrows) == [(-1, 0, 8), (-1, 0, 8), (-1, 8, 8), (-1, 8, 8)]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x[..., :16] + 1,
+    lambda x: x[:, 0:] + 1,
+    lambda x: x[...] + 1,
+    lambda x: x.narrow(-1, 0, 16) + 1,
+], ids=["to-the-end", "from-zero", "ellipsis", "narrow-everything"])
+def test_slice_of_everything_disappears(fn):
+    gm = canonicalize(fn, torch.randn(3, 16))
+    (node,) = calls(gm)
+    assert (node.target, node.args) == (torch.add, (placeholders(gm)[0], 1))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x[..., ::2] + 1,         # a step: not a narrow
+    lambda x: x[..., None, :4] + 1,    # a new axis
+    lambda x: x[1:, :4] + 1,           # two dims at once
+    lambda x: x[..., 3] + 1,           # an index drops the dim
+], ids=["step", "new-axis", "two-dims", "index"])
+def test_other_indexing_keeps_its_spelling(fn):
+    gm = canonicalize(fn, torch.randn(3, 16))
+    assert operator.getitem in targets(gm) and torch.narrow not in targets(gm)
+
+
+CATS = {
+    "torch-cat-dim-kwarg": lambda a, b: torch.cat((a, b), dim=-1),
+    "torch-cat-positive-dim": lambda a, b: torch.cat([a, b], 1),
+    "torch-concat": lambda a, b: torch.concat((a, b), -1),
+    "torch-concatenate-axis": lambda a, b: torch.concatenate([a, b], axis=1),
+}
+
+
+@pytest.mark.parametrize("fn", list(CATS.values()), ids=list(CATS))
+def test_cat_spellings(fn):
+    gm = canonicalize(fn, torch.randn(3, 5), torch.randn(3, 4))
+    (node,) = calls(gm)
+    a, b = placeholders(gm)
+    assert node.target is torch.cat and node.args == ([a, b], -1) and not node.kwargs
+
+
+@pytest.mark.parametrize("fn", [lambda x: x * -1, lambda x: -1 * x, lambda x: torch.mul(x, -1.0), lambda x: x.neg(),
+                                lambda x: -x], ids=["times-minus-one", "minus-one-times", "float", "method", "operator"])
+def test_neg_spellings(fn):
+    gm = canonicalize(fn, torch.randn(3, 5))
+    (node,) = calls(gm)
+    assert node.target is torch.neg and node.args == (placeholders(gm)[0],)
+
+
+def test_integer_times_minus_one_keeps_dtype():
+    canonicalize(lambda x: x * -1, torch.randint(-4, 4, (3, 5)))
+    canonicalize(lambda x: x * -1.0, torch.randint(-4, 4, (3, 5)))  # int * float is float: stays a mul
+
+
+def test_rotate_half_is_canonical_and_idempotent():
+    def rope(x, cos, sin):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    gm = canonicalize(rope, torch.randn(2, 3, 16), torch.randn(3, 16), torch.randn(3, 16))
+    assert targets(gm) == [torch.narrow, torch.narrow, torch.mul, torch.neg, torch.cat, torch.mul, torch.add]
+    once = str(gm.graph)
+    canonicalize_pass(gm, [], report=Report())
+    assert str(gm.graph) == once
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activations: SiLU and GELU spellings (the gated-MLP family reads only F.silu(x) and gelu(x, a))
+# ---------------------------------------------------------------------------------------------------
+
+SILUS = {
+    "F.silu": lambda x: F.silu(x),
+    "F.silu-inplace-False": lambda x: F.silu(x, inplace=False),
+    "nn.SiLU": lambda x: torch.nn.SiLU()(x),
+    "C-nn-silu": lambda x: torch._C._nn.silu(x),
+    "x-times-sigmoid": lambda x: x * torch.sigmoid(x),
+    "sigmoid-times-x": lambda x: torch.sigmoid(x) * x,
+    "method-sigmoid-mul": lambda x: x.mul(x.sigmoid()),
+}
+
+
+@pytest.mark.parametrize("fn", list(SILUS.values()), ids=list(SILUS))
+def test_silu_spellings(fn):
+    gm = canonicalize(fn, torch.randn(3, 5) * 4)
+    (node,) = [n for n in calls(gm) if n.target is not torch._C._log_api_usage_once]
+    assert node.target is F.silu and node.args == (placeholders(gm)[0],) and not node.kwargs
+
+
+_K = math.sqrt(2 / math.pi)
+
+
+def _tanh_formula(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+def _fast_gelu(x):  # HF's FastGELUActivation: another arrangement of the same polynomials
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+GELUS = {
+    "F.gelu": (lambda x: F.gelu(x), "none"),
+    "F.gelu-tanh": (lambda x: F.gelu(x, approximate="tanh"), "tanh"),
+    "nn.GELU": (lambda x: torch.nn.GELU()(x), "none"),
+    "nn.GELU-tanh": (lambda x: torch.nn.GELU("tanh")(x), "tanh"),
+    "tanh-formula": (_tanh_formula, "tanh"),
+    "tanh-formula-x-first-pow-operator": (lambda x: x * 0.5 * (1.0 + torch.tanh(_K * (x + 0.044715 * x ** 3))), "tanh"),
+    "tanh-formula-fast": (_fast_gelu, "tanh"),
+    "erf-formula": (lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))), "none"),
+    "erf-formula-method-halved": (lambda x: x * (1 + (x * 0.7071067811865476).erf()) / 2, "none"),
+    "erf-formula-special": (lambda x: 0.5 * x * (1 + torch.special.erf(x / 1.4142135623730951)), "none"),
+}
+
+
+@pytest.mark.parametrize("fn,approximate", list(GELUS.values()), ids=list(GELUS))
+def test_gelu_spellings(fn, approximate):
+    gm = canonicalize(fn, torch.randn(3, 5) * 4, rtol=1e-5, atol=1e-6)
+    (node,) = [n for n in calls(gm) if n.target is not torch._C._log_api_usage_once]
+    assert node.target is gelu and node.args == (placeholders(gm)[0], approximate) and not node.kwargs
+
+
+def test_gelu_formula_of_an_arithmetic_input():
+    # x is itself a sum (a LoRA projection: base + adapter): the formula is still found around that node.
+    def fn(a, b):
+        x = a + b
+        return _tanh_formula(x)
+
+    gm = canonicalize(fn, torch.randn(3, 5), torch.randn(3, 5), rtol=1e-5, atol=1e-6)
+    assert targets(gm) == [torch.add, gelu]
+
+
+def test_gelu_formula_in_bf16_rounds_once():
+    x = torch.randn(64, 64, dtype=torch.bfloat16) * 3
+    gm = canonicalize(_tanh_formula, x, rtol=2e-2, atol=2e-2)
+    assert targets(gm) == [gelu]
+    exact = F.gelu(x.double(), approximate="tanh")
+    assert (gm(x)[0].double() - exact).abs().mean() <= (_tanh_formula(x).double() - exact).abs().mean()
+
+
+def test_sigmoid_read_elsewhere_is_kept():
+    def fn(x):
+        s = torch.sigmoid(x)
+        return x * s + s
+
+    gm = canonicalize(fn, torch.randn(3, 5))
+    assert targets(gm) == [torch.sigmoid, F.silu, torch.add]
+
+
+def test_erf_spellings():
+    gm = canonicalize(lambda x: x.erf() + torch.special.erf(x), torch.randn(3, 5))
+    assert targets(gm) == [torch.erf, torch.erf, torch.add]
+
+
+def _tanh_read_twice(x):
+    t = torch.tanh(_K * (x + 0.044715 * x ** 3))
+    return 0.5 * x * (1 + t) + t
+
+
+def test_silu_in_place_keeps_its_keyword():
+    # A mutation of its input, not just a value: left in its own spelling, which no pattern reads.
+    gm = canonicalize(lambda x: F.silu(x * 1.0, inplace=True), torch.randn(3, 5))
+    (node,) = [n for n in calls(gm) if n.target is F.silu]
+    assert node.kwargs == {"inplace": True}
+
+
+NOT_ACTIVATIONS = {
+    "swish-beta": (lambda x: x * torch.sigmoid(1.5 * x), torch.sigmoid),
+    "sigmoid-of-other": (lambda x: x * torch.sigmoid(x + 1), torch.sigmoid),
+    "tanh-formula-wrong-k": (lambda x: 0.5 * x * (1 + torch.tanh(0.79 * (x + 0.044715 * x ** 3))), torch.tanh),
+    "tanh-formula-wrong-c": (lambda x: 0.5 * x * (1 + torch.tanh(_K * (x + 0.05 * x ** 3))), torch.tanh),
+    "tanh-formula-no-half": (lambda x: x * (1 + torch.tanh(_K * (x + 0.044715 * x ** 3))), torch.tanh),
+    "tanh-read-twice": (_tanh_read_twice, torch.tanh),
+    "erf-formula-other-scale": (lambda x: 0.5 * x * (1 + torch.erf(x / 2)), torch.erf),
+    "softcap": (lambda x: torch.tanh(x / 30.0) * 30.0, torch.tanh),
+    "gelu-formula-of-int": (lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2.0))), torch.erf),
+}
+
+
+@pytest.mark.parametrize("fn,kept", list(NOT_ACTIVATIONS.values()), ids=list(NOT_ACTIVATIONS))
+def test_near_activations_keep_their_spelling(fn, kept):
+    x = torch.randint(-4, 4, (3, 5)) if fn is NOT_ACTIVATIONS["gelu-formula-of-int"][0] else torch.randn(3, 5) * 4
+    gm = canonicalize(fn, x)
+    assert kept in [n.target for n in calls(gm)] and gelu not in targets(gm) and F.silu not in targets(gm)
+
+
+def test_activations_are_idempotent():
+    def fn(x, u):
+        return _fast_gelu(x) * u + x * torch.sigmoid(x) + F.gelu(u)
+
+    gm = canonicalize(fn, torch.randn(3, 5), torch.randn(3, 5), rtol=1e-5, atol=1e-6)
+    once = str(gm.graph)
+    canonicalize_pass(gm, [], report=Report())
+    assert str(gm.graph) == once

@@ -53,6 +53,20 @@ def count_rms_norm_calls(model: torch.nn.Module, ids: torch.Tensor) -> int:
     return calls[0]
 
 
+def count_gated_mlp_calls(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Gated MLP applications in one eager forward: modules named ...MLP with a gate projection (the test's
+    oracle; sloth matches act(gate) * up in the graph)."""
+    calls = [0]
+    hooks = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+             for m in model.modules() if type(m).__name__.endswith("MLP")
+             and (hasattr(m, "gate_proj") or hasattr(m, "gate_up_proj"))]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return calls[0]
+
+
 def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, run=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and parameter gradients of ``model``, computed through ``run`` (a compiled wrapper) if given."""
     model.zero_grad(set_to_none=True)
@@ -66,6 +80,8 @@ def check_against_eager(model_type: str, dtype: torch.dtype, inner: str) -> None
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     expected_sites = count_rms_norm_calls(model, ids)
     assert expected_sites > 0
+    expected_glu = count_gated_mlp_calls(model, ids)
+    assert expected_glu == model.config.num_hidden_layers  # every architecture here has a gated MLP per layer
 
     reference = copy.deepcopy(model).double()
     ref_loss, ref_grads = loss_and_grads(reference, ids)
@@ -75,6 +91,9 @@ def check_against_eager(model_type: str, dtype: torch.dtype, inner: str) -> None
 
     report = sloth.report()
     assert report.counts.get("rms_norm", 0) == expected_sites, str(report)
+    if model_type in ROPE_ARCHITECTURES:  # q and k of each attention layer: one sloth.rope launch
+        assert report.counts.get("rope", 0) == model.config.num_hidden_layers, str(report)
+    assert report.counts.get("glu", 0) == expected_glu, str(report)
     assert not report.rejections, str(report)
     # One scalar cannot carry a 2x-of-eager rule (eager's loss can land within 1e-6 of fp64 by luck),
     # so the loss gets one unit of the dtype's precision. Gradients, whole tensors, carry the rule with
@@ -91,6 +110,9 @@ def check_against_eager(model_type: str, dtype: torch.dtype, inner: str) -> None
 
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2"]
+# Every architecture above applies rotate-half RoPE to q and k (Phi3 through its partial-rotary code path
+# with the whole head rotated).
+ROPE_ARCHITECTURES = ARCHITECTURES
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
@@ -122,6 +144,7 @@ def test_fullgraph_inference_and_dynamic_lengths() -> None:
         calls_after.append(backend_calls[0])
     assert calls_after[0] >= 1 and calls_after[1] == calls_after[0], "a second sequence length recompiled"
     assert sloth.last_report().counts["rms_norm"] == count_rms_norm_calls(model, ids)
+    assert sloth.last_report().counts["glu"] == count_gated_mlp_calls(model, ids)
 
 
 def test_gradient_checkpointing_bodies_are_rewritten() -> None:
@@ -137,6 +160,34 @@ def test_gradient_checkpointing_bodies_are_rewritten() -> None:
     compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
     loss, grads = loss_and_grads(model, ids, run=compiled)
     assert sloth.report().counts.get("rms_norm", 0) == expected_sites, str(sloth.report())
+    assert sloth.report().counts.get("glu", 0) == count_gated_mlp_calls(model, ids), str(sloth.report())
     assert_close("loss", loss, eager_loss, ref_loss, atol=1e-6)
     for name, grad in grads.items():
         assert_close(f"grad {name}", grad, eager_grads[name], ref_grads[name], atol=1e-9)
+
+
+# Partial rotary (the first part of each head rotates, the rest passes through); these use LayerNorm,
+# so there is no RMSNorm to count.
+PARTIAL_ROTARY_ARCHITECTURES = ["phi", "stablelm", "gpt_neox"]
+
+
+@pytest.mark.parametrize("model_type", PARTIAL_ROTARY_ARCHITECTURES)
+def test_partial_rotary_model_matches_eager(model_type: str) -> None:
+    model = build(model_type, torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(model).double()
+    ref_loss, ref_grads = loss_and_grads(reference, ids)
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
+    loss, grads = loss_and_grads(model, ids, run=compiled)
+    report = sloth.report()
+    assert report.counts.get("rope", 0) == model.config.num_hidden_layers, str(report)
+    assert all("rotary" in s.detail for s in report.sites if s.family == "rope"), str(report)
+    # StableLM's MLPs are gated; Phi's and GPT-NeoX's are not (and must not be reported as near-misses).
+    assert report.counts.get("glu", 0) == count_gated_mlp_calls(model, ids), str(report)
+    assert not report.rejections, str(report)
+    assert_close("loss", loss, eager_loss, ref_loss, atol=torch.finfo(torch.float32).eps * ref_loss.abs().item())
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert_close(f"grad {name}", grad, eager_grads[name], ref,
+                     atol=0.5 * torch.finfo(torch.float32).eps * ref.pow(2).mean().sqrt().item())

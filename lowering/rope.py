@@ -1,0 +1,324 @@
+"""Fused rotary position embedding (rotate-half RoPE): ``torch.ops.sloth.rope`` and its manual backward.
+
+The op equals, in one line of PyTorch (``x`` is q or k, ``[..., D]``; ``cos``/``sin`` are ``[..., R]`` and
+broadcast over x's leading dims, R even, R <= D; ``rotate_half(v) = cat((-v[..., R/2:], v[..., :R/2]), -1)``)::
+
+    y = cat((x[..., :R] * cos + rotate_half(x[..., :R]) * sin, x[..., R:]), -1).to(result_type(x, cos, sin))
+
+R == D is the usual full rotary (Llama, Mistral, Qwen, Gemma, Phi3); R < D is partial rotary (Phi,
+StableLM, GPT-NeoX), whose last D - R dims pass through unchanged. ``sloth.rope(q, k, cos, sin)``
+rotates q and k with the same cos/sin in one launch; ``sloth.rope_single(x, cos, sin)`` rotates one
+tensor. Everything is computed in fp32 and rounded once, at the output; eager bf16 code rounds
+``x * cos``, ``rotate_half(x) * sin`` and their sum, so the fused result is at least as accurate.
+
+Memory traffic (the roofline): forward reads x and writes y (N*D each, N rows of every tensor), and reads
+cos and sin once per row (2*N*R, mostly from cache: they broadcast over heads). Backward reads dy, cos,
+sin and writes dx. Nothing is saved for backward but cos and sin (which the graph holds anyway): the
+backward is the rotation by -theta and needs no activation.
+
+Backward derivation. Per row, with halves ``x = [x1, x2]`` (R/2 each) and ``c = [c1, c2]``, ``s = [s1, s2]``
+(no assumption that the halves of c or s are equal, so any cos/sin tensor is handled exactly)::
+
+    y1 = x1*c1 - x2*s1                 y2 = x2*c2 + x1*s2
+    dx1 = dy1*c1 + dy2*s2              dx2 = dy2*c2 - dy1*s1
+    i.e. dx = dy*c + rotate_half^T(dy*s),   rotate_half^T(v) = cat((v2, -v1), -1) = -rotate_half(v)
+
+which for the standard tables (c1 = c2 = cos(theta), s1 = s2 = sin(theta)) is the rotation by -theta.
+The pass-through dims copy dy. cos and sin get no gradient: they come from position ids and a frozen
+``inv_freq`` buffer in every model we know of; the pass refuses a site whose cos or sin requires grad,
+and the op's backward raises rather than return a silently missing gradient.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend_choice import use_triton
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# q/k are addressed as [n0, n1, n2, D] with arbitrary strides (a transposed projection view is read in
+# place); tensors of fewer dims are padded with leading 1s.
+MAX_DIMS = 4
+
+
+@triton.jit
+def _rope_block(
+    p_x, p_cos, p_sin, p_y, i_blk,
+    n_rows, n1, n2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
+    half, n_pass,
+    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Rotate BLOCK_M rows of one tensor: rows are (i0, i1, i2) of x's leading dims, y is contiguous."""
+    o_m = (i_blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_m = o_m < n_rows
+    i2 = o_m % n2
+    i1 = (o_m // n2) % n1
+    i0 = o_m // (n2 * n1)
+    o_x = (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
+    o_c = (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None]
+    o_s = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None]
+    o_y = (o_m * (2 * half + n_pass))[:, None]
+    o_h = tl.arange(0, BLOCK_H)[None, :]
+    m_mh = m_m[:, None] & (o_h < half)
+    b_x1 = tl.load(p_x + o_x + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    b_x2 = tl.load(p_x + o_x + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    b_c1 = tl.load(p_cos + o_c + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    b_c2 = tl.load(p_cos + o_c + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    b_s1 = tl.load(p_sin + o_s + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    b_s2 = tl.load(p_sin + o_s + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    if BACKWARD:
+        b_y1 = b_x1 * b_c1 + b_x2 * b_s2
+        b_y2 = b_x2 * b_c2 - b_x1 * b_s1
+    else:
+        b_y1 = b_x1 * b_c1 - b_x2 * b_s1
+        b_y2 = b_x2 * b_c2 + b_x1 * b_s2
+    tl.store(p_y + o_y + o_h, b_y1.to(p_y.dtype.element_ty), mask=m_mh)
+    tl.store(p_y + o_y + half + o_h, b_y2.to(p_y.dtype.element_ty), mask=m_mh)
+    if HAS_PASS:
+        o_p = tl.arange(0, BLOCK_P)[None, :]
+        m_mp = m_m[:, None] & (o_p < n_pass)
+        b_p = tl.load(p_x + o_x + 2 * half + o_p, mask=m_mp, other=0.0)
+        tl.store(p_y + o_y + 2 * half + o_p, b_p.to(p_y.dtype.element_ty), mask=m_mp)
+
+
+@triton.jit
+def _rope_kernel(
+    p_q, p_k, p_cos, p_sin, p_qo, p_ko,
+    n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
+    n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
+    half, n_pass, n_blocks_q,
+    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    # One launch for q and k: the first n_blocks_q programs take q's rows, the rest k's. The forward
+    # (BACKWARD=False) and the backward (BACKWARD=True, x := dy) differ only in the signs and in which
+    # half of sin pairs with which half of x (module docstring).
+    i_b = tl.program_id(0)
+    if i_b < n_blocks_q:
+        _rope_block(p_q, p_cos, p_sin, p_qo, i_b,
+                    n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
+                    half, n_pass, BACKWARD, HAS_PASS, BLOCK_M, BLOCK_H, BLOCK_P)
+    else:
+        _rope_block(p_k, p_cos, p_sin, p_ko, i_b - n_blocks_q,
+                    n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
+                    half, n_pass, BACKWARD, HAS_PASS, BLOCK_M, BLOCK_H, BLOCK_P)
+
+
+def _out_dtype(x_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
+    """What ``x * cos + rotate_half(x) * sin`` returns in eager PyTorch."""
+    return torch.promote_types(torch.promote_types(x_dtype, cos.dtype), sin.dtype)
+
+
+def _check_inputs(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> None:
+    for t, name in [*((x, "x") for x in xs), (cos, "cos"), (sin, "sin")]:
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"sloth.rope: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if t.device != cos.device:
+            raise ValueError(f"sloth.rope: {name} is on {t.device} but cos is on {cos.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"sloth.rope: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    rot = cos.shape[-1] if cos.dim() else 0
+    if rot == 0 or rot % 2:
+        raise ValueError(f"sloth.rope: the rotary dim (cos's last dim) must be even and positive, got {rot}")
+    for x in xs:
+        if not 1 <= x.dim() <= MAX_DIMS:
+            raise ValueError(f"sloth.rope: x must have 1 to {MAX_DIMS} dims, got {x.dim()}")
+        if cos.dim() > x.dim() or rot > x.shape[-1]:
+            raise ValueError(f"sloth.rope: cos/sin of shape {tuple(cos.shape)} do not fit x of shape {tuple(x.shape)} "
+                             "(rotary dim at most x's last dim, no more dims than x)")
+        try:
+            lead = torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1])
+        except RuntimeError:
+            lead = None
+        if lead != x.shape[:-1]:
+            raise ValueError(f"sloth.rope: cos/sin of shape {tuple(cos.shape)} do not broadcast to x of shape "
+                             f"{tuple(x.shape)} over its leading dims")
+
+
+def _rotate_half(v: torch.Tensor) -> torch.Tensor:
+    h = v.shape[-1] // 2
+    return torch.cat((-v[..., h:], v[..., :h]), -1)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False,
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The op's math in plain PyTorch (fp32, one rounding): the fallback where Triton cannot run.
+
+    ``backward=True`` applies the transpose (module docstring) to ``x`` := dy. Contiguous output.
+    """
+    rot = cos.shape[-1]
+    xf, c, s = x.float(), cos.float(), sin.float()
+    xr = xf[..., :rot]
+    if backward:
+        y = xr * c - _rotate_half(xr * s)
+    else:
+        y = xr * c + _rotate_half(xr) * s
+    y = torch.cat((y, xf[..., rot:]), -1)
+    return y.to(out_dtype or _out_dtype(x.dtype, cos, sin)).contiguous()
+
+
+def _rows_meta(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[int]:
+    """[n_rows, n1, n2, 3 strides of x, of cos, of sin] with cos/sin broadcast to x's leading dims."""
+    pad = (1,) * (MAX_DIMS - x.dim())
+    lead = tuple(x.shape[:-1])
+    x4 = x.view(pad + tuple(x.shape))  # adding leading 1s is a view of any layout
+    c4 = cos.expand(lead + cos.shape[-1:]).view(pad + lead + cos.shape[-1:])
+    s4 = sin.expand(lead + sin.shape[-1:]).view(pad + lead + sin.shape[-1:])
+    n0, n1, n2 = x4.shape[:3]
+    return [n0 * n1 * n2, n1, n2, *x4.stride()[:3], *c4.stride()[:3], *s4.stride()[:3]]
+
+
+def _block_sizes(n_rows: int, half: int, n_pass: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_H, BLOCK_P, num_warps): about 4K elements of x a program, as in the RMSNorm kernel.
+
+    A head of 128 dims takes 32 rows a program; warps follow the Triton tutorials, one per 256 elements.
+    """
+    block_h = triton.next_power_of_2(max(half, 1))
+    block_p = triton.next_power_of_2(max(n_pass, 1))
+    per_row = 2 * block_h + (block_p if n_pass else 0)
+    rows = max(1, 4096 // per_row)
+    block_m = min(triton.next_power_of_2(max(n_rows, 1)), 1 << (rows.bit_length() - 1))  # a power of 2
+    num_warps = min(max(block_m * (2 * block_h) // 256, 1), 8)
+    return block_m, block_h, block_p, num_warps
+
+
+def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dtypes: list[torch.dtype],
+            backward: bool) -> list[torch.Tensor]:
+    """Rotate one or two tensors (q, k) with one cos/sin in one launch; contiguous outputs."""
+    if not use_triton(xs[0]):
+        return [rope_reference(x, cos, sin, backward, dt) for x, dt in zip(xs, out_dtypes)]
+    # The kernel reads unit-stride rows; a transposed projection view ([b, s, h, d] -> [b, h, s, d])
+    # already has them, so this copies only exotic layouts.
+    xs = [x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous() for x in xs]
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    ys = [torch.empty(x.shape, dtype=dt, device=x.device) for x, dt in zip(xs, out_dtypes)]
+    rot, head = cos.shape[-1], xs[0].shape[-1]
+    metas = [_rows_meta(x, cos, sin) for x in xs]
+    n_rows = [m[0] for m in metas]
+    block_m, block_h, block_p, num_warps = _block_sizes(max(n_rows), rot // 2, head - rot)
+    n_blocks = [triton.cdiv(n, block_m) for n in n_rows]
+    if sum(n_blocks) == 0:
+        return ys
+    if len(xs) == 1:  # the k slot gets no programs
+        xs, ys, metas, n_blocks = xs * 2, ys * 2, metas * 2, n_blocks + [0]
+    _rope_kernel[(sum(n_blocks),)](
+        xs[0], xs[1], cos, sin, ys[0], ys[1],
+        *metas[0], *metas[1],
+        rot // 2, head - rot, n_blocks[0],
+        BACKWARD=backward, HAS_PASS=head > rot,
+        BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=num_warps,
+    )
+    return ys[:len(out_dtypes)]
+
+
+def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs((q, k), cos, sin)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"sloth.rope: q and k must have one head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    q_rot, k_rot = _launch([q, k], cos, sin, [_out_dtype(q.dtype, cos, sin), _out_dtype(k.dtype, cos, sin)], False)
+    return q_rot, k_rot
+
+
+def _rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
+              k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs((dq, dk), cos, sin)
+    dq_in, dk_in = _launch([dq, dk], cos, sin, [q_dtype, k_dtype], True)
+    return dq_in, dk_in
+
+
+def _rope_single_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    _check_inputs((x,), cos, sin)
+    return _launch([x], cos, sin, [_out_dtype(x.dtype, cos, sin)], False)[0]
+
+
+def _rope_single_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    _check_inputs((dy,), cos, sin)
+    return _launch([dy], cos, sin, [x_dtype], True)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registration with torch.library: graph citizens with fake implementations and their own backward.
+# ---------------------------------------------------------------------------------------------------
+
+def _no_cos_sin_grad(ctx) -> None:
+    if ctx.needs_input_grad[-2] or ctx.needs_input_grad[-1]:
+        raise RuntimeError("sloth.rope: cos and sin get no gradient from this op (they are position tables); "
+                           "detach them, or leave this RoPE unfused")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.dtypes = (q.dtype, k.dtype)
+    ctx.shapes = (q.shape, k.shape)
+
+
+def _backward(ctx, dq, dk):
+    _no_cos_sin_grad(ctx)
+    cos, sin = ctx.saved_tensors
+    # An output nobody used has no cotangent; its input's gradient is then the rotation of zeros.
+    q_shape, k_shape = ctx.shapes
+    dq = dq if dq is not None else cos.new_zeros(q_shape)
+    dk = dk if dk is not None else cos.new_zeros(k_shape)
+    dq_in, dk_in = torch.ops.sloth.rope_backward(dq, dk, cos, sin, *ctx.dtypes)
+    return dq_in, dk_in, None, None
+
+
+def _setup_context_single(ctx, inputs, output) -> None:
+    x, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.dtype = x.dtype
+
+
+def _backward_single(ctx, dy):
+    _no_cos_sin_grad(ctx)
+    cos, sin = ctx.saved_tensors
+    return torch.ops.sloth.rope_single_backward(dy, cos, sin, ctx.dtype), None, None
+
+
+@functools.cache
+def register() -> None:
+    """Define ``sloth::rope``, ``sloth::rope_single`` and their backward ops (idempotent)."""
+    fwd = torch.library.custom_op("sloth::rope", mutates_args=())(_rope_fwd)
+    bwd = torch.library.custom_op("sloth::rope_backward", mutates_args=())(_rope_bwd)
+    fwd1 = torch.library.custom_op("sloth::rope_single", mutates_args=())(_rope_single_fwd)
+    bwd1 = torch.library.custom_op("sloth::rope_single_backward", mutates_args=())(_rope_single_bwd)
+
+    @fwd.register_fake
+    def _(q, k, cos, sin):
+        return q.new_empty(q.shape, dtype=_out_dtype(q.dtype, cos, sin)), \
+            k.new_empty(k.shape, dtype=_out_dtype(k.dtype, cos, sin))
+
+    @bwd.register_fake
+    def _(dq, dk, cos, sin, q_dtype, k_dtype):
+        return dq.new_empty(dq.shape, dtype=q_dtype), dk.new_empty(dk.shape, dtype=k_dtype)
+
+    @fwd1.register_fake
+    def _(x, cos, sin):
+        return x.new_empty(x.shape, dtype=_out_dtype(x.dtype, cos, sin))
+
+    @bwd1.register_fake
+    def _(dy, cos, sin, x_dtype):
+        return dy.new_empty(dy.shape, dtype=x_dtype)
+
+    fwd.register_autograd(_backward, setup_context=_setup_context)
+    fwd1.register_autograd(_backward_single, setup_context=_setup_context_single)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by the same cos/sin in one launch; see the module docstring for the exact math."""
+    register()
+    return torch.ops.sloth.rope(q, k, cos, sin)
+
+
+def rope_single(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate one tensor; see the module docstring for the exact math."""
+    register()
+    return torch.ops.sloth.rope_single(x, cos, sin)

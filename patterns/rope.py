@@ -1,0 +1,313 @@
+"""RoPE family (``"rope"`` in the report): the pattern, its variants, its guard, its replacement.
+
+The meaning, as plain PyTorch (these functions are also the test oracle and the eager benchmark
+baseline)::
+
+    rope_rotate_half_pattern(q, k, cos, sin)   transformers' apply_rotary_pos_emb (Llama, Mistral, Qwen,
+                                               Gemma, Phi3): cos/sin [b, s, d] unsqueezed over heads
+    rope_single_pattern(x, cos, sin)           one tensor: x * cos + rotate_half(x) * sin
+    partial_rope_pattern(q, k, cos, sin)       Phi/StableLM/GPT-NeoX: rotate the first r = cos.shape[-1]
+                                               dims, pass the rest through
+
+Variants matched on the canonical graph (see compiler/canonicalize.py), whatever module wrote them:
+
+    rh  = cat([neg(narrow(x, -1, d/2, d/2)), narrow(x, -1, 0, d/2)], -1)   x[..., :d/2] slices, chunk,
+                                                                         split and narrow all end here
+    out = add(mul(x, cos), mul(rh, sin))          any operand order; cos/sin any tensors that broadcast
+                                                  over x's leading dims ([b, h, s, d], [b, s, h, d], a
+                                                  [s, d] table, ...) with last dim d
+    partial rotary: x = narrow(X, -1, 0, r) (or X itself), and out's only user is
+                    cat([out, narrow(X, -1, r, D - r)], -1): the site becomes X -> that cat
+
+Two sites rotated by the same cos and sin nodes (q and k of one attention) become one
+``torch.ops.sloth.rope(q, k, cos, sin)`` launch; a site without a partner becomes
+``torch.ops.sloth.rope_single(x, cos, sin)`` (lowering/rope.py). The op computes in fp32 and rounds once,
+and handles any cos/sin values exactly (it never assumes their halves are equal), so it is at least as
+accurate as every variant above. Anything else says no and leaves the graph as it was: a rotation with
+the wrong sign or swapped halves, a rotate_half over another dim, cos/sin that do not broadcast to x or
+that require grad, float64, intermediates read by someone else.
+
+Knowingly left unmatched (no rejection, no wrong match): interleaved RoPE (GPT-J/Cohere even/odd
+``stack((-x2, x1), -1).flatten(-2)``), complex RoPE (``view_as_complex(x) * freqs_cis``, Llama-1/Meta
+style), and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))`` spelling: none of them has the
+``x * cos + rotate_half(x) * sin`` shape this pass anchors on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from ..compiler.fx_utils import (insert_call, is_call, module_path, same_shape, same_size, single_user,
+                                 source_location, tensor_of)
+from ..compiler.report import Rejection, Report, Site
+
+FAMILY = "rope"
+
+
+def _lowering():
+    """The kernel module, imported on first use (see patterns/rms_norm.py: importing triton must wait
+    until a script has had the chance to set TRITON_INTERPRET)."""
+    from ..lowering import rope
+
+    return rope
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotates half the hidden dims of the input (transformers' spelling)."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_single_pattern(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of one tensor; cos/sin broadcast to x."""
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def rope_rotate_half_pattern(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb: cos/sin [b, s, d] unsqueezed over the heads dim of q and k."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return rope_single_pattern(q, cos, sin), rope_single_pattern(k, cos, sin)
+
+
+def partial_rope_pattern(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi/StableLM/GPT-NeoX partial rotary: the first ``cos.shape[-1]`` dims rotate, the rest pass."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    q_rot, q_pass = q[..., :r], q[..., r:]
+    k_rot, k_pass = k[..., :r], k[..., r:]
+    return (torch.cat([rope_single_pattern(q_rot, cos, sin), q_pass], dim=-1),
+            torch.cat([rope_single_pattern(k_rot, cos, sin), k_pass], dim=-1))
+
+
+@dataclasses.dataclass
+class RopeMatch:
+    """A matched site: ``out``'s value equals ``sloth.rope_single(x, cos, sin)``; ``anchor`` is the add."""
+    x: fx.Node
+    cos: fx.Node
+    sin: fx.Node
+    out: fx.Node
+    anchor: fx.Node
+
+
+def _narrow_part(node: Any) -> Optional[tuple[bool, fx.Node, int, int, int]]:
+    """(negated, x, dim, start, length) for ``narrow(x, ...)`` or ``neg(narrow(x, ...))``; else None."""
+    negated = is_call(node, torch.neg)
+    if negated:
+        node = node.args[0]
+    if not is_call(node, torch.narrow):
+        return None
+    x, dim, start, length = node.args
+    return negated, x, dim, start, length
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """True when a and b are one node, or equal ``narrow`` views of one tensor (``q[..., :r]`` written twice)."""
+    if a is b:
+        return True
+    return is_call(a, torch.narrow) and is_call(b, torch.narrow) and a.args[1:] == b.args[1:] \
+        and _same_view(a.args[0], b.args[0])
+
+
+def _rotation_of(rh: Any, x: fx.Node) -> Union[bool, str]:
+    """True when ``rh`` is rotate_half(x); a reason when it is a cat of two slices of x that is not;
+    False when it has nothing to do with x."""
+    if not is_call(rh, torch.cat) or len(rh.args[0]) != 2:
+        return False
+    parts = [_narrow_part(p) for p in rh.args[0]]
+    if any(p is None or not _same_view(p[1], x) for p in parts):
+        return False
+    d = tensor_of(x).shape[-1]
+    dims = {rh.args[1], *(p[2] for p in parts)}
+    if dims != {-1}:
+        return f"the rotation concatenates slices over dim {sorted(dims)[0]}, not the last (head) dim"
+    if not isinstance(d, int) or d % 2:
+        return f"the head dim {d} is not a static even size"
+    h = d // 2
+    if [p[0] for p in parts] == [True, False] and [p[3:] for p in parts] == [(h, h), (0, h)]:
+        return True
+    text = ", ".join(f"{'-' if p[0] else ''}x[..., {p[3]}:{p[3] + p[4]}]" for p in parts)
+    return f"cat(({text})) is not rotate_half(x) = cat((-x[..., {h}:{d}], x[..., 0:{h}])) (wrong sign or halves)"
+
+
+def _other(mul: fx.Node, node: Any) -> Any:
+    a, b = mul.args
+    return b if a is node else a
+
+
+def _match_add(add: fx.Node) -> Union[RopeMatch, str, None]:
+    """Match ``x * cos + rotate_half(x) * sin`` at an add. None: not RoPE-shaped; str: a near-miss."""
+    a, b = add.args
+    if not (is_call(a, torch.mul) and is_call(b, torch.mul)):
+        return None
+    found: Union[RopeMatch, str, None] = None
+    for plain, rotated in ((a, b), (b, a)):
+        for x in plain.args:
+            if tensor_of(x) is None or not isinstance(x, fx.Node) or tensor_of(x).dim() == 0:
+                continue
+            for rh in rotated.args:
+                verdict = _rotation_of(rh, x)
+                if verdict is True:
+                    return _guard(RopeMatch(x, _other(plain, x), _other(rotated, rh), add, add), plain, rotated, rh)
+                if isinstance(verdict, str):
+                    found = verdict
+    return found
+
+
+def _guard(m: RopeMatch, plain: fx.Node, rotated: fx.Node, rh: fx.Node) -> Union[RopeMatch, str]:
+    """Dtypes, shapes and users around a RoPE-shaped site; extends it over a partial-rotary cat."""
+    xt, ct, st = tensor_of(m.x), tensor_of(m.cos), tensor_of(m.sin)
+    if ct is None or st is None:
+        return "cos or sin is not a tensor"
+    parts = [p.args[0] if is_call(p, torch.neg) else None for p in rh.args[0]]
+    inner = [rh, *rh.args[0], *(p for p in parts if p is not None)]
+    if len(plain.users) != 1 or len(rotated.users) != 1 or any(len(n.users) != 1 for n in inner):
+        return "an intermediate (x * cos, rotate_half(x), its halves) has other users, so it cannot be fused away"
+    dtypes = {xt.dtype, ct.dtype, st.dtype}
+    if not dtypes <= set(_KERNEL_DTYPES):
+        return f"computes in {sorted(str(d)[6:] for d in dtypes - set(_KERNEL_DTYPES))}; " \
+               "the fused kernel supports float32, bfloat16 and float16"
+    if ct.requires_grad or st.requires_grad:
+        return "cos or sin requires grad; the fused op gives them no gradient"
+    if not 1 <= xt.dim() <= _lowering().MAX_DIMS:
+        return f"x has {xt.dim()} dims; the fused op takes 1 to {_lowering().MAX_DIMS}"
+    if not same_shape(ct, st):
+        return f"cos and sin have different shapes {tuple(ct.shape)} and {tuple(st.shape)}"
+    if ct.dim() > xt.dim() or not same_size(ct.shape[-1], xt.shape[-1]):
+        return f"cos/sin of shape {tuple(ct.shape)} do not match the head dim of x {tuple(xt.shape)}"
+    ot = tensor_of(m.out)
+    if ot is None or not same_shape(ot, xt):
+        return f"cos/sin of shape {tuple(ct.shape)} broadcast x {tuple(xt.shape)} to a larger shape"
+    return _extend_partial(m)
+
+
+def _extend_partial(m: RopeMatch) -> RopeMatch:
+    """``cat([rope(X[..., :r]), X[..., r:]], -1)`` -> the site X -> cat (the kernel passes dims r: through)."""
+    user = single_user(m.out)
+    if not (is_call(user, torch.cat) and user.args[1] == -1 and len(user.args[0]) == 2 and user.args[0][0] is m.out):
+        return m
+    rest = _narrow_part(user.args[0][1])
+    if rest is None or rest[0]:
+        return m
+    _, big, dim, start, length = rest
+    r = tensor_of(m.x).shape[-1]
+    if is_call(m.x, torch.narrow):
+        if m.x.args[:3] != (big, -1, 0):
+            return m
+    elif m.x is not big:
+        return m
+    bt, ut = tensor_of(big), tensor_of(user)
+    if (dim, start) != (-1, r) or not same_size(r + length, bt.shape[-1]) or not same_shape(ut, bt) \
+            or len(user.args[0][1].users) != 1:
+        return m
+    return RopeMatch(big, m.cos, m.sin, user, m.anchor)
+
+
+def _out_value(m: RopeMatch) -> torch.Tensor:
+    """The fake of the op's result: a fresh contiguous tensor of x's shape in the result dtype."""
+    xt = tensor_of(m.x)
+    return xt.new_empty(xt.shape, dtype=tensor_of(m.out).dtype)
+
+
+def _erase_dead(graph: fx.Graph, old: fx.Node, keep: set) -> None:
+    """Erase what fed only the old result, walking back from it (inputs x, cos, sin stay)."""
+    stack = [old]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node.users or node.op != "call_function" or node in keep:
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        seen.add(node)
+        stack += inputs
+
+
+def _replace_single(gm: fx.GraphModule, m: RopeMatch) -> None:
+    fused = insert_call(gm.graph, m.out, torch.ops.sloth.rope_single.default, (m.x, m.cos, m.sin),
+                        meta_from=m.anchor, value=_out_value(m))
+    m.out.replace_all_uses_with(fused)
+    _erase_dead(gm.graph, m.out, {m.x, m.cos, m.sin})
+
+
+def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Node) -> None:
+    graph = gm.graph
+    values = (_out_value(q), _out_value(k))
+    fused = insert_call(graph, before, torch.ops.sloth.rope.default, (q.x, k.x, q.cos, q.sin),
+                        meta_from=q.anchor, value=values)
+    for i, m in enumerate((q, k)):
+        item = insert_call(graph, before, operator.getitem, (fused, i), meta_from=m.anchor,
+                           value=values[i])
+        m.out.replace_all_uses_with(item)
+    for m in (q, k):
+        _erase_dead(graph, m.out, {q.x, k.x, q.cos, q.sin})
+
+
+def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
+    report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
+
+
+def _detail(ms: Sequence[RopeMatch]) -> str:
+    xt, ct = tensor_of(ms[0].x), tensor_of(ms[0].cos)
+    rot = f", rotary {ct.shape[-1]} of {xt.shape[-1]}" if not same_size(ct.shape[-1], xt.shape[-1]) else ""
+    which = "q+k" if len(ms) == 2 else "one tensor"
+    return f"{which}, head_dim {xt.shape[-1]}{rot}, {xt.dtype} -> {tensor_of(ms[0].out).dtype}".replace("torch.", "")
+
+
+def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+    """Replace every rotate-half RoPE in the canonical graph with ``torch.ops.sloth.rope`` (q and k together).
+
+    before:  rh_q = cat([neg(narrow(q, -1, 8, 8)), narrow(q, -1, 0, 8)], -1); q_out = q * cos + rh_q * sin
+             (the same for k with the same cos and sin)
+    after:   qk = sloth.rope(q, k, cos, sin); q_out = qk[0]; k_out = qk[1]
+    """
+    _lowering().register()
+    matches: list[RopeMatch] = []
+    for node in list(gm.graph.nodes):
+        if not is_call(node, torch.add):
+            continue
+        found = _match_add(node)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            _reject(report, node, found)
+            continue
+        matches.append(found)
+
+    # q and k of one attention share their cos and sin nodes; pair them in graph order. The pair's node
+    # goes where the earlier result was, which needs every input of both to be defined before it, and
+    # one launch needs one head dim (partial rotary passes the same number of dims through).
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict[tuple[fx.Node, fx.Node], list[RopeMatch]] = {}
+    for m in matches:
+        groups.setdefault((m.cos, m.sin), []).append(m)
+    for group in groups.values():
+        while group:
+            first = group.pop(0)
+            partner = None
+            if group and same_size(tensor_of(first.x).shape[-1], tensor_of(group[0].x).shape[-1]):
+                before = min(first.out, group[0].out, key=order.__getitem__)
+                if all(order[n] < order[before] for n in (first.x, group[0].x, first.cos, first.sin)):
+                    partner = group.pop(0)
+            if partner is not None:
+                _replace_pair(gm, first, partner, before)
+                report.replaced(Site(FAMILY, "sloth.rope", module_path(first.anchor), source_location(first.anchor),
+                                     _detail([first, partner])))
+            else:
+                _replace_single(gm, first)
+                report.replaced(Site(FAMILY, "sloth.rope_single", module_path(first.anchor),
+                                     source_location(first.anchor), _detail([first])))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

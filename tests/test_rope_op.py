@@ -1,0 +1,286 @@
+"""The fused ops ``sloth.lowering.rope.rope`` (q and k in one launch) and ``rope_single``: forward, dq and dk
+against the pattern functions.
+
+Oracle (STYLE.md, habit 5): ``patterns/rope.py``'s functions run eagerly at the tested dtype are "eager";
+the same functions run on float64 copies of the same values are the reference (they contain no upcast,
+so nothing can silently round the float64 run back to fp32). cos and sin get no gradient (the lowering's
+docstring says why); ``test_cos_sin_gradient_is_refused`` checks that asking for one fails loudly.
+
+Layouts: ``bhsd`` is transformers' q after ``view(b, s, h, d).transpose(1, 2)``, a non-contiguous view;
+``bshd`` keeps heads after the sequence, with cos/sin unsqueezed at dim 2 instead of 1.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sloth.lowering.rope as lowering
+from sloth.lowering.rope import register, rope, rope_single
+from sloth.patterns.rope import partial_rope_pattern, rope_rotate_half_pattern, rope_single_pattern
+from tolerance import assert_close
+
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_inputs(b, hq, hk, s, d, layout, dtype, rot=None, seed=0):
+    """q, k as the attention sees them, cos/sin [b, s, rot] from positions (as transformers computes them),
+    cotangents dq, dk; all rounded to ``dtype``."""
+    g = _gen(seed)
+    rot = rot or d
+    q = torch.randn(b, s, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, s, hk, d, generator=g).to(dtype)
+    if layout == "bhsd":  # the transpose of a projection view: non-contiguous
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    pos = torch.randint(0, 64, (b, s), generator=g).float()
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    dq = torch.randn(q.shape, generator=g).to(dtype)
+    dk = torch.randn(k.shape, generator=g).to(dtype)
+    return q, k, cos, sin, dq, dk
+
+
+def forward_backward(fn, q, k, cos, sin, dq, dk):
+    """(q_out, k_out, dq_in, dk_in) of ``fn(q, k, cos, sin)`` for cotangents dq, dk."""
+    q = q.detach().requires_grad_(True)  # detach, not clone: clone would make a strided view contiguous
+    k = k.detach().requires_grad_(True)
+    qo, ko = fn(q, k, cos, sin)
+    grads = torch.autograd.grad((qo, ko), (q, k), (dq.to(qo.dtype), dk.to(ko.dtype)))
+    return qo.detach(), ko.detach(), *grads
+
+
+def check_against_pattern(ours, pattern, inputs):
+    """Run ``ours`` and ``pattern`` at the inputs' dtype and ``pattern`` in float64; apply the tolerance rule."""
+    actual = forward_backward(ours, *inputs)
+    eager = forward_backward(pattern, *inputs)
+    reference = forward_backward(pattern, *(t.double() for t in inputs))
+    assert reference[0].dtype == torch.float64
+    for name, a, e, r in zip(("q_out", "k_out", "dq", "dk"), actual, eager, reference):
+        assert_close(name, a, e, r)
+    return actual
+
+
+def _unsqueeze(layout: str) -> int:
+    return 1 if layout == "bhsd" else 2
+
+
+def fused_pair(layout):
+    dim = _unsqueeze(layout)
+    return lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(dim), sin.unsqueeze(dim))
+
+
+def fused_singles(layout):
+    dim = _unsqueeze(layout)
+    return lambda q, k, cos, sin: (rope_single(q, cos.unsqueeze(dim), sin.unsqueeze(dim)),
+                                   rope_single(k, cos.unsqueeze(dim), sin.unsqueeze(dim)))
+
+
+def pattern_pair(layout, partial=False):
+    fn = partial_rope_pattern if partial else rope_rotate_half_pattern
+    return lambda q, k, cos, sin: fn(q, k, cos, sin, unsqueeze_dim=_unsqueeze(layout))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward, dq and dk: shapes x layouts x dtypes
+# ---------------------------------------------------------------------------------------------------
+
+# (b, heads of q, heads of k, seq, head_dim, layout)
+SHAPES = [
+    (1, 1, 1, 1, 16, "bhsd"),
+    (2, 3, 1, 7, 64, "bhsd"),
+    (2, 2, 2, 33, 96, "bshd"),
+    (1, 3, 2, 7, 16, "bshd"),
+    (2, 1, 1, 33, 64, "bhsd"),
+]
+
+
+def shape_id(b, hq, hk, s, d, layout) -> str:
+    return f"B{b}-Hq{hq}-Hk{hk}-S{s}-D{d}-{layout}"
+
+
+CASES = [pytest.param(shape, dtype, id=f"{shape_id(*shape)}-{DTYPE_IDS[dtype]}")
+         for shape in SHAPES for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("shape,dtype", CASES)
+def test_pair_matches_pattern(shape, dtype):
+    inputs = make_inputs(*shape, dtype)
+    qo, ko, dq, dk = check_against_pattern(fused_pair(shape[-1]), pattern_pair(shape[-1]), inputs)
+    assert qo.dtype == dtype and dq.dtype == dtype and qo.shape == inputs[0].shape and dk.shape == inputs[1].shape
+    assert qo.is_contiguous() and ko.is_contiguous()
+
+
+@pytest.mark.parametrize("shape,dtype", [CASES[2], CASES[3]])
+def test_single_matches_pattern(shape, dtype):
+    check_against_pattern(fused_singles(shape[-1]), pattern_pair(shape[-1]), make_inputs(*shape, dtype))
+
+
+PARTIAL = [pytest.param((2, 3, 1, 7, 96, "bhsd"), 32, dtype, id=f"B2-Hq3-Hk1-S7-D96-R32-bhsd-{DTYPE_IDS[dtype]}")
+           for dtype in (torch.float32, torch.bfloat16)]
+PARTIAL += [pytest.param((1, 2, 2, 33, 16, "bshd"), 8, torch.float32, id="B1-Hq2-Hk2-S33-D16-R8-bshd-fp32")]
+
+
+@pytest.mark.parametrize("shape,rot,dtype", PARTIAL)
+def test_partial_rotary_matches_pattern(shape, rot, dtype):
+    inputs = make_inputs(*shape, dtype, rot=rot)
+    qo, _, dq, _ = check_against_pattern(fused_pair(shape[-1]), pattern_pair(shape[-1], partial=True), inputs)
+    q, dq_out = inputs[0], inputs[4]
+    assert torch.equal(qo[..., rot:], q[..., rot:]) and torch.equal(dq[..., rot:], dq_out[..., rot:])
+
+
+def test_precomputed_table_broadcasts_over_batch_and_heads():
+    # A [s, d] table (cos_cached[:s]) broadcasts over batch and heads without unsqueeze.
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.float32)
+    cos, sin = cos[0], sin[0]
+    check_against_pattern(rope, lambda q_, k_, c, s: (rope_single_pattern(q_, c, s), rope_single_pattern(k_, c, s)),
+                          (q, k, cos, sin, dq, dk))
+
+
+def test_fp32_tables_with_bf16_inputs_give_fp32_like_eager():
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.bfloat16)
+    cos32, sin32 = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.float32)[2:4]
+    qo, ko, dq_in, dk_in = check_against_pattern(fused_pair("bhsd"), pattern_pair("bhsd"), (q, k, cos32, sin32, dq, dk))
+    assert (qo.dtype, ko.dtype, dq_in.dtype, dk_in.dtype) == (torch.float32, torch.float32, torch.bfloat16,
+                                                              torch.bfloat16)
+
+
+def test_fp16():
+    check_against_pattern(fused_pair("bhsd"), pattern_pair("bhsd"), make_inputs(2, 3, 1, 7, 64, "bhsd", torch.float16))
+
+
+def test_arbitrary_cos_sin_values_are_exact():
+    # The op never assumes the halves of cos/sin are equal: random tables give the pattern's values.
+    q, k, _, _, dq, dk = make_inputs(2, 2, 2, 7, 16, "bhsd", torch.float32)
+    cos, sin = torch.randn(2, 7, 16, generator=_gen(5)), torch.randn(2, 7, 16, generator=_gen(6))
+    check_against_pattern(fused_pair("bhsd"), pattern_pair("bhsd"), (q, k, cos, sin, dq, dk))
+
+
+def test_inputs_are_not_written():
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.bfloat16)
+    before = [t.clone() for t in (q, k, cos, sin, dq, dk)]
+    forward_backward(fused_pair("bhsd"), q, k, cos, sin, dq, dk)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, cos, sin, dq, dk)))
+
+
+def test_unused_output_gets_zero_gradient():
+    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 7, 16, "bhsd", torch.float32)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    qo, _ = rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+    qo.sum().backward()
+    assert k.grad is None or torch.equal(k.grad, torch.zeros_like(k))
+    q_eager = q.detach().requires_grad_(True)
+    rope_single_pattern(q_eager, cos.unsqueeze(1), sin.unsqueeze(1)).sum().backward()
+    torch.testing.assert_close(q.grad, q_eager.grad)
+
+
+def test_cos_sin_gradient_is_refused():
+    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 7, 16, "bhsd", torch.float32)
+    cos = cos.requires_grad_(True)
+    qo, ko = rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+    with pytest.raises(RuntimeError, match="no gradient"):
+        (qo.sum() + ko.sum()).backward()
+
+
+def test_zero_rows():
+    q = torch.randn(0, 2, 7, 16, requires_grad=True)
+    k = torch.randn(0, 1, 7, 16, requires_grad=True)
+    cos, sin = torch.randn(0, 1, 7, 16), torch.randn(0, 1, 7, 16)
+    qo, ko = rope(q, k, cos, sin)
+    (qo.sum() + ko.sum()).backward()
+    assert qo.shape == q.shape and q.grad.shape == q.shape
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input errors
+# ---------------------------------------------------------------------------------------------------
+
+BAD_INPUTS = [
+    pytest.param(lambda: (torch.randn(2, 7, 16), torch.randn(7, 15), torch.randn(7, 15)), ValueError,
+                 r"even", id="odd-rotary-dim"),
+    pytest.param(lambda: (torch.randn(2, 7, 16), torch.randn(7, 32), torch.randn(7, 32)), ValueError,
+                 r"do not fit", id="rotary-over-head-dim"),
+    pytest.param(lambda: (torch.randn(2, 7, 16), torch.randn(5, 16), torch.randn(5, 16)), ValueError,
+                 r"do not broadcast", id="wrong-seq"),
+    pytest.param(lambda: (torch.randn(2, 7, 16), torch.randn(7, 16), torch.randn(7, 8)), ValueError,
+                 r"one shape", id="cos-sin-shapes"),
+    pytest.param(lambda: (torch.randn(2, 7, 16, dtype=torch.float64), torch.randn(7, 16), torch.randn(7, 16)),
+                 TypeError, r"float64", id="x-float64"),
+    pytest.param(lambda: (torch.randn(1, 1, 2, 7, 16), torch.randn(7, 16), torch.randn(7, 16)), ValueError,
+                 r"1 to 4 dims", id="x-5d"),
+]
+
+
+@pytest.mark.parametrize("make,error,message", BAD_INPUTS)
+def test_input_errors_name_the_problem(make, error, message):
+    x, cos, sin = make()
+    with pytest.raises(error, match=message):
+        rope_single(x, cos, sin)
+    with pytest.raises(error, match=message):
+        rope(x, x, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.library registration
+# ---------------------------------------------------------------------------------------------------
+
+OPCHECK_CASES = [
+    pytest.param((2, 3, 1, 7, 16, "bhsd"), torch.float32, None, id="B2-Hq3-Hk1-S7-D16-bhsd-fp32"),
+    pytest.param((1, 2, 2, 5, 16, "bshd"), torch.bfloat16, None, id="B1-Hq2-Hk2-S5-D16-bshd-bf16"),
+    pytest.param((1, 2, 1, 5, 24, "bhsd"), torch.float32, 8, id="B1-Hq2-Hk1-S5-D24-R8-bhsd-fp32"),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,rot", OPCHECK_CASES)
+def test_opcheck(shape, dtype, rot):
+    register()
+    q, k, cos, sin, dq, dk = make_inputs(*shape, dtype, rot=rot)
+    dim = _unsqueeze(shape[-1])
+    cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
+    torch.library.opcheck(torch.ops.sloth.rope.default, (q.requires_grad_(True), k.requires_grad_(True), cos, sin))
+    torch.library.opcheck(torch.ops.sloth.rope_single.default, (q, cos, sin))
+    torch.library.opcheck(torch.ops.sloth.rope_backward.default, (dq, dk, cos, sin, dtype, dtype))
+    torch.library.opcheck(torch.ops.sloth.rope_single_backward.default, (dq, cos, sin, dtype))
+
+
+def test_register_is_idempotent():
+    register()
+    register()
+    assert all(hasattr(torch.ops.sloth, n) for n in ("rope", "rope_backward", "rope_single", "rope_single_backward"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The PyTorch fallback (CPU without the interpreter, other devices)
+# ---------------------------------------------------------------------------------------------------
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("a Triton kernel was launched on the fallback path")
+
+
+def _force_fallback(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(lowering, "use_triton", lambda t: False)
+    mp.setattr(lowering, "_rope_kernel", _NoLaunch())
+
+
+FALLBACK_CASES = [pytest.param(shape, dtype, rot, id=f"{shape_id(*shape)}-R{rot or shape[4]}-{DTYPE_IDS[dtype]}")
+                  for shape, rot in [((2, 3, 1, 7, 16, "bhsd"), None), ((1, 2, 2, 5, 24, "bshd"), 8)]
+                  for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("shape,dtype,rot", FALLBACK_CASES)
+def test_fallback_matches_triton(shape, dtype, rot):
+    inputs = make_inputs(*shape, dtype, rot=rot)
+    for fused in (fused_pair(shape[-1]), fused_singles(shape[-1])):
+        triton_out = forward_backward(fused, *inputs)
+        with pytest.MonkeyPatch.context() as mp:
+            _force_fallback(mp)
+            fallback_out = forward_backward(fused, *inputs)
+        for name, a, b in zip(("q_out", "k_out", "dq", "dk"), fallback_out, triton_out):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
