@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -86,6 +86,27 @@ def insert_call(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple,
             node.meta[key] = src.meta[key]
     set_value(node, compute_value(target, args, kwargs) if value is _UNSET else value)
     return node
+
+
+def replace_and_erase(old: fx.Node, new: fx.Node, keep: Iterable[Any]) -> set[fx.Node]:
+    """Point ``old``'s users at ``new``, then erase what fed only ``old``, walking back from it.
+
+    Nodes in ``keep`` (the fused op's inputs), placeholders and anything impure stay. Returns the
+    erased nodes, so a pass iterating over a snapshot of the graph can skip them.
+    """
+    graph, keep = old.graph, set(keep)
+    old.replace_all_uses_with(new)
+    erased: set[fx.Node] = set()
+    stack = [old]
+    while stack:
+        node = stack.pop()
+        if node in erased or node in keep or node.users or node.op != "call_function" or node.is_impure():
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        stack += inputs
+    return erased
 
 
 def single_user(node: fx.Node) -> Optional[fx.Node]:

@@ -35,7 +35,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import gelu
-from ..compiler.fx_utils import insert_call, is_call, module_path, same_shape, same_size, source_location, tensor_of
+from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
+                                 source_location, tensor_of)
 from ..compiler.report import Rejection, Report, Site
 
 FAMILY = "glu"
@@ -153,24 +154,10 @@ def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
 
 def _replace(gm: fx.GraphModule, m: GluMatch) -> set[fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased."""
-    graph = gm.graph
-    erased: set[fx.Node] = set()
     out = tensor_of(m.out)
-    fused = insert_call(graph, m.out, torch.ops.sloth.glu.default, (m.x, m.up, m.activation), meta_from=m.out,
+    fused = insert_call(gm.graph, m.out, torch.ops.sloth.glu.default, (m.x, m.up, m.activation), meta_from=m.out,
                         value=out.new_empty(out.shape))
-    old = m.out
-    old.replace_all_uses_with(fused)
-    # Erase what fed only the old product, walking back from it (the op's inputs stay).
-    stack = [old]
-    while stack:
-        node = stack.pop()
-        if node in erased or node.users or node.op != "call_function" or node in (m.x, m.up):
-            continue
-        inputs = list(node.all_input_nodes)
-        graph.erase_node(node)
-        erased.add(node)
-        stack += inputs
-    return erased
+    return replace_and_erase(m.out, fused, keep=(m.x, m.up))
 
 
 def fuse_glu_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:

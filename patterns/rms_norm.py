@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, same_shape, same_size,
+from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_shape, same_size,
                                  single_user, source_location, tensor_of, value_of)
 from ..compiler.report import Rejection, Report, Site
 
@@ -223,27 +223,13 @@ def _finish(x: fx.Node, weight: Optional[fx.Node], eps: Union[float, fx.Node], o
 
 def _replace(gm: fx.GraphModule, m: RmsNormMatch) -> set[fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased."""
-    graph = gm.graph
-    erased: set[fx.Node] = set()
     out = tensor_of(m.out)
     # The value is the fake's (a fresh contiguous tensor of x's shape), written here rather than
     # computed by calling the op on fakes: that call would specialise a SymFloat eps into a guard.
-    fused = insert_call(graph, m.out, torch.ops.sloth.rms_norm.default,
+    fused = insert_call(gm.graph, m.out, torch.ops.sloth.rms_norm.default,
                         (m.x, m.weight, m.eps, m.offset, out.dtype), meta_from=m.anchor,
                         value=tensor_of(m.x).new_empty(tensor_of(m.x).shape, dtype=out.dtype))
-    old = m.out
-    old.replace_all_uses_with(fused)
-    # Erase what fed only the old result, walking back from it (inputs x and weight stay).
-    stack = [old]
-    while stack:
-        node = stack.pop()
-        if node in erased or node.users or node.op != "call_function" or node in (m.x, m.weight):
-            continue
-        inputs = list(node.all_input_nodes)
-        graph.erase_node(node)
-        erased.add(node)
-        stack += inputs
-    return erased
+    return replace_and_erase(m.out, fused, keep=(m.x, m.weight))
 
 
 def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:

@@ -41,8 +41,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compiler.fx_utils import (insert_call, is_call, module_path, same_shape, same_size, single_user,
-                                 source_location, tensor_of)
+from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
+                                 single_user, source_location, tensor_of)
 from ..compiler.report import Rejection, Report, Site
 
 FAMILY = "rope"
@@ -220,25 +220,10 @@ def _out_value(m: RopeMatch) -> torch.Tensor:
     return xt.new_empty(xt.shape, dtype=tensor_of(m.out).dtype)
 
 
-def _erase_dead(graph: fx.Graph, old: fx.Node, keep: set) -> None:
-    """Erase what fed only the old result, walking back from it (inputs x, cos, sin stay)."""
-    stack = [old]
-    seen: set[fx.Node] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen or node.users or node.op != "call_function" or node in keep:
-            continue
-        inputs = list(node.all_input_nodes)
-        graph.erase_node(node)
-        seen.add(node)
-        stack += inputs
-
-
 def _replace_single(gm: fx.GraphModule, m: RopeMatch) -> None:
     fused = insert_call(gm.graph, m.out, torch.ops.sloth.rope_single.default, (m.x, m.cos, m.sin),
                         meta_from=m.anchor, value=_out_value(m))
-    m.out.replace_all_uses_with(fused)
-    _erase_dead(gm.graph, m.out, {m.x, m.cos, m.sin})
+    replace_and_erase(m.out, fused, keep=(m.x, m.cos, m.sin))
 
 
 def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Node) -> None:
@@ -246,12 +231,11 @@ def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Nod
     values = (_out_value(q), _out_value(k))
     fused = insert_call(graph, before, torch.ops.sloth.rope.default, (q.x, k.x, q.cos, q.sin),
                         meta_from=q.anchor, value=values)
-    for i, m in enumerate((q, k)):
-        item = insert_call(graph, before, operator.getitem, (fused, i), meta_from=m.anchor,
-                           value=values[i])
-        m.out.replace_all_uses_with(item)
-    for m in (q, k):
-        _erase_dead(graph, m.out, {q.x, k.x, q.cos, q.sin})
+    # Both getitems go in before either old result is erased: ``before`` may be one of them.
+    items = [insert_call(graph, before, operator.getitem, (fused, i), meta_from=m.anchor, value=values[i])
+             for i, m in enumerate((q, k))]
+    for m, item in zip((q, k), items):
+        replace_and_erase(m.out, item, keep=(q.x, k.x, q.cos, q.sin))
 
 
 def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
