@@ -8,7 +8,6 @@ the same function in float64 (the functions here have no fp32 upcasts, so float6
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from typing import Callable, Optional
 
@@ -22,18 +21,15 @@ import sloth
 from sloth.compiler.backend import sloth_backend
 from sloth.compiler.canonicalize import gelu
 from tolerance import assert_close
+from pattern_checks import counting_backend, line_of, params_of, seeded
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 N = 48  # the inner (intermediate) size of most cases
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def _tensor(shape, dtype, ref: bool, *, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
     """Seeded values rounded to ``dtype``; for the reference, those same values in float64."""
-    v = (torch.randn(shape, generator=_gen(seed)) * scale).to(dtype)
+    v = (torch.randn(shape, generator=seeded(seed)) * scale).to(dtype)
     return v.double() if ref else v
 
 
@@ -219,24 +215,20 @@ def forward_backward(fn: Callable, args: list[torch.Tensor], params: list[torch.
     """[out, d(arg) for each float arg, d(param) for each param] for a seeded cotangent."""
     args = [a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args]
     y = fn(*args)
-    dy = torch.randn(y.shape, generator=_gen(3)).to(dy_dtype or y.dtype).to(y.dtype)
+    dy = torch.randn(y.shape, generator=seeded(3)).to(dy_dtype or y.dtype).to(y.dtype)
     leaves = [a for a in args if a.requires_grad] + params
     return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
-
-
-def _params(fn: Callable) -> list[torch.Tensor]:
-    return list(fn.parameters()) if isinstance(fn, nn.Module) else []
 
 
 def check_case(case: Case, dtype: torch.dtype, inner: str = "eager", **compile_kwargs) -> sloth.Report:
     """Compile, check the count (and rejection), and compare output and gradients with eager."""
     fn, args = case.make(dtype, False)
-    eager = forward_backward(fn, args, _params(fn))
+    eager = forward_backward(fn, args, params_of(fn))
     fn, args = case.make(dtype, True)
-    reference = forward_backward(fn, args, _params(fn), dy_dtype=eager[0].dtype)
+    reference = forward_backward(fn, args, params_of(fn), dy_dtype=eager[0].dtype)
     fn, args = case.make(dtype, False)
     compiled = torch.compile(fn, backend="sloth", options={"inner": inner}, **{"fullgraph": True, **compile_kwargs})
-    actual = forward_backward(compiled, args, _params(fn))
+    actual = forward_backward(compiled, args, params_of(fn))
     report = sloth.last_report()
     assert report is not None
     if case.count is not None:
@@ -444,17 +436,10 @@ def test_the_family_can_be_switched_off():
     assert sloth.last_report().counts == {"glu": 1}
 
 
-def _counting_backend(calls: list, inner: str):
-    def backend(gm, example_inputs):
-        calls.append(gm)
-        return sloth_backend(gm, example_inputs, options={"inner": inner})
-    return backend
-
-
 @pytest.mark.parametrize("fn", [swiglu, merged_chunk], ids=["split", "merged"])
 def test_mark_dynamic_rows_no_recompile(fn):
     calls: list = []
-    compiled = torch.compile(fn, backend=_counting_backend(calls, "aot_eager"))
+    compiled = torch.compile(fn, backend=counting_backend(calls, "aot_eager"))
     for rows in (5, 9):
         args = [torch.randn(rows, 2 * N if fn is merged_chunk else N, dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(1 if fn is merged_chunk else 2)]
@@ -478,14 +463,6 @@ def test_dynamic_true_still_fuses():
         assert sloth.last_report().counts == {"glu": 1}, str(sloth.last_report())
 
 
-def _line_of(fn: Callable, needle: str) -> tuple[int, str]:
-    lines, start = inspect.getsourcelines(fn)
-    for i, line in enumerate(lines):
-        if needle in line:
-            return start + i, line.strip()
-    raise AssertionError(f"{needle!r} not in {fn.__name__}")
-
-
 def test_report_names_family_module_and_user_source_line():
     torch.compile(Stack(32, N), backend="sloth", options={"inner": "eager"})(torch.randn(2, 3, 32))
     report = sloth.last_report()
@@ -493,14 +470,14 @@ def test_report_names_family_module_and_user_source_line():
     assert "glu: 3" in text and "sloth.glu" in text
     assert [s.module for s in report.sites if s.family == "glu"] == ["mlps.0", "mlps.1", "mlps.2"], text
     for cls, needle in ((GatedMLP, "self.act_fn"), (MergedMLP, "up * self.activation_fn(gate)")):
-        lineno, code = _line_of(cls.forward, needle)
+        lineno, code = line_of(cls.forward, needle)
         assert f"test_glu_pattern.py:{lineno}" in text and code in text, text
 
 
 def test_report_lists_rejections_with_reason_and_line():
     torch.compile(activation_reused, backend="sloth", options={"inner": "eager"})(torch.randn(3, N), torch.randn(3, N))
     text = str(sloth.last_report())
-    lineno, _ = _line_of(activation_reused, "a = F.silu(g)")  # the activation, which has the other users
+    lineno, _ = line_of(activation_reused, "a = F.silu(g)")  # the activation, which has the other users
     assert "nothing replaced" in text and "other users" in text
     assert f"test_glu_pattern.py:{lineno}" in text, text
 

@@ -9,7 +9,6 @@ fp64 run would silently round through fp32 and be no better than eager).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from typing import Callable, Optional, Union
 
@@ -22,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 import sloth
 from sloth.compiler.backend import sloth_backend
 from tolerance import assert_close
+from pattern_checks import counting_backend, line_of, params_of, seeded
 
 FP32_EPS = torch.finfo(torch.float32).eps
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -51,13 +51,9 @@ class _StayFloat64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def _tensor(shape, dtype, ref: bool, *, scale: float = 1.0, shift: float = 0.0, seed: int = 0) -> torch.Tensor:
     """Seeded values rounded to ``dtype``; for the reference, those same values in float64."""
-    v = (torch.randn(shape, generator=_gen(seed)) * scale + shift).to(dtype)
+    v = (torch.randn(shape, generator=seeded(seed)) * scale + shift).to(dtype)
     return v.double() if ref else v
 
 
@@ -219,7 +215,7 @@ def module_case(id: str, factory: Callable[[], nn.Module], shape=(2, 3, 64), *, 
         module = factory()
         with torch.no_grad():
             for i, p in enumerate(module.parameters()):
-                p.copy_(torch.randn(p.shape, generator=_gen(10 + i)) * 0.5 + 1.0)
+                p.copy_(torch.randn(p.shape, generator=seeded(10 + i)) * 0.5 + 1.0)
         module = module.to(dtype)
         if ref:
             module = module.double()
@@ -232,25 +228,21 @@ def forward_backward(fn: Callable, args: list[torch.Tensor], params: list[torch.
     """[out, d(arg) for each float arg, d(param) for each param] for a seeded cotangent."""
     args = [a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args]
     y = fn(*args)
-    dy = torch.randn(y.shape, generator=_gen(3)).to(dy_dtype or y.dtype).to(y.dtype)
+    dy = torch.randn(y.shape, generator=seeded(3)).to(dy_dtype or y.dtype).to(y.dtype)
     leaves = [a for a in args if a.requires_grad] + params
     return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
-
-
-def _params(fn: Callable) -> list[torch.Tensor]:
-    return list(fn.parameters()) if isinstance(fn, nn.Module) else []
 
 
 def check_case(case: Case, dtype: torch.dtype, inner: str = "eager", **compile_kwargs) -> sloth.Report:
     """Compile, check the count (and rejection), and compare output and gradients with eager."""
     fn, args = case.make(dtype, False)
-    eager = forward_backward(fn, args, _params(fn))
+    eager = forward_backward(fn, args, params_of(fn))
     fn, args = case.make(dtype, True)
     with _StayFloat64():
-        reference = forward_backward(fn, args, _params(fn), dy_dtype=eager[0].dtype)
+        reference = forward_backward(fn, args, params_of(fn), dy_dtype=eager[0].dtype)
     fn, args = case.make(dtype, False)
     compiled = torch.compile(fn, backend="sloth", options={"inner": inner}, **{"fullgraph": True, **compile_kwargs})
-    actual = forward_backward(compiled, args, _params(fn))
+    actual = forward_backward(compiled, args, params_of(fn))
     report = sloth.last_report()
     assert report is not None
     if case.count is not None:
@@ -578,17 +570,10 @@ def test_no_grad_inference(inner):
     assert_close("out", out, eager, ref)
 
 
-def _counting_backend(calls: list, inner: str):
-    def backend(gm, example_inputs):
-        calls.append(gm)
-        return sloth_backend(gm, example_inputs, options={"inner": inner})
-    return backend
-
-
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_mark_dynamic_batch_no_recompile(inner):
     calls: list = []
-    compiled = torch.compile(llama_norm, backend=_counting_backend(calls, inner))
+    compiled = torch.compile(llama_norm, backend=counting_backend(calls, inner))
     w = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
     for rows in (5, 9):
         x = torch.randn(rows, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -608,7 +593,7 @@ def test_mark_dynamic_batch_no_recompile(inner):
 
 def test_dynamic_true_no_recompile_and_correct():
     calls: list = []
-    compiled = torch.compile(llama_norm, backend=_counting_backend(calls, "eager"), dynamic=True)
+    compiled = torch.compile(llama_norm, backend=counting_backend(calls, "eager"), dynamic=True)
     w = torch.randn(64)
     for rows in (5, 9):
         x = torch.randn(rows, 64)
@@ -641,7 +626,7 @@ def test_eps_argument_values_are_honoured(inner):
 
 def test_eps_argument_does_not_recompile_per_value():
     calls: list = []
-    compiled = torch.compile(norm_with_eps, backend=_counting_backend(calls, "eager"))
+    compiled = torch.compile(norm_with_eps, backend=counting_backend(calls, "eager"))
     x, w = torch.randn(3, 64), torch.randn(64)
     for eps in (1e-6, 1e-5, 1e-4, 1e-3, 1e-2):
         compiled(x, w, eps)
@@ -652,18 +637,10 @@ def test_eps_argument_does_not_recompile_per_value():
 # Report, explain, profiler
 # ---------------------------------------------------------------------------------------------------
 
-def _line_of(fn: Callable, needle: str) -> tuple[int, str]:
-    lines, start = inspect.getsourcelines(fn)
-    for i, line in enumerate(lines):
-        if needle in line:
-            return start + i, line.strip()
-    raise AssertionError(f"{needle!r} not in {fn.__name__}")
-
-
 def test_report_names_family_and_user_source_line():
     torch.compile(llama_norm, backend="sloth", options={"inner": "eager"})(torch.randn(3, 64), torch.randn(64))
     text = str(sloth.last_report())
-    lineno, code = _line_of(llama_norm, "torch.rsqrt")
+    lineno, code = line_of(llama_norm, "torch.rsqrt")
     assert "rms_norm: 1" in text and "sloth.rms_norm" in text
     assert f"test_rms_norm_pattern.py:{lineno}" in text and code in text, text
 
@@ -673,7 +650,7 @@ def test_report_points_past_torch_frames_to_the_module_user():
     torch.compile(block, backend="sloth", options={"inner": "eager"})(torch.randn(2, 3, 64))
     report = sloth.last_report()
     text = str(report)
-    lineno, code = _line_of(Block.forward, "self.input_layernorm(x)")
+    lineno, code = line_of(Block.forward, "self.input_layernorm(x)")
     assert f"test_rms_norm_pattern.py:{lineno}" in text and code in text, text
     assert sorted(s.module for s in report.sites) == ["input_layernorm", "post_attention_layernorm"]
 
@@ -681,7 +658,7 @@ def test_report_points_past_torch_frames_to_the_module_user():
 def test_report_lists_rejections_with_reason_and_line():
     torch.compile(mean_over_dim0, backend="sloth", options={"inner": "eager"})(torch.randn(3, 64), torch.randn(64))
     text = str(sloth.last_report())
-    lineno, _ = _line_of(mean_over_dim0, "torch.rsqrt")
+    lineno, _ = line_of(mean_over_dim0, "torch.rsqrt")
     assert "nothing replaced" in text and "not the last dimension" in text
     assert f"test_rms_norm_pattern.py:{lineno}" in text, text
 

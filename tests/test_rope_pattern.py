@@ -13,7 +13,6 @@ transposed view) and cos/sin inside the graph, as transformers' attention does.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Callable, Optional
 
 import pytest
@@ -23,14 +22,11 @@ import sloth
 from sloth.compiler.backend import sloth_backend
 from sloth.patterns.rope import rotate_half
 from tolerance import assert_close
+from pattern_checks import line_of, seeded
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 B, S, D = 2, 7, 16
 HQ, HK = 3, 1
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,7 +165,7 @@ class Case:
 
 
 def make_args(case: Case, dtype: torch.dtype, ref: bool, seq: int = S) -> list:
-    g = _gen(1)
+    g = seeded(1)
     qp = torch.randn(B, seq, HQ * D, generator=g).to(dtype)
     kp = torch.randn(B, seq, HK * D, generator=g).to(dtype)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
@@ -189,7 +185,7 @@ def forward_backward(fn: Callable, args: list, dtype: torch.dtype) -> list[torch
     args = [a.detach().requires_grad_(i < 2) for i, a in enumerate(args)]
     outs = fn(*args)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    g = _gen(3)
+    g = seeded(3)
     cots = [torch.randn(o.shape, generator=g).to(dtype).to(o.dtype) for o in outs]
     return [o.detach() for o in outs] + list(torch.autograd.grad(outs, args[:2], cots, materialize_grads=True))
 
@@ -301,7 +297,7 @@ def over_seq_dim(x):
 
 
 def rotate_half_also_returned(qp, kp, inv_freq, pos):
-    q, k = heads(qp, HQ), heads(kp, HK)
+    q = heads(qp, HQ)
     cos, sin = cos_sin(inv_freq, pos, qp.dtype)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rq = rotate_half(q)
@@ -424,18 +420,10 @@ def test_patterns_option_disables_the_family():
     assert report.counts.get("rope", 0) == 0 and "rope" in report.disabled
 
 
-def _line_of(fn: Callable, needle: str) -> tuple[int, str]:
-    lines, start = inspect.getsourcelines(fn)
-    for i, line in enumerate(lines):
-        if needle in line:
-            return start + i, line.strip()
-    raise AssertionError(f"{needle!r} not in {fn.__name__}")
-
-
 def test_report_names_family_and_user_source_line():
     torch.compile(LLAMA, backend="sloth", options={"inner": "eager"})(*make_args(MATCHES[0], torch.float32, False))
     text = str(sloth.last_report())
-    lineno, code = _line_of(make_llama, "q_embed = (q * cos)")
+    lineno, code = line_of(make_llama, "q_embed = (q * cos)")
     assert "rope: 1" in text and "sloth.rope" in text and "q+k, head_dim 16" in text
     assert f"test_rope_pattern.py:{lineno}" in text and code in text, text
 
@@ -444,7 +432,7 @@ def test_report_lists_rejections_with_reason_and_line():
     fn = make_single(sign_flipped)
     torch.compile(fn, backend="sloth", options={"inner": "eager"})(*make_args(MATCHES[0], torch.float32, False))
     text = str(sloth.last_report())
-    lineno, _ = _line_of(make_single, "rh(q) * sin")
+    lineno, _ = line_of(make_single, "rh(q) * sin")
     assert "nothing replaced" in text and "wrong sign" in text
     assert f"test_rope_pattern.py:{lineno}" in text, text
 
