@@ -1,0 +1,104 @@
+"""A per-op benchmark harness: providers x modes (fwd, bwd, fwd+bwd) on one set of inputs.
+
+An op here is ``fn(*inputs) -> Tensor or tuple of Tensors``; the inputs that require grad get
+gradients, with fixed random cotangents. For each provider and mode: median ms per call (host
+included, ``common.bench_ms``), GPU kernel ms (``common.kernel_ms``), both as % of the measured copy
+bandwidth over the minimal bytes the caller states, peak memory above the inputs, and the largest
+error of the output (fwd) or the gradients (bwd) against the first provider, relative to its largest
+entry. RMSNorm has its own script (benchmarks/ops/rms_norm.py) with the same columns.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+
+from benchmarks import common
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+COLUMNS = ["shape", "mode", "provider", "ms", "% copy", "x eager", "kernel ms", "kernel % copy", "vs inductor",
+           "peak MiB", "max rel err", "error"]
+
+
+def _outputs(result: Any) -> tuple[torch.Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _grad_inputs(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _rel_err(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(ours, ref))
+
+
+def _case(fn: Callable, inputs: Sequence[Any], mode: str) -> tuple[float, float | None, int | None]:
+    wrt = _grad_inputs(inputs)
+    outs = _outputs(fn(*inputs))
+    dys = [torch.randn_like(o) for o in outs]
+    if mode == "fwd":
+        call: Callable[[], Any] = lambda: fn(*inputs)  # noqa: E731
+    elif mode == "fwd+bwd":
+        call = lambda: torch.autograd.backward(_outputs(fn(*inputs)), dys)  # noqa: E731
+    else:
+        call = lambda: torch.autograd.backward(outs, dys, retain_graph=True)  # noqa: E731
+    call()
+    for t in wrt:
+        t.grad = None
+    peak = common.peak_memory_bytes(call)
+    for t in wrt:
+        t.grad = None
+    ms = common.bench_ms(call, grad_to_none=wrt)
+    kernel = common.kernel_ms(call, grad_to_none=wrt)
+    for t in wrt:
+        t.grad = None
+    return ms, kernel, peak
+
+
+def run(shape: str, providers: dict[str, Callable], inputs: Sequence[Any], nbytes: dict[str, int],
+        copy_gbps: float) -> list[dict[str, Any]]:
+    """Rows for one shape: every provider in every mode (donated buffers off for bwd, as in rms_norm.py)."""
+    rows: list[dict[str, Any]] = []
+    names = list(providers)
+    wrt = _grad_inputs(inputs)
+    with torch.no_grad():
+        ref_out = _outputs(providers[names[0]](*inputs))
+    dys = [torch.randn_like(o) for o in ref_out]
+    ref_grads = torch.autograd.grad(_outputs(providers[names[0]](*inputs)), wrt, dys)
+    for mode in MODES:
+        base: dict[str, float] = {}
+        for name, fn in providers.items():
+            row: dict[str, Any] = {"shape": shape, "mode": mode, "provider": name}
+            try:
+                if mode == "fwd":
+                    with torch.no_grad():
+                        row["max rel err"] = _rel_err(_outputs(fn(*inputs)), ref_out)
+                elif mode == "bwd":
+                    row["max rel err"] = _rel_err(torch.autograd.grad(_outputs(fn(*inputs)), wrt, dys), ref_grads)
+                with torch._functorch.config.patch(donated_buffer=mode != "bwd"):
+                    ms, kernel, peak = _case(fn, inputs, mode)
+            except Exception as exc:  # one broken provider must not hide the others' numbers
+                traceback.print_exc()
+                row["error"] = f"{type(exc).__name__}: {exc}"[:120]
+                rows.append(row)
+                continue
+            base.setdefault(name, kernel or ms)
+            gbps = nbytes[mode] / (ms * 1e-3) / 1e9
+            row.update({"ms": ms, "% copy": 100 * gbps / copy_gbps,
+                        "x eager": (rows_ms(rows, mode, "eager") or ms) / ms,
+                        "kernel ms": kernel,
+                        "kernel % copy": 100 * nbytes[mode] / (kernel * 1e-3) / 1e9 / copy_gbps if kernel else None,
+                        "vs inductor": (base.get("inductor") / kernel) if kernel and "inductor" in base else None,
+                        "peak MiB": peak / common.MiB if peak is not None else None})
+            rows.append(row)
+            print(f"{shape:>28} {mode:<7} {name:<8} {ms:8.4f} ms  kernel {kernel or float('nan'):8.4f} ms", flush=True)
+    return rows
+
+
+def rows_ms(rows: list[dict[str, Any]], mode: str, provider: str) -> float | None:
+    for r in rows:
+        if r["mode"] == mode and r["provider"] == provider and "ms" in r:
+            return r["ms"]
+    return None
