@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
 
+from ..patterns.cross_entropy import fuse_cross_entropy_pass
 from ..patterns.glu import fuse_glu_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
@@ -32,6 +33,7 @@ FAMILY_PASSES: tuple[FamilyPass, ...] = (
     FamilyPass("rms_norm", fuse_rms_norm_pass),
     FamilyPass("rope", fuse_rope_pass),
     FamilyPass("glu", fuse_glu_pass),
+    FamilyPass("cross_entropy", fuse_cross_entropy_pass),
 )
 FAMILIES: tuple[str, ...] = tuple(p.family for p in FAMILY_PASSES)
 

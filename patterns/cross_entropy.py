@@ -1,0 +1,339 @@
+"""Linear + cross-entropy family (``"cross_entropy"`` in the report): the pattern, its variants, its guard,
+its replacement.
+
+The meaning, as plain PyTorch (these functions are also the test oracle and the eager benchmark
+baseline)::
+
+    linear_cross_entropy_pattern(x, w, b, labels, ...)   F.linear, upcast, scale, softcap, F.cross_entropy
+    causal_lm_loss_pattern(h, w, labels, ...)            transformers' ForCausalLMLoss after the lm_head
+
+Variants matched on the canonical graph (see compiler/canonicalize.py), whatever module wrote them:
+
+    l   = linear(x, w, b)  or  x @ w.t() / x @ w.T         x [..., H], w [V, H], b [V] or None
+    z   = chain of single-user steps after l, in order:    casts to float32 (exact widenings), a logit
+                                                           scale (``* s``, ``/ s``), a softcap
+                                                           (``a * tanh(z / d)``, ``tanh(z * k)``, either
+                                                           operand order), and views/reshapes that keep
+                                                           V the last dim, anywhere, ending in [N, V]
+    out = F.cross_entropy(z, labels, ignore_index=ii, reduction=r, label_smoothing=eps), or
+          F.nll_loss(log_softmax(z, -1), labels, ignore_index=ii, reduction=r)  (any log_softmax spelling);
+          labels int64 [N] from any producer (transformers' ``pad(labels, (0, 1), value=-100)[..., 1:]``)
+
+The replacement is ``sloth.linear_cross_entropy(x.flatten(0, -2), w, b, labels, ...)[0]`` (lowering/
+linear_cross_entropy.py), which computes the logits chunk by chunk in fp32 after the matmul, so it is at
+least as accurate as every variant above (a bf16 softcap that eager rounds is exact here); a loss of another
+dtype than float32 is cast back. What follows the loss (``/ num_items_in_batch``) stays in the graph.
+
+Left as it was, with the reason: logits with another user (returned to the caller, as every transformers
+``*ForCausalLM`` does, or logged), class weights (``weight=``), the legacy ``size_average``/``reduce``,
+float64, soft (probability) targets, a cast to a narrower dtype or a second tanh in the logits' chain, a
+non-constant ignore_index or smoothing, a log_softmax over another dim or with other users. Not matched at all (no near-miss): the
+manual ``-log_softmax(z).gather(-1, y)`` form (its ignore_index is a mask written by hand).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..compiler.canonicalize import cast
+from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_size,
+                                 source_location, tensor_of)
+from ..compiler.report import Rejection, Report, Site
+
+FAMILY = "cross_entropy"
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LINEARS = (torch._C._nn.linear, F.linear)
+_CROSS_ENTROPY = (F.cross_entropy,)
+_NLL_LOSS = (F.nll_loss,)
+_VIEW_METHODS = ("view", "reshape", "flatten")
+_VIEW_FUNCTIONS = (torch.reshape, torch.flatten)
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_NLL_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+_CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+                "label_smoothing": 0.0}
+
+
+def _lowering():
+    """The kernel module, imported on first use (see patterns/rms_norm.py for why)."""
+    from ..lowering import linear_cross_entropy
+
+    return linear_cross_entropy
+
+
+def linear_cross_entropy_pattern(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], labels: torch.Tensor,
+                                 ignore_index: int = -100, reduction: str = "mean", softcap: float = 0.0,
+                                 logit_scale: float = 1.0, label_smoothing: float = 0.0) -> torch.Tensor:
+    """The lm_head and its loss: logits in fp32, scaled, softcapped, then ``F.cross_entropy`` over rows."""
+    z = F.linear(x, w, b).float() * logit_scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z.view(-1, z.shape[-1]), labels.view(-1), ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=label_smoothing)
+
+
+def causal_lm_loss_pattern(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                           num_items_in_batch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` after the lm_head: upcast, shift the labels left (padding with
+    -100), ``sum / num_items_in_batch`` when given, else the mean over non-ignored tokens."""
+    logits = F.linear(h, w).float()
+    shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), shift_labels.view(-1), ignore_index=-100,
+                           reduction=reduction)
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+@dataclasses.dataclass
+class CrossEntropyMatch:
+    """A matched site: ``out`` equals ``sloth.linear_cross_entropy(x.flatten(0, -2), w, bias, labels, ...)``."""
+    x: fx.Node
+    w: fx.Node
+    bias: Optional[fx.Node]
+    labels: fx.Node
+    ignore_index: int
+    reduction: str
+    softcap: float
+    logit_scale: float
+    label_smoothing: float
+    out: fx.Node
+
+
+def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
+    report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
+
+
+def _ce_params(node: fx.Node) -> Union[dict[str, Any], str, None]:
+    """The loss's arguments by name, defaults filled in, as F.cross_entropy would take them.
+
+    ``F.nll_loss(log_softmax(z, -1), y, ...)`` is read as ``F.cross_entropy(z, y, ...)``: the same value.
+    None for a spelling it cannot be; str for a manual form that differs (and why).
+    """
+    names = _CE_PARAMS if node.target in _CROSS_ENTROPY else _NLL_PARAMS
+    if len(node.args) > len(names) or set(node.kwargs) - set(names):
+        return None
+    params = dict(_CE_DEFAULTS, **dict(zip(names, node.args)), **node.kwargs)
+    if "input" not in params or "target" not in params:
+        return None
+    if node.target in _NLL_LOSS:
+        logits = _log_softmax_input(params["input"])
+        if not isinstance(logits, fx.Node):
+            return logits
+        params["input"] = logits
+    return params
+
+
+def _log_softmax_input(node: Any) -> Union[fx.Node, str, None]:
+    """z when ``node`` is ``log_softmax(z)`` over the last dim (any spelling) with no other user."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    if node.target not in (F.log_softmax, torch.log_softmax, "log_softmax"):
+        return None
+    params = dict(zip(("input", "dim", "_stacklevel" if node.target is F.log_softmax else "dtype"), node.args),
+                  **node.kwargs)
+    z, zt = params.get("input"), tensor_of(params.get("input"))
+    if zt is None or set(params) - {"input", "dim", "_stacklevel", "dtype"} or _chain_to_linear(z) is None:
+        return None  # not log-probabilities of a linear's logits: not this family
+    if params.get("dtype") not in (None, torch.float32) or zt.dtype not in _KERNEL_DTYPES:
+        return f"log_softmax computes in {params.get('dtype') or zt.dtype}, not float32/bfloat16/float16"
+    if params.get("dim") not in (-1, zt.dim() - 1):
+        return f"log_softmax is over dim {params.get('dim')}, not the vocabulary (last) dim"
+    if len(node.users) != 1:
+        return "the log-probabilities have other users, so they must be materialised"
+    return z
+
+
+def _is_view(node: Any) -> bool:
+    return isinstance(node, fx.Node) and ((node.op == "call_method" and node.target in _VIEW_METHODS)
+                                          or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS))
+
+
+def _transposed_weight(node: Any) -> Optional[fx.Node]:
+    """w when ``node`` is ``w.t()``, ``torch.t(w)`` or ``w.T`` of a 2-D w (a tied head written as a matmul)."""
+    if not isinstance(node, fx.Node) or node.kwargs:
+        return None
+    is_t = ((node.op == "call_method" and node.target == "t" and len(node.args) == 1)
+            or (node.op == "call_function" and node.target is torch.t and len(node.args) == 1)
+            or (node.op == "call_function" and node.target is getattr and node.args[1:] == ("T",)))
+    w = node.args[0] if is_t else None
+    wt = tensor_of(w)
+    return w if wt is not None and wt.dim() == 2 else None
+
+
+def _projection(node: fx.Node) -> Optional[tuple[Any, Any, Any]]:
+    """(x, w, bias) when ``node`` is ``F.linear(x, w, bias)`` or ``x @ w.t()`` (bias None), else None."""
+    if node.op != "call_function":
+        return None
+    if node.target in _LINEARS:
+        largs = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
+        return largs.get("input"), largs.get("weight"), largs.get("bias")
+    if node.target in (operator.matmul, torch.matmul) and len(node.args) == 2 and not node.kwargs:
+        x, w = node.args[0], _transposed_weight(node.args[1])
+        xt = tensor_of(x)
+        if w is not None and xt is not None and xt.dim() >= 2:
+            return x, w, None
+    return None
+
+
+def _chain_to_linear(start: Any) -> Union[tuple[fx.Node, tuple[Any, Any, Any], list[fx.Node]], None]:
+    """(projection node, its (x, w, bias), the steps from it to ``start`` in forward order), or None when
+    ``start`` does not come from a linear through casts, views, scalar multiplies/divides and tanh only."""
+    steps: list[fx.Node] = []
+    node = start
+    while isinstance(node, fx.Node):
+        projection = _projection(node)
+        if projection is not None:
+            return node, projection, steps[::-1]
+        if is_call(node, cast) or _is_view(node) or is_call(node, torch.tanh):
+            steps.append(node)
+            node = node.args[0]
+        elif is_call(node, torch.mul, torch.div):
+            a, b = node.args
+            steps.append(node)
+            if is_number(b) and isinstance(a, fx.Node):
+                node = a
+            elif node.target is torch.mul and is_number(a) and isinstance(b, fx.Node):
+                node = b
+            else:
+                return None
+        else:
+            return None
+    return None
+
+
+def _scale_and_softcap(linear: fx.Node, steps: list[fx.Node], vocab: Any) -> Union[tuple[float, float], str]:
+    """(softcap, logit_scale) of the steps after the linear, or why they are not a scale and a softcap.
+
+    Before the tanh, numbers multiply the logits: ``z = k * l``; after it, ``z = a * tanh(k * l)``, which is
+    ``c * tanh(s * l / c)`` with ``c = a`` and ``s = k * a``.
+    """
+    for node in [linear, *steps]:
+        if len(node.users) != 1:
+            return ("the logits are also returned or used elsewhere, so they must be materialised; fusing "
+                    "such a site (returning the logits too) is not supported yet")
+    before, after, seen_tanh = 1.0, 1.0, False
+    for step in steps:
+        if is_call(step, cast):
+            src, dst = tensor_of(step.args[0]), step.args[1]
+            if src is None or dst != torch.float32 or src.dtype not in _KERNEL_DTYPES:
+                return f"a cast to {dst} in the logits' chain (the fused kernel computes them in float32)"
+        elif _is_view(step):
+            out = tensor_of(step)
+            if out is None or out.dim() < 1 or not same_size(out.shape[-1], vocab):
+                return "a view of the logits moves the vocabulary dimension"
+        elif is_call(step, torch.tanh):
+            if seen_tanh:
+                return "two tanh in the logits' chain"
+            seen_tanh = True
+        else:
+            factor = float(step.args[1] if is_number(step.args[1]) else step.args[0])
+            if factor == 0.0:
+                return "the logits are multiplied or divided by zero"
+            factor = 1.0 / factor if step.target is torch.div else factor
+            if seen_tanh:
+                after *= factor
+            else:
+                before *= factor
+    if seen_tanh:
+        return after, before * after
+    return 0.0, before
+
+
+def _match(ce: fx.Node) -> Union[CrossEntropyMatch, str, None]:
+    """Match around an ``F.cross_entropy`` anchor. None: not fed by a linear; str: a near-miss and why."""
+    params = _ce_params(ce)
+    if not isinstance(params, dict):
+        return params
+    found = _chain_to_linear(params["input"])
+    if found is None:
+        return None  # a loss on logits that do not come from a linear: not this family
+    linear, (x, w, bias), steps = found
+    xt, wt, bt = tensor_of(x), tensor_of(w), tensor_of(bias)
+    zt, yt = tensor_of(params["input"]), tensor_of(params["target"])
+    if xt is None or wt is None or zt is None or yt is None or (bias is not None and bt is None):
+        return "the shapes of the linear or the loss are unknown"
+    if params["weight"] is not None:
+        return "class weights (weight=) are not supported by the fused kernel"
+    if params["size_average"] is not None or params["reduce"] is not None:
+        return "the legacy size_average / reduce arguments are set"
+    if params["reduction"] not in _lowering().REDUCTIONS:
+        return f"reduction {params['reduction']!r} is not one of {_lowering().REDUCTIONS}"
+    if not isinstance(params["ignore_index"], int) or isinstance(params["ignore_index"], bool):
+        return "ignore_index is not a constant integer"
+    if not is_number(params["label_smoothing"]):
+        return "label_smoothing is not a constant number"
+    if wt.dim() != 2 or zt.dim() != 2 or not same_size(zt.shape[-1], wt.shape[0]):
+        return "the loss is not over [N, V] rows of the logits (a K-dimensional loss, or a vocabulary view)"
+    if yt.dtype != torch.int64 or yt.dim() != 1:
+        return f"the targets are {yt.dtype} of {yt.dim()} dims, not int64 class indices per row (soft targets)"
+    if xt.dtype not in _KERNEL_DTYPES or wt.dtype != xt.dtype or (bt is not None and bt.dtype != xt.dtype):
+        return (f"the linear computes in {xt.dtype} x {wt.dtype}; the fused kernel supports float32, bfloat16 "
+                "and float16 with one dtype for input, weight and bias")
+    if tensor_of(ce) is None or tensor_of(ce).dtype not in _KERNEL_DTYPES:
+        return "the loss is not float32, bfloat16 or float16"
+    scaled = _scale_and_softcap(linear, steps, wt.shape[0])
+    if isinstance(scaled, str):
+        return scaled
+    softcap, logit_scale = scaled
+    return CrossEntropyMatch(x, w, bias, params["target"], params["ignore_index"], params["reduction"], softcap,
+                             logit_scale, float(params["label_smoothing"]), ce)
+
+
+def _replace(gm: fx.GraphModule, m: CrossEntropyMatch) -> set[fx.Node]:
+    """Insert the fused node for ``m``; returns the nodes erased."""
+    graph = gm.graph
+    xt, wt, bt = tensor_of(m.x), tensor_of(m.w), tensor_of(m.bias)
+    # flatten, not reshape(-1, H): no size in the arguments, so a symbolic H needs no size node in the graph
+    x2 = m.x if xt.dim() == 2 else insert_call(graph, m.out, torch.flatten, (m.x, 0, -2), meta_from=m.out)
+    x2t = tensor_of(x2)
+    compute_dx = bool(xt.requires_grad)
+    compute_dw = bool(wt.requires_grad or (bt is not None and bt.requires_grad))
+    grads = m.reduction != "none" and (compute_dx or compute_dw)
+    empty = x2t.new_empty(0)
+    value = (x2t.new_empty((x2t.shape[0],) if m.reduction == "none" else (), dtype=torch.float32),
+             x2t.new_empty(x2t.shape) if grads and compute_dx else empty,
+             wt.new_empty(wt.shape) if grads and compute_dw else empty,
+             bt.new_empty(bt.shape) if grads and compute_dw and bt is not None else empty)
+    fused = insert_call(graph, m.out, torch.ops.sloth.linear_cross_entropy.default,
+                        (x2, m.w, m.bias, m.labels, m.ignore_index, m.reduction, m.softcap, m.logit_scale,
+                         m.label_smoothing, compute_dx, compute_dw), meta_from=m.out, value=value)
+    loss = insert_call(graph, m.out, operator.getitem, (fused, 0), meta_from=m.out)
+    out_dtype = tensor_of(m.out).dtype
+    if out_dtype != torch.float32:
+        loss = insert_call(graph, m.out, cast, (loss, out_dtype), meta_from=m.out)
+    return replace_and_erase(m.out, loss, keep=(m.x, m.w, m.bias, m.labels))
+
+
+def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+    """Replace every lm_head + cross-entropy in the canonical graph with ``torch.ops.sloth.linear_cross_entropy``.
+
+    before:  l = linear(h, w, None); z = cast(l, f32).view(-1, V); loss = F.cross_entropy(z, y, ignore_index=-100)
+    after:   loss = sloth.linear_cross_entropy(h.flatten(0, -2), w, None, y, -100, 'mean', 0.0, 1.0, 0.0, ...)[0]
+    """
+    _lowering().register()
+    erased: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node in erased or node.op != "call_function" or node.target not in (*_CROSS_ENTROPY, *_NLL_LOSS):
+            continue
+        found = _match(node)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            _reject(report, node, found)
+            continue
+        detail = (f"{found.reduction}, ignore_index={found.ignore_index}"
+                  + (f", softcap={found.softcap:g}" if found.softcap else "")
+                  + (f", logit_scale={found.logit_scale:g}" if found.logit_scale != 1.0 else "")
+                  + (f", label_smoothing={found.label_smoothing:g}" if found.label_smoothing else "")
+                  + ("" if found.bias is None else ", bias")
+                  + f", V={tensor_of(found.w).shape[0]}, {tensor_of(found.x).dtype}".replace("torch.", ""))
+        erased |= _replace(gm, found)
+        report.replaced(Site(FAMILY, "sloth.linear_cross_entropy", module_path(node), source_location(node), detail))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
