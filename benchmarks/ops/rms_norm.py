@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks import common
+from benchmarks.ops import harness
 
 EPS = 1e-5  # Llama 3's rms_norm_eps
 FP32_BYTES = 4
@@ -96,36 +97,8 @@ def make_inputs(n: int, d: int, dtype: torch.dtype, weight_grad: bool, device: s
 
 
 def run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, float | None, int | None]:
-    """(median ms per call, kernel ms per call, peak bytes above inputs) of one mode.
-
-    bwd replays the backward on a retained graph. AOTAutograd donates saved tensors to the backward
-    by default and refuses retain_graph then; its config is read when the forward compiles and when
-    the backward first runs, so donation stays off for the whole bwd case (and only there).
-    """
-    with torch._functorch.config.patch(donated_buffer=mode != "bwd"):
-        return _run_case(fn, inp, mode)
-
-
-def _run_case(fn: NormFn, inp: Inputs, mode: str) -> tuple[float, float | None, int | None]:
-    grads = [t for t in (inp.x, inp.w) if t.requires_grad]
-    if mode == "fwd":
-        call: Callable[[], Any] = lambda: fn(inp.x, inp.w)  # noqa: E731
-    elif mode == "fwd+bwd":
-        call = lambda: fn(inp.x, inp.w).backward(inp.dy)  # noqa: E731
-    else:
-        y = fn(inp.x, inp.w)
-        call = lambda: y.backward(inp.dy, retain_graph=True)  # noqa: E731
-    call()  # compile/autotune outside the measurements
-    for t in grads:
-        t.grad = None
-    peak = common.peak_memory_bytes(call)
-    for t in grads:
-        t.grad = None
-    ms = common.bench_ms(call, grad_to_none=grads)
-    kernel = common.kernel_ms(call, grad_to_none=grads)
-    for t in grads:
-        t.grad = None
-    return ms, kernel, peak
+    """(median ms per call, kernel ms per call, peak bytes above inputs) of one mode (harness.time_case)."""
+    return harness.time_case(fn, [inp.x, inp.w], mode)
 
 
 def forward_error(fn: NormFn, reference: NormFn, inp: Inputs) -> float:
