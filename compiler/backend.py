@@ -15,13 +15,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from .options import PassOptions
 from .pipeline import resolve_families, run_passes
 from .report import Report
 
 log = logging.getLogger("sloth")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_SLOTH_OPTIONS = ("inner", "patterns", "report")
+_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits")
 
 _last_report: Optional[Report] = None
 _session_report = Report()
@@ -93,7 +94,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     """torch.compile backend: rewrite ``gm`` with sloth's passes, then compile it with the inner compiler.
 
     Options: ``inner`` ("inductor" default, "aot_eager", "eager"), ``patterns`` (families to enable,
-    default all), ``report`` (print the report after compiling); other keys go to Inductor's config.
+    default all), ``report`` (print the report after compiling), ``return_logits`` (True default; False
+    returns an empty tensor in place of logits that only a fused loss needs); other keys go to Inductor's config.
     """
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
@@ -101,9 +103,10 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
     families = resolve_families(options.pop("patterns", None))
     show_report = bool(options.pop("report", False))
+    pass_options = PassOptions.from_user(options)
 
     graph_report = Report()
-    gm = run_passes(gm, example_inputs, families, graph_report)
+    gm = run_passes(gm, example_inputs, families, graph_report, pass_options)
     _publish(graph_report)
     if show_report:
         print(graph_report)

@@ -45,6 +45,7 @@ import torch.fx as fx
 import torch._prims_common as prims_common
 
 from .fx_utils import insert_call, is_call, is_number, same_shape, tensor_of
+from .options import PassOptions
 from .report import Report
 
 _is_contiguous = getattr(prims_common, "is_contiguous_or_false", lambda t: t.is_contiguous())
@@ -565,7 +566,8 @@ def _erase_dead_arithmetic(nodes: list) -> None:
             n.graph.erase_node(n)
 
 
-def canonicalize_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+def canonicalize_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                      options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Rewrite every node into its canonical spelling (see the module docstring). Values unchanged."""
     graph = gm.graph
     for node in list(graph.nodes):

@@ -1,6 +1,9 @@
 """The pass pipeline: a plain ordered list, one pass per pattern family, every pass the same signature.
 
-    pass(gm, example_inputs, *, report) -> gm
+    pass(gm, example_inputs, *, report, options) -> gm
+
+``options`` (a PassOptions) carries the switches a pass may read; subgraphs get the defaults, since their
+outputs feed the graph that calls them rather than the user.
 
 ``canonicalize`` always runs first (every pattern assumes canonical spellings); the family passes
 follow in roadmap order and each can be switched off by name through ``options={"patterns": [...]}``.
@@ -17,6 +20,7 @@ from ..patterns.glu import fuse_glu_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
 from .canonicalize import canonicalize_pass
+from .options import PassOptions
 from .report import Report
 
 GraphPass = Callable[..., fx.GraphModule]
@@ -64,13 +68,14 @@ def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequence[str],
-               report: Report) -> fx.GraphModule:
+               report: Report, options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Canonicalise, then run each enabled family's pass in order, on the graph and on every subgraph."""
     report.graphs += 1
     report.disabled = sorted(set(report.disabled) | (set(FAMILIES) - set(families)))
     for graph_module in [gm, *_subgraphs(gm)]:
-        canonicalize_pass(graph_module, example_inputs, report=report)
+        graph_options = options if graph_module is gm else PassOptions()
+        canonicalize_pass(graph_module, example_inputs, report=report, options=graph_options)
         for family_pass in FAMILY_PASSES:
             if family_pass.family in families:
-                family_pass.run(graph_module, example_inputs, report=report)
+                family_pass.run(graph_module, example_inputs, report=report, options=graph_options)
     return gm

@@ -24,8 +24,14 @@ linear_cross_entropy.py), which computes the logits chunk by chunk in fp32 after
 least as accurate as every variant above (a bf16 softcap that eager rounds is exact here); a loss of another
 dtype than float32 is cast back. What follows the loss (``/ num_items_in_batch``) stays in the graph.
 
-Left as it was, with the reason: logits with another user (returned to the caller, as every transformers
-``*ForCausalLM`` does, or logged), class weights (``weight=``), the legacy ``size_average``/``reduce``,
+Logits with another user (returned to the caller, as every transformers ``*ForCausalLM`` does, or logged)
+still fuse: the loss becomes the sloth op and the chain nodes the other user reads stay, in the model's
+dtype, so the outputs are exact ("logits also returned (kept)"); autograd adds the graph's own linear's
+gradient to the op's when the returned logits are differentiated too. ``options={"return_logits": False}``
+returns an empty tensor in their place when being returned is their only other use, so they are never
+computed ("return_logits=False: logits not returned").
+
+Left as it was, with the reason: logits read elsewhere after a widening cast (an fp32 copy), class weights (``weight=``), the legacy ``size_average``/``reduce``,
 float64, soft (probability) targets, a cast to a narrower dtype or a second tanh in the logits' chain, a
 non-constant ignore_index or smoothing, a log_softmax over another dim or with other users. Not matched at all (no near-miss): the
 manual ``-log_softmax(z).gather(-1, y)`` form (its ignore_index is a mask written by hand).
@@ -42,7 +48,8 @@ import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_size,
-                                 source_location, tensor_of)
+                                 set_value, source_location, tensor_of)
+from ..compiler.options import PassOptions
 from ..compiler.report import Rejection, Report, Site
 
 FAMILY = "cross_entropy"
@@ -102,6 +109,8 @@ class CrossEntropyMatch:
     logit_scale: float
     label_smoothing: float
     out: fx.Node
+    shared: list[fx.Node]  # chain nodes that other users also read: they stay (see _shared_logits)
+    loss_path: set[fx.Node]  # the nodes from the linear to the loss, the loss included
 
 
 def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
@@ -206,16 +215,35 @@ def _chain_to_linear(start: Any) -> Union[tuple[fx.Node, tuple[Any, Any, Any], l
     return None
 
 
+def _shared_logits(linear: fx.Node, steps: list[fx.Node]) -> Union[list[fx.Node], str]:
+    """The nodes of the logits' chain that something besides the loss also reads (they stay in the graph),
+    or why they cannot stay.
+
+    The loss reads the chain through each node's one successor, so a node with more than one user is also
+    read elsewhere (returned, as every transformers ``*ForCausalLM`` does, or logged). Such a node stays,
+    computed as the graph computes it, as long as it is in the model's dtype: one after a widening cast is
+    the fp32 copy of the logits (4 bytes a logit, 2x a bf16 model's) that the fused kernel exists to avoid.
+    """
+    chain = [linear, *steps]
+    shared = [node for node in chain if len(node.users) > 1]
+    if not shared:
+        return []
+    last = chain.index(shared[-1])
+    for node in chain[:last + 1]:
+        if is_call(node, cast) and (tensor_of(node.args[0]) is None
+                                    or tensor_of(node.args[0]).dtype != tensor_of(node).dtype):
+            return ("the logits are also returned or used elsewhere after the upcast to "
+                    f"{tensor_of(node).dtype}, so that copy must be materialised; only logits in the "
+                    "model's dtype can be kept beside the fused loss")
+    return shared
+
+
 def _scale_and_softcap(linear: fx.Node, steps: list[fx.Node], vocab: Any) -> Union[tuple[float, float], str]:
     """(softcap, logit_scale) of the steps after the linear, or why they are not a scale and a softcap.
 
     Before the tanh, numbers multiply the logits: ``z = k * l``; after it, ``z = a * tanh(k * l)``, which is
     ``c * tanh(s * l / c)`` with ``c = a`` and ``s = k * a``.
     """
-    for node in [linear, *steps]:
-        if len(node.users) != 1:
-            return ("the logits are also returned or used elsewhere, so they must be materialised; fusing "
-                    "such a site (returning the logits too) is not supported yet")
     before, after, seen_tanh = 1.0, 1.0, False
     for step in steps:
         if is_call(step, cast):
@@ -279,9 +307,28 @@ def _match(ce: fx.Node) -> Union[CrossEntropyMatch, str, None]:
     scaled = _scale_and_softcap(linear, steps, wt.shape[0])
     if isinstance(scaled, str):
         return scaled
+    shared = _shared_logits(linear, steps)
+    if isinstance(shared, str):
+        return shared
     softcap, logit_scale = scaled
     return CrossEntropyMatch(x, w, bias, params["target"], params["ignore_index"], params["reduction"], softcap,
-                             logit_scale, float(params["label_smoothing"]), ce)
+                             logit_scale, float(params["label_smoothing"]), ce, shared,
+                             {linear, *steps, *ce.all_input_nodes, ce})
+
+
+def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
+    """Return an empty tensor in place of the logits when being returned is their only use besides the loss,
+    so that nothing computes them (``return_logits=False``); False, changing nothing, otherwise."""
+    output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+    if any(user is not output and user not in m.loss_path for node in m.shared for user in node.users):
+        return False  # also read by something other than the graph's output: the logits are computed anyway
+    for node in m.shared:
+        if output in node.users:
+            with gm.graph.inserting_before(m.out):
+                empty = gm.graph.call_method("new_empty", (m.x, (0,)), {"dtype": tensor_of(node).dtype})
+            set_value(empty, tensor_of(m.x).new_empty(0, dtype=tensor_of(node).dtype))
+            output.replace_input_with(node, empty)
+    return True
 
 
 def _replace(gm: fx.GraphModule, m: CrossEntropyMatch) -> set[fx.Node]:
@@ -309,7 +356,8 @@ def _replace(gm: fx.GraphModule, m: CrossEntropyMatch) -> set[fx.Node]:
     return replace_and_erase(m.out, loss, keep=(m.x, m.w, m.bias, m.labels))
 
 
-def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                            options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every lm_head + cross-entropy in the canonical graph with ``torch.ops.sloth.linear_cross_entropy``.
 
     before:  l = linear(h, w, None); z = cast(l, f32).view(-1, V); loss = F.cross_entropy(z, y, ignore_index=-100)
@@ -332,6 +380,9 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
                   + (f", label_smoothing={found.label_smoothing:g}" if found.label_smoothing else "")
                   + ("" if found.bias is None else ", bias")
                   + f", V={tensor_of(found.w).shape[0]}, {tensor_of(found.x).dtype}".replace("torch.", ""))
+        if found.shared:
+            dropped = not options.return_logits and _drop_returned_logits(gm, found)
+            detail += ", return_logits=False: logits not returned" if dropped else ", logits also returned (kept)"
         erased |= _replace(gm, found)
         report.replaced(Site(FAMILY, "sloth.linear_cross_entropy", module_path(node), source_location(node), detail))
     gm.graph.lint()

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ..compiler.canonicalize import gelu
 from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
                                  source_location, tensor_of)
+from ..compiler.options import PassOptions
 from ..compiler.report import Rejection, Report, Site
 
 FAMILY = "glu"
@@ -160,7 +161,8 @@ def _replace(gm: fx.GraphModule, m: GluMatch) -> set[fx.Node]:
     return replace_and_erase(m.out, fused, keep=(m.x, m.up))
 
 
-def fuse_glu_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+def fuse_glu_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                  options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every gated activation in the canonical graph with ``torch.ops.sloth.glu``.
 
     before:  a = F.silu(g); y = a * u                                  after:  y = sloth.glu(g, u, "silu")

@@ -32,6 +32,7 @@ import torch.fx as fx
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_shape, same_size,
                                  single_user, source_location, tensor_of, value_of)
+from ..compiler.options import PassOptions
 from ..compiler.report import Rejection, Report, Site
 
 FAMILY = "rms_norm"
@@ -232,7 +233,8 @@ def _replace(gm: fx.GraphModule, m: RmsNormMatch) -> set[fx.Node]:
     return replace_and_erase(m.out, fused, keep=(m.x, m.weight))
 
 
-def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                       options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every RMSNorm in the canonical graph with ``torch.ops.sloth.rms_norm``.
 
     before:  xf = cast(x, f32); r = rsqrt(mean(square(xf), (-1,), True) + eps); y = w * cast(xf * r, bf16)

@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
                                  single_user, source_location, tensor_of)
+from ..compiler.options import PassOptions
 from ..compiler.report import Rejection, Report, Site
 
 FAMILY = "rope"
@@ -249,7 +250,8 @@ def _detail(ms: Sequence[RopeMatch]) -> str:
     return f"{which}, head_dim {xt.shape[-1]}{rot}, {xt.dtype} -> {tensor_of(ms[0].out).dtype}".replace("torch.", "")
 
 
-def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report) -> fx.GraphModule:
+def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                   options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every rotate-half RoPE in the canonical graph with ``torch.ops.sloth.rope`` (q and k together).
 
     before:  rh_q = cat([neg(narrow(q, -1, 8, 8)), narrow(q, -1, 0, 8)], -1); q_out = q * cos + rh_q * sin

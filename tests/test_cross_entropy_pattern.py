@@ -217,8 +217,8 @@ def k_dim_loss(x, w, b, y):
     return F.cross_entropy(F.linear(x, w).transpose(1, 2), y.clamp(min=0))
 
 
-def logits_logged(x, w, b, y):
-    logits = F.linear(x, w).float()
+def logits_logged(x, w, b, y):  # the fp32 upcast of bf16 logits read outside the loss: a copy to keep
+    logits = F.linear(x.bfloat16(), w.bfloat16()).float()
     return F.cross_entropy(logits.view(-1, V), y.view(-1)) + 0.0 * logits.mean()
 
 
@@ -234,8 +234,7 @@ def log_probs_returned(x, w, b, y):
 REJECTIONS = {
     log_softmax_over_rows: "log_softmax is over dim 0",
     log_probs_returned: "the log-probabilities have other users",
-    returns_logits: "the logits are also returned or used elsewhere",
-    logits_logged: "the logits are also returned or used elsewhere",
+    logits_logged: "the logits are also returned or used elsewhere after the upcast to torch.float32",
     class_weights: "class weights",
     float64: "float64",
     narrowing_cast: "a cast to torch.bfloat16",
@@ -254,6 +253,57 @@ def test_near_miss_is_left_with_reason(fn):
     reasons = [r.reason for r in report.rejections if r.family == "cross_entropy"]
     assert len(reasons) == 1 and REJECTIONS[fn] in reasons[0], str(report)
     torch.testing.assert_close(got, want)
+
+
+def softcapped_logits_returned(x, w, b, y):  # Gemma 2: the softcapped logits, in the model's dtype, returned
+    logits = 3.0 * torch.tanh(F.linear(x, w, b) / 3.0)
+    return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
+
+
+@pytest.mark.parametrize("return_logits", [True, False], ids=["kept", "dropped"])
+@pytest.mark.parametrize("fn", [returns_logits, softcapped_logits_returned], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_returned_logits_fuse(fn, dtype, return_logits):
+    """The loss fuses and the logits are returned as the graph computes them (in the model's dtype), or
+    empty with return_logits=False; the loss and every gradient equal eager, the returned logits'
+    gradient included (autograd adds the graph's linear's contribution to the sloth op's)."""
+    x, w, b, y = make_inputs(dtype, False)
+    xs, ws, bs = (t.detach().requires_grad_(True) for t in (x, w, b))
+    x, w, b = (t.requires_grad_(True) for t in (x, w, b))
+    xr, wr, br = (t.requires_grad_(True) for t in make_inputs(dtype, True)[:3])
+
+    def loss_and_grads(f, x, w, b, keep_logits):
+        loss, logits = f(x, w, b, y)
+        total = loss + (0.01 * logits.float().square().sum() if keep_logits else 0.0)
+        total.backward()
+        return total.detach(), logits.detach(), (x.grad, w.grad, b.grad)
+
+    compiled = torch.compile(fn, backend="sloth", options={"inner": "aot_eager", "return_logits": return_logits})
+    got, got_logits, got_grads = loss_and_grads(compiled, xs, ws, bs, return_logits)
+    report = sloth.last_report()
+    assert report.counts == {"cross_entropy": 1}, str(report)
+    detail = "logits also returned (kept)" if return_logits else "return_logits=False: logits not returned"
+    assert detail in report.sites[0].detail, str(report)
+    want, want_logits, want_grads = loss_and_grads(fn, x, w, b, return_logits)
+    with _StayFloat64():
+        ref, _, ref_grads = loss_and_grads(fn, xr, wr, br, return_logits)
+    if return_logits:
+        assert got_logits.dtype == dtype
+        torch.testing.assert_close(got_logits, want_logits)
+    else:
+        assert got_logits.numel() == 0 and got_logits.dtype == dtype
+    assert_close("loss", got, want, ref, atol=torch.finfo(dtype).eps * ref.abs().item())
+    for name, g, e, r in zip("xwb", got_grads, want_grads, ref_grads):
+        if r is None:  # returns_logits has no bias
+            assert g is None and e is None
+            continue
+        assert_close(f"grad {name}", g, e, r, atol=0.5 * torch.finfo(dtype).eps * r.pow(2).mean().sqrt().item())
+
+
+def test_return_logits_must_be_a_bool():
+    x, w, b, y = make_inputs(torch.float32, False)
+    with pytest.raises(Exception, match="return_logits must be True or False"):
+        torch.compile(returns_logits, backend="sloth", options={"inner": "eager", "return_logits": "no"})(x, w, b, y)
 
 
 def not_from_a_linear(x, w, b, y):

@@ -1,0 +1,24 @@
+"""The options a pass may read, passed to every pass as ``options=`` (one signature for all passes)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PassOptions:
+    """Switches that trade exact semantics for memory; the defaults keep the model's outputs as they were.
+
+    ``return_logits``: False lets the cross-entropy pass return an empty tensor in place of the logits
+    when a loss is fused and the logits' only other use is being returned, so they are never computed
+    (top-level graph only: a subgraph's outputs feed its caller).
+    """
+    return_logits: bool = True
+
+    @classmethod
+    def from_user(cls, options: dict[str, Any]) -> "PassOptions":
+        """Pop sloth's pass options out of ``options`` (the backend's dict), with a clear error for bad values."""
+        return_logits = options.pop("return_logits", True)
+        if not isinstance(return_logits, bool):
+            raise ValueError(f"sloth: return_logits must be True or False, got {return_logits!r}")
+        return cls(return_logits=return_logits)
