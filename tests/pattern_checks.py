@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -35,3 +35,13 @@ def line_of(fn: Callable, needle: str) -> tuple[int, str]:
         if needle in line:
             return start + i, line.strip()
     raise AssertionError(f"{needle!r} not in {fn.__name__}")
+
+
+def forward_backward(fn: Callable, args: list[torch.Tensor], params: list[torch.Tensor],
+                     dy_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+    """[out, d(arg) for each float arg, d(param) for each param] for a seeded cotangent."""
+    args = [a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args]
+    y = fn(*args)
+    dy = torch.randn(y.shape, generator=seeded(3)).to(dy_dtype or y.dtype).to(y.dtype)
+    leaves = [a for a in args if a.requires_grad] + params
+    return [y.detach(), *torch.autograd.grad(y, leaves, dy)]

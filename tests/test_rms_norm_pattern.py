@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 import sloth
 from sloth.compiler.backend import sloth_backend
 from tolerance import assert_close
-from pattern_checks import counting_backend, line_of, params_of, seeded
+from pattern_checks import counting_backend, forward_backward, line_of, params_of, seeded
 
 FP32_EPS = torch.finfo(torch.float32).eps
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -221,16 +221,6 @@ def module_case(id: str, factory: Callable[[], nn.Module], shape=(2, 3, 64), *, 
             module = module.double()
         return module, [_tensor(shape, dtype, ref, scale=x_scale(dtype) if callable(x_scale) else x_scale, seed=1)]
     return Case(id, make, count)
-
-
-def forward_backward(fn: Callable, args: list[torch.Tensor], params: list[torch.Tensor],
-                     dy_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
-    """[out, d(arg) for each float arg, d(param) for each param] for a seeded cotangent."""
-    args = [a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args]
-    y = fn(*args)
-    dy = torch.randn(y.shape, generator=seeded(3)).to(dy_dtype or y.dtype).to(y.dtype)
-    leaves = [a for a in args if a.requires_grad] + params
-    return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
 
 
 def check_case(case: Case, dtype: torch.dtype, inner: str = "eager", **compile_kwargs) -> sloth.Report:
