@@ -382,7 +382,12 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
                   + f", V={tensor_of(found.w).shape[0]}, {tensor_of(found.x).dtype}".replace("torch.", ""))
         if found.shared:
             dropped = not options.return_logits and _drop_returned_logits(gm, found)
-            detail += ", return_logits=False: logits not returned" if dropped else ", logits also returned (kept)"
+            if dropped:
+                detail += ", return_logits=False: logits not returned"
+            elif not options.return_logits:
+                detail += ", logits kept: read by more than the graph's output, so return_logits=False cannot apply"
+            else:
+                detail += ", logits also returned (kept)"
         erased |= _replace(gm, found)
         report.replaced(Site(FAMILY, "sloth.linear_cross_entropy", module_path(node), source_location(node), detail))
     gm.graph.lint()

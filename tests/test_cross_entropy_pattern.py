@@ -368,3 +368,25 @@ def test_dynamic_token_count_does_not_recompile():
         y = torch.randint(0, V, (2, t))
         torch.testing.assert_close(compiled(x, w, b, y), plain(x, w, b, y))
     assert len(calls) == 1 and sloth.last_report().counts == {"cross_entropy": 1}
+
+
+def test_return_logits_false_that_cannot_apply_says_so():
+    """Logits returned and also read by someone else (here: their mean is returned too) stay; the report
+    says that return_logits=False did not apply instead of claiming the logits were dropped."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 16)
+    w = torch.randn(24, 16, requires_grad=True)
+    labels = torch.randint(0, 24, (6,))
+
+    def fn(x, w, labels):
+        logits = torch.nn.functional.linear(x, w)
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+        return loss, logits, logits.mean()
+
+    compiled = torch.compile(fn, backend="sloth", options={"inner": "eager", "return_logits": False})
+    loss, logits, mean = compiled(x, w, labels)
+    want_loss, want_logits, want_mean = fn(x, w, labels)
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(logits, want_logits)
+    (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
+    assert "return_logits=False cannot apply" in site.detail, site.detail
