@@ -24,7 +24,20 @@ Backward derivation. Per row, with halves ``x = [x1, x2]`` (R/2 each) and ``c = 
     i.e. dx = dy*c + rotate_half^T(dy*s),   rotate_half^T(v) = cat((v2, -v1), -1) = -rotate_half(v)
 
 which for the standard tables (c1 = c2 = cos(theta), s1 = s2 = sin(theta)) is the rotation by -theta.
-The pass-through dims copy dy. cos and sin get no gradient: they come from position ids and a frozen
+The pass-through dims copy dy.
+
+Interleaved RoPE (GPT-J, Meta's reference Llama, Cohere): ``interleaved=True`` on every op. Pair i is
+``(x[2i], x[2i+1])`` and cos/sin carry one entry a pair, ``[..., P]`` with rotary dim R = 2P <= D (the layout
+``freqs.cos()`` / ``freqs_cis.real`` have before anyone doubles them; dims R: pass through as above)::
+
+    y[2i]   = x[2i]*c[i] - x[2i+1]*s[i]    y[2i+1] = x[2i+1]*c[i] + x[2i]*s[i]
+    i.e. y = view_as_real(view_as_complex(x[..., :R]) * complex(c, s)), flattened back to [..., R]
+    dx[2i]  = dy[2i]*c[i] + dy[2i+1]*s[i]  dx[2i+1] = dy[2i+1]*c[i] - dy[2i]*s[i]
+
+the transpose of each pair's 2x2 matrix [[c, -s], [s, c]], the rotation by -theta on each pair (again no
+assumption that c^2 + s^2 = 1). The rotate-half path is the same code as before, selected by a constexpr.
+
+cos and sin get no gradient: they come from position ids and a frozen
 ``inv_freq`` buffer in every model we know of; the pass refuses a site whose cos or sin requires grad,
 and the op's backward raises rather than return a silently missing gradient.
 """
@@ -46,11 +59,28 @@ MAX_DIMS = 4
 
 
 @triton.jit
+def _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BACKWARD: tl.constexpr):
+    """Interleaved RoPE of one block: pair i is (x[2i], x[2i+1]), rotated by cos[i], sin[i] (module docstring)."""
+    b_xe = tl.load(p_x + o_x + 2 * o_h, mask=m_mh, other=0.0).to(tl.float32)
+    b_xo = tl.load(p_x + o_x + 2 * o_h + 1, mask=m_mh, other=0.0).to(tl.float32)
+    b_c = tl.load(p_cos + o_c + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    b_s = tl.load(p_sin + o_s + o_h, mask=m_mh, other=0.0).to(tl.float32)
+    if BACKWARD:
+        b_ye = b_xe * b_c + b_xo * b_s
+        b_yo = b_xo * b_c - b_xe * b_s
+    else:
+        b_ye = b_xe * b_c - b_xo * b_s
+        b_yo = b_xo * b_c + b_xe * b_s
+    tl.store(p_y + o_y + 2 * o_h, b_ye.to(p_y.dtype.element_ty), mask=m_mh)
+    tl.store(p_y + o_y + 2 * o_h + 1, b_yo.to(p_y.dtype.element_ty), mask=m_mh)
+
+
+@triton.jit
 def _rope_block(
     p_x, p_cos, p_sin, p_y, i_blk,
     n_rows, n1, n2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
     half, n_pass,
-    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Rotate BLOCK_M rows of one tensor: rows are (i0, i1, i2) of x's leading dims, y is contiguous."""
@@ -65,20 +95,23 @@ def _rope_block(
     o_y = (o_m * (2 * half + n_pass))[:, None]
     o_h = tl.arange(0, BLOCK_H)[None, :]
     m_mh = m_m[:, None] & (o_h < half)
-    b_x1 = tl.load(p_x + o_x + o_h, mask=m_mh, other=0.0).to(tl.float32)
-    b_x2 = tl.load(p_x + o_x + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
-    b_c1 = tl.load(p_cos + o_c + o_h, mask=m_mh, other=0.0).to(tl.float32)
-    b_c2 = tl.load(p_cos + o_c + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
-    b_s1 = tl.load(p_sin + o_s + o_h, mask=m_mh, other=0.0).to(tl.float32)
-    b_s2 = tl.load(p_sin + o_s + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
-    if BACKWARD:
-        b_y1 = b_x1 * b_c1 + b_x2 * b_s2
-        b_y2 = b_x2 * b_c2 - b_x1 * b_s1
+    if INTERLEAVED:
+        _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BACKWARD)
     else:
-        b_y1 = b_x1 * b_c1 - b_x2 * b_s1
-        b_y2 = b_x2 * b_c2 + b_x1 * b_s2
-    tl.store(p_y + o_y + o_h, b_y1.to(p_y.dtype.element_ty), mask=m_mh)
-    tl.store(p_y + o_y + half + o_h, b_y2.to(p_y.dtype.element_ty), mask=m_mh)
+        b_x1 = tl.load(p_x + o_x + o_h, mask=m_mh, other=0.0).to(tl.float32)
+        b_x2 = tl.load(p_x + o_x + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
+        b_c1 = tl.load(p_cos + o_c + o_h, mask=m_mh, other=0.0).to(tl.float32)
+        b_c2 = tl.load(p_cos + o_c + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
+        b_s1 = tl.load(p_sin + o_s + o_h, mask=m_mh, other=0.0).to(tl.float32)
+        b_s2 = tl.load(p_sin + o_s + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
+        if BACKWARD:
+            b_y1 = b_x1 * b_c1 + b_x2 * b_s2
+            b_y2 = b_x2 * b_c2 - b_x1 * b_s1
+        else:
+            b_y1 = b_x1 * b_c1 - b_x2 * b_s1
+            b_y2 = b_x2 * b_c2 + b_x1 * b_s2
+        tl.store(p_y + o_y + o_h, b_y1.to(p_y.dtype.element_ty), mask=m_mh)
+        tl.store(p_y + o_y + half + o_h, b_y2.to(p_y.dtype.element_ty), mask=m_mh)
     if HAS_PASS:
         o_p = tl.arange(0, BLOCK_P)[None, :]
         m_mp = m_m[:, None] & (o_p < n_pass)
@@ -92,21 +125,22 @@ def _rope_kernel(
     n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
     n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
     half, n_pass, n_blocks_q,
-    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     # One launch for q and k: the first n_blocks_q programs take q's rows, the rest k's. The forward
     # (BACKWARD=False) and the backward (BACKWARD=True, x := dy) differ only in the signs and in which
-    # half of sin pairs with which half of x (module docstring).
+    # half of sin pairs with which half of x (module docstring). INTERLEAVED takes even/odd pairs instead
+    # of halves, with ``half`` = the number of pairs = cos's last dim.
     i_b = tl.program_id(0)
     if i_b < n_blocks_q:
         _rope_block(p_q, p_cos, p_sin, p_qo, i_b,
                     n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
-                    half, n_pass, BACKWARD, HAS_PASS, BLOCK_M, BLOCK_H, BLOCK_P)
+                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
     else:
         _rope_block(p_k, p_cos, p_sin, p_ko, i_b - n_blocks_q,
                     n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
-                    half, n_pass, BACKWARD, HAS_PASS, BLOCK_M, BLOCK_H, BLOCK_P)
+                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
 def _out_dtype(x_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
@@ -114,7 +148,7 @@ def _out_dtype(x_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.promote_types(torch.promote_types(x_dtype, cos.dtype), sin.dtype)
 
 
-def _check_inputs(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _check_inputs(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> None:
     for t, name in [*((x, "x") for x in xs), (cos, "cos"), (sin, "sin")]:
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"sloth.rope: {name} must be float32, bfloat16 or float16, got {t.dtype}")
@@ -123,7 +157,11 @@ def _check_inputs(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tens
     if cos.shape != sin.shape:
         raise ValueError(f"sloth.rope: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     rot = cos.shape[-1] if cos.dim() else 0
-    if rot == 0 or rot % 2:
+    if interleaved:  # one cos/sin entry a pair: the rotary dim is twice cos's last dim
+        if rot == 0:
+            raise ValueError("sloth.rope: interleaved cos/sin need a positive last dim (one entry a pair)")
+        rot *= 2
+    elif rot == 0 or rot % 2:
         raise ValueError(f"sloth.rope: the rotary dim (cos's last dim) must be even and positive, got {rot}")
     for x in xs:
         if not 1 <= x.dim() <= MAX_DIMS:
@@ -146,15 +184,19 @@ def _rotate_half(v: torch.Tensor) -> torch.Tensor:
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False,
-                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                   out_dtype: Optional[torch.dtype] = None, interleaved: bool = False) -> torch.Tensor:
     """The op's math in plain PyTorch (fp32, one rounding): the fallback where Triton cannot run.
 
     ``backward=True`` applies the transpose (module docstring) to ``x`` := dy. Contiguous output.
     """
-    rot = cos.shape[-1]
+    rot = cos.shape[-1] * (2 if interleaved else 1)
     xf, c, s = x.float(), cos.float(), sin.float()
     xr = xf[..., :rot]
-    if backward:
+    if interleaved:
+        xe, xo = xr[..., 0::2], xr[..., 1::2]
+        sign = -1.0 if backward else 1.0  # the backward rotates each pair by -theta
+        y = torch.stack((xe * c - sign * (xo * s), xo * c + sign * (xe * s)), -1).flatten(-2)
+    elif backward:
         y = xr * c - _rotate_half(xr * s)
     else:
         y = xr * c + _rotate_half(xr) * s
@@ -188,17 +230,17 @@ def _block_sizes(n_rows: int, half: int, n_pass: int) -> tuple[int, int, int, in
 
 
 def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dtypes: list[torch.dtype],
-            backward: bool) -> list[torch.Tensor]:
+            backward: bool, interleaved: bool = False) -> list[torch.Tensor]:
     """Rotate one or two tensors (q, k) with one cos/sin in one launch; contiguous outputs."""
     if not use_triton(xs[0]):
-        return [rope_reference(x, cos, sin, backward, dt) for x, dt in zip(xs, out_dtypes)]
+        return [rope_reference(x, cos, sin, backward, dt, interleaved) for x, dt in zip(xs, out_dtypes)]
     # The kernel reads unit-stride rows; a transposed projection view ([b, s, h, d] -> [b, h, s, d])
     # already has them, so this copies only exotic layouts.
     xs = [x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous() for x in xs]
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     ys = [torch.empty(x.shape, dtype=dt, device=x.device) for x, dt in zip(xs, out_dtypes)]
-    rot, head = cos.shape[-1], xs[0].shape[-1]
+    rot, head = cos.shape[-1] * (2 if interleaved else 1), xs[0].shape[-1]
     metas = [_rows_meta(x, cos, sin) for x in xs]
     n_rows = [m[0] for m in metas]
     block_m, block_h, block_p, num_warps = _block_sizes(max(n_rows), rot // 2, head - rot)
@@ -211,76 +253,80 @@ def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dt
         xs[0], xs[1], cos, sin, ys[0], ys[1],
         *metas[0], *metas[1],
         rot // 2, head - rot, n_blocks[0],
-        BACKWARD=backward, HAS_PASS=head > rot,
+        BACKWARD=backward, HAS_PASS=head > rot, INTERLEAVED=interleaved,
         BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=num_warps,
     )
     return ys[:len(out_dtypes)]
 
 
-def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs((q, k), cos, sin)
+    _check_inputs((q, k), cos, sin, interleaved)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"sloth.rope: q and k must have one head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    q_rot, k_rot = _launch([q, k], cos, sin, [_out_dtype(q.dtype, cos, sin), _out_dtype(k.dtype, cos, sin)], False)
+    q_rot, k_rot = _launch([q, k], cos, sin, [_out_dtype(q.dtype, cos, sin), _out_dtype(k.dtype, cos, sin)], False,
+                           interleaved)
     return q_rot, k_rot
 
 
 def _rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
-              k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs((dq, dk), cos, sin)
-    dq_in, dk_in = _launch([dq, dk], cos, sin, [q_dtype, k_dtype], True)
+              k_dtype: torch.dtype, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs((dq, dk), cos, sin, interleaved)
+    dq_in, dk_in = _launch([dq, dk], cos, sin, [q_dtype, k_dtype], True, interleaved)
     return dq_in, dk_in
 
 
-def _rope_single_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    _check_inputs((x,), cos, sin)
-    return _launch([x], cos, sin, [_out_dtype(x.dtype, cos, sin)], False)[0]
+def _rope_single_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    _check_inputs((x,), cos, sin, interleaved)
+    return _launch([x], cos, sin, [_out_dtype(x.dtype, cos, sin)], False, interleaved)[0]
 
 
-def _rope_single_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
-    _check_inputs((dy,), cos, sin)
-    return _launch([dy], cos, sin, [x_dtype], True)[0]
+def _rope_single_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype,
+                     interleaved: bool = False) -> torch.Tensor:
+    _check_inputs((dy,), cos, sin, interleaved)
+    return _launch([dy], cos, sin, [x_dtype], True, interleaved)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
 # Registration with torch.library: graph citizens with fake implementations and their own backward.
 # ---------------------------------------------------------------------------------------------------
 
-def _no_cos_sin_grad(ctx) -> None:
-    if ctx.needs_input_grad[-2] or ctx.needs_input_grad[-1]:
+def _no_cos_sin_grad(ctx, i_cos: int) -> None:
+    if ctx.needs_input_grad[i_cos] or ctx.needs_input_grad[i_cos + 1]:
         raise RuntimeError("sloth.rope: cos and sin get no gradient from this op (they are position tables); "
                            "detach them, or leave this RoPE unfused")
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, cos, sin = inputs
+    q, k, cos, sin, interleaved = inputs
     ctx.save_for_backward(cos, sin)
     ctx.dtypes = (q.dtype, k.dtype)
     ctx.shapes = (q.shape, k.shape)
+    ctx.interleaved = interleaved
 
 
 def _backward(ctx, dq, dk):
-    _no_cos_sin_grad(ctx)
+    _no_cos_sin_grad(ctx, 2)
     cos, sin = ctx.saved_tensors
     # An output nobody used has no cotangent; its input's gradient is then the rotation of zeros.
     q_shape, k_shape = ctx.shapes
     dq = dq if dq is not None else cos.new_zeros(q_shape)
     dk = dk if dk is not None else cos.new_zeros(k_shape)
-    dq_in, dk_in = torch.ops.sloth.rope_backward(dq, dk, cos, sin, *ctx.dtypes)
-    return dq_in, dk_in, None, None
+    dq_in, dk_in = torch.ops.sloth.rope_backward(dq, dk, cos, sin, *ctx.dtypes, ctx.interleaved)
+    return dq_in, dk_in, None, None, None
 
 
 def _setup_context_single(ctx, inputs, output) -> None:
-    x, cos, sin = inputs
+    x, cos, sin, interleaved = inputs
     ctx.save_for_backward(cos, sin)
     ctx.dtype = x.dtype
+    ctx.interleaved = interleaved
 
 
 def _backward_single(ctx, dy):
-    _no_cos_sin_grad(ctx)
+    _no_cos_sin_grad(ctx, 1)
     cos, sin = ctx.saved_tensors
-    return torch.ops.sloth.rope_single_backward(dy, cos, sin, ctx.dtype), None, None
+    return torch.ops.sloth.rope_single_backward(dy, cos, sin, ctx.dtype, ctx.interleaved), None, None, None
 
 
 @functools.cache
@@ -292,33 +338,34 @@ def register() -> None:
     bwd1 = torch.library.custom_op("sloth::rope_single_backward", mutates_args=())(_rope_single_bwd)
 
     @fwd.register_fake
-    def _(q, k, cos, sin):
+    def _(q, k, cos, sin, interleaved=False):
         return q.new_empty(q.shape, dtype=_out_dtype(q.dtype, cos, sin)), \
             k.new_empty(k.shape, dtype=_out_dtype(k.dtype, cos, sin))
 
     @bwd.register_fake
-    def _(dq, dk, cos, sin, q_dtype, k_dtype):
+    def _(dq, dk, cos, sin, q_dtype, k_dtype, interleaved=False):
         return dq.new_empty(dq.shape, dtype=q_dtype), dk.new_empty(dk.shape, dtype=k_dtype)
 
     @fwd1.register_fake
-    def _(x, cos, sin):
+    def _(x, cos, sin, interleaved=False):
         return x.new_empty(x.shape, dtype=_out_dtype(x.dtype, cos, sin))
 
     @bwd1.register_fake
-    def _(dy, cos, sin, x_dtype):
+    def _(dy, cos, sin, x_dtype, interleaved=False):
         return dy.new_empty(dy.shape, dtype=x_dtype)
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
     fwd1.register_autograd(_backward_single, setup_context=_setup_context_single)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by the same cos/sin in one launch; see the module docstring for the exact math."""
     register()
-    return torch.ops.sloth.rope(q, k, cos, sin)
+    return torch.ops.sloth.rope(q, k, cos, sin, interleaved)
 
 
-def rope_single(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_single(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate one tensor; see the module docstring for the exact math."""
     register()
-    return torch.ops.sloth.rope_single(x, cos, sin)
+    return torch.ops.sloth.rope_single(x, cos, sin, interleaved)

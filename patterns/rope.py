@@ -18,6 +18,16 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
                                                   [s, d] table, ...) with last dim d
     partial rotary: x = narrow(X, -1, 0, r) (or X itself), and out's only user is
                     cat([out, narrow(X, -1, r, D - r)], -1): the site becomes X -> that cat
+    interleaved (GPT-J real form, ``interleaved_rope_pattern``), cos/sin [..., d/2], one entry a pair:
+        x1 = x[..., ::2]; x2 = x[..., 1::2]          any spelling of the full even/odd last-dim slices
+        out = flatten(stack((x1*c - x2*s, x2*c + x1*s), -1), -2)   mul operands and the add in any order;
+                                                  flatten, view or reshape back to x's shape
+        -> ``sloth.rope(q, k, c, s, True)`` / ``sloth.rope_single(x, c, s, True)``
+    complex (Meta's reference Llama, ``complex_rope_pattern``), freqs_cis complex64 [..., d/2], x float32
+    (``x.float()`` in bf16 code: the cast stays, and the site starts after it):
+        out = flatten(view_as_real(view_as_complex(reshape(x, ..., d/2, 2)) * freqs_cis), -2)
+        -> the interleaved op with cos = torch.real(freqs_cis), sin = torch.imag(freqs_cis), two graph
+           nodes inserted once per freqs_cis node (so q and k still share them)
 
 Two sites rotated by the same cos and sin nodes (q and k of one attention) become one
 ``torch.ops.sloth.rope(q, k, cos, sin)`` launch; a site without a partner becomes
@@ -27,10 +37,12 @@ accurate as every variant above. Anything else says no and leaves the graph as i
 the wrong sign or swapped halves, a rotate_half over another dim, cos/sin that do not broadcast to x or
 that require grad, float64, intermediates read by someone else.
 
-Knowingly left unmatched (no rejection, no wrong match): interleaved RoPE (GPT-J/Cohere even/odd
-``stack((-x2, x1), -1).flatten(-2)``), complex RoPE (``view_as_complex(x) * freqs_cis``, Llama-1/Meta
-style), and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))`` spelling: none of them has the
-``x * cos + rotate_half(x) * sin`` shape this pass anchors on.
+Knowingly left unmatched (no rejection, no wrong match): interleaved RoPE written as
+``x * cos + stack((-x2, x1), -1).flatten(-2) * sin`` with repeat_interleave'd tables, interleaved partial
+rotary, complex RoPE in complex128 or with a division, and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))``
+spelling of rotate-half. A flipped sign, swapped parities or a stack over another dim in the interleaved
+form is simply not matched. In bf16 Meta code q.float() and k.float() are separate nodes defined after
+q's site, so q and k become two ``rope_single`` launches there (fp32 code pairs them).
 """
 from __future__ import annotations
 
@@ -100,6 +112,166 @@ class RopeMatch:
     sin: fx.Node
     out: fx.Node
     anchor: fx.Node
+    interleaved: bool = False
+
+
+def interleaved_rope_pattern(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J interleaved RoPE, real form: pair i is (x[2i], x[2i+1]); cos/sin are [..., d/2], one entry a pair."""
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+
+
+def _strided_half(node: Any, x: fx.Node) -> Optional[int]:
+    """0 for ``x[..., ::2]``, 1 for ``x[..., 1::2]`` (any spelling of the full even/odd last-dim slice); else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and not node.kwargs and node.args[0] is x and isinstance(node.args[1], tuple)):
+        return None
+    xt = tensor_of(x)
+    d = xt.shape[-1] if xt is not None and xt.dim() else None
+    index = node.args[1]
+    if not isinstance(d, int) or d % 2 or not index or not isinstance(index[-1], slice):
+        return None
+    lead = index[:-1]
+    if not all(i is Ellipsis or i == slice(None) for i in lead) or lead.count(Ellipsis) > 1:
+        return None
+    if Ellipsis not in lead and len(index) != xt.dim():
+        return None
+    s = index[-1]
+    if not all(v is None or isinstance(v, int) for v in (s.start, s.stop, s.step)):
+        return None
+    picked = range(*s.indices(d))
+    for parity in (0, 1):
+        if picked == range(parity, d, 2):
+            return parity
+    return None
+
+
+def _mul_of(node: Any, a: Any, b: Any) -> bool:
+    return is_call(node, torch.mul) and tuple(node.args) in ((a, b), (b, a))
+
+
+def _match_interleaved(stack: fx.Node) -> Optional[RopeMatch]:
+    """``flatten(stack((x1*c - x2*s, x2*c + x1*s), -1), -2)`` with x1, x2 = x[..., ::2], x[..., 1::2]."""
+    # The canonical pass leaves stack's spelling alone: its dim comes positionally or as the keyword.
+    if set(stack.kwargs) - {"dim"} or len(stack.args) + len(stack.kwargs) != 2 or len(stack.args[0]) != 2:
+        return None
+    dim = stack.args[1] if len(stack.args) == 2 else stack.kwargs["dim"]
+    first, second = stack.args[0]
+    if not (is_call(first, torch.sub) and is_call(second, torch.add)):
+        return None
+    if not all(is_call(m, torch.mul) and len(m.args) == 2 for m in (*first.args, *second.args)):
+        return None
+    # first = x1 * c - x2 * s: find x1, c from first.args[0] and x2, s from first.args[1].
+    for x1, c in (first.args[0].args, first.args[0].args[::-1]):
+        for x2, s in (first.args[1].args, first.args[1].args[::-1]):
+            if not (isinstance(x1, fx.Node) and isinstance(x2, fx.Node)) or x1.op != "call_function" \
+                    or x1.target is not operator.getitem or not x1.args:
+                continue
+            x = x1.args[0]
+            if _strided_half(x1, x) != 0 or _strided_half(x2, x) != 1:
+                continue
+            a, b = second.args
+            if not ((_mul_of(a, x2, c) and _mul_of(b, x1, s)) or (_mul_of(b, x2, c) and _mul_of(a, x1, s))):
+                continue
+            xt, st = tensor_of(x), tensor_of(stack)
+            if st is None or dim not in (-1, st.dim() - 1):
+                continue
+            user = single_user(stack)
+            flat = user is not None and user.op in ("call_method", "call_function") \
+                and user.target in ("flatten", torch.flatten, "view", "reshape", torch.reshape) \
+                and user.args[0] is stack and not user.kwargs
+            ut = tensor_of(user) if flat else None
+            # Any row-major reshape of [..., d/2, 2] to x's shape merges the last two dims: the interleave.
+            if ut is None or not same_shape(ut, xt):
+                continue
+            return RopeMatch(x, c, s, user, stack, interleaved=True)
+    return None
+
+
+def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
+    stack = m.anchor
+    first, second = stack.args[0]
+    inner = [stack, first, second, *first.args, *second.args]
+    if any(len(n.users) != 1 for n in inner):
+        return "an intermediate (x1 * cos, x2 * sin, their difference or sum) has other users, so it cannot be fused away"
+    halves = {a for n in (*first.args, *second.args) for a in n.args if a is not m.cos and a is not m.sin}
+    if any(len(h.users) != 2 for h in halves):
+        return "x[..., ::2] or x[..., 1::2] has other users, so it cannot be fused away"
+    xt, ct, st = tensor_of(m.x), tensor_of(m.cos), tensor_of(m.sin)
+    if ct is None or st is None:
+        return "cos or sin is not a tensor"
+    dtypes = {xt.dtype, ct.dtype, st.dtype}
+    if not dtypes <= set(_KERNEL_DTYPES):
+        return f"computes in {sorted(str(d)[6:] for d in dtypes - set(_KERNEL_DTYPES))}; " \
+               "the fused kernel supports float32, bfloat16 and float16"
+    if ct.requires_grad or st.requires_grad:
+        return "cos or sin requires grad; the fused op gives them no gradient"
+    if not 1 <= xt.dim() <= _lowering().MAX_DIMS:
+        return f"x has {xt.dim()} dims; the fused op takes 1 to {_lowering().MAX_DIMS}"
+    if not same_shape(ct, st):
+        return f"cos and sin have different shapes {tuple(ct.shape)} and {tuple(st.shape)}"
+    if ct.dim() > xt.dim() or not same_size(2 * ct.shape[-1], xt.shape[-1]):
+        return f"interleaved cos/sin of shape {tuple(ct.shape)} do not give one entry per pair of x {tuple(xt.shape)}"
+    try:
+        lead = torch.broadcast_shapes(tuple(xt.shape[:-1]), tuple(ct.shape[:-1]))
+    except RuntimeError:
+        lead = None
+    if lead is None or tuple(lead) != tuple(xt.shape[:-1]):
+        return f"cos/sin of shape {tuple(ct.shape)} broadcast x {tuple(xt.shape)} to a larger shape"
+    return m
+
+
+def complex_rope_pattern(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Meta's reference Llama: x [..., d] float32 times a complex64 freqs_cis [..., d/2] (torch.polar)."""
+    xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis).flatten(-2)
+
+
+def _is_reshape(node: Any) -> bool:
+    return isinstance(node, fx.Node) and not node.kwargs and node.args and (
+        (node.op == "call_method" and node.target in ("flatten", "view", "reshape"))
+        or (node.op == "call_function" and node.target in (torch.flatten, torch.reshape)))
+
+
+def _match_complex(vr: fx.Node) -> Union[tuple[fx.Node, fx.Node, fx.Node], str, None]:
+    """``flatten(view_as_real(view_as_complex(reshape(x, ..., d/2, 2)) * F), -2)``: (x, F, flatten) or None."""
+    mul = vr.args[0] if len(vr.args) == 1 and not vr.kwargs else None
+    if not is_call(mul, torch.mul) or len(mul.args) != 2:
+        return None
+    for xc, f in (mul.args, mul.args[::-1]):
+        if not is_call(xc, torch.view_as_complex) or len(xc.args) != 1 or not _is_reshape(xc.args[0]):
+            continue
+        r = xc.args[0]
+        x = r.args[0]
+        xt, rt, ft = tensor_of(x), tensor_of(r), tensor_of(f)
+        if xt is None or rt is None or ft is None or not isinstance(f, fx.Node) or xt.dim() == 0:
+            continue
+        d = xt.shape[-1]
+        if not isinstance(d, int) or d % 2 \
+                or tuple(rt.shape) != tuple(xt.shape[:-1]) + (d // 2, 2):
+            continue
+        user = single_user(vr)
+        ut = tensor_of(user) if _is_reshape(user) and user.args[0] is vr else None
+        if ut is None or not same_shape(ut, xt):
+            continue
+        if ft.dtype != torch.complex64 or xt.dtype != torch.float32:
+            return f"complex RoPE in {xt.dtype} x {ft.dtype}; the fused kernel takes float32 x complex64"
+        if ft.requires_grad:
+            return "freqs_cis requires grad; the fused op gives cos and sin no gradient"
+        if any(len(n.users) != 1 for n in (r, xc, mul, vr)):
+            return "an intermediate (view_as_complex(x), its product with freqs_cis) has other users"
+        if ft.dim() > xt.dim() or not same_size(2 * ft.shape[-1], d):
+            return f"freqs_cis of shape {tuple(ft.shape)} does not give one entry per pair of x {tuple(xt.shape)}"
+        try:
+            lead = torch.broadcast_shapes(tuple(xt.shape[:-1]), tuple(ft.shape[:-1]))
+        except RuntimeError:
+            lead = None
+        if lead is None or tuple(lead) != tuple(xt.shape[:-1]):
+            return f"freqs_cis of shape {tuple(ft.shape)} broadcasts x {tuple(xt.shape)} to a larger shape"
+        if not 1 <= xt.dim() <= _lowering().MAX_DIMS:
+            return f"x has {xt.dim()} dims; the fused op takes 1 to {_lowering().MAX_DIMS}"
+        return x, f, user
+    return None
 
 
 def _narrow_part(node: Any) -> Optional[tuple[bool, fx.Node, int, int, int]]:
@@ -221,22 +393,47 @@ def _out_value(m: RopeMatch) -> torch.Tensor:
     return xt.new_empty(xt.shape, dtype=tensor_of(m.out).dtype)
 
 
+def _flag(m: RopeMatch) -> tuple:
+    """The op's ``interleaved`` argument, given only when True: rotate-half sites keep their graph as it was."""
+    return (True,) if m.interleaved else ()
+
+
+def _replace_out(m: RopeMatch, new: fx.Node, keep: Sequence[fx.Node]) -> None:
+    """Point m.out's users at ``new`` and erase the site. An interleaved site ends in a ``flatten`` method
+    call, which ``replace_and_erase`` leaves in place (it walks call_function nodes only): erase it here."""
+    if m.interleaved:
+        # Also walk call_method nodes (flatten, the reshape before view_as_complex), all pure views.
+        graph, keep = m.out.graph, set(keep)
+        m.out.replace_all_uses_with(new)
+        stack = [m.out]
+        while stack:
+            node = stack.pop()
+            if node.graph is not graph or node in keep or node.users \
+                    or node.op not in ("call_function", "call_method") or node.is_impure():
+                continue
+            inputs = list(node.all_input_nodes)
+            graph.erase_node(node)
+            stack += inputs
+    else:
+        replace_and_erase(m.out, new, keep=keep)
+
+
 def _replace_single(gm: fx.GraphModule, m: RopeMatch) -> None:
-    fused = insert_call(gm.graph, m.out, torch.ops.sloth.rope_single.default, (m.x, m.cos, m.sin),
+    fused = insert_call(gm.graph, m.out, torch.ops.sloth.rope_single.default, (m.x, m.cos, m.sin) + _flag(m),
                         meta_from=m.anchor, value=_out_value(m))
-    replace_and_erase(m.out, fused, keep=(m.x, m.cos, m.sin))
+    _replace_out(m, fused, keep=(m.x, m.cos, m.sin))
 
 
 def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Node) -> None:
     graph = gm.graph
     values = (_out_value(q), _out_value(k))
-    fused = insert_call(graph, before, torch.ops.sloth.rope.default, (q.x, k.x, q.cos, q.sin),
+    fused = insert_call(graph, before, torch.ops.sloth.rope.default, (q.x, k.x, q.cos, q.sin) + _flag(q),
                         meta_from=q.anchor, value=values)
     # Both getitems go in before either old result is erased: ``before`` may be one of them.
     items = [insert_call(graph, before, operator.getitem, (fused, i), meta_from=m.anchor, value=values[i])
              for i, m in enumerate((q, k))]
     for m, item in zip((q, k), items):
-        replace_and_erase(m.out, item, keep=(q.x, k.x, q.cos, q.sin))
+        _replace_out(m, item, keep=(q.x, k.x, q.cos, q.sin))
 
 
 def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
@@ -245,8 +442,9 @@ def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
 
 def _detail(ms: Sequence[RopeMatch]) -> str:
     xt, ct = tensor_of(ms[0].x), tensor_of(ms[0].cos)
-    rot = f", rotary {ct.shape[-1]} of {xt.shape[-1]}" if not same_size(ct.shape[-1], xt.shape[-1]) else ""
-    which = "q+k" if len(ms) == 2 else "one tensor"
+    r = 2 * ct.shape[-1] if ms[0].interleaved else ct.shape[-1]
+    rot = f", rotary {r} of {xt.shape[-1]}" if not same_size(r, xt.shape[-1]) else ""
+    which = ("interleaved " if ms[0].interleaved else "") + ("q+k" if len(ms) == 2 else "one tensor")
     return f"{which}, head_dim {xt.shape[-1]}{rot}, {xt.dtype} -> {tensor_of(ms[0].out).dtype}".replace("torch.", "")
 
 
@@ -260,10 +458,24 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     """
     _lowering().register()
     matches: list[RopeMatch] = []
+    parts: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # freqs_cis -> (real, imag), shared by q and k
     for node in list(gm.graph.nodes):
-        if not is_call(node, torch.add):
+        if is_call(node, torch.view_as_real):
+            found = _match_complex(node)
+            if isinstance(found, tuple):
+                x, f, out = found
+                if f not in parts:
+                    after = f.next
+                    parts[f] = tuple(insert_call(gm.graph, after, fn, (f,), meta_from=node)
+                                     for fn in (torch.real, torch.imag))
+                found = RopeMatch(x, *parts[f], out, node, interleaved=True)
+        elif isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.stack:
+            found = _match_interleaved(node)
+            found = found if found is None else _guard_interleaved(found)
+        elif is_call(node, torch.add):
+            found = _match_add(node)
+        else:
             continue
-        found = _match_add(node)
         if found is None:
             continue
         if isinstance(found, str):
@@ -275,9 +487,9 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     # goes where the earlier result was, which needs every input of both to be defined before it, and
     # one launch needs one head dim (partial rotary passes the same number of dims through).
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    groups: dict[tuple[fx.Node, fx.Node], list[RopeMatch]] = {}
+    groups: dict[tuple[fx.Node, fx.Node, bool], list[RopeMatch]] = {}
     for m in matches:
-        groups.setdefault((m.cos, m.sin), []).append(m)
+        groups.setdefault((m.cos, m.sin, m.interleaved), []).append(m)
     for group in groups.values():
         while group:
             first = group.pop(0)

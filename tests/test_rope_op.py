@@ -16,7 +16,8 @@ import torch
 
 import sloth.lowering.rope as lowering
 from sloth.lowering.rope import register, rope, rope_single
-from sloth.patterns.rope import partial_rope_pattern, rope_rotate_half_pattern, rope_single_pattern
+from sloth.patterns.rope import (interleaved_rope_pattern, partial_rope_pattern, rope_rotate_half_pattern,
+                                 rope_single_pattern)
 from tolerance import assert_close
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -277,6 +278,110 @@ FALLBACK_CASES = [pytest.param(shape, dtype, rot, id=f"{shape_id(*shape)}-R{rot 
 def test_fallback_matches_triton(shape, dtype, rot):
     inputs = make_inputs(*shape, dtype, rot=rot)
     for fused in (fused_pair(shape[-1]), fused_singles(shape[-1])):
+        triton_out = forward_backward(fused, *inputs)
+        with pytest.MonkeyPatch.context() as mp:
+            _force_fallback(mp)
+            fallback_out = forward_backward(fused, *inputs)
+        for name, a, b in zip(("q_out", "k_out", "dq", "dk"), fallback_out, triton_out):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Interleaved (GPT-J / Meta-reference) RoPE: pair i is (x[2i], x[2i+1]), cos/sin [..., rot/2] per pair
+# ---------------------------------------------------------------------------------------------------
+
+def make_interleaved_inputs(b, hq, hk, s, d, layout, dtype, rot=None, seed=0):
+    """As make_inputs, with cos/sin one entry a pair: [b, s, rot/2] (the first half of transformers' table)."""
+    q, k, cos, sin, dq, dk = make_inputs(b, hq, hk, s, d, layout, dtype, rot=rot, seed=seed)
+    half = cos.shape[-1] // 2
+    return q, k, cos[..., :half].contiguous(), sin[..., :half].contiguous(), dq, dk
+
+
+def pattern_interleaved(layout):
+    dim = _unsqueeze(layout)
+
+    def rot(x, c, s):
+        r = 2 * c.shape[-1]
+        y = interleaved_rope_pattern(x[..., :r], c, s)
+        return y if r == x.shape[-1] else torch.cat([y, x[..., r:]], -1)
+
+    return lambda q, k, cos, sin: (rot(q, cos.unsqueeze(dim), sin.unsqueeze(dim)),
+                                   rot(k, cos.unsqueeze(dim), sin.unsqueeze(dim)))
+
+
+def fused_interleaved(layout, single=False):
+    dim = _unsqueeze(layout)
+    if single:
+        return lambda q, k, cos, sin: (rope_single(q, cos.unsqueeze(dim), sin.unsqueeze(dim), True),
+                                       rope_single(k, cos.unsqueeze(dim), sin.unsqueeze(dim), True))
+    return lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(dim), sin.unsqueeze(dim), True)
+
+
+# Odd shapes: 3 and 5 pairs (not a power of 2), one position, more k heads than q heads.
+INTERLEAVED_SHAPES = [(2, 4, 2, 9, 64, "bhsd"), (1, 3, 2, 7, 6, "bshd"), (2, 1, 3, 1, 10, "bhsd")]
+INTERLEAVED_CASES = [pytest.param(shape, dtype, id=f"{shape_id(*shape)}-{DTYPE_IDS[dtype]}")
+                     for shape in INTERLEAVED_SHAPES for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("shape,dtype", INTERLEAVED_CASES)
+def test_interleaved_matches_pattern(shape, dtype):
+    inputs = make_interleaved_inputs(*shape, dtype)
+    layout = shape[-1]
+    for single in (False, True):
+        qo, ko, dq, dk = check_against_pattern(fused_interleaved(layout, single), pattern_interleaved(layout), inputs)
+        assert qo.dtype == dtype and dq.dtype == dtype and qo.shape == inputs[0].shape and dk.shape == inputs[1].shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interleaved_partial_rotary_passes_the_rest(dtype):
+    inputs = make_interleaved_inputs(2, 3, 1, 7, 48, "bhsd", dtype, rot=16)
+    qo, _, dq, _ = check_against_pattern(fused_interleaved("bhsd"), pattern_interleaved("bhsd"), inputs)
+    assert torch.equal(qo[..., 16:], inputs[0][..., 16:]) and torch.equal(dq[..., 16:], inputs[4][..., 16:])
+
+
+def test_interleaved_equals_complex_multiplication():
+    # Meta's reference: view_as_complex(x) * freqs_cis, with cos = freqs_cis.real, sin = freqs_cis.imag.
+    q, k, cos, sin, _, _ = make_interleaved_inputs(2, 2, 2, 5, 16, "bhsd", torch.float32)
+    cis = torch.complex(cos, sin).unsqueeze(1)
+    ref = torch.view_as_real(torch.view_as_complex(q.double().reshape(*q.shape[:-1], -1, 2)) * cis.to(torch.complex128))
+    torch.testing.assert_close(rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True), ref.flatten(-2).float())
+
+
+def test_interleaved_backward_rotates_by_minus_theta():
+    # With unit (cos, sin) the backward is the inverse rotation: it undoes the forward.
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64).float()
+    theta = torch.rand(2, 1, 5, 4) * 6
+    y = rope_single(x, theta.cos(), theta.sin(), True)
+    back = torch.ops.sloth.rope_single_backward(y, theta.cos(), theta.sin(), torch.float32, True)
+    torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
+
+
+def test_interleaved_cos_sin_wider_than_pairs_is_refused():
+    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 3, 16, "bhsd", torch.float32)  # [.., 16]: 16 pairs > 8
+    with pytest.raises(ValueError, match="do not fit"):
+        rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True)
+
+
+@pytest.mark.parametrize("shape,dtype,rot", [((2, 3, 1, 5, 16, "bhsd"), torch.float32, None),
+                                             ((1, 2, 2, 3, 12, "bshd"), torch.bfloat16, 8)],
+                         ids=["B2-D16-fp32", "B1-D12-R8-bf16"])
+def test_interleaved_opcheck(shape, dtype, rot):
+    register()
+    q, k, cos, sin, dq, dk = make_interleaved_inputs(*shape, dtype, rot=rot)
+    dim = _unsqueeze(shape[-1])
+    cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
+    torch.library.opcheck(torch.ops.sloth.rope.default,
+                          (q.requires_grad_(True), k.requires_grad_(True), cos, sin, True))
+    torch.library.opcheck(torch.ops.sloth.rope_single.default, (q, cos, sin, True))
+    torch.library.opcheck(torch.ops.sloth.rope_backward.default, (dq, dk, cos, sin, dtype, dtype, True))
+    torch.library.opcheck(torch.ops.sloth.rope_single_backward.default, (dq, cos, sin, dtype, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interleaved_fallback_matches_triton(dtype):
+    inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype, rot=16)
+    for fused in (fused_interleaved("bshd"), fused_interleaved("bshd", single=True)):
         triton_out = forward_backward(fused, *inputs)
         with pytest.MonkeyPatch.context() as mp:
             _force_fallback(mp)

@@ -13,6 +13,7 @@ transposed view) and cos/sin inside the graph, as transformers' attention does.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable, Optional
 
 import pytest
@@ -142,6 +143,67 @@ def partial_rotary_inline(qp, kp, inv_freq, pos):
     return q_embed, k_embed
 
 
+def interleaved_cos_sin(inv_freq, pos, dtype):
+    """GPT-J's per-pair tables [b, 1, s, d/2] (no doubling cat), cast to the activations' dtype."""
+    freqs = pos[..., None] * inv_freq
+    return freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+
+
+def gptj_rotate(x, cos, sin):
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def interleaved_real(qp, kp, inv_freq, pos):
+    # GPT-J / Meta-reference interleaved RoPE written in real arithmetic.
+    q, k = heads(qp, HQ), heads(kp, HK)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    return gptj_rotate(q, cos, sin), gptj_rotate(k, cos, sin)
+
+
+def interleaved_respelled(qp, kp, inv_freq, pos):
+    # Explicit slice bounds, operands reordered, a reshape instead of flatten, bshd layout.
+    q, k = heads(qp, HQ, "bshd"), heads(kp, HK, "bshd")
+    freqs = pos[..., None] * inv_freq
+    cos, sin = freqs.cos().to(qp.dtype)[:, :, None], freqs.sin().to(qp.dtype)[:, :, None]
+
+    def rot(x):
+        xe, xo = x[:, :, :, 0:D:2], x[:, :, :, 1:D:2]
+        return torch.stack([cos * xe - sin * xo, sin * xe + cos * xo], 4).reshape(x.shape)
+    return rot(q), rot(k)
+
+
+def interleaved_q_only(qp, kp, inv_freq, pos):
+    q, k = heads(qp, HQ), heads(kp, HK)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    return gptj_rotate(q, cos, sin), k * 2
+
+
+def meta_complex(qp, kp, inv_freq, pos):
+    # Meta's reference Llama: view_as_complex(x.float()) * freqs_cis, back to real, type_as(x).
+    q, k = heads(qp, HQ), heads(kp, HK)
+    freqs = pos[..., None] * inv_freq
+    cis = torch.polar(torch.ones_like(freqs), freqs)[:, None]
+
+    def rot(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * cis).flatten(3).type_as(x)
+    return rot(q), rot(k)
+
+
+def meta_complex_reference(qp, kp, inv_freq, pos):
+    # The float64 run keeps float64 (x.float() would round it to fp32) and complex128.
+    q, k = heads(qp, HQ), heads(kp, HK)
+    freqs = pos[..., None] * inv_freq
+    cis = torch.polar(torch.ones_like(freqs), freqs)[:, None]
+
+    def rot(x):
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(cis * xc).flatten(3)
+    return rot(q), rot(k)
+
+
 def checkpointed(qp, kp, inv_freq, pos):
     return torch.utils.checkpoint.checkpoint(make_llama(), qp, kp, inv_freq, pos, use_reentrant=False)
 
@@ -235,16 +297,44 @@ MATCHES = [
     Case("three-tensors", three_tensors, 2, {"sloth.rope": 1, "sloth.rope_single": 1}),
     # The checkpoint's recompute runs in the autograd engine; the float64 run does without it.
     Case("checkpointed", checkpointed, 1, PAIR, reference=LLAMA),
+    Case("interleaved-gptj-real", interleaved_real, 1, PAIR),
+    Case("interleaved-respelled-bshd", interleaved_respelled, 1, PAIR),
+    Case("interleaved-q-only", interleaved_q_only, 1, {"sloth.rope_single": 1}),
+    # bf16: q.float() and k.float() are two nodes, k's after q's site, so two single launches.
+    Case("meta-complex", meta_complex, None, reference=meta_complex_reference),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", MATCHES, ids=[c.id for c in MATCHES])
 def test_match(case, dtype):
+    if case.id == "meta-complex":
+        fp32 = dtype == torch.float32
+        case = dataclasses.replace(case, count=1 if fp32 else 2,
+                                   ops=PAIR if fp32 else {"sloth.rope_single": 2})
     check_case(case, dtype)
 
 
-@pytest.mark.parametrize("case", [c for c in MATCHES if c.id in ("llama-slices", "partial-rotary", "q-only")],
+def meta_complex_conj(qp, kp, inv_freq, pos):
+    # freqs_cis.conj(): torch.imag of the conjugate view is -sin, so the fused op is still exact.
+    q = heads(qp, HQ)
+    freqs = pos[..., None] * inv_freq
+    cis = torch.polar(torch.ones_like(freqs), freqs)[:, None].conj()
+    xc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * cis).flatten(3).type_as(q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conjugated_freqs_cis_matches_exactly(dtype):
+    check_case(Case("meta-complex-conj", meta_complex_conj, 1, {"sloth.rope_single": 1}), dtype)
+
+
+def test_complex_freqs_cis_without_cast_matches():
+    check_case(Case("complex-freqs-cis", complex_freqs, 1, {"sloth.rope_single": 1}), torch.float32)
+
+
+@pytest.mark.parametrize("case", [c for c in MATCHES if c.id in ("llama-slices", "partial-rotary", "q-only",
+                                                                 "interleaved-gptj-real", "interleaved-q-only")],
                          ids=lambda c: c.id)
 def test_match_aot_eager(case):
     check_case(case, torch.bfloat16, inner="aot_eager")
@@ -252,6 +342,13 @@ def test_match_aot_eager(case):
 
 def test_match_inductor():
     check_case(MATCHES[0], torch.float32, inner="inductor")
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_interleaved_match_compiled_inner(inner):
+    check_case(next(c for c in MATCHES if c.id == "interleaved-gptj-real"), torch.float32, inner=inner)
+    meta = next(c for c in MATCHES if c.id == "meta-complex")
+    check_case(dataclasses.replace(meta, count=1, ops=PAIR), torch.float32, inner=inner)
 
 
 def test_the_fused_op_is_in_the_graph():
@@ -270,6 +367,28 @@ def test_the_fused_op_is_in_the_graph():
     q, k, cos, sin = fused.args
     assert q.target == "transpose" and k.target == "transpose"  # the non-contiguous views, read in place
     assert cos is not sin and cos.target == "unsqueeze"
+
+
+@pytest.mark.parametrize("case_id", ["interleaved-gptj-real", "meta-complex"])
+def test_interleaved_site_is_erased(case_id):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        out = sloth_backend(gm, example_inputs, options={"inner": "eager"})
+        graphs.append(gm)
+        return out
+
+    case = next(c for c in MATCHES if c.id == case_id)
+    torch.compile(case.fn, backend=capture, fullgraph=True)(*make_args(case, torch.float32, False))
+    nodes = list(graphs[0].graph.nodes)
+    (fused,) = [n for n in nodes if n.target is torch.ops.sloth.rope.default]
+    assert fused.args[4] is True
+    assert not [n for n in nodes if n.target in (torch.stack, "flatten", "reshape", torch.sub, torch.view_as_complex,
+                                                 torch.view_as_real)]
+    if case_id == "meta-complex":  # cos/sin are the parts of freqs_cis, taken once for q and k
+        assert fused.args[2].target is torch.real and fused.args[3].target is torch.imag
+    assert not [n for n in nodes if n.target is operator.getitem and isinstance(n.args[1], tuple)
+                and any(isinstance(i, slice) and i.step == 2 for i in n.args[1])]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -327,12 +446,45 @@ def interleaved_gptj(qp, kp, inv_freq, pos):
 
 
 def complex_freqs(qp, kp, inv_freq, pos):
-    # Meta's Llama: view_as_complex(q) * freqs_cis. Knowingly unmatched, must stay as it was.
+    # Meta's Llama without the cast: view_as_complex(q) * freqs_cis (fp32 only: no bf16 complex).
     q = heads(qp, HQ)
     freqs = pos[..., None] * inv_freq
     cis = torch.polar(torch.ones_like(freqs), freqs)[:, None]
     qc = torch.view_as_complex(q.reshape(*q.shape[:-1], -1, 2))
     return torch.view_as_real(qc * cis).flatten(-2)
+
+
+def complex_divided(qp, kp, inv_freq, pos):
+    # Division by freqs_cis: the rotation by -theta. Must stay as it was.
+    q = heads(qp, HQ)
+    freqs = pos[..., None] * inv_freq
+    cis = torch.polar(torch.ones_like(freqs), freqs)[:, None]
+    qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+    return torch.view_as_real(qc / cis).flatten(-2).type_as(q)
+
+
+def interleaved_sign_flipped(qp, kp, inv_freq, pos):
+    # x1*c + x2*s: the rotation by -theta in the forward. Must stay as it was.
+    q = heads(qp, HQ)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    x1, x2 = q[..., ::2], q[..., 1::2]
+    return torch.stack((x1 * cos + x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def interleaved_parity_swapped(qp, kp, inv_freq, pos):
+    # The odd elements first: a different rotation. Must stay as it was.
+    q = heads(qp, HQ)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    x1, x2 = q[..., 1::2], q[..., ::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def interleaved_stacked_over_pairs(qp, kp, inv_freq, pos):
+    # stack over dim -2 then flatten: [y_even..., y_odd...], the halves layout, not the interleave.
+    q = heads(qp, HQ)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    x1, x2 = q[..., ::2], q[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2).flatten(-2)
 
 
 def make_single(rh):
@@ -352,15 +504,16 @@ NEAR_MISSES = [
     Case("cos-sin-shapes-differ", mismatched_cos_sin, 0, reason="different shapes"),
     Case("cos-enlarges-x", cos_enlarges_x, 0, reason="larger shape"),
     Case("interleaved-gptj", interleaved_gptj, 0),
-    Case("complex-freqs-cis", complex_freqs, 0),
+    Case("complex-divided-by-freqs-cis", complex_divided, 0),
+    Case("interleaved-sign-flipped", interleaved_sign_flipped, 0),
+    Case("interleaved-parity-swapped", interleaved_parity_swapped, 0),
+    Case("interleaved-stacked-over-pairs", interleaved_stacked_over_pairs, 0),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", NEAR_MISSES, ids=[c.id for c in NEAR_MISSES])
 def test_near_miss_is_left_alone(case, dtype):
-    if case.id == "complex-freqs-cis" and dtype == torch.bfloat16:
-        pytest.skip("view_as_complex has no bfloat16 form")
     check_case(case, dtype)
 
 
