@@ -188,18 +188,10 @@ def _match_interleaved(stack: fx.Node) -> Optional[RopeMatch]:
     return None
 
 
-def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
-    stack = m.anchor
-    first, second = stack.args[0]
-    inner = [stack, first, second, *first.args, *second.args]
-    if any(len(n.users) != 1 for n in inner):
-        return "an intermediate (x1 * cos, x2 * sin, their difference or sum) has other users, so it cannot be fused away"
-    halves = {a for n in (*first.args, *second.args) for a in n.args if a is not m.cos and a is not m.sin}
-    if any(len(h.users) != 2 for h in halves):
-        return "x[..., ::2] or x[..., 1::2] has other users, so it cannot be fused away"
-    xt, ct, st = tensor_of(m.x), tensor_of(m.cos), tensor_of(m.sin)
-    if ct is None or st is None:
-        return "cos or sin is not a tensor"
+def _operand_guard(xt: Optional[torch.Tensor], ct: Optional[torch.Tensor], st: Optional[torch.Tensor]) -> Optional[str]:
+    """Why x, cos and sin cannot go to the kernel (dtypes, grads, rank, cos/sin shapes), or None."""
+    if xt is None or ct is None or st is None:
+        return "x, cos or sin is not a tensor"
     dtypes = {xt.dtype, ct.dtype, st.dtype}
     if not dtypes <= set(_KERNEL_DTYPES):
         return f"computes in {sorted(str(d)[6:] for d in dtypes - set(_KERNEL_DTYPES))}; " \
@@ -210,6 +202,23 @@ def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
         return f"x has {xt.dim()} dims; the fused op takes 1 to {_lowering().MAX_DIMS}"
     if not same_shape(ct, st):
         return f"cos and sin have different shapes {tuple(ct.shape)} and {tuple(st.shape)}"
+    return None
+
+
+def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
+    """Users, dtypes and shapes around an interleaved (even/odd pair) site."""
+    stack = m.anchor
+    first, second = stack.args[0]
+    inner = [stack, first, second, *first.args, *second.args]
+    if any(len(n.users) != 1 for n in inner):
+        return "an intermediate (x1 * cos, x2 * sin, their difference or sum) has other users, so it cannot be fused away"
+    halves = {a for n in (*first.args, *second.args) for a in n.args if a is not m.cos and a is not m.sin}
+    if any(len(h.users) != 2 for h in halves):
+        return "x[..., ::2] or x[..., 1::2] has other users, so it cannot be fused away"
+    xt, ct, st = tensor_of(m.x), tensor_of(m.cos), tensor_of(m.sin)
+    refused = _operand_guard(xt, ct, st)
+    if refused:
+        return refused
     if ct.dim() > xt.dim() or not same_size(2 * ct.shape[-1], xt.shape[-1]):
         return f"interleaved cos/sin of shape {tuple(ct.shape)} do not give one entry per pair of x {tuple(xt.shape)}"
     try:
@@ -347,16 +356,9 @@ def _guard(m: RopeMatch, plain: fx.Node, rotated: fx.Node, rh: fx.Node) -> Union
     inner = [rh, *rh.args[0], *(p for p in parts if p is not None)]
     if len(plain.users) != 1 or len(rotated.users) != 1 or any(len(n.users) != 1 for n in inner):
         return "an intermediate (x * cos, rotate_half(x), its halves) has other users, so it cannot be fused away"
-    dtypes = {xt.dtype, ct.dtype, st.dtype}
-    if not dtypes <= set(_KERNEL_DTYPES):
-        return f"computes in {sorted(str(d)[6:] for d in dtypes - set(_KERNEL_DTYPES))}; " \
-               "the fused kernel supports float32, bfloat16 and float16"
-    if ct.requires_grad or st.requires_grad:
-        return "cos or sin requires grad; the fused op gives them no gradient"
-    if not 1 <= xt.dim() <= _lowering().MAX_DIMS:
-        return f"x has {xt.dim()} dims; the fused op takes 1 to {_lowering().MAX_DIMS}"
-    if not same_shape(ct, st):
-        return f"cos and sin have different shapes {tuple(ct.shape)} and {tuple(st.shape)}"
+    refused = _operand_guard(xt, ct, st)
+    if refused:
+        return refused
     if ct.dim() > xt.dim() or not same_size(ct.shape[-1], xt.shape[-1]):
         return f"cos/sin of shape {tuple(ct.shape)} do not match the head dim of x {tuple(xt.shape)}"
     ot = tensor_of(m.out)
