@@ -22,6 +22,7 @@ import sloth.lowering.glu as lowering
 from sloth.lowering.glu import ACTIVATIONS, glu, register
 from sloth.patterns.glu import PATTERNS
 from tolerance import assert_close
+from op_checks import force_fallback
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -273,18 +274,6 @@ def test_register_is_idempotent():
 # The PyTorch fallback (CPU without the interpreter, other devices)
 # ---------------------------------------------------------------------------------------------------
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        raise AssertionError("a Triton kernel was launched on the fallback path")
-
-
-def _force_fallback(mp: pytest.MonkeyPatch) -> None:
-    """Take the PyTorch reference path, as on a CPU without the interpreter; a kernel launch now fails."""
-    mp.setattr(lowering, "use_triton", lambda t: False)
-    mp.setattr(lowering, "_glu_fwd_kernel", _NoLaunch())
-    mp.setattr(lowering, "_glu_bwd_kernel", _NoLaunch())
-
-
 FALLBACK_CASES = [pytest.param(shape, dtype, act, form, id=f"{shape_id(shape)}-{DTYPE_IDS[dtype]}-{act}-{form}")
                   for shape in [(3, 100), (2, 5, 64)] for dtype in (torch.float32, torch.bfloat16)
                   for act in ACTIVATIONS for form in ("split", "merged")]
@@ -297,7 +286,7 @@ def test_fallback_matches_triton(shape, dtype, activation, form):
     inputs = [torch.cat([g, u], -1)] if form == "merged" else [g, u]
     triton_out = forward_backward(fused_fn(activation, form), inputs, dy)
     with pytest.MonkeyPatch.context() as mp:
-        _force_fallback(mp)
+        force_fallback(mp, lowering, "_glu_fwd_kernel", "_glu_bwd_kernel")
         fallback_out = forward_backward(fused_fn(activation, form), inputs, dy)
     for i, (a, b) in enumerate(zip(fallback_out, triton_out)):
         assert a.dtype == b.dtype and a.shape == b.shape, i
@@ -306,14 +295,14 @@ def test_fallback_matches_triton(shape, dtype, activation, form):
 
 
 def test_fallback_is_used_when_triton_cannot_run(monkeypatch):
-    _force_fallback(monkeypatch)
+    force_fallback(monkeypatch, lowering, "_glu_fwd_kernel", "_glu_bwd_kernel")
     g, u, dy = make_inputs((3, 100))
     for form in ("split", "merged"):
         check_against_pattern("gelu_erf", form, g, u, dy, torch.bfloat16)
 
 
 def test_fallback_output_layout_matches_fake(monkeypatch):
-    _force_fallback(monkeypatch)
+    force_fallback(monkeypatch, lowering, "_glu_fwd_kernel", "_glu_bwd_kernel")
     register()
     g, u = torch.randn(64, 8).t(), torch.randn(8, 64)
     torch.library.opcheck(torch.ops.sloth.glu.default, (g, u, "silu"), test_utils=("test_faketensor",))

@@ -17,6 +17,7 @@ import sloth.lowering.linear_cross_entropy as lowering
 from sloth.lowering.linear_cross_entropy import chunk_rows, linear_cross_entropy, register
 from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
 from tolerance import assert_close
+from op_checks import force_fallback
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -272,16 +273,6 @@ def test_bad_inputs_raise_clear_errors():
 # The PyTorch fallback (CPU without the interpreter, other devices)
 # ---------------------------------------------------------------------------------------------------
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        raise AssertionError("a Triton kernel was launched on the fallback path")
-
-
-def _force_fallback(mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(lowering, "use_triton", lambda t: False)
-    mp.setattr(lowering, "_lce_rows_kernel", _NoLaunch())
-
-
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fallback_matches_triton(dtype, reduction):
@@ -291,7 +282,7 @@ def test_fallback_matches_triton(dtype, reduction):
     fn = lambda a, c, d: linear_cross_entropy(a, c, d, labels, **opts)  # noqa: E731
     triton_out = forward_backward(fn, x, w, b)
     with pytest.MonkeyPatch.context() as mp:
-        _force_fallback(mp)
+        force_fallback(mp, lowering, "_lce_rows_kernel")
         fallback_out = forward_backward(fn, x, w, b)
     for name, a, c in zip(("loss", "dx", "dw", "db"), fallback_out, triton_out):
         assert a.dtype == c.dtype and a.shape == c.shape, name
@@ -303,6 +294,6 @@ def test_fallback_matches_triton(dtype, reduction):
 
 
 def test_fallback_is_used_when_triton_cannot_run(monkeypatch):
-    _force_fallback(monkeypatch)
+    force_fallback(monkeypatch, lowering, "_lce_rows_kernel")
     x, w, b, labels = make_inputs(7, 16, 50, bias=True, ignored="some")
     check_against_pattern(x, w, b, labels, torch.bfloat16, softcap=3.0, label_smoothing=0.1)

@@ -22,6 +22,7 @@ import sloth.lowering.rms_norm as lowering
 from sloth.lowering.rms_norm import MAX_HIDDEN, register, rms_norm
 from sloth.patterns.rms_norm import gemma_rms_norm_pattern, rms_norm_pattern, weightless_rms_norm_pattern
 from tolerance import assert_close
+from op_checks import force_fallback
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 OFFSET = {"llama": 0.0, "gemma": 1.0, "none": 0.0}
@@ -340,21 +341,9 @@ def test_register_is_idempotent():
 # The PyTorch fallback (CPU without the interpreter, other devices)
 # ---------------------------------------------------------------------------------------------------
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        raise AssertionError("a Triton kernel was launched on the fallback path")
-
-
-def _force_fallback(mp: pytest.MonkeyPatch) -> None:
-    """Take the PyTorch reference path, as on a CPU without the interpreter; a kernel launch now fails."""
-    mp.setattr(lowering, "use_triton", lambda t: False)
-    mp.setattr(lowering, "_rms_norm_fwd_kernel", _NoLaunch())
-    mp.setattr(lowering, "_rms_norm_bwd_kernel", _NoLaunch())
-
-
 @pytest.fixture
 def no_triton(monkeypatch):
-    _force_fallback(monkeypatch)
+    force_fallback(monkeypatch, lowering, "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel")
 
 
 FALLBACK_CASES = [pytest.param(shape, dtype, style, id=f"{shape_id(shape)}-{DTYPE_IDS[dtype]}-{style}")
@@ -368,7 +357,7 @@ def test_fallback_matches_triton(shape, dtype, style):
     x, w, dy = x32.to(dtype), (w32.to(dtype) if style != "none" else None), dy32.to(dtype)
     triton_out = forward_backward(lambda a, b: fused(style, a, b, 1e-6), x, w, dy)
     with pytest.MonkeyPatch.context() as mp:
-        _force_fallback(mp)
+        force_fallback(mp, lowering, "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel")
         fallback_out = forward_backward(lambda a, b: fused(style, a, b, 1e-6), x, w, dy)
     for name, a, b in zip(("y", "dx", "dw"), fallback_out, triton_out):
         if b is None:

@@ -19,6 +19,7 @@ from sloth.lowering.rope import register, rope, rope_single
 from sloth.patterns.rope import (interleaved_rope_pattern, partial_rope_pattern, rope_rotate_half_pattern,
                                  rope_single_pattern)
 from tolerance import assert_close
+from op_checks import force_fallback
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -259,16 +260,6 @@ def test_register_is_idempotent():
 # The PyTorch fallback (CPU without the interpreter, other devices)
 # ---------------------------------------------------------------------------------------------------
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        raise AssertionError("a Triton kernel was launched on the fallback path")
-
-
-def _force_fallback(mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(lowering, "use_triton", lambda t: False)
-    mp.setattr(lowering, "_rope_kernel", _NoLaunch())
-
-
 FALLBACK_CASES = [pytest.param(shape, dtype, rot, id=f"{shape_id(*shape)}-R{rot or shape[4]}-{DTYPE_IDS[dtype]}")
                   for shape, rot in [((2, 3, 1, 7, 16, "bhsd"), None), ((1, 2, 2, 5, 24, "bshd"), 8)]
                   for dtype in (torch.float32, torch.bfloat16)]
@@ -280,7 +271,7 @@ def test_fallback_matches_triton(shape, dtype, rot):
     for fused in (fused_pair(shape[-1]), fused_singles(shape[-1])):
         triton_out = forward_backward(fused, *inputs)
         with pytest.MonkeyPatch.context() as mp:
-            _force_fallback(mp)
+            force_fallback(mp, lowering, "_rope_kernel")
             fallback_out = forward_backward(fused, *inputs)
         for name, a, b in zip(("q_out", "k_out", "dq", "dk"), fallback_out, triton_out):
             assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
@@ -384,7 +375,7 @@ def test_interleaved_fallback_matches_triton(dtype):
     for fused in (fused_interleaved("bshd"), fused_interleaved("bshd", single=True)):
         triton_out = forward_backward(fused, *inputs)
         with pytest.MonkeyPatch.context() as mp:
-            _force_fallback(mp)
+            force_fallback(mp, lowering, "_rope_kernel")
             fallback_out = forward_backward(fused, *inputs)
         for name, a, b in zip(("q_out", "k_out", "dq", "dk"), fallback_out, triton_out):
             assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
