@@ -5,6 +5,10 @@ import dataclasses
 import logging
 from collections import Counter
 
+import torch.fx as fx
+
+from .fx_utils import module_path, source_location
+
 log = logging.getLogger("sloth")
 
 
@@ -45,6 +49,10 @@ class Report:
     def replaced(self, site: Site) -> None:
         self.sites.append(site)
         log.info("sloth: %s -> %s at %s %s", site.family, site.op, site.module or "?", site.source)
+
+    def reject(self, family: str, anchor: "fx.Node", reason: str) -> None:
+        """Record that ``family`` left the site at ``anchor`` as it was, and why."""
+        self.rejected(Rejection(family, module_path(anchor), source_location(anchor), reason))
 
     def rejected(self, rejection: Rejection) -> None:
         self.rejections.append(rejection)

@@ -50,7 +50,7 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_size,
                                  set_value, source_location, tensor_of)
 from ..compiler.options import PassOptions
-from ..compiler.report import Rejection, Report, Site
+from ..compiler.report import Report, Site
 
 FAMILY = "cross_entropy"
 
@@ -111,10 +111,6 @@ class CrossEntropyMatch:
     out: fx.Node
     shared: list[fx.Node]  # chain nodes that other users also read: they stay (see _shared_logits)
     loss_path: set[fx.Node]  # the nodes from the linear to the loss, the loss included
-
-
-def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
-    report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
 
 
 def _ce_params(node: fx.Node) -> Union[dict[str, Any], str, None]:
@@ -372,7 +368,7 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
         if found is None:
             continue
         if isinstance(found, str):
-            _reject(report, node, found)
+            report.reject(FAMILY, node, found)
             continue
         detail = (f"{found.reduction}, ignore_index={found.ignore_index}"
                   + (f", softcap={found.softcap:g}" if found.softcap else "")

@@ -38,7 +38,7 @@ from ..compiler.canonicalize import gelu
 from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
-from ..compiler.report import Rejection, Report, Site
+from ..compiler.report import Report, Site
 
 FAMILY = "glu"
 
@@ -149,10 +149,6 @@ def _match(act: fx.Node, activation: str) -> Union[GluMatch, str, None]:
     return GluMatch(gate, up, activation, out, f"{activation}, separate gate and up{order}")
 
 
-def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
-    report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
-
-
 def _replace(gm: fx.GraphModule, m: GluMatch) -> set[fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased."""
     out = tensor_of(m.out)
@@ -182,7 +178,7 @@ def fuse_glu_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
             continue
         anchor = next(iter(node.users)) if len(node.users) == 1 else node
         if isinstance(found, str):
-            _reject(report, anchor, found)
+            report.reject(FAMILY, anchor, found)
             continue
         site = Site(FAMILY, "sloth.glu", module_path(anchor), source_location(anchor),
                     f"{found.detail}, {str(tensor_of(found.out).dtype).replace('torch.', '')}")

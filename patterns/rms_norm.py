@@ -33,7 +33,7 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_shape, same_size,
                                  single_user, source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
-from ..compiler.report import Rejection, Report, Site
+from ..compiler.report import Report, Site
 
 FAMILY = "rms_norm"
 
@@ -148,10 +148,6 @@ def _runtime_float(eps: Any) -> Union[float, fx.Node, None]:
     return None
 
 
-def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
-    report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
-
-
 def _match_decomposed(r: fx.Node) -> Union[RmsNormMatch, str, None]:
     """Match around an ``rsqrt`` anchor. None: not an RMSNorm shape; str: a near-miss and why."""
     s = r.args[0]
@@ -254,7 +250,7 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, rep
         if found is None:
             continue
         if isinstance(found, str):
-            _reject(report, node, found)
+            report.reject(FAMILY, node, found)
             continue
         detail = (f"eps={found.eps if isinstance(found.eps, fx.Node) else format(found.eps, 'g')}" + (f", weight+{found.offset:g}" if found.offset else "")
                   + ("" if found.weight is not None else ", no weight")

@@ -56,7 +56,7 @@ import torch.fx as fx
 from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
                                  single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
-from ..compiler.report import Rejection, Report, Site
+from ..compiler.report import Report, Site
 
 FAMILY = "rope"
 
@@ -438,10 +438,6 @@ def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Nod
         _replace_out(m, item, keep=(q.x, k.x, q.cos, q.sin))
 
 
-def _reject(report: Report, anchor: fx.Node, reason: str) -> None:
-    report.rejected(Rejection(FAMILY, module_path(anchor), source_location(anchor), reason))
-
-
 def _detail(ms: Sequence[RopeMatch]) -> str:
     xt, ct = tensor_of(ms[0].x), tensor_of(ms[0].cos)
     r = 2 * ct.shape[-1] if ms[0].interleaved else ct.shape[-1]
@@ -481,7 +477,7 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         if found is None:
             continue
         if isinstance(found, str):
-            _reject(report, node, found)
+            report.reject(FAMILY, node, found)
             continue
         matches.append(found)
 
