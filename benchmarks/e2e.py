@@ -44,7 +44,7 @@ import torch
 
 from benchmarks import common
 
-VARIANTS = ["eager", "inductor", "sloth"]
+VARIANTS = ["eager", "inductor", "liger", "sloth"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MODELS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -62,10 +62,38 @@ COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "warm-
 # ----------------------------------------------------------------------------- one run
 
 
+def _quantize_linears_nf4(model: torch.nn.Module) -> int:
+    """Swap every ``nn.Linear`` under ``model.model`` (not the lm_head) for a bitsandbytes NF4
+    ``Linear4bit`` holding the same weight, quantised on the move to CUDA (shared/BENCHMARKING.md's
+    QLoRA recipe: no from_pretrained). Returns how many were swapped."""
+    import bitsandbytes as bnb
+
+    swapped = 0
+    for parent in list(model.model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
+                                                     module=q).cuda()
+                if child.bias is not None:
+                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, q)
+                swapped += 1
+    return swapped
+
+
 def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
-    """The random-weight LoRA model, on `device`, and its config."""
+    """The random-weight LoRA (or, with --qlora, NF4 QLoRA) model, on `device`, and its config."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if args.variant == "liger":
+        # Liger patches the Llama classes (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); it must
+        # run before the model is built (shared/BENCHMARKING.md).
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
 
     fields = dict(MODELS[args.model])
     if args.layers:
@@ -78,6 +106,8 @@ def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module,
     # Built on the device: an 8B model initialises in seconds there, minutes on the CPU.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if args.qlora:
+        _quantize_linears_nf4(model)
     if args.grad_ckpt:
         # Non-reentrant: works with frozen embeddings (no enable_input_require_grads) and with Dynamo.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -105,7 +135,7 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
 
 
 def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str, Any]) -> Callable[..., Any]:
-    if variant == "eager":
+    if variant in ("eager", "liger"):
         return model
     if variant == "inductor":
         return torch.compile(model)
@@ -163,6 +193,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         step_ms = (time.perf_counter() - start) * 1e3 / args.steps
         peak_gib = None
 
+    if args.profile and cuda:
+        profile_step(step, args)
     peak_tflops = args.peak_tflops or common.matmul_tflops()
     tokens = args.batch * args.seq
     # sloth.report() merges every graph compiled in this process (graph breaks, checkpointed layers).
@@ -189,6 +221,47 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# Kernel-name families for the profile summary, first match wins (cuBLAS/cuDNN/CUTLASS GEMMs, the
+# flash/efficient attention kernels SDPA picks, Triton kernels Inductor generated, sloth's own).
+_KERNEL_FAMILIES = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+                    ("attention", ("flash", "fmha", "attention", "attn")),
+                    ("sloth", ("_rms_norm", "_rope", "_glu", "_lce", "_lora", "_nf4")),
+                    ("inductor", ("triton_",)),
+                    ("other", ("",)))
+
+
+def _family(kernel: str) -> str:
+    name = kernel.lower()
+    return next(f for f, keys in _KERNEL_FAMILIES if any(k in name for k in keys))
+
+
+def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 40) -> None:
+    """Profile one training step: GPU time per kernel family and the ``top`` kernels by GPU time,
+    written as text to $OUT (or benchmarks/results) as profile-<variant>-L<layers>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    families: dict[str, float] = {}
+    for e in events:
+        families[_family(e.key)] = families.get(_family(e.key), 0.0) + e.self_device_time_total
+    lines = [f"one step, {args.variant}, {args.model} L{args.layers or 'all'} b{args.batch} s{args.seq}"
+             f"{' qlora' if args.qlora else ''}{' ckpt' if args.grad_ckpt else ''}: GPU kernel time {total / 1e3:.2f} ms",
+             "", "family      ms      %"]
+    lines += [f"{f:<9} {us / 1e3:8.2f} {100 * us / total:6.1f}" for f, us in sorted(families.items(), key=lambda kv: -kv[1])]
+    lines += ["", f"{'ms':>8} {'%':>5} {'calls':>6}  family     kernel"]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        lines.append(f"{e.self_device_time_total / 1e3:8.2f} {100 * e.self_device_time_total / total:5.1f} "
+                     f"{e.count:6d}  {_family(e.key):<9}  {e.key[:110]}")
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    path = out_dir / f"profile-{args.variant}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:12]), flush=True)
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -200,6 +273,10 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
         cmd += ["--layers", str(args.layers)]
     if args.grad_ckpt:
         cmd.append("--grad-ckpt")
+    if args.qlora:
+        cmd.append("--qlora")
+    if args.profile:
+        cmd.append("--profile")
     if args.smoke:
         cmd.append("--smoke")
     if args.peak_tflops:
@@ -254,7 +331,8 @@ def run_all(args: argparse.Namespace) -> int:
     config["flops_formula"] = "4 P_frozen T + 6 P_trainable T + 6 b s^2 (heads x head_dim) layers (causal)"
     record = common.result_record("e2e", config, COLUMNS, rows)
     if not args.smoke or args.results_dir:
-        suffix = f"-{args.model}-b{args.batch}-s{args.seq}" + ("-ckpt" if args.grad_ckpt else "") + (
+        suffix = f"-{args.model}-b{args.batch}-s{args.seq}" + ("-qlora" if args.qlora else "") + (
+            "-ckpt" if args.grad_ckpt else "") + (
             f"-L{args.layers}" if args.layers else "") + ("-smoke" if args.smoke else "")
         for path in common.write_result(record, args.results_dir, suffix):
             print(f"wrote {path}")
@@ -275,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--grad-ckpt", action="store_true", help="non-reentrant gradient checkpointing")
+    parser.add_argument("--qlora", action="store_true", help="NF4 base weights (bitsandbytes Linear4bit)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile one step and write its kernel table (see profile_step)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="MFU denominator; measured if 0")

@@ -1,0 +1,134 @@
+"""Linear + cross-entropy benchmark: eager, Inductor, Liger and sloth's fused op, plus a chunk sweep.
+
+    python -m benchmarks.ops.cross_entropy [--smoke] [--sweep 32,64,128,256,512,1024]
+
+The issue's shape: 4096 tokens x hidden 4096 x vocab 128256, bf16, mean over non-ignored labels
+(-100 on a tenth of them), in two cases: a frozen head (LoRA and QLoRA: only dx is wanted) and a
+trainable head (full fine-tuning: dx and dw). The op is matmul-bound, so the rate column is TFLOP/s
+against the measured bf16 matmul peak: fwd+bwd does 2NVH FLOPs for the logits and 2NVH per gradient
+(dx, and dw when trainable). "peak MiB" is memory allocated above the inputs during one call (the
+issue's target: sloth's at most 10% of Inductor's). Liger is `LigerFusedLinearCrossEntropyLoss`
+when liger_kernel imports, else its rows say why not.
+
+`--sweep` times sloth fwd+bwd at each rows-per-chunk value (the launcher's own rule is replaced for
+the sweep only), so the rule in lowering/linear_cross_entropy.chunk_rows can be checked.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+import torch
+
+from benchmarks import common
+from benchmarks.ops import harness
+
+
+def _liger_provider() -> Callable | str:
+    """Liger's fused linear cross-entropy as ``fn(x, w, labels)``, or why it is not available."""
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception as exc:  # not installed, or fails to import on this torch: the row says so
+        return f"{type(exc).__name__}: {exc}"
+    loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="mean")
+    return lambda x, w, labels: loss_fn(w, x, labels)
+
+
+def _inputs(n: int, hidden: int, vocab: int, device: str, train_head: bool) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(n, hidden, generator=gen) / 4).to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(device, torch.bfloat16)
+    w.requires_grad_(train_head)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.1] = -100
+    return [x, w, labels.to(device)]
+
+
+def _add_rates(rows: list[dict[str, Any]], n: int, hidden: int, vocab: int, train_head: bool,
+               peak_tflops: float) -> None:
+    grads = 2 if train_head else 1
+    flops = {"fwd": 2 * n * vocab * hidden, "bwd": 2 * grads * n * vocab * hidden,
+             "fwd+bwd": 2 * (1 + grads) * n * vocab * hidden}
+    for row in rows:
+        ms = row.get("kernel ms") or row.get("ms")
+        if ms:
+            row["TFLOP/s"] = flops[row["mode"]] / (ms * 1e-3) / 1e12
+            row["% peak"] = 100 * row["TFLOP/s"] / peak_tflops
+
+
+def chunk_sweep(n: int, hidden: int, vocab: int, device: str, chunks: list[int]) -> list[dict[str, Any]]:
+    """sloth fwd+bwd kernel ms and peak MiB at each rows-per-chunk value, frozen and trainable head."""
+    from sloth.lowering import linear_cross_entropy as lce
+
+    rule = lce.chunk_rows
+    rows = []
+    try:
+        for train_head in (False, True):
+            inputs = _inputs(n, hidden, vocab, device, train_head)
+            for chunk in chunks:
+                lce.chunk_rows = lambda _n, _v, _h, c=chunk: c
+                fn = lambda x, w, labels: lce.linear_cross_entropy(x, w, None, labels)  # noqa: E731
+                ms, kernel, peak = harness.time_case(fn, inputs, "fwd+bwd")
+                rows.append({"head": "trainable" if train_head else "frozen", "rows/chunk": chunk, "ms": ms,
+                             "kernel ms": kernel, "peak MiB": peak / common.MiB if peak is not None else None,
+                             "rule": rule(n, vocab, hidden)})
+                print(f"sweep {rows[-1]['head']:>9} chunk {chunk:5d}: {ms:8.3f} ms, kernel {kernel or 0:8.3f} ms, "
+                      f"peak {rows[-1]['peak MiB'] or 0:8.0f} MiB", flush=True)
+    finally:
+        lce.chunk_rows = rule
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: proves the code paths")
+    parser.add_argument("--sweep", default="", help="comma-separated rows per chunk to time (sloth only)")
+    args = parser.parse_args(argv)
+    common.use_triton_interpreter_without_cuda()
+    common.import_sloth()
+    from sloth.lowering.linear_cross_entropy import linear_cross_entropy
+    from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n, hidden, vocab = (37, 16, 1000) if args.smoke else (4096, 4096, 128256)
+    copy_gbps = common.copy_bandwidth_gbps()
+    peak_tflops = common.matmul_tflops() if device == "cuda" else 1.0
+    rows: list[dict[str, Any]] = []
+    for train_head in (False, True):
+        pattern = lambda x, w, labels: linear_cross_entropy_pattern(x, w, None, labels)  # noqa: E731
+        torch._dynamo.reset()
+        providers: dict[str, Callable] = {"eager": pattern, "inductor": torch.compile(pattern, dynamic=False),
+                                          "sloth": lambda x, w, labels: linear_cross_entropy(x, w, None, labels)}
+        liger = _liger_provider()
+        if callable(liger) and device == "cuda":
+            providers["liger"] = liger
+        inputs = _inputs(n, hidden, vocab, device, train_head)
+        e = inputs[0].element_size()
+        # Minimal bytes (x, w, dx; dw when trained): the % copy columns only show how far from
+        # bandwidth-bound the op is; TFLOP/s is the column that matters.
+        weight_bytes = vocab * hidden * e
+        nbytes = {"fwd": n * hidden * e + weight_bytes, "bwd": 2 * n * hidden * e + weight_bytes * (2 if train_head else 1),
+                  "fwd+bwd": 2 * n * hidden * e + weight_bytes * (2 if train_head else 1)}
+        case = f"{'trainable' if train_head else 'frozen'} head {n}x{hidden}x{vocab}"
+        case_rows = harness.run(case, providers, inputs, nbytes, copy_gbps)
+        if not callable(liger):
+            case_rows.append({"shape": case, "mode": "fwd+bwd", "provider": "liger", "error": liger[:120]})
+        _add_rates(case_rows, n, hidden, vocab, train_head, peak_tflops)
+        rows += case_rows
+    columns = harness.COLUMNS[:-1] + ["TFLOP/s", "% peak", "error"]
+    print(common.render_text(columns, rows))
+    sweep = chunk_sweep(n, hidden, vocab, device, [int(c) for c in args.sweep.split(",") if c]) if args.sweep else []
+    if sweep:
+        print(common.render_text(["head", "rows/chunk", "rule", "ms", "kernel ms", "peak MiB"], sweep))
+    if not args.smoke:
+        config = {"dtype": "bfloat16", "tokens": n, "hidden": hidden, "vocab": vocab, "ignored": "10% of labels",
+                  "copy_gbps": copy_gbps, "matmul_tflops": peak_tflops, "chunk sweep": sweep}
+        record = common.result_record("cross_entropy", config, columns, rows)
+        for path in common.write_result(record):
+            print(f"wrote {path}")
+    return 1 if any("error" in r and r["provider"] != "liger" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
