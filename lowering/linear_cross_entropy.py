@@ -37,8 +37,10 @@ one more N*V*H matmul, a third more of this op's FLOPs. The memory cost, at 4096
 dw (V*H in w's dtype, 1 GiB, the size of the weight gradient the backward allocates anyway, but now
 alive at the end of the forward, where activation memory peaks) and, during this op only, the fp32 dw
 accumulator (V*H*4, 2 GiB). A frozen head (LoRA, QLoRA) pays the 32 MiB only. Eager keeps the bf16
-logits, their fp32 copy and the fp32 log-softmax (10 bytes a logit, 4.9 GiB). Not yet measured on a GPU:
-if the trainable-head case misses the memory target, recompute-in-backward for it is the alternative.
+logits, their fp32 copy and the fp32 log-softmax (10 bytes a logit, 4.9 GiB). Measured on the H200 (see
+``_TILE_ELEMENTS``): frozen head 13.9 ms / 283 MiB peak vs Inductor 14.2 ms / 2004 MiB and eager 19.1 ms
+/ 6012 MiB; trainable head 22.2 ms / 3539 MiB vs Inductor 19.8 ms / 2036 MiB, a loss on both counts
+(the fp32 dw accumulator; recomputing in the backward would not remove it).
 'none' cannot use saved gradients (dw needs each row's grad_out), so it recomputes in the backward
 (``sloth::linear_cross_entropy_backward``), as does any call whose forward was told not to compute a
 gradient that the backward then needs.
@@ -61,9 +63,18 @@ from .backend_choice import use_triton
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
-# The per-chunk logits tile is kept near this many elements (64 MiB in fp32 at 16M): large enough for
-# each chunk's three matmuls to run near peak, small next to the N*V logits it replaces.
-_TILE_ELEMENTS = 1 << 24
+# The per-chunk logits tile (in the inputs' dtype) is kept near this many elements. Measured on the H200
+# (benchmarks/results/2026-11-29_143904_cross_entropy.*, 4096 x 4096 x 128256 bf16, fwd+bwd kernel ms /
+# peak MiB above the inputs, Inductor 14.2 ms / 2004 MiB frozen head, 19.8 ms / 2036 MiB trainable):
+#   rows per chunk       64      128     256     512     1024    2048
+#   frozen head       38.2/96 19.8/96 15.0/157 13.9/283 13.4/533 13.0/1034
+#   trainable head   144/3102 73.6/3102 41.5/3102 29.4/3163 24.0/3289 22.2/3539
+# Small chunks starve the matmuls (dx = g @ w has a C x H output and a 128256-long K: split-K at C=128)
+# and, with a trainable head, re-read and re-write the fp32 V x H dw accumulator once per chunk. So:
+# 2^26 elements (512 rows, 128 MiB in bf16) without dw: faster than Inductor at 14% of its peak;
+# 2^28 (2048 rows) with dw, where the 2 GiB fp32 accumulator dominates the peak anyway.
+_TILE_ELEMENTS = 1 << 26
+_TILE_ELEMENTS_WITH_DW = 1 << 28
 
 
 @triton.jit
@@ -135,12 +146,13 @@ def _lce_rows_kernel(
             tl.store(p_row + o_v, b_g.to(p_logits.dtype.element_ty), mask=m_v)
 
 
-def chunk_rows(n_rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: a power of two near ``_TILE_ELEMENTS / V``, and no more than ``N / ceil(V / H)``
-    rounded up (Liger's rule: the chunk's logits tile is then about as large as x itself)."""
-    by_tile = 1 << (max(1, _TILE_ELEMENTS // max(vocab, 1)).bit_length() - 1)  # power of two at or below
-    by_input = triton.next_power_of_2(triton.cdiv(max(n_rows, 1), triton.cdiv(max(vocab, 1), max(hidden, 1))))
-    return min(by_tile, by_input)
+def chunk_rows(n_rows: int, vocab: int, hidden: int, weight_grad: bool = False) -> int:
+    """Rows per chunk: the power of two at or below ``tile / V`` (``_TILE_ELEMENTS``, or
+    ``_TILE_ELEMENTS_WITH_DW`` when dw is accumulated), and no more than ``n_rows`` rounded up to a
+    power of two. ``hidden`` is unused by the rule (kept so the rule may depend on it)."""
+    tile = _TILE_ELEMENTS_WITH_DW if weight_grad else _TILE_ELEMENTS
+    by_tile = 1 << (max(1, tile // max(vocab, 1)).bit_length() - 1)
+    return min(by_tile, triton.next_power_of_2(max(n_rows, 1)))
 
 
 @functools.cache
@@ -227,7 +239,7 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=x.device) if compute_db else None
     triton_ok = use_triton(x)
     block_v = min(triton.next_power_of_2(max(vocab, 1)), 4096)
-    rows = chunk_rows(n_rows, vocab, hidden)
+    rows = chunk_rows(n_rows, vocab, hidden, compute_dw)
     for start in range(0, n_rows, rows):
         stop = min(start + rows, n_rows)
         x_c, y_c = x[start:stop], labels[start:stop]

@@ -165,16 +165,18 @@ def test_chunking_splits_the_tokens():
     whole = check_against_pattern(x, w, b, labels, torch.float32, label_smoothing=0.1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lowering, "_TILE_ELEMENTS", 300 * 2)
-        assert chunk_rows(67, 300, 16) == 2
+        mp.setattr(lowering, "_TILE_ELEMENTS_WITH_DW", 300 * 2)
+        assert chunk_rows(67, 300, 16) == 2 and chunk_rows(67, 300, 16, weight_grad=True) == 2
         chunked = check_against_pattern(x, w, b, labels, torch.float32, label_smoothing=0.1)
     for name, a, c in zip(("loss", "dx", "dw", "db"), whole, chunked):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_chunk_rows_from_shapes():
-    assert chunk_rows(4096, 128256, 4096) == 128  # Liger's rule: ~N / ceil(V / H) rows
-    assert chunk_rows(16384, 128256, 4096) == 128  # the tile budget: 128 x 128256 fp32 < 64 MiB
-    assert chunk_rows(1, 7, 24) == 1 and chunk_rows(257, 7, 24) == 512
+    assert chunk_rows(4096, 128256, 4096) == 512  # the tile budget: 512 x 128256 < 2^26 elements
+    assert chunk_rows(4096, 128256, 4096, weight_grad=True) == 2048  # 2^28 with the dw accumulator
+    assert chunk_rows(16384, 32000, 4096) == 2048
+    assert chunk_rows(1, 7, 24) == 1 and chunk_rows(257, 7, 24) == 512  # never more than N rounded up
 
 
 # ---------------------------------------------------------------------------------------------------
