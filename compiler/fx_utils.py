@@ -6,6 +6,7 @@ the next pass can read them too.
 """
 from __future__ import annotations
 
+import operator
 import os
 import re
 
@@ -160,3 +161,33 @@ def module_path(node: fx.Node) -> str:
     # or L['args'][0].model... when a decorator wraps forward(*args).
     return re.sub(r"^L\['[^']+'\](\[\d+\])?\.?", "", path)
 
+
+
+_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _transposed_weight(node: Any) -> Optional[fx.Node]:
+    """w when ``node`` is ``w.t()``, ``torch.t(w)`` or ``w.T`` of a 2-D w (a weight written as a matmul)."""
+    if not isinstance(node, fx.Node) or node.kwargs:
+        return None
+    is_t = ((node.op == "call_method" and node.target == "t" and len(node.args) == 1)
+            or (node.op == "call_function" and node.target is torch.t and len(node.args) == 1)
+            or (node.op == "call_function" and node.target is getattr and node.args[1:] == ("T",)))
+    w = node.args[0] if is_t else None
+    wt = tensor_of(w)
+    return w if wt is not None and wt.dim() == 2 else None
+
+
+def linear_parts(node: Any) -> Optional[tuple[Any, Any, Any]]:
+    """(x, w, bias) when ``node`` is ``F.linear(x, w, bias)`` or ``x @ w.t()`` (bias None), else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target in _LINEARS:
+        largs = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
+        return largs.get("input"), largs.get("weight"), largs.get("bias")
+    if node.target in (operator.matmul, torch.matmul) and len(node.args) == 2 and not node.kwargs:
+        x, w = node.args[0], _transposed_weight(node.args[1])
+        xt = tensor_of(x)
+        if w is not None and xt is not None and xt.dim() >= 1:
+            return x, w, None
+    return None

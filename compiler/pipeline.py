@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..patterns.cross_entropy import fuse_cross_entropy_pass
 from ..patterns.glu import fuse_glu_pass
+from ..patterns.lora import fuse_lora_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
 from .canonicalize import canonicalize_pass
@@ -38,6 +39,7 @@ FAMILY_PASSES: tuple[FamilyPass, ...] = (
     FamilyPass("rope", fuse_rope_pass),
     FamilyPass("glu", fuse_glu_pass),
     FamilyPass("cross_entropy", fuse_cross_entropy_pass),
+    FamilyPass("lora", fuse_lora_pass),
 )
 FAMILIES: tuple[str, ...] = tuple(p.family for p in FAMILY_PASSES)
 

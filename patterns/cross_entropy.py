@@ -47,15 +47,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_size,
-                                 set_value, source_location, tensor_of)
+from ..compiler.fx_utils import (insert_call, is_call, is_number, linear_parts, module_path, replace_and_erase,
+                                 same_size, set_value, source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 
 FAMILY = "cross_entropy"
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LINEARS = (torch._C._nn.linear, F.linear)
 _CROSS_ENTROPY = (F.cross_entropy,)
 _NLL_LOSS = (F.nll_loss,)
 _VIEW_METHODS = ("view", "reshape", "flatten")
@@ -158,40 +157,13 @@ def _is_view(node: Any) -> bool:
                                           or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS))
 
 
-def _transposed_weight(node: Any) -> Optional[fx.Node]:
-    """w when ``node`` is ``w.t()``, ``torch.t(w)`` or ``w.T`` of a 2-D w (a tied head written as a matmul)."""
-    if not isinstance(node, fx.Node) or node.kwargs:
-        return None
-    is_t = ((node.op == "call_method" and node.target == "t" and len(node.args) == 1)
-            or (node.op == "call_function" and node.target is torch.t and len(node.args) == 1)
-            or (node.op == "call_function" and node.target is getattr and node.args[1:] == ("T",)))
-    w = node.args[0] if is_t else None
-    wt = tensor_of(w)
-    return w if wt is not None and wt.dim() == 2 else None
-
-
-def _projection(node: fx.Node) -> Optional[tuple[Any, Any, Any]]:
-    """(x, w, bias) when ``node`` is ``F.linear(x, w, bias)`` or ``x @ w.t()`` (bias None), else None."""
-    if node.op != "call_function":
-        return None
-    if node.target in _LINEARS:
-        largs = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
-        return largs.get("input"), largs.get("weight"), largs.get("bias")
-    if node.target in (operator.matmul, torch.matmul) and len(node.args) == 2 and not node.kwargs:
-        x, w = node.args[0], _transposed_weight(node.args[1])
-        xt = tensor_of(x)
-        if w is not None and xt is not None and xt.dim() >= 2:
-            return x, w, None
-    return None
-
-
 def _chain_to_linear(start: Any) -> Union[tuple[fx.Node, tuple[Any, Any, Any], list[fx.Node]], None]:
     """(projection node, its (x, w, bias), the steps from it to ``start`` in forward order), or None when
     ``start`` does not come from a linear through casts, views, scalar multiplies/divides and tanh only."""
     steps: list[fx.Node] = []
     node = start
     while isinstance(node, fx.Node):
-        projection = _projection(node)
+        projection = linear_parts(node)
         if projection is not None:
             return node, projection, steps[::-1]
         if is_call(node, cast) or _is_view(node) or is_call(node, torch.tanh):

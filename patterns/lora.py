@@ -1,0 +1,217 @@
+"""LoRA family (``"lora"`` in the report): a frozen linear plus a low-rank adapter on the same input.
+
+The meaning, as plain PyTorch (also the test oracle and the eager benchmark baseline)::
+
+    lora_pattern(x, w, bias, a, b, s)   peft's LoRA Linear, dropout 0:
+        (F.linear(x, w, bias) + F.linear(F.linear(x.to(a.dtype), a), b) * s).to(x.dtype)
+
+Variants matched on the canonical graph, whatever module wrote them::
+
+    base = F.linear(x, w, bias) | x @ w.t()                     w frozen, bias frozen or None
+    low  = chain from x to the adapter's output made of, in any order and number:
+           casts, multiplies/divides by a constant, and the two projections F.linear(., a) and
+           F.linear(., b) (or ``. @ a.T``, ``. @ b.T``), both without bias; an inactive dropout
+           (p = 0 or training off) counts as nothing
+    out  = base + low  or  low + base, then a cast back to x's dtype when the sum is in another one
+    -> sloth.lora_linear(x, w, bias, a, b, s)    s the product of the constants (divides inverted)
+
+peft's graph (``result = base_layer(x); x = x.to(lora_A.weight.dtype); result = result + lora_B(lora_A(
+dropout(x))) * scaling; result.to(torch_result_dtype)``), hand-written ``F.linear(x, W) + s * (x @ A.T) @
+B.T`` and the scale applied to x or between the factors all reach this form. The replacement computes the
+adapter in fp32 and rounds the sum once (lowering/lora.py), so it is at least as accurate as each variant.
+
+Anything else says no, with the reason in the report, and leaves the graph as it was: a trainable base
+weight or bias (only the frozen case is implemented), an active dropout (its mask is not fused), an
+adapter factor or the base output read by another node too, a sum kept in another dtype than x's, float64,
+shapes that do not chain. DoRA's magnitude rescaling is not this sum and is not matched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..compiler.canonicalize import cast
+from ..compiler.fx_utils import (insert_call, is_call, is_number, linear_parts, module_path, replace_and_erase,
+                                 source_location, tensor_of)
+from ..compiler.options import PassOptions
+from ..compiler.report import Report, Site
+
+FAMILY = "lora"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _lowering():
+    """The kernel module, imported on first use (see patterns/rms_norm.py for why)."""
+    from ..lowering import lora
+
+    return lora
+
+
+def lora_pattern(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+                 s: float) -> torch.Tensor:
+    """peft's LoRA linear with dropout 0: base output plus the scaled adapter, cast back to x's dtype."""
+    return (F.linear(x, w, bias) + F.linear(F.linear(x.to(a.dtype), a), b) * s).to(x.dtype)
+
+
+@dataclasses.dataclass
+class LoraMatch:
+    x: fx.Node
+    w: fx.Node
+    bias: Optional[fx.Node]
+    a: fx.Node
+    b: fx.Node
+    scale: float
+    out: fx.Node
+    detail: str
+
+
+def _dropout_inactive(node: fx.Node) -> Union[bool, str]:
+    """True for a dropout that does nothing (p = 0 or training off), a reason string for one that acts."""
+    args = dict(zip(("input", "p", "training", "inplace"), node.args), **node.kwargs)
+    p, training = args.get("p", 0.5), args.get("training", True)
+    if not is_number(p) or not isinstance(training, bool):
+        return "the adapter's dropout has a runtime p or training flag"
+    if p == 0 or not training:
+        return True
+    return f"the adapter's input goes through dropout p={p} in training; its mask is not fused"
+
+
+def _strip_scalars(node: Any, scale: float, steps: list[fx.Node]) -> tuple[Any, float, Optional[str]]:
+    """Walk up through casts, constant multiplies/divides and inactive dropouts; (node reached, scale, why not)."""
+    while isinstance(node, fx.Node):
+        if is_call(node, cast):
+            nxt = node.args[0]
+        elif is_call(node, torch.mul) and is_number(node.args[1]) and isinstance(node.args[0], fx.Node):
+            scale, nxt = scale * node.args[1], node.args[0]
+        elif is_call(node, torch.mul) and is_number(node.args[0]) and isinstance(node.args[1], fx.Node):
+            scale, nxt = scale * node.args[0], node.args[1]
+        elif is_call(node, torch.div) and is_number(node.args[1]) and node.args[1] != 0:
+            scale, nxt = scale / node.args[1], node.args[0]
+        elif node.op == "call_function" and node.target is F.dropout:
+            inactive = _dropout_inactive(node)
+            if inactive is not True:
+                return node, scale, inactive
+            nxt = node.args[0]
+        else:
+            return node, scale, None
+        steps.append(node)
+        node = nxt
+    return node, scale, None
+
+
+def _adapter(low: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node]], str, None]:
+    """(x, a, b, scale, chain nodes) when ``low`` is ``s * F.linear(F.linear(x, a), b)`` up to casts and
+    constants; a reason for a near-miss (it has the two projections but something else is wrong); None."""
+    steps: list[fx.Node] = []
+    node, scale, why = _strip_scalars(low, 1.0, steps)
+    up = linear_parts(node)
+    if why or up is None or up[2] is not None:
+        return None
+    steps.append(node)
+    node, scale, why = _strip_scalars(up[0], scale, steps)
+    down = linear_parts(node)
+    if down is None or down[2] is not None:
+        return None
+    if why:
+        return why
+    steps.append(node)
+    x, scale, why = _strip_scalars(down[0], scale, steps)
+    if why:
+        return why
+    return x, down[1], up[1], scale, steps
+
+
+def _match(add: fx.Node) -> Union[LoraMatch, str, None]:
+    """Match around an add node. None: not a LoRA sum; str: a near-miss and why."""
+    for base, low in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
+        parts = linear_parts(base)
+        found = _adapter(low) if parts is not None else None
+        if found is None:
+            continue
+        if isinstance(found, str):
+            return found
+        x, a, b, scale, steps = found
+        if parts[0] is not x:
+            continue  # the adapter reads another tensor than the base: not a LoRA of this linear
+        return _check(add, base, parts, x, a, b, scale, steps)
+    return None
+
+
+def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any], x: fx.Node, a: fx.Node, b: fx.Node,
+           scale: float, steps: list[fx.Node]) -> Union[LoraMatch, str]:
+    _, w, bias = parts
+    xt, wt, at, bt, addt = (tensor_of(n) for n in (x, w, a, b, add))
+    biast = tensor_of(bias) if bias is not None else None
+    if any(t is None for t in (xt, wt, at, bt, addt)) or (bias is not None and biast is None):
+        return "the shapes of x, the base weight or the adapter factors are unknown"
+    if torch.float64 in (xt.dtype, wt.dtype, at.dtype):
+        return "computes in float64; the fused kernels support float32, bfloat16 and float16"
+    if xt.dtype not in _KERNEL_DTYPES or wt.dtype != xt.dtype or at.dtype not in _KERNEL_DTYPES \
+            or bt.dtype != at.dtype or (biast is not None and biast.dtype != xt.dtype):
+        return (f"x {xt.dtype}, base weight {wt.dtype}, adapter {at.dtype}/{bt.dtype}: the fused op needs x and the "
+                "base in one of float32, bfloat16, float16 and both adapter factors in one").replace("torch.", "")
+    if wt.dim() != 2 or at.dim() != 2 or bt.dim() != 2 or wt.shape[0] != bt.shape[0] \
+            or wt.shape[1] != at.shape[1] or at.shape[0] != bt.shape[1]:
+        return (f"shapes do not chain as w [N, K], a [r, K], b [N, r]: w {tuple(wt.shape)}, a {tuple(at.shape)}, "
+                f"b {tuple(bt.shape)}")
+    if wt.requires_grad or (biast is not None and biast.requires_grad):
+        return "the base weight or bias is trainable; only a frozen base is fused (its gradient is not computed)"
+    if len(base.users) != 1:
+        return "the base projection's output is read by another node too"
+    if any(len(n.users) != 1 for n in steps):
+        return "an intermediate of the adapter is read by another node too"
+    out = add
+    if addt.dtype != xt.dtype:
+        users = list(add.users)
+        if len(users) != 1 or not is_call(users[0], cast) or users[0].args[1] != xt.dtype:
+            return (f"the sum stays in {addt.dtype} (no cast back to the input's {xt.dtype}); the fused op returns "
+                    "the input's dtype").replace("torch.", "")
+        out = users[0]
+    adapter = str(at.dtype).replace("torch.", "")
+    detail = (f"r={at.shape[0]}, {tuple(wt.shape)} {str(xt.dtype).replace('torch.', '')}, adapter {adapter}"
+              f"{', bias' if bias is not None else ''}, scale {scale:g}")
+    return LoraMatch(x, w, bias, a, b, float(scale), out, detail)
+
+
+def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
+    """Insert the fused node for ``m``; returns the nodes erased."""
+    xt, at, out = tensor_of(m.x), tensor_of(m.a), tensor_of(m.out)
+    rows = 1
+    for size in xt.shape[:-1]:
+        rows = rows * size
+    h = xt.new_empty((rows, at.shape[0]), dtype=torch.float32)
+    fused = insert_call(gm.graph, m.out, torch.ops.sloth.lora_linear.default, (m.x, m.w, m.bias, m.a, m.b, m.scale),
+                        meta_from=m.out, value=(out.new_empty(out.shape), h))
+    y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
+    return replace_and_erase(m.out, y, keep=(m.x, m.w, m.bias, m.a, m.b))
+
+
+def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                   options: PassOptions = PassOptions()) -> fx.GraphModule:
+    """Replace every frozen-base LoRA linear in the canonical graph with ``torch.ops.sloth.lora_linear``.
+
+    before:  r = F.linear(x, w); u = F.linear(F.linear(x.float(), a), b) * s; y = (r + u).to(x.dtype)
+    after:   y = sloth.lora_linear(x, w, None, a, b, s)
+    """
+    _lowering().register()
+    erased: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node in erased or not is_call(node, torch.add) or len(node.args) != 2:
+            continue
+        found = _match(node)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            report.reject(FAMILY, node, found)
+            continue
+        site = Site(FAMILY, "sloth.lora_linear", module_path(node), source_location(node), found.detail)
+        erased |= _replace(gm, found)
+        report.replaced(site)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
