@@ -49,14 +49,69 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .backend_choice import use_triton
+from .backend_choice import triton_interpreter_on, use_triton
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# How a tile product of a 16-bit activation tile and an fp32 adapter tile is formed (a constexpr):
+_NATIVE = tl.constexpr(0)  # both operands in one 16-bit dtype: one tensor-core dot, fp32 accumulate
+_SPLIT_BF16 = tl.constexpr(1)  # bf16 activations, fp32 factor: the factor split into 3 bf16 parts
+_TF32X3 = tl.constexpr(2)  # anything else (fp32 or fp16 activations): both as fp32, tf32x3
+
+
+@triton.jit
+def _split_bf16(b_v):
+    """fp32 -> three bf16 tiles whose fp32 sum is exactly ``b_v`` (8 + 8 + 8 significand bits; each
+    residual is exact in fp32). With bf16 activations, three bf16 dots then give fp32-exact products."""
+    b_hi = b_v.to(tl.bfloat16)
+    b_rest = b_v - b_hi.to(tl.float32)
+    b_mid = b_rest.to(tl.bfloat16)
+    b_lo = (b_rest - b_mid.to(tl.float32)).to(tl.bfloat16)
+    return b_hi, b_mid, b_lo
+
+
+@triton.jit
+def _dot16(b_a, b_b, acc, UPCAST: tl.constexpr):
+    """acc + b_a @ b_b for 16-bit tiles; with UPCAST the tiles go to fp32 first (the same value: 16-bit
+    products are exact in fp32), because Triton 3.6's CPU interpreter multiplies bf16 tiles wrongly."""
+    if UPCAST:
+        return tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), acc)
+    return tl.dot(b_a, b_b, acc)
+
+
+@triton.jit
+def _dot_fp32_exact(b_act, b_fac, acc, MODE: tl.constexpr, FACTOR_LEFT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + b_act @ b_fac (or b_fac @ b_act when FACTOR_LEFT), with products as exact as fp32 FMA:
+    ``b_act`` a 16-bit (or fp32) activation tile, ``b_fac`` an fp32 (or 16-bit) adapter tile."""
+    if MODE == _NATIVE:
+        if FACTOR_LEFT:
+            acc = _dot16(b_fac.to(b_act.dtype), b_act, acc, UPCAST)
+        else:
+            acc = _dot16(b_act, b_fac.to(b_act.dtype), acc, UPCAST)
+    elif MODE == _SPLIT_BF16:
+        b_hi, b_mid, b_lo = _split_bf16(b_fac.to(tl.float32))
+        b_a = b_act.to(tl.bfloat16)
+        if FACTOR_LEFT:
+            acc = _dot16(b_hi, b_a, acc, UPCAST)
+            acc = _dot16(b_mid, b_a, acc, UPCAST)
+            acc = _dot16(b_lo, b_a, acc, UPCAST)
+        else:
+            acc = _dot16(b_a, b_hi, acc, UPCAST)
+            acc = _dot16(b_a, b_mid, acc, UPCAST)
+            acc = _dot16(b_a, b_lo, acc, UPCAST)
+    else:
+        if FACTOR_LEFT:
+            acc = tl.dot(b_fac.to(tl.float32), b_act.to(tl.float32), acc, input_precision="tf32x3")
+        else:
+            acc = tl.dot(b_act.to(tl.float32), b_fac.to(tl.float32), acc, input_precision="tf32x3")
+    return acc
+
+
 @triton.jit
 def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                      MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
     """h[M, R] (fp32) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K looped over."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,7 +124,7 @@ def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr,
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_p = tl.load(p_p + o_k[:, None] * stride_pk + o_r[None, :] * stride_pr, mask=m_k[:, None] & m_r[None, :],
                       other=0.0)
-        b_h += tl.dot(b_x.to(tl.float32), b_p.to(tl.float32), input_precision="tf32x3")
+        b_h = _dot_fp32_exact(b_x, b_p, b_h, MODE, False, UPCAST)
     tl.store(p_h + o_m[:, None] * R + o_r[None, :], b_h, mask=m_m[:, None] & m_r[None, :])
 
 
@@ -77,7 +132,9 @@ def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr,
 def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, stride_qn, stride_ym, scale,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[M, N] = base[M, N] + scale * h[M, R] @ q[R, N], summed in fp32, rounded once to y's dtype.
-    ``y`` may be ``base`` itself (each program reads its tile before writing it)."""
+    ``y`` may be ``base`` itself (each program reads its tile before writing it). Both factors are fp32
+    (h always, q as the adapter), so the tile product is tf32x3; K = R is tiny, the kernel is bound by
+    reading base and writing y."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,10 +151,12 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, st
 
 
 @triton.jit
-def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, rows_per_split,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """g[split, R, K] (fp32) = u[rows, R].T @ x[rows, K] over one split's rows: grid (K blocks, splits).
-    The host sums the splits (a deterministic reduction, no atomics)."""
+def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, rows_per_split, scale,
+                      MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """g[split] = scale * u[rows, R].T @ x[rows, K] over one split's rows, stored through (stride_gk,
+    stride_gr) so the caller picks [R, K] or [K, R]: grid (K blocks, splits). The caller sums the splits
+    (a deterministic reduction, no atomics)."""
     i_k, i_s = tl.program_id(0), tl.program_id(1)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     o_r = tl.arange(0, BLOCK_R)
@@ -110,14 +169,29 @@ def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, rows_per_split,
         m_m = o_m < row_stop
         b_ut = tl.load(p_u + o_m[None, :] * R + o_r[:, None], mask=m_r[:, None] & m_m[None, :], other=0.0)
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_g += tl.dot(b_ut, b_x.to(tl.float32), input_precision="tf32x3")
-    tl.store(p_g + i_s * R * K + o_r[:, None] * K + o_k[None, :], b_g, mask=m_r[:, None] & m_k[None, :])
+        b_g = _dot_fp32_exact(b_x, b_ut, b_g, MODE, True, UPCAST)
+    p_out = p_g + i_s * R * K + o_r[:, None] * stride_gr + o_k[None, :] * stride_gk
+    tl.store(p_out, b_g * scale, mask=m_r[:, None] & m_k[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------
 # Host launchers. Every 2-D operand has a unit last stride (``_rows``); the adapter factors are read
 # through their strides, so a.T and b.T are never copied.
 # ---------------------------------------------------------------------------------------------------
+
+# Launch settings; benchmarks/ops/lora_sweep.py times the alternatives on the H200.
+DOWN_CONFIG = dict(block_m=16, block_k=256, num_warps=4, num_stages=3)
+UP_CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
+GRAD_CONFIG = dict(block_m=64, block_k=64, num_warps=4, num_stages=3, programs=528)
+
+
+def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
+    if act.dtype == factor.dtype and act.dtype != torch.float32:
+        return _NATIVE.value
+    if act.dtype == torch.bfloat16:
+        return _SPLIT_BF16.value
+    return _TF32X3.value
+
 
 def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))  # tl.dot needs every dimension >= 16
@@ -138,10 +212,11 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
         return h_MR
     if k == 0:
         return h_MR.zero_()
-    block_m = 32 if n_rows >= 32 * 64 else 16  # enough programs to keep the SMs streaming x
-    _lora_down_kernel[(triton.cdiv(n_rows, block_m),)](
+    c = DOWN_CONFIG
+    _lora_down_kernel[(triton.cdiv(n_rows, c["block_m"]),)](
         x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1),
-        BLOCK_M=block_m, BLOCK_K=128, BLOCK_R=_block_r(rank), num_warps=4,
+        MODE=_mode(x_MK, p_KR), UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=min(c["block_k"], max(16, triton.next_power_of_2(k))),
+        BLOCK_R=_block_r(rank), num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return h_MR
 
@@ -151,34 +226,38 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
     n_rows, n_cols = base_MN.shape
     if base_MN.numel() == 0:
         return base_MN
-    block_m, block_n = 64, 128
-    _lora_up_add_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+    c = UP_CONFIG
+    _lora_up_add_kernel[(triton.cdiv(n_rows, c["block_m"]), triton.cdiv(n_cols, c["block_n"]))](
         base_MN, h_MR, q_RN, base_MN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0),
         q_RN.stride(0), q_RN.stride(1), base_MN.stride(0), float(scale),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(h_MR.shape[1]), num_warps=4,
+        BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(h_MR.shape[1]), num_warps=c["num_warps"],
+        num_stages=c["num_stages"],
     )
     return base_MN
 
 
-def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale * u_MR.T @ x_MK`` in fp32 ([R, K]), the M rows split so the grid covers the GPU."""
+def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool = False) -> torch.Tensor:
+    """``scale * u_MR.T @ x_MK`` in fp32: [R, K], or its transpose [K, R] (contiguous) when ``transposed``.
+    The M rows are split so the grid covers the GPU; the splits' partial sums are added at the end."""
     n_rows, k = x_MK.shape
     rank = u_MR.shape[1]
+    shape = (k, rank) if transposed else (rank, k)
     if n_rows == 0 or k == 0:
-        return torch.zeros((rank, k), dtype=torch.float32, device=x_MK.device)
-    block_m, block_k = 32, 64
+        return torch.zeros(shape, dtype=torch.float32, device=x_MK.device)
+    c = GRAD_CONFIG
+    block_m, block_k = c["block_m"], min(c["block_k"], max(16, triton.next_power_of_2(k)))
     k_blocks = triton.cdiv(k, block_k)
-    # About four programs per SM in all (132 SMs on an H200), each with at least 4 row blocks.
-    splits = max(1, min(triton.cdiv(528, k_blocks), triton.cdiv(n_rows, 4 * block_m)))
+    splits = max(1, min(triton.cdiv(c["programs"], k_blocks), triton.cdiv(n_rows, 4 * block_m)))
     rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
     splits = triton.cdiv(n_rows, rows_per_split)
-    g_SRK = torch.empty((splits, rank, k), dtype=torch.float32, device=x_MK.device)
+    g = torch.empty((splits, *shape), dtype=torch.float32, device=x_MK.device)
+    stride_gk, stride_gr = (rank, 1) if transposed else (1, k)
     _lora_grad_kernel[(k_blocks, splits)](
-        u_MR, x_MK, g_SRK, n_rows, k, rank, x_MK.stride(0), rows_per_split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(rank), num_warps=4,
+        u_MR, x_MK, g, n_rows, k, rank, x_MK.stride(0), stride_gk, stride_gr, rows_per_split, float(scale),
+        MODE=_mode(x_MK, u_MR), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(rank),
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    g_RK = g_SRK[0] if splits == 1 else g_SRK.sum(0)
-    return g_RK.mul_(scale)
+    return g[0] if splits == 1 else g.sum(0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,7 +316,7 @@ def _lora_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.Tenso
     g_MR = _down(dy_MN, b)
     dx = _up_add_(dy_MN @ w, g_MR, a, scale).view(x.shape) if need_dx else x.new_empty(0)
     da = _grad(g_MR, x_MK, scale).to(a.dtype)
-    db = _grad(h, dy_MN, scale).t().to(b.dtype).contiguous()
+    db = _grad(h, dy_MN, scale, transposed=True).to(b.dtype)
     return dx, da, db
 
 
