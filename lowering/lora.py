@@ -109,22 +109,56 @@ def _dot_fp32_exact(b_act, b_fac, acc, MODE: tl.constexpr, FACTOR_LEFT: tl.const
 
 
 @triton.jit
+def _split_factor_kernel(p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[K, 4 * BLOCK_R] (bf16) = [hi | mid | lo | 0] of the fp32 factor p[K, R] (``_split_bf16``), the
+    columns past R zero: the down kernel then multiplies by all three parts in one dot."""
+    i_k = tl.program_id(0)
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    o_r = tl.arange(0, BLOCK_R)
+    m_k = o_k < K
+    b_p = tl.load(p_p + o_k[:, None] * stride_pk + o_r[None, :] * stride_pr, mask=m_k[:, None] & (o_r < R)[None, :],
+                  other=0.0).to(tl.float32)
+    b_hi, b_mid, b_lo = _split_bf16(b_p)
+    p_row = p_out + o_k[:, None] * (4 * BLOCK_R) + o_r[None, :]
+    tl.store(p_row, b_hi, mask=m_k[:, None])
+    tl.store(p_row + BLOCK_R, b_mid, mask=m_k[:, None])
+    tl.store(p_row + 2 * BLOCK_R, b_lo, mask=m_k[:, None])
+    tl.store(p_row + 3 * BLOCK_R, tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.bfloat16), mask=m_k[:, None])
+
+
+@triton.jit
 def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr,
                       MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr):
-    """h[M, R] (fp32) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K looped over."""
+    """h[M, R] (fp32) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K looped over. With
+    MODE _SPLIT_BF16, p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel``: one dot against all
+    three parts, whose column groups are summed at the end (p's split is done once per call, not once
+    per program)."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_r = tl.arange(0, BLOCK_R)
     m_m, m_r = o_m < M, o_r < R
-    b_h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_p = tl.load(p_p + o_k[:, None] * stride_pk + o_r[None, :] * stride_pr, mask=m_k[:, None] & m_r[None, :],
-                      other=0.0)
-        b_h = _dot_fp32_exact(b_x, b_p, b_h, MODE, False, UPCAST)
+    if MODE == _SPLIT_BF16:
+        o_c = tl.arange(0, 4 * BLOCK_R)
+        b_acc = tl.zeros((BLOCK_M, 4 * BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                          other=0.0)
+            b_p = tl.load(p_p + o_k[:, None] * (4 * BLOCK_R) + o_c[None, :], mask=m_k[:, None], other=0.0)
+            b_acc = _dot16(b_x.to(tl.bfloat16), b_p, b_acc, UPCAST)
+        b_h = tl.sum(tl.reshape(b_acc, (BLOCK_M, 4, BLOCK_R)), axis=1)
+    else:
+        b_h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                          other=0.0)
+            b_p = tl.load(p_p + o_k[:, None] * stride_pk + o_r[None, :] * stride_pr,
+                          mask=m_k[:, None] & m_r[None, :], other=0.0)
+            b_h = _dot_fp32_exact(b_x, b_p, b_h, MODE, False, UPCAST)
     tl.store(p_h + o_m[:, None] * R + o_r[None, :], b_h, mask=m_m[:, None] & m_r[None, :])
 
 
@@ -179,10 +213,15 @@ def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, r
 # through their strides, so a.T and b.T are never copied.
 # ---------------------------------------------------------------------------------------------------
 
-# Launch settings; benchmarks/ops/lora_sweep.py times the alternatives on the H200.
-DOWN_CONFIG = dict(block_m=16, block_k=256, num_warps=4, num_stages=3)
+# Launch settings, from benchmarks/ops/lora_sweep.py on the H200 (4096 tokens, r 16, bf16 x, fp32 adapter;
+# % of the 4.27 TB/s copy over the bytes each kernel must move, mean of the q/o, gate/up and down shapes):
+# up_add 64 x 128 tiles, 4 warps: 70% (128-row and 256-column tiles and 8 warps were slower); grad
+# 64 rows x 128 columns, 4 warps, ~2 programs per SM: 52% (8 warps: 35-45%). The down kernel before the
+# one-dot split (three dots, factor split per program) peaked at 27% with 64-row blocks, falling with
+# smaller blocks as every program re-split the factor; its setting below is for the one-dot form.
+DOWN_CONFIG = dict(block_m=64, block_k=128, num_warps=4, num_stages=3)
 UP_CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
-GRAD_CONFIG = dict(block_m=64, block_k=64, num_warps=4, num_stages=3, programs=528)
+GRAD_CONFIG = dict(block_m=64, block_k=128, num_warps=4, num_stages=3, programs=264)
 
 
 def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
@@ -212,11 +251,17 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
         return h_MR
     if k == 0:
         return h_MR.zero_()
-    c = DOWN_CONFIG
+    c, mode, block_r = DOWN_CONFIG, _mode(x_MK, p_KR), _block_r(rank)
+    block_k = min(c["block_k"], max(16, triton.next_power_of_2(k)))
+    if mode == _SPLIT_BF16.value:
+        split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
+        _split_factor_kernel[(triton.cdiv(k, 64),)](p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1),
+                                                    BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
+        p_KR = split
     _lora_down_kernel[(triton.cdiv(n_rows, c["block_m"]),)](
         x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1),
-        MODE=_mode(x_MK, p_KR), UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=min(c["block_k"], max(16, triton.next_power_of_2(k))),
-        BLOCK_R=_block_r(rank), num_warps=c["num_warps"], num_stages=c["num_stages"],
+        MODE=mode, UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k, BLOCK_R=block_r,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return h_MR
 

@@ -24,7 +24,7 @@ from benchmarks import common
 
 SHAPES = ((4096, 4096, 4096), (4096, 4096, 14336), (4096, 14336, 4096))  # (M, K, N): q/o, gate/up, down
 GRIDS: dict[str, dict[str, tuple]] = {
-    "down": dict(block_m=(16, 32, 64), block_k=(128, 256), num_warps=(4, 8), num_stages=(3, 4)),
+    "down": dict(block_m=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3,)),
     "up_add": dict(block_m=(32, 64, 128), block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2,)),
     "grad": dict(block_m=(32, 64), block_k=(64, 128), num_warps=(4, 8), num_stages=(3,), programs=(264, 528, 1056)),
 }
