@@ -98,9 +98,10 @@ def environment() -> dict[str, Any]:
     """Where and with what a result was measured (device, driver, library versions, date, commit)."""
     cuda = torch.cuda.is_available()
     driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    # The device machine gets a copy of the working tree without .git: GIT_COMMIT can say it instead.
-    commit = _run(["git", "rev-parse", "HEAD"]) or os.environ.get("GIT_COMMIT")
-    dirty = _run(["git", "status", "--porcelain"])
+    # The device machine's copy of the tree may carry no .git, or (seen 2026-11-29) a stale one from the
+    # start of the session, so a GIT_COMMIT set by whoever launched the run wins.
+    commit = os.environ.get("GIT_COMMIT") or _run(["git", "rev-parse", "HEAD"])
+    dirty = None if os.environ.get("GIT_COMMIT") else _run(["git", "status", "--porcelain"])
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",

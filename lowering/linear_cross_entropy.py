@@ -39,7 +39,7 @@ alive at the end of the forward, where activation memory peaks) and, during this
 accumulator (V*H*4, 2 GiB). A frozen head (LoRA, QLoRA) pays the 32 MiB only. Eager keeps the bf16
 logits, their fp32 copy and the fp32 log-softmax (10 bytes a logit, 4.9 GiB). Measured on the H200 (see
 ``_TILE_ELEMENTS``): frozen head 13.9 ms / 283 MiB peak vs Inductor 14.2 ms / 2004 MiB and eager 19.1 ms
-/ 6012 MiB; trainable head 22.2 ms / 3539 MiB vs Inductor 19.8 ms / 2036 MiB, a loss on both counts
+/ 6012 MiB (283 MiB held two logits tiles; with the previous tile dropped first, one tile + dx is 160 MiB); trainable head 22.2 ms / 3539 MiB vs Inductor 19.8 ms / 2036 MiB, a loss on both counts
 (the fp32 dw accumulator; recomputing in the backward would not remove it).
 'none' cannot use saved gradients (dw needs each row's grad_out), so it recomputes in the backward
 (``sloth::linear_cross_entropy_backward``), as does any call whose forward was told not to compute a
@@ -71,8 +71,10 @@ REDUCTIONS = ("mean", "sum", "none")
 #   trainable head   144/3102 73.6/3102 41.5/3102 29.4/3163 24.0/3289 22.2/3539
 # Small chunks starve the matmuls (dx = g @ w has a C x H output and a 128256-long K: split-K at C=128)
 # and, with a trainable head, re-read and re-write the fp32 V x H dw accumulator once per chunk. So:
-# 2^26 elements (512 rows, 128 MiB in bf16) without dw: faster than Inductor at 14% of its peak;
-# 2^28 (2048 rows) with dw, where the 2 GiB fp32 accumulator dominates the peak anyway.
+# 2^26 elements (512 rows, 128 MiB in bf16) without dw: faster than Inductor; 2^28 (2048 rows) with dw,
+# where the 2 GiB fp32 accumulator dominates the peak anyway. The peaks above held two tiles (the last
+# chunk's was still referenced when the next was allocated); the loop now drops it first, which leaves
+# one tile + dx: 160 MiB at 512 rows, 8% of Inductor's (from the sweep's sizes, not yet re-measured).
 _TILE_ELEMENTS = 1 << 26
 _TILE_ELEMENTS_WITH_DW = 1 << 28
 
@@ -265,6 +267,9 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
             _accumulate_mm_fp32(dw_acc, g_CV.t(), x_c)
         if compute_db:
             db_acc += g_CV.sum(0, dtype=torch.float32)
+        # Drop this chunk's tile before the next one is allocated: otherwise two tiles are alive at the
+        # next addmm (seen on the H200: peak 2 x tile + dx).
+        del l_CV, g_CV
     dw = dw_acc.to(w.dtype) if compute_dw else x.new_empty(0)
     db = db_acc.to(bias.dtype) if compute_db else x.new_empty(0)
     return loss, dx, dw, db
