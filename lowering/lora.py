@@ -287,6 +287,7 @@ def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool
     The M rows are split so the grid covers the GPU; the splits' partial sums are added at the end."""
     n_rows, k = x_MK.shape
     rank = u_MR.shape[1]
+    u_MR = u_MR.contiguous()  # the kernel reads u with row stride R
     shape = (k, rank) if transposed else (rank, k)
     if n_rows == 0 or k == 0:
         return torch.zeros(shape, dtype=torch.float32, device=x_MK.device)
@@ -338,8 +339,9 @@ def lora_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     return y2.view(*x.shape[:-1], w.shape[0]), h
 
 
-def _lora_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def lora_forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) of the op (also the body of sloth::qlora_linear once its weight is dequantised)."""
     _check_inputs(x, w, bias, a, b)
     if not use_triton(x):
         return lora_linear_reference(x, w, bias, a, b, scale)
@@ -349,8 +351,8 @@ def _lora_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a:
     return y_MN.view(*x.shape[:-1], w.shape[0]), h_MR
 
 
-def _lora_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              h: torch.Tensor, scale: float, need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  h: torch.Tensor, scale: float, need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, da, db); dx is empty when ``need_dx`` is False."""
     if not use_triton(x):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float()
@@ -391,8 +393,8 @@ def _backward(ctx, dy, _dh):
 @functools.cache
 def register() -> None:
     """Define ``sloth::lora_linear`` and ``sloth::lora_linear_backward`` (idempotent)."""
-    fwd = torch.library.custom_op("sloth::lora_linear", mutates_args=())(_lora_fwd)
-    bwd = torch.library.custom_op("sloth::lora_linear_backward", mutates_args=())(_lora_bwd)
+    fwd = torch.library.custom_op("sloth::lora_linear", mutates_args=())(lora_forward)
+    bwd = torch.library.custom_op("sloth::lora_linear_backward", mutates_args=())(lora_backward)
 
     @fwd.register_fake
     def _(x, w, bias, a, b, scale):

@@ -40,6 +40,7 @@ from ..compiler.fx_utils import (insert_call, is_call, is_number, linear_parts, 
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
+from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused
 
 FAMILY = "lora"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,6 +53,12 @@ def _lowering():
     return lora
 
 
+def _lowering_qlora():
+    from ..lowering import qlora
+
+    return qlora
+
+
 def lora_pattern(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
                  s: float) -> torch.Tensor:
     """peft's LoRA linear with dropout 0: base output plus the scaled adapter, cast back to x's dtype."""
@@ -61,7 +68,8 @@ def lora_pattern(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
 @dataclasses.dataclass
 class LoraMatch:
     x: fx.Node
-    w: fx.Node
+    w: Optional[fx.Node]  # the dense base weight, or None for a 4-bit base (``quantized``)
+    quantized: Optional[Bnb4bitBase]
     bias: Optional[fx.Node]
     a: fx.Node
     b: fx.Node
@@ -81,9 +89,11 @@ def _dropout_inactive(node: fx.Node) -> Union[bool, str]:
     return f"the adapter's input goes through dropout p={p} in training; its mask is not fused"
 
 
-def _strip_scalars(node: Any, scale: float, steps: list[fx.Node]) -> tuple[Any, float, Optional[str]]:
-    """Walk up through casts, constant multiplies/divides and inactive dropouts; (node reached, scale, why not)."""
-    while isinstance(node, fx.Node):
+def _strip_scalars(node: Any, scale: float, steps: list[fx.Node], stop: Any = None
+                   ) -> tuple[Any, float, Optional[str]]:
+    """Walk up through casts, constant multiplies/divides and inactive dropouts, never past ``stop``;
+    (node reached, scale, why not)."""
+    while isinstance(node, fx.Node) and node is not stop:
         if is_call(node, cast):
             nxt = node.args[0]
         elif is_call(node, torch.mul) and is_number(node.args[1]) and isinstance(node.args[0], fx.Node):
@@ -104,9 +114,10 @@ def _strip_scalars(node: Any, scale: float, steps: list[fx.Node]) -> tuple[Any, 
     return node, scale, None
 
 
-def _adapter(low: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node]], str, None]:
+def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node]], str, None]:
     """(x, a, b, scale, chain nodes) when ``low`` is ``s * F.linear(F.linear(x, a), b)`` up to casts and
-    constants; a reason for a near-miss (it has the two projections but something else is wrong); None."""
+    constants, walking back from the adapter's input no further than the base's input ``x_base``; a reason
+    for a near-miss (the two projections on x_base, but something else is wrong); None."""
     steps: list[fx.Node] = []
     node, scale, why = _strip_scalars(low, 1.0, steps)
     up = linear_parts(node)
@@ -120,21 +131,38 @@ def _adapter(low: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node
     if why:
         return why
     steps.append(node)
-    x, scale, why = _strip_scalars(down[0], scale, steps)
+    x, scale, why = _strip_scalars(down[0], scale, steps, stop=x_base)
     if why:
-        return why
+        # Only a LoRA of this base is a near-miss: the active dropout must read the base's input.
+        reaches_base = _strip_scalars(x.args[0], 1.0, [], stop=x_base)[0] is x_base
+        return why if reaches_base else None
     return x, down[1], up[1], scale, steps
 
 
-def _match(add: fx.Node) -> Union[LoraMatch, str, None]:
+def _base(gm: fx.GraphModule, node: Any) -> Union[tuple[Any, Any, Any, Optional[Bnb4bitBase]], str, None]:
+    """(x, w, bias, None) for a dense linear, (x, None, bias, 4-bit base) for a bitsandbytes 4-bit one."""
+    parts = linear_parts(node)
+    if parts is not None:
+        return (*parts, None)
+    quantized = bnb_4bit_base(gm, node)
+    if quantized is None or isinstance(quantized, str):
+        return quantized
+    return quantized.x, None, quantized.bias, quantized
+
+
+def _match(gm: fx.GraphModule, add: fx.Node) -> Union[LoraMatch, str, None]:
     """Match around an add node. None: not a LoRA sum; str: a near-miss and why."""
     for base, low in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
-        parts = linear_parts(base)
-        found = _adapter(low) if parts is not None else None
+        parts = _base(gm, base)
+        if parts is None:
+            continue
+        found = _adapter(low, parts[0] if not isinstance(parts, str) else None)
         if found is None:
             continue
         if isinstance(found, str):
             return found
+        if isinstance(parts, str):
+            return parts
         x, a, b, scale, steps = found
         if parts[0] is not x:
             continue  # the adapter reads another tensor than the base: not a LoRA of this linear
@@ -142,24 +170,44 @@ def _match(add: fx.Node) -> Union[LoraMatch, str, None]:
     return None
 
 
-def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any], x: fx.Node, a: fx.Node, b: fx.Node,
-           scale: float, steps: list[fx.Node]) -> Union[LoraMatch, str]:
-    _, w, bias = parts
-    xt, wt, at, bt, addt = (tensor_of(n) for n in (x, w, a, b, add))
+def _check_quantized(q: Bnb4bitBase, xt: torch.Tensor, at: torch.Tensor, bt: torch.Tensor) -> Optional[str]:
+    if q.quant_type not in _lowering_qlora().QUANT_TYPES:
+        return f"4-bit quant type {q.quant_type!r}; the fused op supports {_lowering_qlora().QUANT_TYPES}"
+    if xt.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"the 4-bit linear computes in {xt.dtype}".replace("torch.", "")
+    if at.shape[1] != q.in_features or bt.shape[0] != q.out_features or at.shape[0] != bt.shape[1]:
+        return (f"shapes do not chain as a [r, K], b [N, r] with the 4-bit weight's (N, K) = "
+                f"{(q.out_features, q.in_features)}: a {tuple(at.shape)}, b {tuple(bt.shape)}")
+    return None
+
+
+def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node, a: fx.Node,
+           b: fx.Node, scale: float, steps: list[fx.Node]) -> Union[LoraMatch, str]:
+    _, w, bias, quantized = parts
+    xt, at, bt, addt = (tensor_of(n) for n in (x, a, b, add))
+    wt = tensor_of(w) if quantized is None else None
     biast = tensor_of(bias) if bias is not None else None
-    if any(t is None for t in (xt, wt, at, bt, addt)) or (bias is not None and biast is None):
+    if any(t is None for t in (xt, at, bt, addt)) or (quantized is None and wt is None) \
+            or (bias is not None and biast is None):
         return "the shapes of x, the base weight or the adapter factors are unknown"
-    if torch.float64 in (xt.dtype, wt.dtype, at.dtype):
+    if torch.float64 in (xt.dtype, at.dtype) or (wt is not None and wt.dtype == torch.float64):
         return "computes in float64; the fused kernels support float32, bfloat16 and float16"
-    if xt.dtype not in _KERNEL_DTYPES or wt.dtype != xt.dtype or at.dtype not in _KERNEL_DTYPES \
-            or bt.dtype != at.dtype or (biast is not None and biast.dtype != xt.dtype):
-        return (f"x {xt.dtype}, base weight {wt.dtype}, adapter {at.dtype}/{bt.dtype}: the fused op needs x and the "
-                "base in one of float32, bfloat16, float16 and both adapter factors in one").replace("torch.", "")
-    if wt.dim() != 2 or at.dim() != 2 or bt.dim() != 2 or wt.shape[0] != bt.shape[0] \
+    if xt.dtype not in _KERNEL_DTYPES or (wt is not None and wt.dtype != xt.dtype) \
+            or at.dtype not in _KERNEL_DTYPES or bt.dtype != at.dtype \
+            or (biast is not None and biast.dtype != xt.dtype):
+        return (f"x {xt.dtype}, base weight {wt.dtype if wt is not None else '4-bit'}, adapter {at.dtype}/{bt.dtype}: "
+                "the fused op needs x and the base in one of float32, bfloat16, float16 and both adapter factors "
+                "in one").replace("torch.", "")
+    if quantized is not None:
+        why = _check_quantized(quantized, xt, at, bt)
+        if why:
+            return why
+    elif wt.dim() != 2 or at.dim() != 2 or bt.dim() != 2 or wt.shape[0] != bt.shape[0] \
             or wt.shape[1] != at.shape[1] or at.shape[0] != bt.shape[1]:
         return (f"shapes do not chain as w [N, K], a [r, K], b [N, r]: w {tuple(wt.shape)}, a {tuple(at.shape)}, "
                 f"b {tuple(bt.shape)}")
-    if wt.requires_grad or (biast is not None and biast.requires_grad):
+    # Under no_grad (addt.requires_grad False) nothing is differentiated: a trainable base is fine.
+    if addt.requires_grad and ((wt is not None and wt.requires_grad) or (biast is not None and biast.requires_grad)):
         return "the base weight or bias is trainable; only a frozen base is fused (its gradient is not computed)"
     if len(base.users) != 1:
         return "the base projection's output is read by another node too"
@@ -173,9 +221,12 @@ def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any], x: fx.Node,
                     "the input's dtype").replace("torch.", "")
         out = users[0]
     adapter = str(at.dtype).replace("torch.", "")
-    detail = (f"r={at.shape[0]}, {tuple(wt.shape)} {str(xt.dtype).replace('torch.', '')}, adapter {adapter}"
+    weight = (f"{quantized.quant_type} {(quantized.out_features, quantized.in_features)} blocksize "
+              f"{quantized.blocksize}{', double-quantised' if quantized.absmax_code is not None else ''}"
+              if quantized is not None else str(tuple(wt.shape)))
+    detail = (f"r={at.shape[0]}, {weight} {str(xt.dtype).replace('torch.', '')}, adapter {adapter}"
               f"{', bias' if bias is not None else ''}, scale {scale:g}")
-    return LoraMatch(x, w, bias, a, b, float(scale), out, detail)
+    return LoraMatch(x, w, quantized, bias, a, b, float(scale), out, detail)
 
 
 def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
@@ -184,11 +235,23 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
     rows = 1
     for size in xt.shape[:-1]:
         rows = rows * size
-    h = xt.new_empty((rows, at.shape[0]), dtype=torch.float32)
-    fused = insert_call(gm.graph, m.out, torch.ops.sloth.lora_linear.default, (m.x, m.w, m.bias, m.a, m.b, m.scale),
-                        meta_from=m.out, value=(out.new_empty(out.shape), h))
+    value = (out.new_empty(out.shape), xt.new_empty((rows, at.shape[0]), dtype=torch.float32))
+    q = m.quantized
+    if q is None:
+        target, args = torch.ops.sloth.lora_linear.default, (m.x, m.w, m.bias, m.a, m.b, m.scale)
+        keep: tuple[Any, ...] = (m.x, m.w, m.bias, m.a, m.b)
+    else:
+        target = torch.ops.sloth.qlora_linear.default
+        args = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, q.out_features,
+                q.in_features, q.blocksize, q.quant_type, m.bias, m.a, m.b, m.scale)
+        keep = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, m.bias, m.a, m.b)
+    fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
     y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
-    return replace_and_erase(m.out, y, keep=(m.x, m.w, m.bias, m.a, m.b))
+    erased = replace_and_erase(m.out, y, keep=keep)
+    if q is not None:
+        erased |= {n for n in (q.out, q.hop, *q.bodies) if n is not None}
+        erase_if_unused(gm, q)
+    return erased
 
 
 def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
@@ -199,17 +262,19 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     after:   y = sloth.lora_linear(x, w, None, a, b, s)
     """
     _lowering().register()
+    _lowering_qlora().register()
     erased: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node in erased or not is_call(node, torch.add) or len(node.args) != 2:
             continue
-        found = _match(node)
+        found = _match(gm, node)
         if found is None:
             continue
         if isinstance(found, str):
             report.reject(FAMILY, node, found)
             continue
-        site = Site(FAMILY, "sloth.lora_linear", module_path(node), source_location(node), found.detail)
+        op = "sloth.lora_linear" if found.quantized is None else "sloth.qlora_linear"
+        site = Site(FAMILY, op, module_path(node), source_location(node), found.detail)
         erased |= _replace(gm, found)
         report.replaced(site)
     gm.graph.lint()

@@ -1,0 +1,277 @@
+"""4-bit (NF4 / FP4) weight dequantisation, bit for bit bitsandbytes' ``dequantize_4bit``.
+
+A bitsandbytes 4-bit weight ``W [N, K]`` is stored as ``packed`` (uint8, ``(N*K + 1) // 2`` bytes, two
+elements a byte), ``absmax`` (float32, one per block of ``blocksize`` consecutive elements of the
+flattened, row-major ``W``; ``nblocks = ceil(N*K / blocksize)``) and a 16-entry code table. In PyTorch::
+
+    idx = torch.stack([packed.flatten() >> 4, packed.flatten() & 0xF], 1).flatten()[:N*K]  # high nibble first
+    W = (CODE[idx] * absmax.repeat_interleave(blocksize)[:N*K]).to(dtype).view(N, K)        # fp32 product
+
+With double quantisation (``compress_statistics=True``) ``absmax`` itself is stored as uint8 codes into
+bitsandbytes' 256-entry dynamic map, in blocks of ``blocksize2 = 256`` with their own fp32 absmax, plus
+one fp32 offset (the mean of the original absmax)::
+
+    absmax = state2_code[absmax_u8] * state2_absmax.repeat_interleave(256)[:nblocks]  # rounded to fp32
+    absmax = absmax + offset                                                          # rounded again
+
+Memory traffic (the roofline): ``dequantize_4bit`` reads N*K/2 bytes of codes plus 4*nblocks bytes of
+absmax (1/8 or 1/16 of the codes' bytes for blocksize 64 or 128) and writes N*K*e bytes (e = 2 for
+bf16/fp16, 4 for fp32): about 2.56 bytes an element for bf16 at blocksize 64, so a 4096 x 14336 weight
+moves ~150 MB. ``dequantize_absmax`` reads nblocks bytes plus 4*nblocks/256 (and the 1 KB code) and
+writes 4*nblocks.
+
+Where the bit layout comes from (bitsandbytes 0.50.2: its Python source, its csrc/ on GitHub, and the
+installed CPU library's outputs):
+
+* Nibble order: element 2i is the HIGH nibble of byte i, element 2i+1 the low one
+  (``backends/default/ops.py``: ``packed = (q8[::2] << 4) | q8[1::2]``; CUDA ``kDequantizeBlockwise``:
+  ``vals[2j] = lut[q >> 4]``, ``vals[2j+1] = lut[q & 0x0F]``). For odd N*K the last low nibble is padding.
+* Code tables: ``functional.get_4bit_type`` (copied below); the CUDA ``nf4_dequantization_lut`` /
+  ``fp4_dequantization_lut`` literals in ``csrc/kernels.cu`` round to the same fp32 values.
+* The product ``code * absmax`` is formed in fp32 and rounded once to the output dtype (round to nearest
+  even): CUDA assigns the fp32 product to a ``T``; ``_dequantize_4bit_compute`` multiplies fp32 tensors and
+  calls ``.to(dtype)`` last. There is no add, so no FMA question here.
+* Double quantisation: ``functional.dequantize_4bit`` runs ``dequantize_blockwise(absmax, state2)`` (one
+  kernel writing ``code * absmax2`` to an fp32 tensor) and then ``absmax += offset`` (a second op), so
+  the product is rounded to fp32 before the add. The absmax kernel here is launched with
+  ``enable_fp_fusion=False`` so that Triton cannot contract the two into one FMA (it does by default on
+  GPUs; the interpreter ignores the option and never fuses).
+* Sign of zero for FP4 code 0b1000 ("-0"): bitsandbytes' backends disagree. The CUDA kernel
+  (``fp4_dequantization_lut[v & 7] * sign``) and the CPU scalar kernel give -0.0; ``get_4bit_type`` (whose
+  ``-0`` is a Python int, so +0.0) and the CPU AVX-512 kernel give +0.0. The table below follows CUDA,
+  the backend this module's kernel replaces. The two compare equal (``torch.equal``), and as a matmul
+  operand they contribute nothing either way.
+* Known bitsandbytes CPU discrepancy: its AVX-512 ``dequantize_4bit`` kernel (taken when K % 16 == 0)
+  indexes absmax per row, ``absmax[row * (K // blocksize) + col // blocksize]``, which equals the flat
+  layout only when K % blocksize == 0. Its own quantiser, the CUDA kernel, the CPU scalar kernel and
+  the default (PyTorch) backend all use the flat layout, which is what this module computes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend_choice import use_triton
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' quantize_4bit accepts these
+
+# bitsandbytes.functional.get_4bit_type("nf4"): quantiles of N(0, 1) (QLoRA), in code order.
+_NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+# bitsandbytes.functional.get_4bit_type("fp4"): [0, 0.0625, 8, 12, 4, 6, 2, 3] (1 sign bit, 2 exponent
+# bits, 1 mantissa bit, in bit-pattern order), then the negatives, divided by 12 in fp32. Written as
+# those divisions so the fp32 rounding is bitsandbytes' own (csrc/kernels.cu's fp4_dequantization_lut
+# literals 0.005208333333f, 0.66666667f, ... round to the same floats). Code 0b1000 is -0.0 as in CUDA.
+_FP4_MAGNITUDES = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0)
+
+
+@functools.cache
+def _code_table(quant_type: str, device: torch.device) -> torch.Tensor:
+    """The 16 fp32 code values of ``quant_type`` on ``device`` (cached: one tiny tensor per device)."""
+    if quant_type == "nf4":
+        return torch.tensor(_NF4_CODE, dtype=torch.float32, device=device)
+    mags = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32) / 12.0
+    return torch.cat([mags, -mags]).to(device)
+
+
+@triton.jit
+def _to_output_dtype(b_x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE, rounded to nearest even, the same bits compiled or interpreted.
+
+    bf16 is rounded with integer ops (bitsandbytes' CPU ``float_to_bf16``; equal to the GPU's
+    ``cvt.rn.bf16.f32`` for every non-NaN input, overflow to inf included): the Triton interpreter
+    converts fp32 -> bf16 by truncation. NaN never arises here (finite codes times finite absmax).
+    fp16 and fp32 go through ``.to``, round to nearest even in both.
+    """
+    if DTYPE == tl.bfloat16:
+        b_bits = b_x.to(tl.uint32, bitcast=True)
+        b_bits = b_bits + 0x7FFF + ((b_bits >> 16) & 1)
+        return (b_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return b_x.to(DTYPE)
+
+
+@triton.jit
+def _dequantize_4bit_kernel(
+    p_packed, p_absmax, p_code, p_out,
+    n_elements, n_bytes,
+    BLOCKSIZE: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+):
+    """One program: BLOCK_BYTES packed bytes -> 2*BLOCK_BYTES consecutive output elements."""
+    i_b = tl.program_id(0).to(tl.int64)
+    o_byte = i_b * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    m_byte = o_byte < n_bytes
+    b_packed = tl.load(p_packed + o_byte, mask=m_byte, other=0).to(tl.int32)
+    # Both elements of a byte (2i, 2i+1) lie in one absmax block: blocksize is even.
+    b_absmax = tl.load(p_absmax + o_byte // (BLOCKSIZE // 2), mask=m_byte, other=0.0)
+    b_hi = tl.load(p_code + (b_packed >> 4)) * b_absmax  # element 2i
+    b_lo = tl.load(p_code + (b_packed & 0xF)) * b_absmax  # element 2i + 1
+    o_out = i_b * (2 * BLOCK_BYTES) + tl.arange(0, 2 * BLOCK_BYTES)
+    b_out = _to_output_dtype(tl.interleave(b_hi, b_lo), p_out.dtype.element_ty)
+    tl.store(p_out + o_out, b_out, mask=o_out < n_elements)
+
+
+@triton.jit
+def _dequantize_absmax_kernel(
+    p_q, p_absmax2, p_code2, p_offset, p_out,
+    n_elements,
+    BLOCKSIZE2: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    o_n = i_b * BLOCK + tl.arange(0, BLOCK)
+    m_n = o_n < n_elements
+    b_q = tl.load(p_q + o_n, mask=m_n, other=0).to(tl.int32)
+    b_absmax2 = tl.load(p_absmax2 + o_n // BLOCKSIZE2, mask=m_n, other=0.0)
+    b_scaled = tl.load(p_code2 + b_q) * b_absmax2
+    # Two roundings, as bitsandbytes (two ops): the launch passes enable_fp_fusion=False, no FMA here.
+    b_out = b_scaled + tl.load(p_offset)
+    tl.store(p_out + o_n, b_out, mask=m_n)
+
+
+_BLOCK_BYTES = 1024  # 2048 output elements a program; not yet swept on the H200
+_ABSMAX_BLOCK = 1024
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _check_4bit_inputs(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
+                       shape: Sequence[int], dtype: torch.dtype, out: Optional[torch.Tensor]) -> int:
+    if quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"sloth.nf4: quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"sloth.nf4: packed must be uint8 (two 4-bit codes a byte), got {packed.dtype}")
+    if absmax.dtype != torch.float32:
+        raise TypeError(f"sloth.nf4: absmax must be float32 (dequantize_absmax first when nested), "
+                        f"got {absmax.dtype}")
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"sloth.nf4: dtype must be float32, bfloat16 or float16, got {dtype}")
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"sloth.nf4: blocksize must be one of {BLOCKSIZES}, got {blocksize}")
+    if len(shape) == 0 or any(int(s) < 0 for s in shape):
+        raise ValueError(f"sloth.nf4: shape must be non-negative sizes, e.g. (N, K), got {tuple(shape)}")
+    n = _numel(shape)
+    if packed.numel() != (n + 1) // 2:
+        raise ValueError(f"sloth.nf4: packed must hold (numel + 1) // 2 = {(n + 1) // 2} bytes for shape "
+                         f"{tuple(shape)}, got {packed.numel()}")
+    nblocks = -(-n // blocksize)
+    if absmax.numel() != nblocks:
+        raise ValueError(f"sloth.nf4: absmax must have ceil({n} / {blocksize}) = {nblocks} entries (one per "
+                         f"block), got {absmax.numel()}")
+    if absmax.device != packed.device:
+        raise ValueError(f"sloth.nf4: absmax is on {absmax.device} but packed is on {packed.device}")
+    if out is not None:
+        if tuple(out.shape) != tuple(int(s) for s in shape) or out.dtype != dtype:
+            raise ValueError(f"sloth.nf4: out must be {dtype} of shape {tuple(shape)}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        if out.device != packed.device:
+            raise ValueError(f"sloth.nf4: out is on {out.device} but packed is on {packed.device}")
+        if not out.is_contiguous():
+            raise ValueError("sloth.nf4: out must be contiguous")
+    return n
+
+
+def dequantize_4bit_reference(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
+                              shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The module docstring's math in plain PyTorch (same bits as the kernel): the fallback path."""
+    n = _numel(shape)
+    flat = packed.reshape(-1)
+    idx = torch.stack([flat >> 4, flat & 0xF], 1).reshape(-1)[:n].long()
+    vals = _code_table(quant_type, packed.device)[idx]
+    nblocks = absmax.numel()
+    vals = torch.nn.functional.pad(vals, (0, nblocks * blocksize - n)).view(nblocks, blocksize)
+    return (vals * absmax.view(-1, 1)).reshape(-1)[:n].to(dtype).view(*shape)
+
+
+def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
+                    shape: Sequence[int], dtype: torch.dtype, out: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+    """``torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)``.
+
+    ``packed``: uint8, ``(N*K + 1) // 2`` bytes (shape ``(bytes, 1)`` as bitsandbytes stores it, or flat);
+    ``absmax``: float32, one per block (already dequantised when the state is nested: see
+    ``dequantize_absmax``). ``out``: an optional contiguous ``dtype`` tensor of ``shape`` to write into
+    (a reused buffer); it is returned.
+    """
+    n = _check_4bit_inputs(packed, absmax, blocksize, quant_type, shape, dtype, out)
+    if not use_triton(packed):
+        w = dequantize_4bit_reference(packed, absmax, blocksize, quant_type, shape, dtype)
+        return w if out is None else out.copy_(w)
+    if out is None:
+        out = torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=packed.device)
+    if n:
+        n_bytes = (n + 1) // 2
+        _dequantize_4bit_kernel[(triton.cdiv(n_bytes, _BLOCK_BYTES),)](
+            packed.reshape(-1), absmax.reshape(-1), _code_table(quant_type, packed.device), out,
+            n, n_bytes,
+            BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, num_warps=4,
+        )
+    return out
+
+
+def _offset_tensor(offset: Union[torch.Tensor, float], device: torch.device) -> torch.Tensor:
+    """``offset`` as a 1-element fp32 tensor on ``device`` (read by the kernel: no host sync)."""
+    if isinstance(offset, torch.Tensor):
+        if offset.numel() != 1:
+            raise ValueError(f"sloth.nf4: offset must be a scalar, got shape {tuple(offset.shape)}")
+        return offset.reshape(1).to(device=device, dtype=torch.float32)
+    return torch.tensor([offset], dtype=torch.float32, device=device)
+
+
+def dequantize_absmax_reference(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, state2_code: torch.Tensor,
+                                offset: torch.Tensor, blocksize2: int) -> torch.Tensor:
+    """Plain PyTorch: the product rounded to fp32, then the add (two ops, as bitsandbytes)."""
+    n = absmax_u8.numel()
+    scale = state2_absmax.repeat_interleave(blocksize2)[:n]
+    return state2_code[absmax_u8.reshape(-1).long()] * scale + offset
+
+
+def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, state2_code: torch.Tensor,
+                      offset: Union[torch.Tensor, float], blocksize2: int = 256) -> torch.Tensor:
+    """The fp32 absmax of a nested (double-quantised) bitsandbytes QuantState ``qs``::
+
+        dequantize_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.state2.blocksize)
+
+    equals bit for bit ``dequantize_blockwise(qs.absmax, qs.state2) + qs.offset``, what
+    ``bitsandbytes.functional.dequantize_4bit`` computes before dequantising the weight.
+    """
+    if absmax_u8.dtype != torch.uint8:
+        raise TypeError(f"sloth.nf4: absmax_u8 must be uint8 (nested absmax codes), got {absmax_u8.dtype}")
+    if state2_absmax.dtype != torch.float32 or state2_code.dtype != torch.float32:
+        raise TypeError(f"sloth.nf4: state2_absmax and state2_code must be float32, got {state2_absmax.dtype} "
+                        f"and {state2_code.dtype}")
+    if state2_code.numel() != 256:
+        raise ValueError(f"sloth.nf4: state2_code must have 256 entries, got {state2_code.numel()}")
+    if blocksize2 <= 0:
+        raise ValueError(f"sloth.nf4: blocksize2 must be positive, got {blocksize2}")
+    n = absmax_u8.numel()
+    nblocks2 = -(-n // blocksize2)
+    if state2_absmax.numel() != nblocks2:
+        raise ValueError(f"sloth.nf4: state2_absmax must have ceil({n} / {blocksize2}) = {nblocks2} entries, "
+                         f"got {state2_absmax.numel()}")
+    for name, t in (("state2_absmax", state2_absmax), ("state2_code", state2_code)):
+        if t.device != absmax_u8.device:
+            raise ValueError(f"sloth.nf4: {name} is on {t.device} but absmax_u8 is on {absmax_u8.device}")
+    offset_t = _offset_tensor(offset, absmax_u8.device)
+    if not use_triton(absmax_u8):
+        return dequantize_absmax_reference(absmax_u8, state2_absmax.reshape(-1), state2_code.reshape(-1),
+                                           offset_t, blocksize2)
+    out = torch.empty(n, dtype=torch.float32, device=absmax_u8.device)
+    if n:
+        _dequantize_absmax_kernel[(triton.cdiv(n, _ABSMAX_BLOCK),)](
+            absmax_u8.reshape(-1), state2_absmax.reshape(-1), state2_code.reshape(-1), offset_t, out,
+            n,
+            BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, num_warps=4, enable_fp_fusion=False,
+        )
+    return out

@@ -1,0 +1,142 @@
+"""Reading a bitsandbytes 4-bit linear (``bnb.nn.Linear4bit``, QLoRA's frozen base) out of a Dynamo graph.
+
+bitsandbytes 0.50 computes ``Linear4bit`` through ``MatMul4Bit``, a ``torch.autograd.Function``, which
+Dynamo captures as a higher-order op (seen with torch 2.13 and bitsandbytes 0.50.2 on the CPU)::
+
+    out = autograd_function_apply(fwd_body, bwd_body, packed, x, *quant_state_tensors, ...)[0]
+    (or, when x needs no gradient, the bare gemm_4bit call below in the calling graph)
+    fwd_body: gemm_4bit(x, packed.view(-1, 1), (N, K), absmax, blocksize, quant_type, bias=bias)
+              or, double-quantised: gemm_4bit(x, packed, (N, K), state2.absmax, blocksize, quant_type,
+              bias=bias, absmax_8bit=absmax, absmax_code=state2.code, absmax_offset=offset)
+
+``gemm_4bit`` is ``x @ dequantize_4bit(packed, ...).T + bias`` (bitsandbytes dequantises, then a dense
+matmul, for more than one row). This module finds that shape and maps the body's operands back to the
+nodes of the calling graph; nothing here imports bitsandbytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..compiler.fx_utils import tensor_of
+
+_GEMM_4BIT = "bitsandbytes.gemm_4bit"
+_VIEWS = ("view", "reshape")
+
+
+@dataclasses.dataclass
+class Bnb4bitBase:
+    """A matched 4-bit linear: its output ``out`` (the getitem) and the calling graph's nodes that feed it."""
+    out: fx.Node
+    hop: Optional[fx.Node]  # None for a bare gemm_4bit call (``out`` itself)
+    bodies: tuple[fx.Node, ...]  # the get_attr nodes of the forward and backward bodies
+    x: fx.Node
+    packed: fx.Node
+    absmax: fx.Node  # fp32 per-block absmax, or the uint8 codes when double-quantised
+    absmax_code: Optional[fx.Node]  # double quantisation: state2.code, state2.absmax, offset
+    absmax_scale: Optional[fx.Node]
+    absmax_offset: Optional[fx.Node]
+    bias: Optional[fx.Node]
+    out_features: int
+    in_features: int
+    blocksize: int
+    quant_type: str
+
+
+def _is_hop(node: Any) -> bool:
+    target = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    return isinstance(node, fx.Node) and node.op == "call_function" and target is not None and node.target is target
+
+
+def _outer(node: Any, operands: dict[fx.Node, Any]) -> Any:
+    """The calling graph's node behind a body value: a body placeholder, or a view of one."""
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _VIEWS:
+        node = node.args[0]
+    if isinstance(node, fx.Node):
+        return operands.get(node)
+    return node
+
+
+def _from_gemm(gemm: fx.Node, out: fx.Node, hop: Optional[fx.Node], bodies: tuple[fx.Node, ...],
+               outer: Callable[[Any], Any]) -> Union[Bnb4bitBase, str]:
+    """The match for one gemm_4bit call; ``outer`` maps its arguments to nodes of the calling graph."""
+    args = dict(zip(("A", "B", "shapeB", "absmax", "blocksize", "quant_type"), gemm.args), **gemm.kwargs)
+    shape, blocksize, quant_type = args.get("shapeB"), args.get("blocksize"), args.get("quant_type")
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(d, int) for d in shape)
+            and isinstance(blocksize, int) and isinstance(quant_type, str)):
+        return "the 4-bit weight's shape, block size or quant type is not a constant"
+    x, packed, absmax = (outer(args.get(k)) for k in ("A", "B", "absmax"))
+    bias = outer(args.get("bias")) if args.get("bias") is not None else None
+    nested = {k: outer(args.get(k)) for k in ("absmax_8bit", "absmax_code", "absmax_offset")
+              if args.get(k) is not None}
+    if any(v is None for v in (x, packed, absmax)) or (args.get("bias") is not None and bias is None) \
+            or any(v is None for v in nested.values()):
+        return "an operand of gemm_4bit is computed inside the autograd function, not passed in"
+    if nested and len(nested) != 3:
+        return "a partly double-quantised absmax (some of absmax_8bit, absmax_code, absmax_offset missing)"
+    pt = tensor_of(packed)
+    if pt is None or pt.dtype != torch.uint8:
+        return f"the packed 4-bit weight is stored as {pt.dtype if pt is not None else 'unknown'}, not uint8"
+    if nested:
+        return Bnb4bitBase(out, hop, bodies, x, packed, nested["absmax_8bit"], nested["absmax_code"], absmax,
+                           nested["absmax_offset"], bias, shape[0], shape[1], blocksize, quant_type)
+    return Bnb4bitBase(out, hop, bodies, x, packed, absmax, None, None, None, bias, shape[0], shape[1], blocksize,
+                       quant_type)
+
+
+def _is_gemm_4bit(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and str(node.target).startswith(_GEMM_4BIT)
+
+
+def bnb_4bit_base(gm: fx.GraphModule, node: Any) -> Union[Bnb4bitBase, str, None]:
+    """The 4-bit linear whose output ``node`` is, a reason when it is one but cannot be fused, else None.
+
+    Two forms: ``getitem(autograd_function_apply(...), 0)`` when the input needs a gradient, and a bare
+    ``gemm_4bit`` call when it does not (bitsandbytes skips its autograd.Function then, e.g. for the first
+    layer's q/k/v, whose input comes from a frozen embedding)."""
+    if _is_gemm_4bit(node):
+        return _from_gemm(node, node, None, (), lambda v: _outer(v, {}) if not isinstance(v, fx.Node) else _view_root(v))
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and node.args[1] == 0 and _is_hop(node.args[0])):
+        return None
+    hop = node.args[0]
+    body_attr = hop.args[0]
+    body = getattr(gm, body_attr.target, None) if isinstance(body_attr, fx.Node) and body_attr.op == "get_attr" else None
+    if not isinstance(body, fx.GraphModule):
+        return None
+    gemms = [n for n in body.graph.nodes if _is_gemm_4bit(n)]
+    if len(gemms) != 1:
+        return None
+    gemm = gemms[0]
+    output = next(n for n in body.graph.nodes if n.op == "output")
+    returned = output.args[0]
+    if not (isinstance(returned, (tuple, list)) and returned and isinstance(returned[0], (tuple, list))
+            and returned[0] and returned[0][0] is gemm):
+        return "the 4-bit autograd function returns something else than its gemm_4bit output"
+    if len(hop.users) != 1:
+        return "the 4-bit linear's other outputs are read too"
+    bodies = tuple(a for a in hop.args[:2] if isinstance(a, fx.Node) and a.op == "get_attr")
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    operands = dict(zip(placeholders, hop.args[2:]))
+    return _from_gemm(gemm, node, hop, bodies, lambda v: _outer(v, operands))
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    """``packed.view(-1, 1)`` (and the like) in the calling graph itself: the viewed node."""
+    while node.op == "call_method" and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def erase_if_unused(gm: fx.GraphModule, base: Bnb4bitBase) -> None:
+    """Drop the higher-order op and its two bodies once nothing reads them (after a fused replacement)."""
+    graph = gm.graph
+    for node in (base.out, base.hop, *base.bodies):
+        if node is not None and node.graph is graph and node in graph.nodes and not node.users:
+            graph.erase_node(node)
+            if node.op == "get_attr" and hasattr(gm, node.target):
+                delattr(gm, node.target)

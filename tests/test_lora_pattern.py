@@ -1,0 +1,529 @@
+"""The LoRA family pass (``"lora"``): what it matches (exact counts), what it must refuse and why, and that the
+compiled output and every gradient (x, lora_A, lora_B) equal eager under the tolerance rule.
+
+Two kinds of case: hand-written modules (a frozen base weight, trainable factors A [r, K] and B [N, r],
+the forward one of the spellings below), and peft's LoRA on tiny random-weight transformers models. Each
+compiles with ``torch.compile(..., backend="sloth", options={"inner": "aot_eager"})`` (the training path:
+AOT autograd runs the op's registered backward) and reads the report. "eager" is the same module
+uncompiled at the tested dtype; the reference is the same module in float64 (``_StayFloat64`` keeps
+``.float()`` upcasts from dropping back to fp32).
+
+B is drawn non-zero everywhere (peft initialises it to zero, which gives A a zero gradient and hides an
+adapter path dropped or scaled wrongly), scaled so that the adapter's output is of the base's size.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import operator
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import sloth
+from sloth.compiler.backend import sloth_backend
+from tolerance import assert_close
+from pattern_checks import counting_backend, forward_backward, line_of, seeded
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+K, N, R = 40, 24, 4  # in features, out features, rank
+S = 2.0  # the adapter's scaling (lora_alpha / r = 8 / 4)
+
+
+class _StayFloat64(TorchFunctionMode):
+    """Make ``.float()`` a no-op on float64 tensors, so the reference runs in float64 throughout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float and args[0].dtype == torch.float64:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def trainable(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters that get gradients (the frozen base weight does not)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The forms under test: forward(x, w, bias, a, b) of a frozen linear plus its adapter (user code: the
+# report points at these lines)
+# ---------------------------------------------------------------------------------------------------
+
+def peft_form(x, w, bias, a, b):  # peft's Linear.forward with dropout 0, the adapter in its own dtype
+    result = F.linear(x, w, bias)
+    result = result + F.linear(F.linear(x.to(a.dtype), a), b) * S
+    return result.to(x.dtype)
+
+
+def scaled_low(x, w, bias, a, b):  # s * (x @ A.T) @ B.T: the scale lands between the factors
+    return F.linear(x, w) + S * (x @ a.T) @ b.T
+
+
+def scale_on_x(x, w, bias, a, b):
+    return F.linear(x, w) + (S * x) @ a.T @ b.T
+
+
+def scale_after_both(x, w, bias, a, b):
+    return F.linear(x, w, bias) + F.linear(F.linear(x, a), b) * S
+
+
+def divided_by_rank(x, w, bias, a, b):  # alpha / r written out: scale 8 / 4
+    return F.linear(x, w) + 8.0 * F.linear(F.linear(x, a), b) / R
+
+
+def low_plus_base(x, w, bias, a, b):
+    return (x @ a.t() @ b.t()) * S + x @ w.t()
+
+
+def fp32_adapter_with_casts(x, w, bias, a, b):  # the fp32 adapter of a 16-bit model, cast by hand
+    return (x.float() @ a.T @ b.T * S).to(x.dtype) + F.linear(x, w, bias)
+
+
+def dropout_off(x, w, bias, a, b):  # nn.Dropout in eval mode: training=False
+    return F.linear(x, w) + F.linear(F.linear(F.dropout(x, 0.1, False), a), b) * S
+
+
+def dropout_zero(x, w, bias, a, b):  # peft's lora_dropout=0 written as a dropout
+    return F.linear(x, w) + F.linear(F.linear(F.dropout(x, 0.0, True), a), b) * S
+
+
+def dropout_active(x, w, bias, a, b):
+    return F.linear(x, w) + F.linear(F.linear(F.dropout(x, 0.1, True), a), b) * S
+
+
+def adapter_intermediate_reused(x, w, bias, a, b):
+    h = x @ a.T
+    return F.linear(x, w) + S * h @ b.T + h.sum(-1, keepdim=True)
+
+
+def base_output_reused(x, w, bias, a, b):
+    base = F.linear(x, w)
+    return (base + F.linear(F.linear(x, a), b) * S) * torch.sigmoid(base)
+
+
+def adapter_reads_another_input(x, w, bias, a, b):
+    return F.linear(x, w) + F.linear(F.linear(torch.sin(x), a), b) * S
+
+
+def dora_form(x, w, bias, a, b):  # DoRA: the LoRA sum rescaled per output by magnitude / ||W + s B A||
+    base = F.linear(x, w)
+    mag_norm_scale = 1.5 / (w + S * b @ a).norm(dim=1).detach()
+    return base + (mag_norm_scale - 1) * base + mag_norm_scale * (F.linear(F.linear(x, a), b) * S)
+
+
+def input_is_scaled(x, w, bias, a, b):  # the LoRA's input is itself a constant multiple (an embedding scale)
+    x = x * 0.5
+    return F.linear(x, w) + F.linear(F.linear(x, a), b) * S
+
+
+def input_is_cast(x, w, bias, a, b):  # the LoRA's input is itself a cast (a norm's .type_as, say)
+    x = x.float()
+    return F.linear(x, w) + F.linear(F.linear(x, a), b) * S
+
+
+def sum_kept_in_fp32(x, w, bias, a, b):  # no cast back: the output is fp32 where x is 16-bit
+    return F.linear(x, w) + F.linear(F.linear(x.float(), a), b) * S
+
+
+def negative_fractional_scale(x, w, bias, a, b):
+    return F.linear(x, w) + ((-0.25 * x) @ a.T @ b.T) / 3.0
+
+
+def two_lora_layers(x, w, bias, a, b):  # the second reads the first's output: both fuse
+    y = F.linear(x, w) + F.linear(F.linear(x, a), b) * S
+    # A second [N, N] layer and its adapter, sliced from the same parameters (K > N).
+    return F.linear(y, w[:, :N]) + F.linear(F.linear(y, a[:, :N]), b) * 0.5
+
+
+class Adapted(nn.Module):
+    """A frozen linear [N, K] (bias optional) with a rank-R adapter; ``form`` writes the forward."""
+
+    def __init__(self, form: Callable, *, bias: bool = False, trainable_weight: bool = False,
+                 trainable_bias: bool = False):
+        super().__init__()
+        g = seeded(0)
+        # w and a scaled by 1/sqrt(K), b by 1/sqrt(R): base and adapter outputs both of std ~1.
+        self.weight = nn.Parameter(torch.randn(N, K, generator=g) / math.sqrt(K), requires_grad=trainable_weight)
+        self.bias = nn.Parameter(torch.randn(N, generator=g), requires_grad=trainable_bias) if bias else None
+        self.lora_A = nn.Parameter(torch.randn(R, K, generator=g) / math.sqrt(K))
+        self.lora_B = nn.Parameter(torch.randn(N, R, generator=g) / math.sqrt(R))
+        self.form = form
+
+    def forward(self, x):
+        return self.form(x, self.weight, self.bias, self.lora_A, self.lora_B)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Case plumbing: make(dtype, ref) -> (module, x)
+# ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+    id: str
+    form: Callable
+    count: int
+    reason: Optional[str] = None  # near-misses: a phrase the "lora" rejection must contain (None: none at all)
+    detail: Optional[str] = None  # matches: a phrase every site's detail must contain
+    adapter: str = "same"  # "same": the factors in x's dtype; "fp32": peft's default under a 16-bit base
+    shape: tuple = (3, 5, K)
+    module_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def make(self, dtype: torch.dtype, ref: bool) -> tuple[nn.Module, torch.Tensor]:
+        module = Adapted(self.form, **self.module_kwargs).to(dtype)
+        if self.adapter == "fp32":
+            module.lora_A = nn.Parameter(module.lora_A.detach().float())
+            module.lora_B = nn.Parameter(module.lora_B.detach().float())
+        x = torch.randn(self.shape, generator=seeded(1)).to(dtype)
+        return (module.double(), x.double()) if ref else (module, x)
+
+
+def check_case(case: Case, dtype: torch.dtype, inner: str = "aot_eager", **compile_kwargs) -> sloth.Report:
+    """Compile, check the count (and the rejection), and compare output and gradients with eager."""
+    module, x = case.make(dtype, False)
+    eager = forward_backward(module, [x], trainable(module))
+    module, x = case.make(dtype, True)
+    with _StayFloat64():
+        reference = forward_backward(module, [x], trainable(module), dy_dtype=eager[0].dtype)
+    module, x = case.make(dtype, False)
+    compiled = torch.compile(module, backend="sloth", options={"inner": inner}, **{"fullgraph": True, **compile_kwargs})
+    actual = forward_backward(compiled, [x], trainable(module))
+    report = sloth.last_report()
+    assert report is not None
+    assert report.counts.get("lora", 0) == case.count, str(report)
+    reasons = [r.reason for r in report.rejections if r.family == "lora"]
+    if case.reason is None:
+        assert not reasons, str(report)
+    else:
+        assert any(case.reason in r for r in reasons), f"no rejection mentioning {case.reason!r}: {reasons}"
+    if case.detail is not None:
+        details = [s.detail for s in report.sites if s.family == "lora"]
+        assert details and all(case.detail in d for d in details), details
+    names = ["out", "dx"] + [f"d{n}" for n, p in module.named_parameters() if p.requires_grad]
+    assert len(actual) == len(eager) == len(reference) == len(names)
+    for name, a, e, r in zip(names, actual, eager, reference):
+        assert_close(f"{case.id}-{str(dtype)[6:]}: {name}", a, e, r)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------
+# Matches: one fused op each, output and gradients of x, A and B equal to eager
+# ---------------------------------------------------------------------------------------------------
+
+MATCHES = [
+    Case("peft-form", peft_form, 1, detail="bias, scale 2", module_kwargs=dict(bias=True)),
+    Case("peft-form-adapter-fp32", peft_form, 1, detail="adapter float32", adapter="fp32"),
+    Case("scaled-low", scaled_low, 1, detail="scale 2"),
+    Case("scale-on-x", scale_on_x, 1, detail="scale 2"),
+    Case("scale-after-both-bias", scale_after_both, 1, detail="bias, scale 2", module_kwargs=dict(bias=True)),
+    Case("divided-by-rank", divided_by_rank, 1, detail="scale 2"),
+    Case("low-plus-base", low_plus_base, 1, detail="scale 2"),
+    Case("fp32-adapter-with-casts", fp32_adapter_with_casts, 1, detail="adapter float32", adapter="fp32",
+         module_kwargs=dict(bias=True)),
+    Case("dropout-off", dropout_off, 1),
+    Case("dropout-p0", dropout_zero, 1),
+    Case("negative-fractional-scale", negative_fractional_scale, 1, detail="scale -0.0833333"),
+    Case("2d-x", scaled_low, 1, shape=(7, K)),
+    Case("two-lora-layers", two_lora_layers, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MATCHES, ids=[c.id for c in MATCHES])
+def test_match(case, dtype):
+    check_case(case, dtype)
+
+
+def test_match_through_the_ops_own_autograd():
+    # inner "eager": no AOT autograd, the backward is the one registered with torch.library.
+    check_case(next(c for c in MATCHES if c.id == "fp32-adapter-with-casts"), torch.bfloat16, inner="eager")
+
+
+def test_match_inductor():
+    check_case(next(c for c in MATCHES if c.id == "peft-form-adapter-fp32"), torch.bfloat16, inner="inductor")
+
+
+def _graph_of(fn: Callable, *args: torch.Tensor) -> torch.fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        out = sloth_backend(gm, example_inputs, options={"inner": "eager"})
+        graphs.append(gm)
+        return out
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs[0]
+
+
+@pytest.mark.parametrize("form", [divided_by_rank, scale_on_x, peft_form], ids=lambda f: f.__name__)
+def test_the_fused_op_is_in_the_graph(form):
+    # Everything between the inputs and the output is one sloth.lora_linear reading the placeholders, with
+    # the constants folded into one scale (8 / 4, the 2 on x); nothing of the base or the adapter is left.
+    w, a, b = torch.randn(N, K), torch.randn(R, K), torch.randn(N, R)
+    gm = _graph_of(lambda x, w, a, b: form(x, w, None, a, b), torch.randn(3, K), w, a, b)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    (fused,) = [n for n in calls if n.target is torch.ops.sloth.lora_linear.default]
+    x_, w_, bias_, a_, b_, scale = fused.args
+    assert [x_, w_, a_, b_] == [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert bias_ is None and scale == S
+    assert [n.target for n in calls if n is not fused] == [operator.getitem], gm.graph
+
+
+# ---------------------------------------------------------------------------------------------------
+# Near-misses: must not fuse, must say why where there is a LoRA shape, values as eager
+# ---------------------------------------------------------------------------------------------------
+
+NEAR_MISSES = [
+    Case("trainable-base-weight", scale_after_both, 0, reason="trainable", module_kwargs=dict(trainable_weight=True)),
+    Case("trainable-base-bias", scale_after_both, 0, reason="trainable",
+         module_kwargs=dict(bias=True, trainable_bias=True)),
+    Case("adapter-intermediate-reused", adapter_intermediate_reused, 0, reason="intermediate of the adapter"),
+    Case("base-output-reused", base_output_reused, 0, reason="base projection's output"),
+    Case("adapter-reads-another-input", adapter_reads_another_input, 0),  # not a LoRA of this linear: no reason
+    Case("dora", dora_form, 0),  # not base + low: no LoRA site, no near-miss either
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", NEAR_MISSES, ids=[c.id for c in NEAR_MISSES])
+def test_near_miss_is_left_alone(case, dtype):
+    check_case(case, dtype)
+
+
+@pytest.mark.parametrize("form", [input_is_scaled, input_is_cast], ids=lambda f: f.__name__)
+def test_input_made_by_a_cast_or_a_constant_multiply(form):
+    # x = h * 0.5 (or h.float(), h bf16) feeding both the base and the adapter is an ordinary LoRA of x.
+    module, h = Case(form.__name__, form, 1).make(torch.float32, False)
+    h = h.bfloat16() if form is input_is_cast else h
+    eager = forward_backward(module, [h], trainable(module))
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager"}, fullgraph=True)
+    actual = forward_backward(compiled, [h], trainable(module))
+    for i, (a, e) in enumerate(zip(actual, eager)):
+        torch.testing.assert_close(a, e, msg=lambda m: f"output {i}: {m}")
+    assert sloth.last_report().counts.get("lora", 0) == 1, str(sloth.last_report())
+
+
+def test_sum_kept_in_another_dtype_is_refused():
+    check_case(Case("sum-kept-fp32", sum_kept_in_fp32, 0, reason="the sum stays in float32", adapter="fp32"),
+               torch.bfloat16)
+
+
+def test_float64_is_refused():
+    module, x = Case("float64", scale_after_both, 0).make(torch.float64, False)
+    out = torch.compile(module, backend="sloth", options={"inner": "eager"}, fullgraph=True)(x)
+    report = sloth.last_report()
+    assert report.counts.get("lora", 0) == 0
+    assert [r.reason for r in report.rejections] == [
+        "computes in float64; the fused kernels support float32, bfloat16 and float16"]
+    torch.testing.assert_close(out, module(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_active_dropout_is_refused(dtype):
+    # Dropout draws from the global generator: reseeding before each run gives eager and compiled one mask,
+    # so the unfused graph must reproduce eager's values (the fp64 reference would draw another mask).
+    module, x = Case("dropout", dropout_active, 0).make(dtype, False)
+    torch.manual_seed(7)
+    eager = forward_backward(module, [x], trainable(module))
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager"}, fullgraph=True)
+    torch.manual_seed(7)
+    actual = forward_backward(compiled, [x], trainable(module))
+    report = sloth.last_report()
+    assert report.counts.get("lora", 0) == 0
+    assert [r.reason for r in report.rejections if r.family == "lora"] == [
+        "the adapter's input goes through dropout p=0.1 in training; its mask is not fused"]
+    # AOT's decomposed dropout scales in another order: bf16 elements may land one ulp apart.
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    for i, (a, e) in enumerate(zip(actual, eager)):
+        torch.testing.assert_close(a, e, **tol, msg=lambda m: f"output {i}: {m}")
+
+
+def test_report_lists_rejection_with_reason_and_line():
+    module, x = NEAR_MISSES[0].make(torch.float32, False)
+    torch.compile(module, backend="sloth", options={"inner": "eager"})(x)
+    text = str(sloth.last_report())
+    lineno, _ = line_of(scale_after_both, "return")  # the add, where the rejection is anchored
+    assert "trainable" in text and f"test_lora_pattern.py:{lineno}" in text, text
+
+
+def test_report_names_the_form_and_source_line():
+    module, x = MATCHES[0].make(torch.bfloat16, False)
+    torch.compile(module, backend="sloth", options={"inner": "eager"})(x)
+    text = str(sloth.last_report())
+    lineno, code = line_of(peft_form, "result = result +")
+    assert "lora: 1" in text and "sloth.lora_linear" in text, text
+    assert "r=4, (24, 40) bfloat16, adapter bfloat16, bias, scale 2" in text, text
+    assert f"test_lora_pattern.py:{lineno}" in text and code in text, text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options, dynamic shapes
+# ---------------------------------------------------------------------------------------------------
+
+def test_the_family_can_be_switched_off():
+    others = [f for f in sloth.FAMILIES if f != "lora"]
+    module, x = MATCHES[0].make(torch.bfloat16, False)
+    eager = forward_backward(module, [x], trainable(module))
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager", "patterns": others})
+    actual = forward_backward(compiled, [x], trainable(module))
+    report = sloth.last_report()
+    assert report.counts.get("lora", 0) == 0 and report.disabled == ["lora"] and not report.rejections, str(report)
+    for i, (a, e) in enumerate(zip(actual, eager)):  # the same graph as eager's, through AOT
+        torch.testing.assert_close(a, e, msg=lambda m: f"output {i}: {m}")
+    torch._dynamo.reset()
+    torch.compile(module, backend="sloth", options={"inner": "eager", "patterns": ["lora"]})(x)
+    assert sloth.last_report().counts == {"lora": 1}
+
+
+def test_mark_dynamic_rows_no_recompile():
+    calls: list = []
+    module, _ = MATCHES[1].make(torch.bfloat16, False)  # fp32 adapter under bf16
+    params = trainable(module)
+    compiled = torch.compile(module, backend=counting_backend(calls, "aot_eager"))
+    for rows in (5, 9):
+        x = torch.randn(rows, K, dtype=torch.bfloat16, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)  # on the leaf itself: a detached copy would not carry it
+        out = compiled(x)
+        got = [out, *torch.autograd.grad(out, [x, *params], torch.ones_like(out))]
+        assert sloth.last_report().counts == {"lora": 1}, str(sloth.last_report())
+        eager = module(x)
+        want = [eager, *torch.autograd.grad(eager, [x, *params], torch.ones_like(eager))]
+        for i, (a, e) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, e, rtol=2e-2, atol=2e-2, msg=lambda m: f"rows {rows}, output {i}: {m}")
+    assert len(calls) == 1, f"{len(calls)} compiles for two row counts"
+
+
+# ---------------------------------------------------------------------------------------------------
+# peft on tiny random-weight transformers models
+# ---------------------------------------------------------------------------------------------------
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VOCAB = 128
+
+
+def tiny_peft_model(model_type: str, dtype: torch.dtype, layers: int = 1, **lora_kwargs) -> nn.Module:
+    """A random-weight ``model_type`` (hidden 64, 4 heads, 2 kv heads) in ``dtype`` with peft LoRA r=4,
+    alpha=8 on every projection; the adapter stays in float32 (peft's autocast_adapter_dtype default).
+    lora_B is drawn non-zero so that lora_A gets a gradient."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=lora_kwargs.pop("target_modules", TARGETS), **lora_kwargs)
+    model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(p, std=0.1)
+    return model
+
+
+def loss_and_grads(model: nn.Module, ids: torch.Tensor, run=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = (model if run is None else run)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_model(model: nn.Module, dtype: torch.dtype, expected: int, reason: Optional[str] = None,
+                reference: bool = True) -> sloth.Report:
+    """Compile (fp32: every family; bf16: lora alone), check the lora count, and compare loss and every LoRA
+    gradient with eager."""
+    # bf16 runs the lora family alone: rms_norm, rope and glu without lora already put the first layer's q/k
+    # LoRA gradients at 2.0-2.9x eager's error vs fp64 (the open bf16 question of tests/test_models.py, seen
+    # through the more sensitive LoRA gradients), where lora alone measures 1.0-1.4x (1.0x on its fallback).
+    families = list(sloth.FAMILIES) if dtype == torch.float32 else ["lora"]
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+    if reference:
+        ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), ids)
+    torch.manual_seed(5)
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager", "patterns": families})
+    torch.manual_seed(5)
+    loss, grads = loss_and_grads(model, ids, run=compiled)
+    report = sloth.report()
+    assert report.counts.get("lora", 0) == expected, str(report)
+    reasons = [r.reason for r in report.rejections if r.family == "lora"]
+    if reason is None:
+        assert not reasons, str(report)
+    else:
+        assert reasons and all(reason in r for r in reasons), reasons
+    assert grads.keys() == eager_grads.keys()
+    assert grads and all("lora_" in n for n in grads), sorted(grads)
+    assert all(g.any() for g in eager_grads.values()), "a LoRA gradient is zero: the test would not see it"
+    if not reference:  # a dropout mask the float64 copy would not draw: compare with eager directly
+        torch.testing.assert_close(loss, eager_loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, eager_grads[name], msg=lambda m: f"grad {name}: {m}")
+        return report
+    # The rule of tests/test_models.py check_against_eager: the scalar loss within four units of the model
+    # dtype's precision, each gradient 2x eager's error plus half a unit of roundoff of its RMS.
+    eps = torch.finfo(dtype).eps
+    assert_close("loss", loss, eager_loss, ref_loss, atol=4 * eps * ref_loss.abs().item())
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert_close(f"grad {name}", grad, eager_grads[name], ref, atol=0.5 * eps * ref.pow(2).mean().sqrt().item())
+    return report
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_peft_llama_every_adapted_linear_fused(dtype):
+    layers = 2
+    model = tiny_peft_model("llama", dtype, layers)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    report = check_model(model, dtype, expected=7 * layers)
+    modules = [s.module.rsplit(".", 1)[-1] for s in report.sites if s.family == "lora"]
+    assert sorted(modules) == sorted(TARGETS * layers), modules
+
+
+def test_peft_adapter_in_the_model_dtype():
+    # model.to(bf16) after get_peft_model: the adapter in bf16 too (no casts in peft's graph).
+    model = tiny_peft_model("llama", torch.float32).to(torch.bfloat16)
+    report = check_model(model, torch.bfloat16, expected=7)
+    assert all("adapter bfloat16" in s.detail for s in report.sites if s.family == "lora"), str(report)
+
+
+def test_peft_qwen2_biased_projections():
+    # Qwen2's q, k and v carry a (frozen) bias; o and the MLP do not.
+    report = check_model(tiny_peft_model("qwen2", torch.float32), torch.float32, expected=7)
+    biased = sorted(s.module.rsplit(".", 1)[-1] for s in report.sites if s.family == "lora" and "bias" in s.detail)
+    assert biased == ["k_proj", "q_proj", "v_proj"], str(report)
+
+
+def test_peft_dropout_in_training_is_refused():
+    model = tiny_peft_model("llama", torch.float32, lora_dropout=0.1).train()
+    check_model(model, torch.float32, expected=0, reason="dropout p=0.1 in training", reference=False)
+
+
+def test_peft_dropout_in_eval_fuses():
+    model = tiny_peft_model("llama", torch.float32, lora_dropout=0.1).eval()
+    check_model(model, torch.float32, expected=7)
+
+
+def test_peft_dora_is_not_fused():
+    # DoRA rescales by a weight norm: not base + low, so no LoRA site and no near-miss either. (peft's DoRA
+    # breaks Dynamo's graph, on a str.startswith, and the base output reaches the DoRA graph as an input;
+    # the "dora" near-miss above has the whole form in one graph.)
+    model = tiny_peft_model("llama", torch.float32, use_dora=True, target_modules=["q_proj", "v_proj"])
+    check_model(model, torch.float32, expected=0)
+
+
+
+def test_trainable_base_is_fused_under_no_grad():
+    # Nothing is differentiated under no_grad, so a trainable (full fine-tuning) base is no reason to refuse.
+    module, x = Case("trainable-no-grad", scale_after_both, 1, module_kwargs=dict(trainable_weight=True)).make(
+        torch.float32, False)
+    with torch.no_grad():
+        expected = module(x)
+        actual = torch.compile(module, backend="sloth")(x)
+    assert sloth.report().counts.get("lora") == 1, str(sloth.report())
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
