@@ -123,10 +123,12 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
     frozen = trainable = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
+            # in x out, not weight.numel(): a 4-bit weight is stored packed, two values per byte.
+            params = module.in_features * module.out_features
             if module.weight.requires_grad:
-                trainable += module.weight.numel()
+                trainable += params
             else:
-                frozen += module.weight.numel()
+                frozen += params
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = 6 * batch * seq**2 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
     matmul = 4 * frozen * tokens + 6 * trainable * tokens
