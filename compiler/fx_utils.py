@@ -159,7 +159,11 @@ def module_path(node: fx.Node) -> str:
     path = list(stack.values())[-1][0]
     # Dynamo spells the root module after forward's first argument, e.g. L['self'].model.layers[0],
     # or L['args'][0].model... when a decorator wraps forward(*args).
-    return re.sub(r"^L\['[^']+'\](\[\d+\])?\.?", "", path)
+    path = re.sub(r"^L\['[^']+'\](\[\d+\])?\.?", "", path)
+    # Modules reached through __getattr__ (peft's wrappers) are spelled through their __dict__:
+    # __dict__['_modules']['base_model'].model -> base_model.model.
+    path = re.sub(r"__dict__\['_modules'\]\['([^']+)'\]", r"\1", path)
+    return re.sub(r"\.?_modules\['([^']+)'\]", r".\1", path).lstrip(".")
 
 
 
