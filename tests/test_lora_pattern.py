@@ -483,6 +483,9 @@ def test_peft_llama_every_adapted_linear_fused(dtype):
     report = check_model(model, dtype, expected=7 * layers)
     modules = [s.module.rsplit(".", 1)[-1] for s in report.sites if s.family == "lora"]
     assert sorted(modules) == sorted(TARGETS * layers), modules
+    # The report reads peft's wrappers as dotted attribute paths (not Dynamo's __dict__['_modules'][...]).
+    assert all(s.module.startswith("base_model.model.model.layers.") for s in report.sites if s.family == "lora"), \
+        [s.module for s in report.sites]
 
 
 def test_peft_adapter_in_the_model_dtype():
