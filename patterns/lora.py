@@ -1,4 +1,4 @@
-"""LoRA family (``"lora"`` in the report): a frozen linear plus a low-rank adapter on the same input.
+"""LoRA family (``"lora"`` in the report): a frozen linear plus low-rank adapters on the same input.
 
 The meaning, as plain PyTorch (also the test oracle and the eager benchmark baseline)::
 
@@ -8,22 +8,29 @@ The meaning, as plain PyTorch (also the test oracle and the eager benchmark base
 Variants matched on the canonical graph, whatever module wrote them::
 
     base = F.linear(x, w, bias) | x @ w.t()                     w frozen, bias frozen or None
+         | a bitsandbytes Linear4bit (NF4/FP4, double-quantised or not; patterns/bnb_4bit.py)
     low  = chain from x to the adapter's output made of, in any order and number:
            casts, multiplies/divides by a constant, and the two projections F.linear(., a) and
            F.linear(., b) (or ``. @ a.T``, ``. @ b.T``), both without bias; an inactive dropout
            (p = 0 or training off) counts as nothing
-    out  = base + low  or  low + base, then a cast back to x's dtype when the sum is in another one
-    -> sloth.lora_linear(x, w, bias, a, b, s)    s the product of the constants (divides inverted)
+    out  = base + low_1 + ... + low_n (nested adds, either operand order), then a cast back to x's dtype
+           when the sum is in another one
+    -> sloth.lora_linear(x, w, bias, a, b, s)       s the product of the constants (divides inverted);
+       sloth.qlora_linear(x, <4-bit weight>, ...)   for a 4-bit base; several adapters as one, their
+       factors stacked: a = [a_1; a_2], b = [b_1, (s_2 / s_1) b_2], s = s_1
 
 peft's graph (``result = base_layer(x); x = x.to(lora_A.weight.dtype); result = result + lora_B(lora_A(
-dropout(x))) * scaling; result.to(torch_result_dtype)``), hand-written ``F.linear(x, W) + s * (x @ A.T) @
-B.T`` and the scale applied to x or between the factors all reach this form. The replacement computes the
-adapter in fp32 and rounds the sum once (lowering/lora.py), so it is at least as accurate as each variant.
+dropout(x))) * scaling`` for each active adapter, then ``result.to(torch_result_dtype)``), hand-written
+``F.linear(x, W) + s * (x @ A.T) @ B.T`` and the scale applied to x or between the factors all reach this
+form. The replacement computes the adapter in fp32 and rounds the sum once (lowering/lora.py), so it is at
+least as accurate as each variant; roundings inside the adapter chain (a cast of x to a bf16 adapter, or a
+lossy round trip such as ``x.bfloat16().float()``) are not reproduced: the op reads x as the base does.
 
 Anything else says no, with the reason in the report, and leaves the graph as it was: a trainable base
-weight or bias (only the frozen case is implemented), an active dropout (its mask is not fused), an
-adapter factor or the base output read by another node too, a sum kept in another dtype than x's, float64,
-shapes that do not chain. DoRA's magnitude rescaling is not this sum and is not matched.
+weight or bias when gradients are on (only the frozen case is implemented), an active dropout (its mask
+is not fused), an adapter factor or the base output read by another node too, a sum kept in another dtype
+than x's, adapters of different dtypes on one base, float64, shapes that do not chain. DoRA's magnitude
+rescaling is not this sum and is not matched.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (insert_call, is_call, is_number, linear_parts, module_path, replace_and_erase,
+from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, linear_parts, module_path, replace_and_erase,
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
@@ -66,14 +73,19 @@ def lora_pattern(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
 
 
 @dataclasses.dataclass
+class Adapter:
+    a: fx.Node
+    b: fx.Node
+    scale: float
+
+
+@dataclasses.dataclass
 class LoraMatch:
     x: fx.Node
     w: Optional[fx.Node]  # the dense base weight, or None for a 4-bit base (``quantized``)
     quantized: Optional[Bnb4bitBase]
     bias: Optional[fx.Node]
-    a: fx.Node
-    b: fx.Node
-    scale: float
+    adapters: list[Adapter]  # one, or several summed onto the same base (peft with several active adapters)
     out: fx.Node
     detail: str
 
@@ -150,24 +162,45 @@ def _base(gm: fx.GraphModule, node: Any) -> Union[tuple[Any, Any, Any, Optional[
     return quantized.x, None, quantized.bias, quantized
 
 
-def _match(gm: fx.GraphModule, add: fx.Node) -> Union[LoraMatch, str, None]:
-    """Match around an add node. None: not a LoRA sum; str: a near-miss and why."""
-    for base, low in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
-        parts = _base(gm, base)
-        if parts is None:
+_MAX_ADAPTERS = 8
+
+
+def _sum_onto_base(gm: fx.GraphModule, node: Any, depth: int = 0
+                   ) -> Union[tuple[tuple, fx.Node, list[Adapter], list[fx.Node]], str, None]:
+    """(base parts, base node, adapters, chain nodes) when ``node`` is ``base + adapter_1 + ... + adapter_n``
+    (nested adds, each adding one adapter of the base's input, in either operand order); a reason for a
+    near-miss; None. At depth 0 ``node`` is the outermost add."""
+    parts = _base(gm, node) if depth else None
+    if parts is not None:
+        return parts if isinstance(parts, str) else (parts, node, [], [])
+    if not (is_call(node, torch.add) and len(node.args) == 2) or depth > _MAX_ADAPTERS:
+        return None
+    for inner, low in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        below = _sum_onto_base(gm, inner, depth + 1)
+        if below is None:
             continue
-        found = _adapter(low, parts[0] if not isinstance(parts, str) else None)
+        x_base = below[0][0] if not isinstance(below, str) else None
+        found = _adapter(low, x_base)
         if found is None:
             continue
-        if isinstance(found, str):
-            return found
-        if isinstance(parts, str):
-            return parts
+        if isinstance(found, str) or isinstance(below, str):
+            return found if isinstance(found, str) else below
         x, a, b, scale, steps = found
-        if parts[0] is not x:
+        if x is not x_base:
             continue  # the adapter reads another tensor than the base: not a LoRA of this linear
-        return _check(add, base, parts, x, a, b, scale, steps)
+        parts, base, adapters, chain = below
+        return parts, base, adapters + [Adapter(a, b, scale)], chain + steps + ([node] if depth else [])
     return None
+
+
+def _match(gm: fx.GraphModule, add: fx.Node) -> Union[LoraMatch, str, None]:
+    """Match around an add node, the outermost of a base plus its adapters. None: not a LoRA sum; str: a
+    near-miss and why."""
+    found = _sum_onto_base(gm, add)
+    if found is None or isinstance(found, str):
+        return found
+    parts, base, adapters, chain = found
+    return _check(add, base, parts, parts[0], adapters, chain)
 
 
 def _check_quantized(q: Bnb4bitBase, xt: torch.Tensor, at: torch.Tensor, bt: torch.Tensor) -> Optional[str]:
@@ -181,9 +214,24 @@ def _check_quantized(q: Bnb4bitBase, xt: torch.Tensor, at: torch.Tensor, bt: tor
     return None
 
 
-def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node, a: fx.Node,
-           b: fx.Node, scale: float, steps: list[fx.Node]) -> Union[LoraMatch, str]:
+def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node,
+           adapters: list[Adapter], steps: list[fx.Node]) -> Union[LoraMatch, str]:
+    a_dtypes = {dtype_of(ad.a) for ad in adapters} | {dtype_of(ad.b) for ad in adapters}
+    if len(a_dtypes) != 1:
+        return f"the adapters summed onto one base have several dtypes {sorted(map(str, a_dtypes))}"
+    for ad in adapters[1:]:
+        why = _check_one(add, base, parts, x, ad, steps)
+        if isinstance(why, str):
+            return why
+    return _check_one(add, base, parts, x, adapters[0], steps, adapters)
+
+
+def _check_one(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node,
+               adapter: Adapter, steps: list[fx.Node], adapters: Optional[list[Adapter]] = None
+               ) -> Union[LoraMatch, str]:
+    """The guards for one adapter on the base; with ``adapters`` given, the match for all of them."""
     _, w, bias, quantized = parts
+    a, b, scale = adapter.a, adapter.b, adapter.scale
     xt, at, bt, addt = (tensor_of(n) for n in (x, a, b, add))
     wt = tensor_of(w) if quantized is None else None
     biast = tensor_of(bias) if bias is not None else None
@@ -220,31 +268,57 @@ def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb
             return (f"the sum stays in {addt.dtype} (no cast back to the input's {xt.dtype}); the fused op returns "
                     "the input's dtype").replace("torch.", "")
         out = users[0]
-    adapter = str(at.dtype).replace("torch.", "")
+    if adapters is None:
+        return LoraMatch(x, w, quantized, bias, [adapter], out, "")
+    adapter_dtype = str(at.dtype).replace("torch.", "")
+    ranks = "+".join(str(tensor_of(ad.a).shape[0]) for ad in adapters)
+    scales = ", ".join(f"{ad.scale:g}" for ad in adapters)
     weight = (f"{quantized.quant_type} {(quantized.out_features, quantized.in_features)} blocksize "
               f"{quantized.blocksize}{', double-quantised' if quantized.absmax_code is not None else ''}"
               if quantized is not None else str(tuple(wt.shape)))
-    detail = (f"r={at.shape[0]}, {weight} {str(xt.dtype).replace('torch.', '')}, adapter {adapter}"
-              f"{', bias' if bias is not None else ''}, scale {scale:g}")
-    return LoraMatch(x, w, quantized, bias, a, b, float(scale), out, detail)
+    detail = (f"{f'{len(adapters)} adapters, ' if len(adapters) > 1 else ''}r={ranks}, {weight} "
+              f"{str(xt.dtype).replace('torch.', '')}, adapter {adapter_dtype}{', bias' if bias is not None else ''}, "
+              f"scale {scales}")
+    return LoraMatch(x, w, quantized, bias, adapters, out, detail)
+
+
+def _stacked_adapter(gm: fx.GraphModule, m: LoraMatch) -> tuple[Any, Any, float, tuple[Any, ...]]:
+    """(a, b, scale, new nodes) of one adapter equal to the sum of ``m``'s: ``s_1 x a_1^T b_1^T + ... =
+    s_1 x [a_1; a_2; ...]^T [b_1, (s_2 / s_1) b_2, ...]^T``, the rows of a and columns of b stacked."""
+    first = m.adapters[0]
+    if len(m.adapters) == 1:
+        return first.a, first.b, first.scale, ()
+    graph, new = gm.graph, []
+    a = insert_call(graph, m.out, torch.cat, ([ad.a for ad in m.adapters], 0), meta_from=m.out)
+    bs = []
+    for ad in m.adapters:
+        if ad.scale == first.scale:
+            bs.append(ad.b)
+        else:  # the ratio of scales goes into this adapter's b (peft gives each adapter its own alpha / r)
+            bs.append(insert_call(graph, m.out, torch.mul, (ad.b, ad.scale / first.scale), meta_from=m.out))
+            new.append(bs[-1])
+    b = insert_call(graph, m.out, torch.cat, (bs, 1), meta_from=m.out)
+    return a, b, first.scale, (a, b, *new)
 
 
 def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased."""
-    xt, at, out = tensor_of(m.x), tensor_of(m.a), tensor_of(m.out)
+    a, b, scale, stacked = _stacked_adapter(gm, m)
+    xt, at, out = tensor_of(m.x), tensor_of(a), tensor_of(m.out)
     rows = 1
     for size in xt.shape[:-1]:
         rows = rows * size
     value = (out.new_empty(out.shape), xt.new_empty((rows, at.shape[0]), dtype=torch.float32))
+    factors = (*[ad.a for ad in m.adapters], *[ad.b for ad in m.adapters], *stacked)
     q = m.quantized
     if q is None:
-        target, args = torch.ops.sloth.lora_linear.default, (m.x, m.w, m.bias, m.a, m.b, m.scale)
-        keep: tuple[Any, ...] = (m.x, m.w, m.bias, m.a, m.b)
+        target, args = torch.ops.sloth.lora_linear.default, (m.x, m.w, m.bias, a, b, scale)
+        keep: tuple[Any, ...] = (m.x, m.w, m.bias, *factors)
     else:
         target = torch.ops.sloth.qlora_linear.default
         args = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, q.out_features,
-                q.in_features, q.blocksize, q.quant_type, m.bias, m.a, m.b, m.scale)
-        keep = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, m.bias, m.a, m.b)
+                q.in_features, q.blocksize, q.quant_type, m.bias, a, b, scale)
+        keep = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, m.bias, *factors)
     fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
     y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
     erased = replace_and_erase(m.out, y, keep=keep)
@@ -264,19 +338,28 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     _lowering().register()
     _lowering_qlora().register()
     erased: set[fx.Node] = set()
-    for node in list(gm.graph.nodes):
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
+    # Last node first: with several adapters summed onto one base, the outermost add is the site (an
+    # inner add alone would be a LoRA whose sum is not yet cast back, a false near-miss). The report
+    # still lists the sites in graph order.
+    for node in reversed(list(gm.graph.nodes)):
         if node in erased or not is_call(node, torch.add) or len(node.args) != 2:
             continue
         found = _match(gm, node)
         if found is None:
             continue
         if isinstance(found, str):
-            report.reject(FAMILY, node, found)
+            outcomes.append((position[node], (node, found)))
             continue
         op = "sloth.lora_linear" if found.quantized is None else "sloth.qlora_linear"
-        site = Site(FAMILY, op, module_path(node), source_location(node), found.detail)
+        outcomes.append((position[node], Site(FAMILY, op, module_path(node), source_location(node), found.detail)))
         erased |= _replace(gm, found)
-        report.replaced(site)
+    for _, outcome in sorted(outcomes, key=lambda item: item[0]):
+        if isinstance(outcome, Site):
+            report.replaced(outcome)
+        else:
+            report.reject(FAMILY, *outcome)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -530,3 +530,21 @@ def test_trainable_base_is_fused_under_no_grad():
         actual = torch.compile(module, backend="sloth")(x)
     assert sloth.report().counts.get("lora") == 1, str(sloth.report())
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_peft_with_two_active_adapters_on_one_base():
+    # peft sums every active adapter onto the base: base + B1(A1(x)) s1 + B2(A2(x)) s2. One fused op with
+    # the factors stacked ([A1; A2], [B1, (s2 / s1) B2]); different ranks and alphas keep it honest.
+    from peft import LoraConfig
+
+    model = tiny_peft_model("llama", torch.float32, 1)
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=6, target_modules=TARGETS))
+    model.base_model.set_adapter(["default", "second"])
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.requires_grad_(True)
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=seeded(11))
+    report = check_model(model, torch.float32, expected=len(TARGETS))
+    assert all("2 adapters, r=4+2" in s.detail and "scale 2, 3" in s.detail
+               for s in report.sites if s.family == "lora"), str(report)
