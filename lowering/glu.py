@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -123,7 +124,7 @@ def _glu_fwd_kernel(
     b_g = tl.load(p_g + o_m[:, None] * stride_g + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_u = tl.load(p_u + o_m[:, None] * stride_u + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_y = _activation(b_g, ACTIVATION) * b_u
-    tl.store(p_y + o_m[:, None] * stride_y + o_n[None, :], b_y.to(p_y.dtype.element_ty), mask=m_mn)
+    tl.store(p_y + o_m[:, None] * stride_y + o_n[None, :], round_to(b_y, p_y.dtype.element_ty), mask=m_mn)
 
 
 @triton.jit
@@ -140,9 +141,9 @@ def _glu_bwd_kernel(
     b_g = tl.load(p_g + o_m[:, None] * stride_g + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_u = tl.load(p_u + o_m[:, None] * stride_u + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_a, b_da = _activation_and_derivative(b_g, ACTIVATION)
-    tl.store(p_dg + o_m[:, None] * stride_dg + o_n[None, :], (b_dy * b_u * b_da).to(p_dg.dtype.element_ty),
+    tl.store(p_dg + o_m[:, None] * stride_dg + o_n[None, :], round_to(b_dy * b_u * b_da, p_dg.dtype.element_ty),
              mask=m_mn)
-    tl.store(p_du + o_m[:, None] * stride_du + o_n[None, :], (b_dy * b_a).to(p_du.dtype.element_ty), mask=m_mn)
+    tl.store(p_du + o_m[:, None] * stride_du + o_n[None, :], round_to(b_dy * b_a, p_du.dtype.element_ty), mask=m_mn)
 
 
 def _block_sizes(n_rows: int, n_cols: int) -> tuple[int, int, int]:
@@ -228,7 +229,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t_2d if t_2d.stride(-1) == 1 else t_2d.contiguous()
 
 
-def _glu_fwd(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+def glu_forward(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) -> torch.Tensor:
     _check_inputs(x, up, activation)
     if not use_triton(x):
         return glu_reference(x, up, activation)
@@ -246,7 +247,7 @@ def _glu_fwd(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) -> to
     return y_Nn.view(*x.shape[:-1], n_cols)
 
 
-def _glu_bwd(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tensor], activation: str
+def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tensor], activation: str
              ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(x, up, activation)
     if not use_triton(x):
@@ -292,8 +293,8 @@ def _backward(ctx, dy):
 @functools.cache
 def register() -> None:
     """Define ``sloth::glu`` and ``sloth::glu_backward`` (idempotent)."""
-    fwd = torch.library.custom_op("sloth::glu", mutates_args=())(_glu_fwd)
-    bwd = torch.library.custom_op("sloth::glu_backward", mutates_args=())(_glu_bwd)
+    fwd = torch.library.custom_op("sloth::glu", mutates_args=())(glu_forward)
+    bwd = torch.library.custom_op("sloth::glu_backward", mutates_args=())(glu_backward_impl)
 
     @fwd.register_fake
     def _(x, up, activation):

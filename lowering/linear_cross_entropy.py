@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -145,7 +146,7 @@ def _lce_rows_kernel(
             b_g = b_dz * b_a
             if HAS_SOFTCAP:
                 b_g = b_g * (1.0 - b_t * b_t)
-            tl.store(p_row + o_v, b_g.to(p_logits.dtype.element_ty), mask=m_v)
+            tl.store(p_row + o_v, round_to(b_g, p_logits.dtype.element_ty), mask=m_v)
 
 
 def chunk_rows(n_rows: int, vocab: int, hidden: int, weight_grad: bool = False) -> int:

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import triton_interpreter_on, use_triton
+from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -181,7 +182,7 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, st
     m_mn = m_m[:, None] & m_n[None, :]
     b_base = tl.load(p_base + o_m[:, None] * stride_bm + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_y = b_base + scale * b_low
-    tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :], b_y.to(p_y.dtype.element_ty), mask=m_mn)
+    tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :], round_to(b_y, p_y.dtype.element_ty), mask=m_mn)
 
 
 @triton.jit

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .rounding import round_to
 
 # A row lives in registers whole; past this the single-pass kernel would spill (the patterns' guard
 # refuses such norms, and a direct call gets a clear error).
@@ -61,7 +62,7 @@ def _rms_norm_fwd_kernel(
     if HAS_WEIGHT:
         b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32) + offset
         b_y = b_y * b_w[None, :]
-    tl.store(p_y + o_m[:, None] * stride_y + o_d[None, :], b_y.to(p_y.dtype.element_ty), mask=m_md)
+    tl.store(p_y + o_m[:, None] * stride_y + o_d[None, :], round_to(b_y, p_y.dtype.element_ty), mask=m_md)
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def _rms_norm_bwd_kernel(
             b_dn = b_dy
         b_mean_dn_n = tl.sum(b_dn * b_n, axis=1) / n_cols
         b_dx = b_rstd[:, None] * (b_dn - b_n * b_mean_dn_n[:, None])
-        tl.store(p_dx + o_m[:, None] * stride_dx + o_d[None, :], b_dx.to(p_dx.dtype.element_ty), mask=m_md)
+        tl.store(p_dx + o_m[:, None] * stride_dx + o_d[None, :], round_to(b_dx, p_dx.dtype.element_ty), mask=m_md)
         if COMPUTE_DW:
             b_dw += tl.sum(b_dy * b_n, axis=0)
     if COMPUTE_DW:

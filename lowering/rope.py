@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # q/k are addressed as [n0, n1, n2, D] with arbitrary strides (a transposed projection view is read in
@@ -71,8 +72,8 @@ def _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BAC
     else:
         b_ye = b_xe * b_c - b_xo * b_s
         b_yo = b_xo * b_c + b_xe * b_s
-    tl.store(p_y + o_y + 2 * o_h, b_ye.to(p_y.dtype.element_ty), mask=m_mh)
-    tl.store(p_y + o_y + 2 * o_h + 1, b_yo.to(p_y.dtype.element_ty), mask=m_mh)
+    tl.store(p_y + o_y + 2 * o_h, round_to(b_ye, p_y.dtype.element_ty), mask=m_mh)
+    tl.store(p_y + o_y + 2 * o_h + 1, round_to(b_yo, p_y.dtype.element_ty), mask=m_mh)
 
 
 @triton.jit
@@ -110,13 +111,13 @@ def _rope_block(
         else:
             b_y1 = b_x1 * b_c1 - b_x2 * b_s1
             b_y2 = b_x2 * b_c2 + b_x1 * b_s2
-        tl.store(p_y + o_y + o_h, b_y1.to(p_y.dtype.element_ty), mask=m_mh)
-        tl.store(p_y + o_y + half + o_h, b_y2.to(p_y.dtype.element_ty), mask=m_mh)
+        tl.store(p_y + o_y + o_h, round_to(b_y1, p_y.dtype.element_ty), mask=m_mh)
+        tl.store(p_y + o_y + half + o_h, round_to(b_y2, p_y.dtype.element_ty), mask=m_mh)
     if HAS_PASS:
         o_p = tl.arange(0, BLOCK_P)[None, :]
         m_mp = m_m[:, None] & (o_p < n_pass)
         b_p = tl.load(p_x + o_x + 2 * half + o_p, mask=m_mp, other=0.0)
-        tl.store(p_y + o_y + 2 * half + o_p, b_p.to(p_y.dtype.element_ty), mask=m_mp)
+        tl.store(p_y + o_y + 2 * half + o_p, round_to(b_p, p_y.dtype.element_ty), mask=m_mp)
 
 
 @triton.jit

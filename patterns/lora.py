@@ -60,6 +60,12 @@ def _lowering():
     return lora
 
 
+def _lowering_glu_lora():
+    from ..lowering import glu_lora
+
+    return glu_lora
+
+
 def _lowering_qlora():
     from ..lowering import qlora
 
@@ -301,6 +307,19 @@ def _stacked_adapter(gm: fx.GraphModule, m: LoraMatch) -> tuple[Any, Any, float,
     return a, b, first.scale, (a, b, *new)
 
 
+def _absorb_glu_input(gm: fx.GraphModule, fused: fx.Node) -> bool:
+    """When the fused LoRA's input is a ``sloth.glu`` read by nothing else (an MLP's down projection), make
+    the pair one ``sloth.glu_lora_linear``, which saves gate and up instead of also the GLU's output."""
+    glu = fused.args[0]
+    if not (is_call(glu, torch.ops.sloth.glu.default) and len(glu.users) == 1):
+        return False
+    gate, up, activation = glu.args
+    fused.target = torch.ops.sloth.glu_lora_linear.default
+    fused.args = (gate, up, activation, *fused.args[1:])
+    gm.graph.erase_node(glu)
+    return True
+
+
 def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased."""
     a, b, scale, stacked = _stacked_adapter(gm, m)
@@ -322,6 +341,9 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
     fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
     y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
     erased = replace_and_erase(m.out, y, keep=keep)
+    if q is None and _absorb_glu_input(gm, fused):
+        erased.add(m.x)
+        m.detail += ", its GLU input recomputed in backward"
     if q is not None:
         erased |= {n for n in (q.out, q.hop, *q.bodies) if n is not None}
         erase_if_unused(gm, q)
@@ -337,6 +359,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     """
     _lowering().register()
     _lowering_qlora().register()
+    _lowering_glu_lora().register()
     erased: set[fx.Node] = set()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
@@ -352,9 +375,10 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         if isinstance(found, str):
             outcomes.append((position[node], (node, found)))
             continue
-        op = "sloth.lora_linear" if found.quantized is None else "sloth.qlora_linear"
-        outcomes.append((position[node], Site(FAMILY, op, module_path(node), source_location(node), found.detail)))
         erased |= _replace(gm, found)
+        op = "sloth.qlora_linear" if found.quantized is not None else (
+            "sloth.glu_lora_linear" if "GLU input" in found.detail else "sloth.lora_linear")
+        outcomes.append((position[node], Site(FAMILY, op, module_path(node), source_location(node), found.detail)))
     for _, outcome in sorted(outcomes, key=lambda item: item[0]):
         if isinstance(outcome, Site):
             report.replaced(outcome)

@@ -14,8 +14,8 @@ there under a 16-bit base) or in x's dtype. In the latter case eager rounds afte
 the op does not, so the op's error is the smaller one.
 
 Measured error ratios (ours / eager's, vs fp64) on CPU: fp32 0.5-1.4x (2.7x for the single-element da of
-K = 1, r = 1, inside the atol), fp16 0.6-1.0x, bf16 0.3-1.7x except y at 1.1-2.1x: Triton 3.6's interpreter
-casts fp32 -> bf16 by truncation, not rounding (interpreter.py cast_impl), where eager rounds to nearest.
+K = 1, r = 1, inside the atol), fp16 0.6-1.0x, bf16 0.3-1.7x except y at 1.1-2.1x, measured while Triton
+3.6's interpreter still truncated the kernels' fp32 -> bf16 stores (lowering/rounding.py rounds them now).
 """
 from __future__ import annotations
 
@@ -421,8 +421,7 @@ def test_fallback_matches_triton(x_shape, n, r, dtype, adapter_dtype):
     for name, got, want in zip(("y", "dx", "da", "db"), fallback_out, triton_out):
         assert got.dtype == want.dtype and got.shape == want.shape, name
         # Both sum in fp32 and round once, in other orders (row splits, a factor split into bf16 parts): fp32
-        # results a few ulps apart, 16-bit ones one ulp (Triton 3.6's interpreter also rounds fp32 -> bf16 by
-        # truncation, PyTorch to nearest).
+        # results a few ulps apart, 16-bit ones one ulp.
         tol = dict(rtol=1e-5, atol=1e-5) if got.dtype == torch.float32 else {}
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
 

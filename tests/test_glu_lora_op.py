@@ -1,0 +1,62 @@
+"""``sloth.glu_lora_linear``: the LoRA down projection with its GLU input, against the two patterns composed.
+
+Forward and every gradient (gate, up, A, B) against ``lora_pattern(glu_pattern(gate, up), ...)`` with the
+tolerance rule (fp64 reference), for SwiGLU and GeGLU, separate and merged gate/up, fp32 and bf16, odd
+shapes; and the point of the op: the GLU's output is not among the tensors saved for backward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sloth.lowering.glu_lora import glu_lora_linear
+from sloth.patterns.glu import PATTERNS
+from sloth.patterns.lora import lora_pattern
+from pattern_checks import forward_backward, seeded
+from tolerance import assert_close
+
+
+def make_inputs(rows: int, inter: int, out: int, rank: int):
+    gen = seeded(3)
+    gate, up = torch.randn(rows, inter, generator=gen), torch.randn(rows, inter, generator=gen)
+    w = torch.randn(out, inter, generator=gen) / inter**0.5
+    a = torch.randn(rank, inter, generator=gen) / inter**0.5
+    b = torch.randn(out, rank, generator=gen) / rank**0.5
+    return gate, up, w, a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+@pytest.mark.parametrize("rows,inter,out,rank", [(37, 24, 20, 4), (5, 70, 33, 16)])
+def test_matches_the_composed_patterns(dtype, activation, merged, rows, inter, out, rank):
+    gate, up, w, a, b = make_inputs(rows, inter, out, rank)
+    pattern = PATTERNS[activation]
+
+    def fused(gate, up, a, b, w=w.to(dtype)):
+        if merged:  # one [rows, 2 * inter] projection, gate half first, read in place
+            return glu_lora_linear(torch.cat([gate, up], -1), None, activation, w, None, a, b, 2.0)
+        return glu_lora_linear(gate, up, activation, w, None, a, b, 2.0)
+
+    def composed(gate, up, a, b, w=w):
+        return lora_pattern(pattern(gate, up), w.to(gate.dtype), None, a, b, 2.0)
+
+    args = [gate.to(dtype), up.to(dtype), a, b]
+    actual = forward_backward(fused, args, [])
+    eager = forward_backward(composed, args, [])
+    reference = forward_backward(composed, [t.double() for t in args], [], dy_dtype=dtype)
+    for name, ours, theirs, ref in zip(("y", "d_gate", "d_up", "da", "db"), actual, eager, reference):
+        assert_close(name, ours, theirs, ref)
+
+
+def test_the_glu_output_is_not_saved():
+    # Saved for backward: gate, up, w, a, b and the [rows, r] adapter activation, never [rows, inter] hidden.
+    gate, up, w, a, b = make_inputs(37, 24, 20, 4)
+    gate, up, a, b = (t.requires_grad_() for t in (gate, up, a, b))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        glu_lora_linear(gate, up, "silu", w, None, a, b, 2.0)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert shapes == sorted([(37, 24), (37, 24), (20, 24), (4, 24), (20, 4), (37, 4)]), shapes
+    assert all(t.data_ptr() in {gate.data_ptr(), up.data_ptr(), w.data_ptr(), a.data_ptr(), b.data_ptr()}
+               or t.shape == (37, 4) for t in saved)
