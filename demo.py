@@ -3,9 +3,10 @@
     python -m sloth.demo [--model qwen3] [--steps 5]
 
 Builds a small random-weight model from a transformers config (Qwen3 by default: RMSNorm on the
-residual stream and on q/k heads), prints what sloth replaced, then trains two identical copies for a
-few AdamW steps, one eager and one compiled, and prints both losses side by side. On a GPU it runs
-the Triton kernels natively in bf16; without one, through Triton's CPU interpreter in fp32.
+residual stream and on q/k heads) with peft LoRA adapters on every linear layer (``--full`` trains all
+weights instead), prints what sloth replaced, then trains two identical copies for a few AdamW steps,
+one eager and one compiled, and prints both losses side by side. On a GPU it runs the Triton kernels
+natively in bf16; without one, through Triton's CPU interpreter in fp32.
 """
 from __future__ import annotations
 
@@ -44,20 +45,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3", help="a transformers model_type (llama, qwen3, gemma3_text, ...)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     batch, seq = (4, 512) if device == "cuda" else (2, 32)
     eager_model = build_model(args.model, device, dtype)
+    if not args.full:
+        from peft import LoraConfig, get_peft_model
+
+        eager_model = get_peft_model(eager_model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     sloth_model = copy.deepcopy(eager_model)
     vocab = eager_model.config.vocab_size
-    print(f"{args.model}: {sum(p.numel() for p in eager_model.parameters()) / 1e6:.1f}M parameters, "
-          f"{dtype}, batch {batch} x {seq} on {device}"
+    trainable = sum(p.numel() for p in eager_model.parameters() if p.requires_grad)
+    print(f"{args.model}: {sum(p.numel() for p in eager_model.parameters()) / 1e6:.1f}M parameters "
+          f"({trainable / 1e6:.2f}M trained{'' if args.full else ', LoRA r=8'}), {dtype}, batch {batch} x {seq} on {device}"
           + ("" if device == "cuda" else " (Triton through its CPU interpreter)"))
 
     compiled = torch.compile(sloth_model, backend="sloth")
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager_model, sloth_model)]
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+                  for m in (eager_model, sloth_model)]
     generator = torch.Generator(device=device).manual_seed(0)
     print(f"{'step':>4}  {'eager loss':>10}  {'sloth loss':>10}  {'sloth ms':>8}")
     for step in range(args.steps):
