@@ -4,7 +4,8 @@ The op equals, in one line of PyTorch (see lowering/glu.py and lowering/lora.py 
 
     sloth.lora_linear(sloth.glu(gate, up, activation), w, bias, a, b, s)
 
-and exists for what it does not save. In a LoRA MLP the down projection's adapter needs its input
+(and ``sloth::glu_qlora_linear`` the same over a bitsandbytes 4-bit base, lowering/qlora.py), and exists
+for what it does not save. In a LoRA MLP the down projection's adapter needs its input
 ``hidden = act(gate) * up`` in the backward (``da = s * (dy @ b).T @ hidden``), so the two ops side by side
 keep ``gate`` and ``up`` (for the GLU's backward) and ``hidden`` too: one more tokens x intermediate
 tensor per layer (112 MiB at 4096 tokens x 14336 in bf16; 3.5 GiB over Llama-3-8B's 32 layers). This op
@@ -26,6 +27,7 @@ import torch
 
 from .glu import glu_backward_impl, glu_forward
 from .lora import lora_backward, lora_forward
+from .qlora import dequantized_weight
 
 
 def _glu_lora_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str, w: torch.Tensor,
@@ -43,6 +45,26 @@ def _glu_lora_bwd(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tenso
     del hidden
     d_gate, d_up = glu_backward_impl(d_hidden, gate, up, activation)
     return d_gate, d_up, da, db
+
+
+def _glu_qlora_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str, packed: torch.Tensor,
+                   absmax: torch.Tensor, absmax_code: Optional[torch.Tensor], absmax_scale: Optional[torch.Tensor],
+                   absmax_offset: Optional[torch.Tensor], out_features: int, in_features: int, blocksize: int,
+                   quant_type: str, bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    w = dequantized_weight(packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features,
+                           blocksize, quant_type, gate.dtype)
+    return _glu_lora_fwd(gate, up, activation, w, bias, a, b, scale)
+
+
+def _glu_qlora_bwd(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
+                   packed: torch.Tensor, absmax: torch.Tensor, absmax_code: Optional[torch.Tensor],
+                   absmax_scale: Optional[torch.Tensor], absmax_offset: Optional[torch.Tensor], out_features: int,
+                   in_features: int, blocksize: int, quant_type: str, a: torch.Tensor, b: torch.Tensor,
+                   h: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = dequantized_weight(packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features,
+                           blocksize, quant_type, gate.dtype)
+    return _glu_lora_bwd(dy, gate, up, activation, w, a, b, h, scale)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -79,6 +101,56 @@ def register() -> None:
                 a.new_empty(a.shape), b.new_empty(b.shape))
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+_QLORA_ARGS = ("gate", "up", "activation", "packed", "absmax", "absmax_code", "absmax_scale", "absmax_offset",
+               "out_features", "in_features", "blocksize", "quant_type", "bias", "a", "b", "scale")
+_QUANT_ARGS = ("packed", "absmax", "absmax_code", "absmax_scale", "absmax_offset", "out_features", "in_features",
+               "blocksize", "quant_type")
+
+
+def _setup_context_4bit(ctx, inputs, output) -> None:
+    args = dict(zip(_QLORA_ARGS, inputs))
+    ctx.save_for_backward(args["gate"], args["up"], args["packed"], args["absmax"], args["absmax_code"],
+                          args["absmax_scale"], args["absmax_offset"], args["a"], args["b"], output[1])
+    ctx.static = (args["activation"], args["out_features"], args["in_features"], args["blocksize"],
+                  args["quant_type"], args["scale"])
+
+
+def _backward_4bit(ctx, dy, _dh):
+    gate, up, packed, absmax, code, absmax_scale, offset, a, b, h = ctx.saved_tensors
+    activation, n, k, blocksize, quant_type, scale = ctx.static
+    needs = dict(zip(_QLORA_ARGS, ctx.needs_input_grad))
+    if needs["bias"]:
+        raise RuntimeError("sloth.glu_qlora_linear: the bias must be frozen (requires_grad=False)")
+    d_gate, d_up, da, db = torch.ops.sloth.glu_qlora_linear_backward(
+        dy, gate, up, activation, packed, absmax, code, absmax_scale, offset, n, k, blocksize, quant_type, a, b, h,
+        scale)
+    grads = {"gate": d_gate if needs["gate"] else None, "up": d_up if up is not None and needs["up"] else None,
+             "a": da if needs["a"] else None, "b": db if needs["b"] else None}
+    return tuple(grads.get(name) for name in _QLORA_ARGS)
+
+
+@functools.cache
+def register_4bit() -> None:
+    """Define ``sloth::glu_qlora_linear`` and its backward (idempotent)."""
+    fwd = torch.library.custom_op("sloth::glu_qlora_linear", mutates_args=())(_glu_qlora_fwd)
+    bwd = torch.library.custom_op("sloth::glu_qlora_linear_backward", mutates_args=())(_glu_qlora_bwd)
+
+    @fwd.register_fake
+    def _(gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features,
+          in_features, blocksize, quant_type, bias, a, b, scale):
+        rows = math.prod(gate.shape[:-1])
+        return gate.new_empty((*gate.shape[:-1], out_features)), gate.new_empty((rows, a.shape[0]),
+                                                                                dtype=torch.float32)
+
+    @bwd.register_fake
+    def _(dy, gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features,
+          in_features, blocksize, quant_type, a, b, h, scale):
+        return (gate.new_empty(gate.shape), up.new_empty(up.shape) if up is not None else gate.new_empty(0),
+                a.new_empty(a.shape), b.new_empty(b.shape))
+
+    fwd.register_autograd(_backward_4bit, setup_context=_setup_context_4bit)
 
 
 def glu_lora_linear(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str, w: torch.Tensor,

@@ -309,12 +309,16 @@ def _stacked_adapter(gm: fx.GraphModule, m: LoraMatch) -> tuple[Any, Any, float,
 
 def _absorb_glu_input(gm: fx.GraphModule, fused: fx.Node) -> bool:
     """When the fused LoRA's input is a ``sloth.glu`` read by nothing else (an MLP's down projection), make
-    the pair one ``sloth.glu_lora_linear``, which saves gate and up instead of also the GLU's output."""
+    the pair one ``sloth.glu_lora_linear`` (``glu_qlora_linear`` over a 4-bit base), which saves gate and up
+    instead of also the GLU's output."""
     glu = fused.args[0]
-    if not (is_call(glu, torch.ops.sloth.glu.default) and len(glu.users) == 1):
+    # Compared by name: sloth::glu exists only once the glu pass has registered it.
+    if not (isinstance(glu, fx.Node) and glu.op == "call_function" and str(glu.target) == "sloth.glu.default"
+            and not glu.kwargs and len(glu.users) == 1):
         return False
     gate, up, activation = glu.args
-    fused.target = torch.ops.sloth.glu_lora_linear.default
+    fused.target = (torch.ops.sloth.glu_lora_linear.default if fused.target is torch.ops.sloth.lora_linear.default
+                    else torch.ops.sloth.glu_qlora_linear.default)
     fused.args = (gate, up, activation, *fused.args[1:])
     gm.graph.erase_node(glu)
     return True
@@ -341,7 +345,7 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
     fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
     y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
     erased = replace_and_erase(m.out, y, keep=keep)
-    if q is None and _absorb_glu_input(gm, fused):
+    if _absorb_glu_input(gm, fused):
         erased.add(m.x)
         m.detail += ", its GLU input recomputed in backward"
     if q is not None:
@@ -360,6 +364,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     _lowering().register()
     _lowering_qlora().register()
     _lowering_glu_lora().register()
+    _lowering_glu_lora().register_4bit()
     erased: set[fx.Node] = set()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
@@ -376,8 +381,8 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
             outcomes.append((position[node], (node, found)))
             continue
         erased |= _replace(gm, found)
-        op = "sloth.qlora_linear" if found.quantized is not None else (
-            "sloth.glu_lora_linear" if "GLU input" in found.detail else "sloth.lora_linear")
+        op = ("sloth.glu_" if "GLU input" in found.detail else "sloth.") + (
+            "qlora_linear" if found.quantized is not None else "lora_linear")
         outcomes.append((position[node], Site(FAMILY, op, module_path(node), source_location(node), found.detail)))
     for _, outcome in sorted(outcomes, key=lambda item: item[0]):
         if isinstance(outcome, Site):

@@ -1,4 +1,5 @@
-"""``sloth.glu_lora_linear``: the LoRA down projection with its GLU input, against the two patterns composed.
+"""``sloth.glu_lora_linear`` (and ``glu_qlora_linear``): the LoRA down projection with its GLU input, against
+the two patterns composed.
 
 Forward and every gradient (gate, up, A, B) against ``lora_pattern(glu_pattern(gate, up), ...)`` with the
 tolerance rule (fp64 reference), for SwiGLU and GeGLU, separate and merged gate/up, fp32 and bf16, odd
@@ -60,3 +61,35 @@ def test_the_glu_output_is_not_saved():
     assert shapes == sorted([(37, 24), (37, 24), (20, 24), (4, 24), (20, 4), (37, 4)]), shapes
     assert all(t.data_ptr() in {gate.data_ptr(), up.data_ptr(), w.data_ptr(), a.data_ptr(), b.data_ptr()}
                or t.shape == (37, 4) for t in saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "double-quantised"])
+def test_4bit_base_matches_the_composed_patterns(dtype, nested):
+    # sloth.glu_qlora_linear: the same with a bitsandbytes NF4 base, against the patterns on the weight
+    # bitsandbytes itself dequantises.
+    functional = pytest.importorskip("bitsandbytes.functional")
+    from sloth.lowering.glu_lora import register_4bit
+
+    register_4bit()
+    # 128 inputs: whole 64-element blocks per row, which bitsandbytes' CPU dequantisation needs
+    # (tests/test_qlora.py says why).
+    gate, up, w, a, b = make_inputs(37, 128, 20, 4)
+    packed, state = functional.quantize_4bit(w.to(dtype), blocksize=64, quant_type="nf4", compress_statistics=nested)
+    w_dq = functional.dequantize_4bit(packed, state).to(dtype)
+    quant = (packed, state.absmax, state.state2.code if nested else None, state.state2.absmax if nested else None,
+             state.offset if nested else None, 20, 128, 64, "nf4")
+
+    def fused(gate, up, a, b):
+        y, _ = torch.ops.sloth.glu_qlora_linear(gate, up, "silu", *quant, None, a, b, 2.0)
+        return y
+
+    def composed(gate, up, a, b):
+        return lora_pattern(PATTERNS["silu"](gate, up), w_dq.to(gate.dtype), None, a, b, 2.0)
+
+    args = [gate.to(dtype), up.to(dtype), a, b]
+    actual = forward_backward(fused, args, [])
+    eager = forward_backward(composed, args, [])
+    reference = forward_backward(composed, [t.double() for t in args], [], dy_dtype=dtype)
+    for name, ours, theirs, ref in zip(("y", "d_gate", "d_up", "da", "db"), actual, eager, reference):
+        assert_close(name, ours, theirs, ref)

@@ -142,7 +142,23 @@ def test_peft_qlora_model_every_linear_fused_and_within_the_tolerance_rule(dtype
     actual = loss_and_lora_grads(torch.compile(model, backend="sloth", options={"patterns": ["lora"]}), ids)
     report = sloth.report()
     assert report.counts == {"lora": len(TARGETS)}, str(report)
-    assert all(quant_type in site.detail and site.op == "sloth.qlora_linear" for site in report.sites), str(report)
+    assert all(quant_type in site.detail for site in report.sites), str(report)
+    ops = sorted(site.op for site in report.sites)  # the down projection takes the GLU only when glu is on
+    assert ops == ["sloth.qlora_linear"] * len(TARGETS), ops
     names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
     for name, ours, theirs, ref in zip(names, actual, eager, reference):
         assert_close(name, ours, theirs, ref, atol=1e-6 if dtype == torch.float32 else None)
+
+
+def test_peft_qlora_model_with_every_family_takes_the_glu_into_the_down_projection():
+    model = qlora_model(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 9), generator=seeded(8))
+    reference = loss_and_lora_grads(dense_fp64_copy(model), ids)
+    eager = loss_and_lora_grads(model, ids)
+    actual = loss_and_lora_grads(torch.compile(model, backend="sloth"), ids)
+    report = sloth.report()
+    ops = sorted(site.op for site in report.sites if site.family == "lora")
+    assert ops == ["sloth.glu_qlora_linear"] + ["sloth.qlora_linear"] * (len(TARGETS) - 1), str(report)
+    names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, ours, theirs, ref in zip(names, actual, eager, reference):
+        assert_close(name, ours, theirs, ref)
