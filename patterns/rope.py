@@ -23,6 +23,10 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
         out = flatten(stack((x1*c - x2*s, x2*c + x1*s), -1), -2)   mul operands and the add in any order;
                                                   flatten, view or reshape back to x's shape
         -> ``sloth.rope(q, k, c, s, True)`` / ``sloth.rope_single(x, c, s, True)``
+    interleaved, GPT-J's rotate_every_two (transformers' GPT-J, CodeGen), cos/sin repeated per pair:
+        out = add(mul(x, repeat_interleave(c, 2, -1)), mul(flatten(stack((neg(x[..., 1::2]), x[..., ::2]), -1), -2),
+                                                           repeat_interleave(s, 2, -1)))
+        -> the same op with c and s [..., d/2] (the repeated tables are left to whoever else reads them)
     complex (Meta's reference Llama, ``complex_rope_pattern``), freqs_cis complex64 [..., d/2], x float32
     (``x.float()`` in bf16 code: the cast stays, and the site starts after it):
         out = flatten(view_as_real(view_as_complex(reshape(x, ..., d/2, 2)) * freqs_cis), -2)
@@ -37,9 +41,8 @@ accurate as every variant above. Anything else says no and leaves the graph as i
 the wrong sign or swapped halves, a rotate_half over another dim, cos/sin that do not broadcast to x or
 that require grad, float64, intermediates read by someone else.
 
-Knowingly left unmatched (no rejection, no wrong match): interleaved RoPE written as
-``x * cos + stack((-x2, x1), -1).flatten(-2) * sin`` with repeat_interleave'd tables, interleaved partial
-rotary, complex RoPE in complex128 or with a division, and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))``
+Knowingly left unmatched (no rejection, no wrong match): interleaved partial rotary (the rotated slice is
+fused, the cat with the passed-through dims stays), complex RoPE in complex128 or with a division, and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))``
 spelling of rotate-half. A flipped sign, swapped parities or a stack over another dim in the interleaved
 form is simply not matched. In bf16 Meta code q.float() and k.float() are separate nodes defined after
 q's site, so q and k become two ``rope_single`` launches there (fp32 code pairs them).
@@ -219,6 +222,12 @@ def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
     refused = _operand_guard(xt, ct, st)
     if refused:
         return refused
+    return _pair_shapes_guard(xt, ct) or m
+
+
+def _pair_shapes_guard(xt: torch.Tensor, ct: torch.Tensor) -> Optional[str]:
+    """Why per-pair cos/sin [..., d/2] do not fit x [..., d] (one entry a pair, broadcasting over x's leading
+    dims), or None."""
     if ct.dim() > xt.dim() or not same_size(2 * ct.shape[-1], xt.shape[-1]):
         return f"interleaved cos/sin of shape {tuple(ct.shape)} do not give one entry per pair of x {tuple(xt.shape)}"
     try:
@@ -227,7 +236,7 @@ def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
         lead = None
     if lead is None or tuple(lead) != tuple(xt.shape[:-1]):
         return f"cos/sin of shape {tuple(ct.shape)} broadcast x {tuple(xt.shape)} to a larger shape"
-    return m
+    return None
 
 
 def complex_rope_pattern(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -328,8 +337,62 @@ def _other(mul: fx.Node, node: Any) -> Any:
     return b if a is node else a
 
 
+def _every_two_rotation_of(rh: Any, x: fx.Node) -> Optional[list[fx.Node]]:
+    """The nodes of ``flatten(stack((-x[..., 1::2], x[..., ::2]), -1), -2)`` (GPT-J's rotate_every_two) when
+    ``rh`` is that of x, else None."""
+    if not (_is_reshape(rh) and isinstance(rh.args[0], fx.Node) and rh.args[0].op == "call_function"
+            and rh.args[0].target is torch.stack):
+        return None
+    stack = rh.args[0]
+    if set(stack.kwargs) - {"dim"} or len(stack.args[0]) != 2:
+        return None
+    dim = stack.args[1] if len(stack.args) == 2 else stack.kwargs.get("dim", 0)
+    neg, x1 = stack.args[0]
+    st, rt, xt = tensor_of(stack), tensor_of(rh), tensor_of(x)
+    if st is None or rt is None or xt is None or dim not in (-1, st.dim() - 1) or not same_shape(rt, xt):
+        return None
+    if not (is_call(neg, torch.neg) and _strided_half(neg.args[0], x) == 1 and _strided_half(x1, x) == 0):
+        return None
+    return [rh, stack, neg, neg.args[0], x1]
+
+
+def _per_pair_table(node: Any) -> Optional[fx.Node]:
+    """t when ``node`` is ``torch.repeat_interleave(t, 2, dim)`` (or the method) over t's last dim: each entry
+    of t given to both members of a pair, the table GPT-J builds for rotate_every_two."""
+    if not isinstance(node, fx.Node) or not (
+            (node.op == "call_function" and node.target is torch.repeat_interleave)
+            or (node.op == "call_method" and node.target == "repeat_interleave")):
+        return None
+    args = dict(zip(("input", "repeats", "dim"), node.args), **node.kwargs)
+    t, tt = args.get("input"), tensor_of(args.get("input"))
+    if tt is None or args.get("repeats") != 2 or set(args) - {"input", "repeats", "dim"}:
+        return None
+    return t if args.get("dim") in (-1, tt.dim() - 1) else None
+
+
+def _match_every_two(add: fx.Node, plain: fx.Node, rotated: fx.Node, x: fx.Node, rh: Any
+                     ) -> Union[RopeMatch, str, None]:
+    """``x * repeat_interleave(c, 2, -1) + rotate_every_two(x) * repeat_interleave(s, 2, -1)`` (GPT-J):
+    out[2i] = x[2i] c_i - x[2i+1] s_i, out[2i+1] = x[2i+1] c_i + x[2i] s_i, the interleaved op with c, s."""
+    inner = _every_two_rotation_of(rh, x)
+    if inner is None:
+        return None
+    c, s = _per_pair_table(_other(plain, x)), _per_pair_table(_other(rotated, rh))
+    if c is None or s is None:
+        return "rotate_every_two(x) with cos/sin that are not repeat_interleave(table, 2) over the last dim"
+    if len(plain.users) != 1 or len(rotated.users) != 1 or any(len(n.users) != 1 for n in inner):
+        return "an intermediate (x * cos, rotate_every_two(x), its halves) has other users, so it cannot be fused away"
+    xt, ct, st = tensor_of(x), tensor_of(c), tensor_of(s)
+    refused = _operand_guard(xt, ct, st) or _pair_shapes_guard(xt, ct)
+    ot = tensor_of(add)
+    if not refused and (ot is None or not same_shape(ot, xt)):
+        refused = f"cos/sin of shape {tuple(ct.shape)} broadcast x {tuple(xt.shape)} to a larger shape"
+    return refused or RopeMatch(x, c, s, add, add, interleaved=True)
+
+
 def _match_add(add: fx.Node) -> Union[RopeMatch, str, None]:
-    """Match ``x * cos + rotate_half(x) * sin`` at an add. None: not RoPE-shaped; str: a near-miss."""
+    """Match ``x * cos + rotate_half(x) * sin`` (or GPT-J's rotate_every_two form) at an add. None: not
+    RoPE-shaped; str: a near-miss."""
     a, b = add.args
     if not (is_call(a, torch.mul) and is_call(b, torch.mul)):
         return None
@@ -339,6 +402,12 @@ def _match_add(add: fx.Node) -> Union[RopeMatch, str, None]:
             if tensor_of(x) is None or not isinstance(x, fx.Node) or tensor_of(x).dim() == 0:
                 continue
             for rh in rotated.args:
+                every_two = _match_every_two(add, plain, rotated, x, rh)
+                if isinstance(every_two, RopeMatch):
+                    return every_two
+                if isinstance(every_two, str):
+                    found = every_two
+                    continue
                 verdict = _rotation_of(rh, x)
                 if verdict is True:
                     return _guard(RopeMatch(x, _other(plain, x), _other(rotated, rh), add, add), plain, rotated, rh)

@@ -411,3 +411,30 @@ def test_peft_lora_model_matches_eager(model_type: str, dtype: torch.dtype) -> N
         ref = ref_grads[name]
         scale = ref.pow(2).mean().sqrt().item()
         assert_close(f"grad {name}", grad, eager_grads[name], ref, atol=0.5 * torch.finfo(torch.float32).eps * scale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT-J: interleaved RoPE written as rotate_every_two with repeat_interleave'd tables
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rotary_dim", [16, 8], ids=["full", "partial"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gptj_rotate_every_two_matches_eager(rotary_dim: int, dtype: torch.dtype) -> None:
+    # GPT-J calls its rotary function for q and k separately, each building its own repeat_interleave'd
+    # tables from its own sin[:, :, None, :] view, so every attention layer gives two single-tensor sites.
+    cfg = AutoConfig.for_model("gptj", n_embd=64, n_layer=2, n_head=4, rotary_dim=rotary_dim, vocab_size=VOCAB,
+                               n_positions=64, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), ids)
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    loss, grads = loss_and_grads(model, ids, run=torch.compile(model, backend="sloth"))
+    report = sloth.report()
+    sites = [s for s in report.sites if s.family == "rope"]
+    assert len(sites) == 2 * cfg.n_layer and all("interleaved" in s.detail for s in sites), str(report)
+    assert_close("loss", loss, eager_loss, ref_loss, atol=4 * torch.finfo(dtype).eps * ref_loss.abs().item())
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert_close(f"grad {name}", grad, eager_grads[name], ref,
+                     atol=0.5 * torch.finfo(dtype).eps * ref.pow(2).mean().sqrt().item())

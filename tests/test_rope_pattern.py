@@ -174,6 +174,16 @@ def interleaved_respelled(qp, kp, inv_freq, pos):
     return rot(q), rot(k)
 
 
+def interleaved_gptj(qp, kp, inv_freq, pos):
+    # transformers' GPT-J: rotate_every_two with repeat_interleave'd per-pair tables, q and k each building
+    # their own tables (so two single launches, as in GPT-J).
+    def rot(x):
+        cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+        cos, sin = torch.repeat_interleave(cos, 2, 3), torch.repeat_interleave(sin, 2, -1)
+        return x * cos + torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * sin
+    return rot(heads(qp, HQ)), rot(heads(kp, HK))
+
+
 def interleaved_q_only(qp, kp, inv_freq, pos):
     q, k = heads(qp, HQ), heads(kp, HK)
     cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
@@ -300,6 +310,7 @@ MATCHES = [
     Case("interleaved-gptj-real", interleaved_real, 1, PAIR),
     Case("interleaved-respelled-bshd", interleaved_respelled, 1, PAIR),
     Case("interleaved-q-only", interleaved_q_only, 1, {"sloth.rope_single": 1}),
+    Case("interleaved-gptj-rotate-every-two", interleaved_gptj, 2, {"sloth.rope_single": 2}),
     # bf16: q.float() and k.float() are two nodes, k's after q's site, so two single launches.
     Case("meta-complex", meta_complex, None, reference=meta_complex_reference),
 ]
@@ -435,14 +446,22 @@ def cos_enlarges_x(qp, kp, inv_freq, pos):
     return q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
 
 
-def interleaved_gptj(qp, kp, inv_freq, pos):
-    # GPT-J/Cohere even/odd rotation: knowingly unmatched, must stay as it was.
-    q = heads(qp, HQ)
-    cos, sin = cos_sin(inv_freq[: D // 2], pos, qp.dtype)
-    cos = torch.repeat_interleave(cos[:, None, :, : D // 2], 2, -1)
-    sin = torch.repeat_interleave(sin[:, None, :, : D // 2], 2, -1)
-    rot = torch.stack((-q[..., 1::2], q[..., ::2]), dim=-1).flatten(-2)
-    return q * cos + rot * sin
+def every_two_near_miss(rotate, table):
+    def fn(qp, kp, inv_freq, pos):
+        q = heads(qp, HQ)
+        freqs = pos[..., None] * inv_freq
+        c, s = freqs.cos().to(qp.dtype)[:, None], freqs.sin().to(qp.dtype)[:, None]
+        return q * table(c) + rotate(q) * table(s)
+    return fn
+
+
+def every_two_sign_flipped(x):
+    # stack((x_odd, -x_even)): the rotation by -theta. Must stay as it was.
+    return torch.stack((x[..., 1::2], -x[..., ::2]), dim=-1).flatten(-2)
+
+
+def rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
 def complex_freqs(qp, kp, inv_freq, pos):
@@ -503,7 +522,11 @@ NEAR_MISSES = [
     Case("rotate-half-also-returned", rotate_half_also_returned, 0, reason="other users"),
     Case("cos-sin-shapes-differ", mismatched_cos_sin, 0, reason="different shapes"),
     Case("cos-enlarges-x", cos_enlarges_x, 0, reason="larger shape"),
-    Case("interleaved-gptj", interleaved_gptj, 0),
+    Case("every-two-sign-flipped", every_two_near_miss(every_two_sign_flipped,
+                                                      lambda t: torch.repeat_interleave(t, 2, -1)), 0),
+    # rotate_every_two with rotate-half tables (each half a copy): not GPT-J's math. Refused with the reason.
+    Case("every-two-with-halves-tables", every_two_near_miss(rotate_every_two, lambda t: torch.cat((t, t), -1)), 0,
+         reason="repeat_interleave"),
     Case("complex-divided-by-freqs-cis", complex_divided, 0),
     Case("interleaved-sign-flipped", interleaved_sign_flipped, 0),
     Case("interleaved-parity-swapped", interleaved_parity_swapped, 0),
