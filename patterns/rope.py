@@ -41,8 +41,9 @@ accurate as every variant above. Anything else says no and leaves the graph as i
 the wrong sign or swapped halves, a rotate_half over another dim, cos/sin that do not broadcast to x or
 that require grad, float64, intermediates read by someone else.
 
-Knowingly left unmatched (no rejection, no wrong match): interleaved partial rotary (the rotated slice is
-fused, the cat with the passed-through dims stays), complex RoPE in complex128 or with a division, and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))``
+Partial rotary is absorbed for the rotate-half and both real interleaved forms (GPT-J rotates the first
+``rotary_dim`` dims of each head in pairs). Knowingly left unmatched (no rejection, no wrong match):
+complex RoPE in complex128 or with a division, and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))``
 spelling of rotate-half. A flipped sign, swapped parities or a stack over another dim in the interleaved
 form is simply not matched. In bf16 Meta code q.float() and k.float() are separate nodes defined after
 q's site, so q and k become two ``rope_single`` launches there (fp32 code pairs them).
@@ -222,7 +223,7 @@ def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
     refused = _operand_guard(xt, ct, st)
     if refused:
         return refused
-    return _pair_shapes_guard(xt, ct) or m
+    return _pair_shapes_guard(xt, ct) or _extend_partial(m)
 
 
 def _pair_shapes_guard(xt: torch.Tensor, ct: torch.Tensor) -> Optional[str]:
@@ -387,7 +388,7 @@ def _match_every_two(add: fx.Node, plain: fx.Node, rotated: fx.Node, x: fx.Node,
     ot = tensor_of(add)
     if not refused and (ot is None or not same_shape(ot, xt)):
         refused = f"cos/sin of shape {tuple(ct.shape)} broadcast x {tuple(xt.shape)} to a larger shape"
-    return refused or RopeMatch(x, c, s, add, add, interleaved=True)
+    return refused or _extend_partial(RopeMatch(x, c, s, add, add, interleaved=True))
 
 
 def _match_add(add: fx.Node) -> Union[RopeMatch, str, None]:
@@ -455,7 +456,7 @@ def _extend_partial(m: RopeMatch) -> RopeMatch:
     if (dim, start) != (-1, r) or not same_size(r + length, bt.shape[-1]) or not same_shape(ut, bt) \
             or len(user.args[0][1].users) != 1:
         return m
-    return RopeMatch(big, m.cos, m.sin, user, m.anchor)
+    return RopeMatch(big, m.cos, m.sin, user, m.anchor, interleaved=m.interleaved)
 
 
 def _out_value(m: RopeMatch) -> torch.Tensor:

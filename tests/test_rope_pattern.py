@@ -184,6 +184,15 @@ def interleaved_gptj(qp, kp, inv_freq, pos):
     return rot(heads(qp, HQ)), rot(heads(kp, HK))
 
 
+def interleaved_partial(qp, kp, inv_freq, pos):
+    # GPT-J's rotary_dim < head_dim in the even/odd stack form: the first D/2 dims rotated in pairs.
+    q, k = heads(qp, HQ), heads(kp, HK)
+    cos, sin = interleaved_cos_sin(inv_freq[: D // 4], pos, qp.dtype)
+    r = D // 2
+    return (torch.cat([gptj_rotate(q[..., :r], cos, sin), q[..., r:]], -1),
+            torch.cat([gptj_rotate(k[..., :r], cos, sin), k[..., r:]], -1))
+
+
 def interleaved_q_only(qp, kp, inv_freq, pos):
     q, k = heads(qp, HQ), heads(kp, HK)
     cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
@@ -311,6 +320,7 @@ MATCHES = [
     Case("interleaved-respelled-bshd", interleaved_respelled, 1, PAIR),
     Case("interleaved-q-only", interleaved_q_only, 1, {"sloth.rope_single": 1}),
     Case("interleaved-gptj-rotate-every-two", interleaved_gptj, 2, {"sloth.rope_single": 2}),
+    Case("interleaved-partial-rotary", interleaved_partial, 1, PAIR),
     # bf16: q.float() and k.float() are two nodes, k's after q's site, so two single launches.
     Case("meta-complex", meta_complex, None, reference=meta_complex_reference),
 ]
