@@ -53,14 +53,19 @@ def main() -> None:
     batch, seq = (4, 512) if device == "cuda" else (2, 32)
     eager_model = build_model(args.model, device, dtype)
     if not args.full:
-        from peft import LoraConfig, get_peft_model
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise SystemExit("the LoRA demo needs peft (pip install peft, or the '.[interpreter]' extra); "
+                             "--full trains without it")
 
         eager_model = get_peft_model(eager_model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     sloth_model = copy.deepcopy(eager_model)
     vocab = eager_model.config.vocab_size
     trainable = sum(p.numel() for p in eager_model.parameters() if p.requires_grad)
     print(f"{args.model}: {sum(p.numel() for p in eager_model.parameters()) / 1e6:.1f}M parameters "
-          f"({trainable / 1e6:.2f}M trained{'' if args.full else ', LoRA r=8'}), {dtype}, batch {batch} x {seq} on {device}"
+          f"({trainable / 1e6:.2f}M trained{'' if args.full else ', LoRA r=8'}), {dtype}, "
+          f"batch {batch} x {seq} on {device}"
           + ("" if device == "cuda" else " (Triton through its CPU interpreter)"))
 
     compiled = torch.compile(sloth_model, backend="sloth")

@@ -55,7 +55,8 @@ MODELS: dict[str, dict[str, Any]] = {
                        num_key_value_heads=2, vocab_size=256, rope_theta=500000.0, rms_norm_eps=1e-5,
                        max_position_embeddings=256, tie_word_embeddings=False),
 }
-COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "warm-up s", "first loss", "loss", "graphs", "sloth sites",
+COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "warm-up s", "first loss", "loss", "graphs",
+           "sloth sites",
            "error"]
 
 
@@ -75,7 +76,7 @@ def _quantize_linears_nf4(model: torch.nn.Module) -> int:
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                       compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
                 q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                                     module=q).cuda()
+                                             module=q).cuda()
                 if child.bias is not None:
                     q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                 setattr(parent, name, q)
@@ -251,9 +252,11 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     for e in events:
         families[_family(e.key)] = families.get(_family(e.key), 0.0) + e.self_device_time_total
     lines = [f"one step, {args.variant}, {args.model} L{args.layers or 'all'} b{args.batch} s{args.seq}"
-             f"{' qlora' if args.qlora else ''}{' ckpt' if args.grad_ckpt else ''}: GPU kernel time {total / 1e3:.2f} ms",
+             f"{' qlora' if args.qlora else ''}{' ckpt' if args.grad_ckpt else ''}: "
+             f"GPU kernel time {total / 1e3:.2f} ms",
              "", "family      ms      %"]
-    lines += [f"{f:<9} {us / 1e3:8.2f} {100 * us / total:6.1f}" for f, us in sorted(families.items(), key=lambda kv: -kv[1])]
+    by_time = sorted(families.items(), key=lambda kv: -kv[1])
+    lines += [f"{f:<9} {us / 1e3:8.2f} {100 * us / total:6.1f}" for f, us in by_time]
     lines += ["", f"{'ms':>8} {'%':>5} {'calls':>6}  family     kernel"]
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         lines.append(f"{e.self_device_time_total / 1e3:8.2f} {100 * e.self_device_time_total / total:5.1f} "
@@ -313,7 +316,8 @@ def run_all(args: argparse.Namespace) -> int:
                 row = json.loads(json_out.read_text())
                 print(f"[{i}/{len(variants)}] {variant}: {row['step ms']:.1f} ms/step, {row['tok/s']:.0f} tok/s, "
                       f"MFU {row['MFU %']:.1f}%, peak {_gib(row['peak GiB'])}, warm-up {row['warm-up s']:.1f} s, "
-                      f"first loss {row['first loss']:.5f}, loss {row['loss']:.4f}, graphs {row['graphs']}, sloth {row['sloth counts']} ({wall:.0f} s)",
+                      f"first loss {row['first loss']:.5f}, loss {row['loss']:.4f}, graphs {row['graphs']}, "
+                      f"sloth {row['sloth counts']} ({wall:.0f} s)",
                       flush=True)
             else:
                 tail = log.read_text().splitlines()[-25:]

@@ -166,7 +166,6 @@ def module_path(node: fx.Node) -> str:
     return re.sub(r"\.?_modules\['([^']+)'\]", r".\1", path).lstrip(".")
 
 
-
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 

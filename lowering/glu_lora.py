@@ -70,6 +70,7 @@ def _glu_qlora_bwd(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tens
 def _setup_context(ctx, inputs, output) -> None:
     gate, up, activation, w, bias, a, b, scale = inputs
     ctx.save_for_backward(gate, up, w, a, b, output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.activation, ctx.scale = activation, scale
 
 
@@ -105,14 +106,13 @@ def register() -> None:
 
 _QLORA_ARGS = ("gate", "up", "activation", "packed", "absmax", "absmax_code", "absmax_scale", "absmax_offset",
                "out_features", "in_features", "blocksize", "quant_type", "bias", "a", "b", "scale")
-_QUANT_ARGS = ("packed", "absmax", "absmax_code", "absmax_scale", "absmax_offset", "out_features", "in_features",
-               "blocksize", "quant_type")
 
 
 def _setup_context_4bit(ctx, inputs, output) -> None:
     args = dict(zip(_QLORA_ARGS, inputs))
     ctx.save_for_backward(args["gate"], args["up"], args["packed"], args["absmax"], args["absmax_code"],
                           args["absmax_scale"], args["absmax_offset"], args["a"], args["b"], output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.static = (args["activation"], args["out_features"], args["in_features"], args["blocksize"],
                   args["quant_type"], args["scale"])
 

@@ -39,7 +39,8 @@ alive at the end of the forward, where activation memory peaks) and, during this
 accumulator (V*H*4, 2 GiB). A frozen head (LoRA, QLoRA) pays the 32 MiB only. Eager keeps the bf16
 logits, their fp32 copy and the fp32 log-softmax (10 bytes a logit, 4.9 GiB). Measured on the H200 (see
 ``_TILE_ELEMENTS``): frozen head 13.9 ms / 283 MiB peak vs Inductor 14.2 ms / 2004 MiB and eager 19.1 ms
-/ 6012 MiB (283 MiB held two logits tiles; with the previous tile dropped first, one tile + dx is 160 MiB); trainable head 22.2 ms / 3539 MiB vs Inductor 19.8 ms / 2036 MiB, a loss on both counts
+/ 6012 MiB (283 MiB held two logits tiles; with the previous tile dropped first, one tile + dx is 160 MiB,
+not yet measured); trainable head 22.2 ms / 3539 MiB vs Inductor 19.8 ms / 2036 MiB, a loss on both counts
 (the fp32 dw accumulator; recomputing in the backward would not remove it).
 'none' cannot use saved gradients (dw needs each row's grad_out), so it recomputes in the backward
 (``sloth::linear_cross_entropy_backward``), as does any call whose forward was told not to compute a

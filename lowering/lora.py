@@ -16,8 +16,11 @@ Why an op and not Inductor: peft keeps the adapter in fp32, so eager and Inducto
 matmuls as fp32 cuBLAS GEMMs without tensor cores (measured on the H200: 17% of a Llama-3-8B LoRA
 step's GPU time, benchmarks/results/2026-11-29_1446_profile-inductor-L4.txt), plus an fp32 copy of
 every adapted input. Here the adapter matmuls are three small Triton kernels that read the 16-bit
-activations as they are and multiply with fp32 accuracy on tensor cores (``tf32x3``: each fp32 operand
-split into three TF32 parts; the error is that of an fp32 FMA GEMM, not of TF32), and the adapter's
+activations as they are and multiply with fp32 accuracy on tensor cores: with bf16 activations each
+fp32 adapter factor is split into three bf16 parts whose sum is exact (8 + 8 + 8 significand bits), so
+bf16 products with fp32 accumulation reproduce the fp32 products; with fp32 or fp16 activations both
+operands go through ``tf32x3`` (each split into a TF32 high and low part, three products); a bf16
+adapter on bf16 activations needs neither. The adapter's
 output is added into the base GEMM's output in place.
 
 With ``x2 = x.reshape(M, K)``, ``h = x2 @ a.T`` ([M, r], fp32, saved for backward)::
@@ -244,6 +247,29 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t_2d if t_2d.stride(-1) == 1 or t_2d.shape[-1] == 1 else t_2d.contiguous()
 
 
+# Shared memory the down kernel may plan for: the H200 (sm_90) allows 232,448 bytes a block; the margin
+# covers what Triton adds beyond the pipelined operand tiles.
+_DOWN_SMEM_BUDGET = 200 * 1024
+
+
+def down_smem_bytes(block_m: int, block_k: int, factor_cols: int, x_bytes: int, factor_bytes: int,
+                    stages: int) -> int:
+    """The down kernel's pipelined tiles: ``stages`` copies of an x tile [block_m, block_k] and a factor tile
+    [block_k, factor_cols] (factor_cols = 4 * BLOCK_R bf16 columns when the factor is split)."""
+    return stages * (block_m * block_k * x_bytes + block_k * factor_cols * factor_bytes)
+
+
+def _down_block_k(c: dict, mode: int, block_r: int, x_bytes: int, factor_bytes: int, k: int) -> int:
+    """DOWN_CONFIG's block_k (swept at r = 16), halved until the tiles fit ``_DOWN_SMEM_BUDGET``: the split
+    factor tile grows with the rank (r = 32 at 256 would need 295 KB), and the tile must stay >= 16."""
+    cols = 4 * block_r if mode == _SPLIT_BF16.value else block_r
+    block_k = min(c["block_k"], max(16, triton.next_power_of_2(k)))
+    while block_k > 16 and down_smem_bytes(c["block_m"], block_k, cols, x_bytes, factor_bytes,
+                                           c["num_stages"]) > _DOWN_SMEM_BUDGET:
+        block_k //= 2
+    return block_k
+
+
 def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
     """``x_MK @ p_KR`` in fp32 ([M, R]); ``p_KR`` may be any strided view (a.T, or b)."""
     n_rows, k = x_MK.shape
@@ -254,7 +280,7 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
     if k == 0:
         return h_MR.zero_()
     c, mode, block_r = DOWN_CONFIG, _mode(x_MK, p_KR), _block_r(rank)
-    block_k = min(c["block_k"], max(16, triton.next_power_of_2(k)))
+    block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
     if mode == _SPLIT_BF16.value:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
         _split_factor_kernel[(triton.cdiv(k, 64),)](p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1),
@@ -302,7 +328,8 @@ def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool
     stride_gk, stride_gr = (rank, 1) if transposed else (1, k)
     _lora_grad_kernel[(k_blocks, splits)](
         u_MR, x_MK, g, n_rows, k, rank, x_MK.stride(0), stride_gk, stride_gr, rows_per_split, float(scale),
-        MODE=_mode(x_MK, u_MR), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(rank),
+        MODE=_mode(x_MK, u_MR), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k,
+        BLOCK_R=_block_r(rank),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return g[0] if splits == 1 else g.sum(0)
@@ -377,8 +404,8 @@ def _setup_context(ctx, inputs, output) -> None:
     x, w, bias, a, b, scale = inputs
     _, h = output
     ctx.save_for_backward(x, w, a, b, h)
+    ctx.mark_non_differentiable(h)  # h is returned to be saved, not to be used: it gets no gradient
     ctx.scale = scale
-    ctx.has_bias = bias is not None
 
 
 def _backward(ctx, dy, _dh):

@@ -7,12 +7,13 @@ first from its uint8 codes, ``absmax_code``, ``absmax_scale`` and ``absmax_offse
 
     sloth.lora_linear(x, W, bias, a, b, s)        (lowering/lora.py: the same math, forward and backward)
 
-which is what peft computes over a ``bnb.nn.Linear4bit``: bitsandbytes' ``MatMul4Bit`` dequantises to x's
-dtype and multiplies (cuBLAS for more than one row), its backward dequantises again for ``dy @ W``.
+which is what peft computes over a ``bnb.nn.Linear4bit``: bitsandbytes' ``MatMul4Bit`` forward is its
+``gemm_4bit`` op (on CUDA a fused 4-bit kernel up to 1536 rows when K is a multiple of the block size,
+dequantise-then-matmul otherwise), its backward dequantises again for ``dy @ W``.
 
 Dequantise-then-cuBLAS, not dequantisation inside the GEMM's main loop (Unsloth's choice too): at
 Llama-3-8B shapes the GEMM is 0.3-0.7 ms and reading the 4-bit weight and writing its bf16 copy moves
-N*K*2.5 bytes (7-36 us at the H200's 4.2 TB/s), so a fused 4-bit GEMM could win at most a few percent
+N*K*2.5 bytes (2.5-36 us at the H200's 4.2 TB/s), so a fused 4-bit GEMM could win at most a few percent
 of the op and would have to match cuBLAS's Hopper kernels to win anything. The dequantised weight is a
 temporary of the call: it is freed when the call returns (the caching allocator hands the same block
 to the next layer), and the backward dequantises again rather than keeping N*K*2 bytes per layer alive
@@ -81,6 +82,7 @@ def _setup_context(ctx, inputs, output) -> None:
     args = dict(zip(_ARGS, inputs))
     ctx.save_for_backward(args["x"], args["packed"], args["absmax"], args["absmax_code"], args["absmax_scale"],
                           args["absmax_offset"], args["a"], args["b"], output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.static = tuple(args[k] for k in ("out_features", "in_features", "blocksize", "quant_type", "scale"))
 
 

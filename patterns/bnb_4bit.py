@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from ..compiler.fx_utils import tensor_of
 
-_GEMM_4BIT = "bitsandbytes.gemm_4bit"
+_GEMM_4BIT = "bitsandbytes.gemm_4bit.default"  # compared by name: bitsandbytes need not be imported
 _VIEWS = ("view", "reshape")
 
 
@@ -89,7 +89,7 @@ def _from_gemm(gemm: fx.Node, out: fx.Node, hop: Optional[fx.Node], bodies: tupl
 
 
 def _is_gemm_4bit(node: Any) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and str(node.target).startswith(_GEMM_4BIT)
+    return isinstance(node, fx.Node) and node.op == "call_function" and str(node.target) == _GEMM_4BIT
 
 
 def bnb_4bit_base(gm: fx.GraphModule, node: Any) -> Union[Bnb4bitBase, str, None]:
@@ -99,13 +99,14 @@ def bnb_4bit_base(gm: fx.GraphModule, node: Any) -> Union[Bnb4bitBase, str, None
     ``gemm_4bit`` call when it does not (bitsandbytes skips its autograd.Function then, e.g. for the first
     layer's q/k/v, whose input comes from a frozen embedding)."""
     if _is_gemm_4bit(node):
-        return _from_gemm(node, node, None, (), lambda v: _outer(v, {}) if not isinstance(v, fx.Node) else _view_root(v))
+        return _from_gemm(node, node, None, (), lambda v: _view_root(v) if isinstance(v, fx.Node) else v)
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
             and node.args[1] == 0 and _is_hop(node.args[0])):
         return None
     hop = node.args[0]
     body_attr = hop.args[0]
-    body = getattr(gm, body_attr.target, None) if isinstance(body_attr, fx.Node) and body_attr.op == "get_attr" else None
+    is_attr = isinstance(body_attr, fx.Node) and body_attr.op == "get_attr"
+    body = getattr(gm, body_attr.target, None) if is_attr else None
     if not isinstance(body, fx.GraphModule):
         return None
     gemms = [n for n in body.graph.nodes if _is_gemm_4bit(n)]
@@ -121,6 +122,8 @@ def bnb_4bit_base(gm: fx.GraphModule, node: Any) -> Union[Bnb4bitBase, str, None
         return "the 4-bit linear's other outputs are read too"
     bodies = tuple(a for a in hop.args[:2] if isinstance(a, fx.Node) and a.op == "get_attr")
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(hop.args) - 2:  # the body's inputs are the op's operands, one for one
+        return "the 4-bit autograd function's body takes other inputs than the op passes"
     operands = dict(zip(placeholders, hop.args[2:]))
     return _from_gemm(gemm, node, hop, bodies, lambda v: _outer(v, operands))
 

@@ -43,8 +43,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, linear_parts, module_path, replace_and_erase,
-                                 source_location, tensor_of)
+from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, linear_parts, module_path,
+                                 replace_and_erase, source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused
@@ -61,12 +61,14 @@ def _lowering():
 
 
 def _lowering_glu_lora():
+    """lowering/glu_lora.py, imported on first use (as _lowering)."""
     from ..lowering import glu_lora
 
     return glu_lora
 
 
 def _lowering_qlora():
+    """lowering/qlora.py, imported on first use (as _lowering)."""
     from ..lowering import qlora
 
     return qlora
@@ -94,6 +96,7 @@ class LoraMatch:
     adapters: list[Adapter]  # one, or several summed onto the same base (peft with several active adapters)
     out: fx.Node
     detail: str
+    op: str = ""  # the sloth op the site became, set by _replace
 
 
 def _dropout_inactive(node: fx.Node) -> Union[bool, str]:
@@ -222,6 +225,8 @@ def _check_quantized(q: Bnb4bitBase, xt: torch.Tensor, at: torch.Tensor, bt: tor
 
 def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node,
            adapters: list[Adapter], steps: list[fx.Node]) -> Union[LoraMatch, str]:
+    if len(adapters) > 1 and adapters[0].scale == 0:
+        return "the first of several adapters has scale 0 (the stacked form scales the others relative to it)"
     a_dtypes = {dtype_of(ad.a) for ad in adapters} | {dtype_of(ad.b) for ad in adapters}
     if len(a_dtypes) != 1:
         return f"the adapters summed onto one base have several dtypes {sorted(map(str, a_dtypes))}"
@@ -237,7 +242,7 @@ def _check_one(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional
                ) -> Union[LoraMatch, str]:
     """The guards for one adapter on the base; with ``adapters`` given, the match for all of them."""
     _, w, bias, quantized = parts
-    a, b, scale = adapter.a, adapter.b, adapter.scale
+    a, b = adapter.a, adapter.b
     xt, at, bt, addt = (tensor_of(n) for n in (x, a, b, add))
     wt = tensor_of(w) if quantized is None else None
     biast = tensor_of(bias) if bias is not None else None
@@ -265,7 +270,9 @@ def _check_one(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional
         return "the base weight or bias is trainable; only a frozen base is fused (its gradient is not computed)"
     if len(base.users) != 1:
         return "the base projection's output is read by another node too"
-    if any(len(n.users) != 1 for n in steps):
+    # Each intermediate is read only inside the site (several adapters share peft's one cast of x).
+    inside = set(steps) | {add}
+    if any(not set(n.users) <= inside for n in steps):
         return "an intermediate of the adapter is read by another node too"
     out = add
     if addt.dtype != xt.dtype:
@@ -345,9 +352,11 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
     fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
     y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
     erased = replace_and_erase(m.out, y, keep=keep)
-    if _absorb_glu_input(gm, fused):
+    absorbed = _absorb_glu_input(gm, fused)
+    if absorbed:
         erased.add(m.x)
         m.detail += ", its GLU input recomputed in backward"
+    m.op = ("sloth.glu_" if absorbed else "sloth.") + ("qlora_linear" if q is not None else "lora_linear")
     if q is not None:
         erased |= {n for n in (q.out, q.hop, *q.bodies) if n is not None}
         erase_if_unused(gm, q)
@@ -381,9 +390,8 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
             outcomes.append((position[node], (node, found)))
             continue
         erased |= _replace(gm, found)
-        op = ("sloth.glu_" if "GLU input" in found.detail else "sloth.") + (
-            "qlora_linear" if found.quantized is not None else "lora_linear")
-        outcomes.append((position[node], Site(FAMILY, op, module_path(node), source_location(node), found.detail)))
+        outcomes.append((position[node], Site(FAMILY, found.op, module_path(node), source_location(node),
+                                              found.detail)))
     for _, outcome in sorted(outcomes, key=lambda item: item[0]):
         if isinstance(outcome, Site):
             report.replaced(outcome)

@@ -528,12 +528,14 @@ def test_trainable_base_is_fused_under_no_grad():
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_peft_with_two_active_adapters_on_one_base():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_peft_with_two_active_adapters_on_one_base(dtype):
     # peft sums every active adapter onto the base: base + B1(A1(x)) s1 + B2(A2(x)) s2. One fused op with
-    # the factors stacked ([A1; A2], [B1, (s2 / s1) B2]); different ranks and alphas keep it honest.
+    # the factors stacked ([A1; A2], [B1, (s2 / s1) B2]); different ranks and alphas keep it honest. In bf16
+    # both fp32 adapters read peft's one x.to(float32).
     from peft import LoraConfig
 
-    model = tiny_peft_model("llama", torch.float32, 1)
+    model = tiny_peft_model("llama", dtype, 1)
     model.add_adapter("second", LoraConfig(r=2, lora_alpha=6, target_modules=TARGETS))
     model.base_model.set_adapter(["default", "second"])
     for name, p in model.named_parameters():
@@ -541,6 +543,6 @@ def test_peft_with_two_active_adapters_on_one_base():
             p.requires_grad_(True)
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1, generator=seeded(11))
-    report = check_model(model, torch.float32, expected=len(TARGETS))
+    report = check_model(model, dtype, expected=len(TARGETS))
     assert all("2 adapters, r=4+2" in s.detail and "scale 2, 3" in s.detail
                for s in report.sites if s.family == "lora"), str(report)

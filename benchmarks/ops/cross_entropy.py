@@ -67,12 +67,12 @@ def chunk_sweep(n: int, hidden: int, vocab: int, device: str, chunks: list[int])
         for train_head in (False, True):
             inputs = _inputs(n, hidden, vocab, device, train_head)
             for chunk in chunks:
-                lce.chunk_rows = lambda _n, _v, _h, c=chunk: c
+                lce.chunk_rows = lambda *_, c=chunk: c
                 fn = lambda x, w, labels: lce.linear_cross_entropy(x, w, None, labels)  # noqa: E731
                 ms, kernel, peak = harness.time_case(fn, inputs, "fwd+bwd")
                 rows.append({"head": "trainable" if train_head else "frozen", "rows/chunk": chunk, "ms": ms,
                              "kernel ms": kernel, "peak MiB": peak / common.MiB if peak is not None else None,
-                             "rule": rule(n, vocab, hidden)})
+                             "rule": rule(n, vocab, hidden, train_head)})
                 print(f"sweep {rows[-1]['head']:>9} chunk {chunk:5d}: {ms:8.3f} ms, kernel {kernel or 0:8.3f} ms, "
                       f"peak {rows[-1]['peak MiB'] or 0:8.0f} MiB", flush=True)
     finally:
@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         # Minimal bytes (x, w, dx; dw when trained): the % copy columns only show how far from
         # bandwidth-bound the op is; TFLOP/s is the column that matters.
         weight_bytes = vocab * hidden * e
-        nbytes = {"fwd": n * hidden * e + weight_bytes, "bwd": 2 * n * hidden * e + weight_bytes * (2 if train_head else 1),
-                  "fwd+bwd": 2 * n * hidden * e + weight_bytes * (2 if train_head else 1)}
+        weight_passes = 2 if train_head else 1
+        nbytes = {"fwd": n * hidden * e + weight_bytes, "bwd": 2 * n * hidden * e + weight_bytes * weight_passes,
+                  "fwd+bwd": 2 * n * hidden * e + weight_bytes * weight_passes}
         case = f"{'trainable' if train_head else 'frozen'} head {n}x{hidden}x{vocab}"
         case_rows = harness.run(case, providers, inputs, nbytes, copy_gbps)
         if not callable(liger):

@@ -36,7 +36,8 @@ def main() -> None:
 
     copy_gbps = common.copy_bandwidth_gbps()
     configs = {"down": "DOWN_CONFIG", "up_add": "UP_CONFIG", "grad": "GRAD_CONFIG"}
-    print(f"copy {copy_gbps:.0f} GB/s; shipped: " + ", ".join(f"{k} {getattr(lowering, v)}" for k, v in configs.items()))
+    shipped = ", ".join(f"{k} {getattr(lowering, v)}" for k, v in configs.items())
+    print(f"copy {copy_gbps:.0f} GB/s; shipped: {shipped}")
     gen = torch.Generator(device="cpu").manual_seed(0)
     cases: dict[str, list[tuple[Callable[[], Any], int]]] = {"down": [], "up_add": [], "grad": []}
     for m, k, n in SHAPES:
