@@ -91,7 +91,9 @@ def _to_output_dtype(b_x, DTYPE: tl.constexpr):
     bf16 is rounded with integer ops (bitsandbytes' CPU ``float_to_bf16``; equal to the GPU's
     ``cvt.rn.bf16.f32`` for every non-NaN input, overflow to inf included): the Triton interpreter
     converts fp32 -> bf16 by truncation. NaN never arises here (finite codes times finite absmax).
-    fp16 and fp32 go through ``.to``, round to nearest even in both.
+    fp16 and fp32 go through ``.to``, round to nearest even in both. (lowering/rounding.py's ``round_to``
+    uses the GPU's own conversion instead; this kernel keeps the integer path everywhere because that is
+    the one checked bit for bit against bitsandbytes' CUDA kernel on the H200.)
     """
     if DTYPE == tl.bfloat16:
         b_bits = b_x.to(tl.uint32, bitcast=True)
