@@ -223,48 +223,53 @@ def _check_quantized(q: Bnb4bitBase, xt: torch.Tensor, at: torch.Tensor, bt: tor
     return None
 
 
-def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node,
-           adapters: list[Adapter], steps: list[fx.Node]) -> Union[LoraMatch, str]:
-    if len(adapters) > 1 and adapters[0].scale == 0:
-        return "the first of several adapters has scale 0 (the stacked form scales the others relative to it)"
-    a_dtypes = {dtype_of(ad.a) for ad in adapters} | {dtype_of(ad.b) for ad in adapters}
-    if len(a_dtypes) != 1:
-        return f"the adapters summed onto one base have several dtypes {sorted(map(str, a_dtypes))}"
-    for ad in adapters[1:]:
-        why = _check_one(add, base, parts, x, ad, steps)
-        if isinstance(why, str):
-            return why
-    return _check_one(add, base, parts, x, adapters[0], steps, adapters)
-
-
-def _check_one(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node,
-               adapter: Adapter, steps: list[fx.Node], adapters: Optional[list[Adapter]] = None
-               ) -> Union[LoraMatch, str]:
-    """The guards for one adapter on the base; with ``adapters`` given, the match for all of them."""
-    _, w, bias, quantized = parts
-    a, b = adapter.a, adapter.b
-    xt, at, bt, addt = (tensor_of(n) for n in (x, a, b, add))
-    wt = tensor_of(w) if quantized is None else None
-    biast = tensor_of(bias) if bias is not None else None
-    if any(t is None for t in (xt, at, bt, addt)) or (quantized is None and wt is None) \
-            or (bias is not None and biast is None):
-        return "the shapes of x, the base weight or the adapter factors are unknown"
-    if torch.float64 in (xt.dtype, at.dtype) or (wt is not None and wt.dtype == torch.float64):
+def _check_adapter(adapter: Adapter, xt: torch.Tensor, wt: Optional[torch.Tensor],
+                   quantized: Optional[Bnb4bitBase]) -> Optional[str]:
+    """Why one adapter's factors cannot go with this base and input (dtypes, shapes), or None."""
+    at, bt = tensor_of(adapter.a), tensor_of(adapter.b)
+    if at is None or bt is None:
+        return "the shapes of the adapter factors are unknown"
+    if at.dtype == torch.float64:
         return "computes in float64; the fused kernels support float32, bfloat16 and float16"
-    if xt.dtype not in _KERNEL_DTYPES or (wt is not None and wt.dtype != xt.dtype) \
-            or at.dtype not in _KERNEL_DTYPES or bt.dtype != at.dtype \
-            or (biast is not None and biast.dtype != xt.dtype):
-        return (f"x {xt.dtype}, base weight {wt.dtype if wt is not None else '4-bit'}, adapter {at.dtype}/{bt.dtype}: "
-                "the fused op needs x and the base in one of float32, bfloat16, float16 and both adapter factors "
-                "in one").replace("torch.", "")
+    if at.dtype not in _KERNEL_DTYPES or bt.dtype != at.dtype:
+        return (f"adapter {at.dtype}/{bt.dtype}: the fused op needs both adapter factors in one of float32, "
+                "bfloat16, float16").replace("torch.", "")
     if quantized is not None:
-        why = _check_quantized(quantized, xt, at, bt)
-        if why:
-            return why
-    elif wt.dim() != 2 or at.dim() != 2 or bt.dim() != 2 or wt.shape[0] != bt.shape[0] \
-            or wt.shape[1] != at.shape[1] or at.shape[0] != bt.shape[1]:
+        return _check_quantized(quantized, xt, at, bt)
+    if at.dim() != 2 or bt.dim() != 2 or wt.shape[0] != bt.shape[0] or wt.shape[1] != at.shape[1] \
+            or at.shape[0] != bt.shape[1]:
         return (f"shapes do not chain as w [N, K], a [r, K], b [N, r]: w {tuple(wt.shape)}, a {tuple(at.shape)}, "
                 f"b {tuple(bt.shape)}")
+    return None
+
+
+def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb4bitBase]], x: fx.Node,
+           adapters: list[Adapter], steps: list[fx.Node]) -> Union[LoraMatch, str]:
+    """The site's guards (input, base, users, output dtype) and each adapter's; the match when all pass."""
+    _, w, bias, quantized = parts
+    xt, addt = tensor_of(x), tensor_of(add)
+    wt = tensor_of(w) if quantized is None else None
+    biast = tensor_of(bias) if bias is not None else None
+    if xt is None or addt is None or (quantized is None and wt is None) or (bias is not None and biast is None):
+        return "the shapes of x or the base weight are unknown"
+    if xt.dtype == torch.float64 or (wt is not None and wt.dtype == torch.float64):
+        return "computes in float64; the fused kernels support float32, bfloat16 and float16"
+    if xt.dtype not in _KERNEL_DTYPES or (wt is not None and wt.dtype != xt.dtype) \
+            or (biast is not None and biast.dtype != xt.dtype):
+        return (f"x {xt.dtype}, base weight {wt.dtype if wt is not None else '4-bit'}: the fused op needs x and the "
+                "base in one of float32, bfloat16, float16").replace("torch.", "")
+    if wt is not None and wt.dim() != 2:
+        return f"the base weight has shape {tuple(wt.shape)}, not [N, K]"
+    for adapter in adapters:
+        why = _check_adapter(adapter, xt, wt, quantized)
+        if why:
+            return why
+    if len(adapters) > 1:
+        dtypes = {dtype_of(ad.a) for ad in adapters}
+        if len(dtypes) != 1:
+            return f"the adapters summed onto one base have several dtypes {sorted(map(str, dtypes))}"
+        if adapters[0].scale == 0:
+            return "the first of several adapters has scale 0 (the stacked form scales the others relative to it)"
     # Under no_grad (addt.requires_grad False) nothing is differentiated: a trainable base is fine.
     if addt.requires_grad and ((wt is not None and wt.requires_grad) or (biast is not None and biast.requires_grad)):
         return "the base weight or bias is trainable; only a frozen base is fused (its gradient is not computed)"
@@ -281,18 +286,20 @@ def _check_one(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional
             return (f"the sum stays in {addt.dtype} (no cast back to the input's {xt.dtype}); the fused op returns "
                     "the input's dtype").replace("torch.", "")
         out = users[0]
-    if adapters is None:
-        return LoraMatch(x, w, quantized, bias, [adapter], out, "")
-    adapter_dtype = str(at.dtype).replace("torch.", "")
+    return LoraMatch(x, w, quantized, bias, adapters, out, _detail(xt, wt, bias, quantized, adapters))
+
+
+def _detail(xt: torch.Tensor, wt: Optional[torch.Tensor], bias: Any, quantized: Optional[Bnb4bitBase],
+            adapters: list[Adapter]) -> str:
     ranks = "+".join(str(tensor_of(ad.a).shape[0]) for ad in adapters)
     scales = ", ".join(f"{ad.scale:g}" for ad in adapters)
     weight = (f"{quantized.quant_type} {(quantized.out_features, quantized.in_features)} blocksize "
               f"{quantized.blocksize}{', double-quantised' if quantized.absmax_code is not None else ''}"
               if quantized is not None else str(tuple(wt.shape)))
-    detail = (f"{f'{len(adapters)} adapters, ' if len(adapters) > 1 else ''}r={ranks}, {weight} "
-              f"{str(xt.dtype).replace('torch.', '')}, adapter {adapter_dtype}{', bias' if bias is not None else ''}, "
-              f"scale {scales}")
-    return LoraMatch(x, w, quantized, bias, adapters, out, detail)
+    adapter_dtype = str(dtype_of(adapters[0].a)).replace("torch.", "")
+    return (f"{f'{len(adapters)} adapters, ' if len(adapters) > 1 else ''}r={ranks}, {weight} "
+            f"{str(xt.dtype).replace('torch.', '')}, adapter {adapter_dtype}{', bias' if bias is not None else ''}, "
+            f"scale {scales}")
 
 
 def _stacked_adapter(gm: fx.GraphModule, m: LoraMatch) -> tuple[Any, Any, float, tuple[Any, ...]]:
