@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .layout import rows_2d
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -223,18 +224,12 @@ def glu_backward_reference(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch
     return d_gate.contiguous(), d_up.contiguous()
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as [rows, last dim] with a unit last stride (a view where the layout allows)."""
-    t_2d = t.reshape(-1, t.shape[-1])
-    return t_2d if t_2d.stride(-1) == 1 else t_2d.contiguous()
-
-
 def glu_forward(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) -> torch.Tensor:
     _check_inputs(x, up, activation)
     if not use_triton(x):
         return glu_reference(x, up, activation)
-    x_2d = _rows(x)
-    g_Nn, u_Nn = _split(x_2d, _rows(up) if up is not None else None)
+    x_2d = rows_2d(x)
+    g_Nn, u_Nn = _split(x_2d, rows_2d(up) if up is not None else None)
     n_rows, n_cols = g_Nn.shape
     y_Nn = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y_Nn.numel():
@@ -252,9 +247,9 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
     _check_inputs(x, up, activation)
     if not use_triton(x):
         return glu_backward_reference(dy, x, up, activation)
-    x_2d = _rows(x)
-    g_Nn, u_Nn = _split(x_2d, _rows(up) if up is not None else None)
-    dy_Nn = _rows(dy)
+    x_2d = rows_2d(x)
+    g_Nn, u_Nn = _split(x_2d, rows_2d(up) if up is not None else None)
+    dy_Nn = rows_2d(dy)
     n_rows, n_cols = g_Nn.shape
     # Merged: one [N, 2n] gradient, its halves written by the same kernel through two views.
     dx_2d = torch.empty(x_2d.shape, dtype=x.dtype, device=x.device)

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import triton_interpreter_on, use_triton
+from .layout import rows_2d
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -213,7 +214,7 @@ def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, r
 
 
 # ---------------------------------------------------------------------------------------------------
-# Host launchers. Every 2-D operand has a unit last stride (``_rows``); the adapter factors are read
+# Host launchers. Every 2-D operand has a unit last stride (``rows_2d``); the adapter factors are read
 # through their strides, so a.T and b.T are never copied.
 # ---------------------------------------------------------------------------------------------------
 
@@ -239,12 +240,6 @@ def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
 
 def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))  # tl.dot needs every dimension >= 16
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as [rows, last dim] with a unit last stride (a view where the layout allows)."""
-    t_2d = t.reshape(-1, t.shape[-1])
-    return t_2d if t_2d.stride(-1) == 1 or t_2d.shape[-1] == 1 else t_2d.contiguous()
 
 
 # Shared memory the down kernel may plan for: the H200 (sm_90) allows 232,448 bytes a block; the margin
@@ -373,7 +368,7 @@ def lora_forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
     _check_inputs(x, w, bias, a, b)
     if not use_triton(x):
         return lora_linear_reference(x, w, bias, a, b, scale)
-    x_MK = _rows(x)
+    x_MK = rows_2d(x)
     h_MR = _down(x_MK, a.t())
     y_MN = _up_add_(F.linear(x_MK, w, bias), h_MR, b.t(), scale)  # cuBLAS writes base, the kernel adds in place
     return y_MN.view(*x.shape[:-1], w.shape[0]), h_MR
@@ -388,7 +383,7 @@ def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.T
         dx = ((dy2 @ w.float()).to(x.dtype).float() + scale * (g @ a.float())).to(x.dtype).view(x.shape) \
             if need_dx else x.new_empty(0)
         return dx, (scale * g.t() @ x2).to(a.dtype), (scale * dy2.t() @ h).to(b.dtype)
-    dy_MN, x_MK = _rows(dy), _rows(x)
+    dy_MN, x_MK = rows_2d(dy), rows_2d(x)
     g_MR = _down(dy_MN, b)
     dx = _up_add_(dy_MN @ w, g_MR, a, scale).view(x.shape) if need_dx else x.new_empty(0)
     da = _grad(g_MR, x_MK, scale).to(a.dtype)

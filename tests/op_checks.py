@@ -4,6 +4,20 @@ from __future__ import annotations
 from types import ModuleType
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class RecordOps(TorchDispatchMode):
+    """Records (op, args, output) of every op dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, args, out))
+        return out
 
 
 class _NoLaunch:

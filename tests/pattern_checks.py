@@ -28,6 +28,13 @@ def counting_backend(calls: list, inner: str) -> Callable:
     return backend
 
 
+def graph_of(fn: Callable, *args: torch.Tensor) -> torch.fx.GraphModule:
+    """The graph sloth rewrote (passes run in place) when compiling ``fn(*args)`` whole."""
+    graphs: list = []
+    torch.compile(fn, backend=counting_backend(graphs, "eager"), fullgraph=True)(*args)
+    return graphs[0]
+
+
 def line_of(fn: Callable, needle: str) -> tuple[int, str]:
     """(line number, stripped text) of the first line of ``fn``'s source containing ``needle``."""
     lines, start = inspect.getsourcelines(fn)

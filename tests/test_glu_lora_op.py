@@ -26,6 +26,15 @@ def make_inputs(rows: int, inter: int, out: int, rank: int):
     return gate, up, w, a, b
 
 
+def check_against_composed(fused, composed, args, dtype) -> None:
+    """Output and the gradients of gate, up, a, b: the tolerance rule against the composed patterns in fp64."""
+    actual = forward_backward(fused, args, [])
+    eager = forward_backward(composed, args, [])
+    reference = forward_backward(composed, [t.double() for t in args], [], dy_dtype=dtype)
+    for name, ours, theirs, ref in zip(("y", "d_gate", "d_up", "da", "db"), actual, eager, reference):
+        assert_close(name, ours, theirs, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
@@ -42,12 +51,7 @@ def test_matches_the_composed_patterns(dtype, activation, merged, rows, inter, o
     def composed(gate, up, a, b, w=w):
         return lora_pattern(pattern(gate, up), w.to(gate.dtype), None, a, b, 2.0)
 
-    args = [gate.to(dtype), up.to(dtype), a, b]
-    actual = forward_backward(fused, args, [])
-    eager = forward_backward(composed, args, [])
-    reference = forward_backward(composed, [t.double() for t in args], [], dy_dtype=dtype)
-    for name, ours, theirs, ref in zip(("y", "d_gate", "d_up", "da", "db"), actual, eager, reference):
-        assert_close(name, ours, theirs, ref)
+    check_against_composed(fused, composed, [gate.to(dtype), up.to(dtype), a, b], dtype)
 
 
 def test_the_glu_output_is_not_saved():
@@ -87,9 +91,4 @@ def test_4bit_base_matches_the_composed_patterns(dtype, nested):
     def composed(gate, up, a, b):
         return lora_pattern(PATTERNS["silu"](gate, up), w_dq.to(gate.dtype), None, a, b, 2.0)
 
-    args = [gate.to(dtype), up.to(dtype), a, b]
-    actual = forward_backward(fused, args, [])
-    eager = forward_backward(composed, args, [])
-    reference = forward_backward(composed, [t.double() for t in args], [], dy_dtype=dtype)
-    for name, ours, theirs, ref in zip(("y", "d_gate", "d_up", "da", "db"), actual, eager, reference):
-        assert_close(name, ours, theirs, ref)
+    check_against_composed(fused, composed, [gate.to(dtype), up.to(dtype), a, b], dtype)

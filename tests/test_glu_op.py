@@ -16,27 +16,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import sloth.lowering.glu as lowering
 from sloth.lowering.glu import ACTIVATIONS, glu, register
 from sloth.patterns.glu import PATTERNS
 from tolerance import assert_close
-from op_checks import force_fallback
+from op_checks import force_fallback, RecordOps
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-class _RecordOps(TorchDispatchMode):
-    """Records every op dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def make_inputs(shape, seed: int = 0, scale: float = 2.0):
@@ -176,10 +163,11 @@ def test_backward_saves_gate_and_up_only():
     # One backward op call per forward, and nothing recomputed by PyTorch ops in between.
     g, u, dy = (t.requires_grad_(True) for t in make_inputs((3, 64)))
     y = glu(g, u, "silu")
-    with _RecordOps() as rec:
+    with RecordOps() as rec:
         y.backward(dy)
-    assert torch.ops.sloth.glu_backward.default in rec.calls
-    assert not [f for f in rec.calls if "silu" in str(f) or "sigmoid" in str(f)], rec.calls
+    ops = [func for func, _, _ in rec.calls]
+    assert torch.ops.sloth.glu_backward.default in ops
+    assert not [f for f in ops if "silu" in str(f) or "sigmoid" in str(f)], ops
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 import sloth
-from sloth.compiler.backend import sloth_backend
 from sloth.compiler.canonicalize import gelu
 from tolerance import assert_close
-from pattern_checks import counting_backend, forward_backward, line_of, params_of, seeded
+from pattern_checks import counting_backend, forward_backward, graph_of, line_of, params_of, seeded
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 N = 48  # the inner (intermediate) size of most cases
@@ -296,26 +295,14 @@ def test_match_inductor():
     check_case(next(c for c in MATCHES if c.id == "three-mlps"), torch.bfloat16, inner="inductor")
 
 
-def _graph_of(fn: Callable, *args: torch.Tensor) -> torch.fx.GraphModule:
-    graphs = []
-
-    def capture(gm, example_inputs):
-        out = sloth_backend(gm, example_inputs, options={"inner": "eager"})
-        graphs.append(gm)
-        return out
-
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
-    return graphs[0]
-
-
 def test_the_fused_op_is_in_the_graph():
-    gm = _graph_of(merged_chunk, torch.randn(3, 2 * N, dtype=torch.bfloat16))
+    gm = graph_of(merged_chunk, torch.randn(3, 2 * N, dtype=torch.bfloat16))
     (fused,) = [n for n in gm.graph.nodes if n.target is torch.ops.sloth.glu.default]
     m, up, activation = fused.args
     assert m.op == "placeholder" and up is None and activation == "silu"
     assert not [n for n in gm.graph.nodes if n.target in (F.silu, torch.narrow, torch.mul, "chunk")], gm.graph
 
-    gm = _graph_of(geglu_tanh_formula, torch.randn(3, N), torch.randn(3, N))
+    gm = graph_of(geglu_tanh_formula, torch.randn(3, N), torch.randn(3, N))
     (fused,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert fused.target is torch.ops.sloth.glu.default and fused.args[2] == "gelu_tanh"
     assert [a.op for a in fused.args[:2]] == ["placeholder", "placeholder"]

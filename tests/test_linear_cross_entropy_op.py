@@ -11,13 +11,12 @@ import math
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import sloth.lowering.linear_cross_entropy as lowering
 from sloth.lowering.linear_cross_entropy import chunk_rows, linear_cross_entropy, register
 from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
 from tolerance import assert_close
-from op_checks import force_fallback
+from op_checks import force_fallback, RecordOps
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -31,17 +30,6 @@ class _StayFloat64(TorchFunctionMode):
         if func is torch.Tensor.float and args[0].dtype == torch.float64:
             return args[0]
         return func(*args, **(kwargs or {}))
-
-
-class _RecordOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.calls.append((func, args, out))
-        return out
 
 
 def make_inputs(n: int, h: int, v: int, *, bias: bool = False, ignored: str = "none", seed: int = 0):
@@ -193,7 +181,7 @@ def test_gradients_in_forward_backward_only_scales(reduction):
     x.requires_grad_(True)
     w.requires_grad_(True)
     loss = linear_cross_entropy(x, w, None, labels, reduction=reduction)
-    with _RecordOps() as rec:
+    with RecordOps() as rec:
         loss.backward(torch.tensor(3.0))
     assert not _sloth_calls(rec), "mean/sum must not recompute in the backward"
     expect = torch.autograd.grad(3.0 * linear_cross_entropy_pattern(x, w, None, labels, reduction=reduction),
@@ -207,7 +195,7 @@ def test_none_reduction_recomputes_in_backward():
     x.requires_grad_(True)
     w.requires_grad_(True)
     loss = linear_cross_entropy(x, w, None, labels, reduction="none")
-    with _RecordOps() as rec:
+    with RecordOps() as rec:
         loss.backward(torch.arange(9.0))
     assert [f for f, _, _ in _sloth_calls(rec)] == [torch.ops.sloth.linear_cross_entropy_backward.default]
 
@@ -217,7 +205,7 @@ def test_frozen_weight_skips_dw(dtype):
     x32, w32, _, labels = make_inputs(13, 16, 40)
     x = x32.to(dtype).requires_grad_(True)
     w = w32.to(dtype)
-    with _RecordOps() as rec:
+    with RecordOps() as rec:
         linear_cross_entropy(x, w, None, labels).backward()
     (_, args, (_, dx, dw, _)), = _sloth_calls(rec)
     assert args[-1] is False and dw.numel() == 0 and dx.shape == x.shape
@@ -234,7 +222,7 @@ def test_frozen_weight_skips_dw(dtype):
 
 def test_no_grad_computes_the_loss_only():
     x, w, _, labels = make_inputs(13, 16, 40)
-    with torch.no_grad(), _RecordOps() as rec:
+    with torch.no_grad(), RecordOps() as rec:
         loss = linear_cross_entropy(x.requires_grad_(True), w.requires_grad_(True), None, labels)
     (_, _, (_, dx, dw, db)), = _sloth_calls(rec)
     assert dx.numel() == dw.numel() == db.numel() == 0

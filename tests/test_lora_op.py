@@ -24,29 +24,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import sloth.lowering.lora as lowering
 from sloth.lowering.lora import lora_linear, lora_linear_reference, register
 from sloth.patterns.lora import lora_pattern
 from tolerance import assert_close
-from op_checks import force_fallback
+from op_checks import force_fallback, RecordOps
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNELS = ("_split_factor_kernel", "_lora_down_kernel", "_lora_up_add_kernel", "_lora_grad_kernel")
-
-
-class _RecordOps(TorchDispatchMode):
-    """Records (op, args, output) of every op dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.calls.append((func, args, out))
-        return out
 
 
 def make_inputs(x_shape, n: int, r: int, *, bias: bool = False, seed: int = 0):
@@ -174,7 +160,7 @@ def test_frozen_input_computes_adapter_gradients_only(dtype, adapter_dtype):
     a.requires_grad_(True)
     b.requires_grad_(True)
     y = lora_linear(x, w, bias, a, b, 2.0)
-    with _RecordOps() as rec:
+    with RecordOps() as rec:
         y.backward(dy)
     (args, (dx_empty, _, _)), = [(args, out) for f, args, out in rec.calls
                                  if f is torch.ops.sloth.lora_linear_backward.default]

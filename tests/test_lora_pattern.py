@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import sloth
-from sloth.compiler.backend import sloth_backend
 from tolerance import assert_close
-from pattern_checks import counting_backend, forward_backward, line_of, seeded
+from pattern_checks import counting_backend, forward_backward, graph_of, line_of, seeded
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 K, N, R = 40, 24, 4  # in features, out features, rank
@@ -247,24 +246,12 @@ def test_match_inductor():
     check_case(next(c for c in MATCHES if c.id == "peft-form-adapter-fp32"), torch.bfloat16, inner="inductor")
 
 
-def _graph_of(fn: Callable, *args: torch.Tensor) -> torch.fx.GraphModule:
-    graphs = []
-
-    def capture(gm, example_inputs):
-        out = sloth_backend(gm, example_inputs, options={"inner": "eager"})
-        graphs.append(gm)
-        return out
-
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
-    return graphs[0]
-
-
 @pytest.mark.parametrize("form", [divided_by_rank, scale_on_x, peft_form], ids=lambda f: f.__name__)
 def test_the_fused_op_is_in_the_graph(form):
     # Everything between the inputs and the output is one sloth.lora_linear reading the placeholders, with
     # the constants folded into one scale (8 / 4, the 2 on x); nothing of the base or the adapter is left.
     w, a, b = torch.randn(N, K), torch.randn(R, K), torch.randn(N, R)
-    gm = _graph_of(lambda x, w, a, b: form(x, w, None, a, b), torch.randn(3, K), w, a, b)
+    gm = graph_of(lambda x, w, a, b: form(x, w, None, a, b), torch.randn(3, K), w, a, b)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     (fused,) = [n for n in calls if n.target is torch.ops.sloth.lora_linear.default]
     x_, w_, bias_, a_, b_, scale = fused.args

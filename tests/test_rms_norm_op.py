@@ -16,13 +16,12 @@ from typing import Optional
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import sloth.lowering.rms_norm as lowering
 from sloth.lowering.rms_norm import MAX_HIDDEN, register, rms_norm
 from sloth.patterns.rms_norm import gemma_rms_norm_pattern, rms_norm_pattern, weightless_rms_norm_pattern
 from tolerance import assert_close
-from op_checks import force_fallback
+from op_checks import force_fallback, RecordOps
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 OFFSET = {"llama": 0.0, "gemma": 1.0, "none": 0.0}
@@ -41,19 +40,6 @@ class _StayFloat64(TorchFunctionMode):
             if target is torch.float32 and len(args) <= 2 and set(kwargs) <= {"dtype"}:
                 return args[0]
         return func(*args, **kwargs)
-
-
-class _RecordOps(TorchDispatchMode):
-    """Records every op dispatched while active, with its arguments and outputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.calls.append((func, args, out))
-        return out
 
 
 def pattern(style: str, x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -168,7 +154,7 @@ def test_frozen_weight_skips_dw(frozen, dtype):
     x = x32.to(dtype).requires_grad_(True)
     w = w32.to(dtype).requires_grad_(not frozen)
     y = rms_norm(x, w, 1e-6)
-    with _RecordOps() as rec:
+    with RecordOps() as rec:
         y.backward(dy32.to(dtype))
     bwd = [(args, out) for func, args, out in rec.calls if func is torch.ops.sloth.rms_norm_backward.default]
     assert len(bwd) == 1, f"expected one sloth backward call, saw {[c[0] for c in rec.calls]}"

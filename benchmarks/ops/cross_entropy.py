@@ -82,15 +82,11 @@ def chunk_sweep(n: int, hidden: int, vocab: int, device: str, chunks: list[int])
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: proves the code paths")
     parser.add_argument("--sweep", default="", help="comma-separated rows per chunk to time (sloth only)")
-    args = parser.parse_args(argv)
-    common.use_triton_interpreter_without_cuda()
-    common.import_sloth()
+    args, device = harness.start(__doc__, argv, parser)
     from sloth.lowering.linear_cross_entropy import linear_cross_entropy
     from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     n, hidden, vocab = (37, 16, 1000) if args.smoke else (4096, 4096, 128256)
     copy_gbps = common.copy_bandwidth_gbps()
     peak_tflops = common.matmul_tflops() if device == "cuda" else 1.0

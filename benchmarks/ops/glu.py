@@ -7,7 +7,6 @@ fwd reads gate and up, writes y (3 N I e); bwd reads gate, up, dy and writes d_g
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -17,15 +16,10 @@ from benchmarks.ops import harness
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: proves the code paths")
-    args = parser.parse_args(argv)
-    common.use_triton_interpreter_without_cuda()
-    common.import_sloth()
+    args, device = harness.start(__doc__, argv)
     from sloth.lowering.glu import glu
     from sloth.patterns.glu import PATTERNS
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     n, inter = (8, 100) if args.smoke else (4096, 14336)
     copy_gbps = common.copy_bandwidth_gbps()
     rows = []

@@ -9,6 +9,7 @@ entry. RMSNorm has its own script (benchmarks/ops/rms_norm.py) with the same col
 """
 from __future__ import annotations
 
+import argparse
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -19,6 +20,20 @@ from benchmarks import common
 MODES = ("fwd", "bwd", "fwd+bwd")
 COLUMNS = ["shape", "mode", "provider", "ms", "% copy", "x eager", "kernel ms", "kernel % copy", "vs inductor",
            "peak MiB", "max rel err", "error"]
+
+
+def start(doc: str, argv: list[str] | None, parser: argparse.ArgumentParser | None = None
+          ) -> tuple[argparse.Namespace, str]:
+    """(parsed args, device) for an op benchmark's main: ``--smoke`` added to ``parser`` (a fresh one with
+    ``doc`` as its description by default), the Triton interpreter switched on when there is no GPU, and
+    sloth importable; the device is "cuda" when there is one, else "cpu"."""
+    if parser is None:
+        parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: proves the code paths")
+    args = parser.parse_args(argv)
+    common.use_triton_interpreter_without_cuda()
+    common.import_sloth()
+    return args, "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _outputs(result: Any) -> tuple[torch.Tensor, ...]:

@@ -10,7 +10,6 @@ the base GEMMs alone set the floor.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
@@ -24,15 +23,10 @@ SHAPES = (("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate/up", 4096, 14336), ("
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: proves the code paths")
-    args = parser.parse_args(argv)
-    common.use_triton_interpreter_without_cuda()
-    common.import_sloth()
+    args, device = harness.start(__doc__, argv)
     from sloth.lowering.lora import lora_linear
     from sloth.patterns.lora import lora_pattern
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     tokens, rank = (37, 4) if args.smoke else (4096, 16)
     shapes = (("q/o", 24, 40),) if args.smoke else SHAPES
     copy_gbps = common.copy_bandwidth_gbps()

@@ -9,7 +9,6 @@ writes the two input gradients: 2 (Q + K) e + 2 C e each way (C = b s d, the cos
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -19,15 +18,10 @@ from benchmarks.ops import harness
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: proves the code paths")
-    args = parser.parse_args(argv)
-    common.use_triton_interpreter_without_cuda()
-    common.import_sloth()
+    args, device = harness.start(__doc__, argv)
     from sloth.lowering.rope import rope
     from sloth.patterns.rope import rope_rotate_half_pattern
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     b, s, hq, hk, d = (1, 7, 2, 1, 16) if args.smoke else (2, 2048, 32, 8, 128)
     gen = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(b, s, hq, d, generator=gen).to(device, torch.bfloat16).transpose(1, 2).requires_grad_()
