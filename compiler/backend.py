@@ -9,6 +9,7 @@ autograd, so the backward graph holds sloth's backward kernels and Inductor fuse
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,7 +23,9 @@ from .report import Report
 log = logging.getLogger("sloth")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits")
+_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "attention")
+# Names for the ``attention`` option: PyTorch's SDPA backends.
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
 _last_report: Optional[Report] = None
 _session_report = Report()
@@ -89,13 +92,31 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
     raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
 
 
+def sdpa_priority(names: Optional[Sequence[str]]) -> contextlib.AbstractContextManager:
+    """A context in which ``F.scaled_dot_product_attention`` tries the SDPA backends ``names`` in that order
+    (the rest disabled), or no change for None. Compiling inside it fixes the choice in the traced graph:
+    AOTAutograd decomposes SDPA into the chosen backend's forward and backward ops while it traces."""
+    if names is None:
+        return contextlib.nullcontext()
+    if isinstance(names, str) or not names or any(n not in SDPA_BACKENDS for n in names):
+        raise ValueError(f"sloth: attention must be a non-empty list of SDPA backends from {list(SDPA_BACKENDS)} "
+                         f"in priority order, got {names!r}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([enum[n] for n in names], set_priority=True)
+
+
 def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Optional[dict[str, Any]] = None,
                   mode: Optional[str] = None) -> Callable:
     """torch.compile backend: rewrite ``gm`` with sloth's passes, then compile it with the inner compiler.
 
     Options: ``inner`` ("inductor" default, "aot_eager", "eager"), ``patterns`` (families to enable,
     default all), ``report`` (print the report after compiling), ``return_logits`` (True default; False
-    returns an empty tensor in place of logits that only a fused loss needs); other keys go to Inductor's config.
+    returns an empty tensor in place of logits that only a fused loss needs), ``attention`` (SDPA backends
+    in priority order, e.g. ["flash", "cudnn"]; default PyTorch's own choice); other keys go to Inductor's
+    config.
     """
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
@@ -103,6 +124,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
     families = resolve_families(options.pop("patterns", None))
     show_report = bool(options.pop("report", False))
+    attention = options.pop("attention", None)
+    sdpa_priority(attention)  # a bad value fails here, before any work
     pass_options = PassOptions.from_user(options)
 
     graph_report = Report()
@@ -111,4 +134,14 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     if show_report:
         print(graph_report)
     log.debug("sloth: rewritten graph\n%s", gm.graph)
-    return compile_inner(gm, example_inputs, inner, mode, options)
+    with sdpa_priority(attention):
+        compiled = compile_inner(gm, example_inputs, inner, mode, options)
+    if inner != "eager" or attention is None:
+        return compiled
+
+    def run_with_priority(*args: Any) -> Any:
+        # Uncompiled, SDPA picks its backend when the graph runs: keep the priority then too.
+        with sdpa_priority(attention):
+            return compiled(*args)
+
+    return run_with_priority
