@@ -169,12 +169,11 @@ def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr,
 
 @triton.jit
 def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, stride_qn, stride_ym, scale,
-                        HAS_BASE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
-    """y[M, N] = base[M, N] + scale * h[M, R] @ q[R, N], summed in fp32, rounded once to y's dtype; without
-    HAS_BASE, y = scale * h @ q. ``y`` may be ``base`` itself (each program reads its tile before writing
-    it); ``stride_bm`` 0 broadcasts one row (a bias). Both factors are fp32 (h always, q as the adapter),
-    so the tile product is tf32x3; K = R is tiny, the kernel is bound by reading base and writing y."""
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[M, N] = base[M, N] + scale * h[M, R] @ q[R, N], summed in fp32, rounded once to y's dtype.
+    ``y`` may be ``base`` itself (each program reads its tile before writing it). Both factors are fp32
+    (h always, q as the adapter), so the tile product is tf32x3; K = R is tiny, the kernel is bound by
+    reading base and writing y."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,10 +182,10 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, st
     b_h = tl.load(p_h + o_m[:, None] * R + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)
     b_q = tl.load(p_q + o_r[:, None] * stride_qr + o_n[None, :] * stride_qn, mask=m_r[:, None] & m_n[None, :],
                   other=0.0)
-    b_y = scale * tl.dot(b_h, b_q.to(tl.float32), input_precision="tf32x3")
+    b_low = tl.dot(b_h, b_q.to(tl.float32), input_precision="tf32x3")
     m_mn = m_m[:, None] & m_n[None, :]
-    if HAS_BASE:
-        b_y += tl.load(p_base + o_m[:, None] * stride_bm + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
+    b_base = tl.load(p_base + o_m[:, None] * stride_bm + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
+    b_y = b_base + scale * b_low
     tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :], round_to(b_y, p_y.dtype.element_ty), mask=m_mn)
 
 
@@ -229,11 +228,13 @@ def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, r
 DOWN_CONFIG = dict(block_m=64, block_k=256, num_warps=4, num_stages=3)
 UP_CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
 GRAD_CONFIG = dict(block_m=64, block_k=128, num_warps=4, num_stages=3, programs=264)
-# Where the adapter term meets the base product (``_linear_plus_adapter``). Off: the epilogue form rounds
-# the adapter term to x's dtype before the sum where eager rounds the base product, which is not less
-# accurate per element but moved a bf16 whole-model gradient past the 2x rule (gemma3, 2.26x eager's
-# error); benchmarks/ops/lora.py times both.
-ADAPTER_IN_GEMM_EPILOGUE = False
+# Tried and not kept: writing the adapter term first and letting cuBLAS add the base product in its
+# epilogue (``y.addmm_(x, w.T)``, beta 1) instead of the up kernel's read-add-write pass. H200, 4096
+# tokens, r 16, forward+backward kernel ms, this form vs the epilogue form (benchmarks/results/
+# 2026-11-29_171625_lora.*): q/o 0.488 vs 0.481, k/v 0.191 vs 0.194, gate/up 1.460 vs 1.429, down 1.486
+# vs 1.504: within 2% either way (cuBLAS's epilogue read of C is not free), and it rounds the adapter term
+# before the sum where eager rounds the base product, which moved a bf16 whole-model gradient past the
+# 2x rule (gemma3, 2.26x eager's error).
 
 
 def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
@@ -297,37 +298,17 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
 
 def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scale: float) -> torch.Tensor:
     """``base_MN += scale * h_MR @ q_RN`` in place (fp32 sum, one rounding); returns base_MN."""
-    return _up(base_MN, h_MR, q_RN, scale, base_MN, base_MN.stride(0))
-
-
-def _up(y_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scale: float,
-        base: Optional[torch.Tensor] = None, stride_base: int = 0) -> torch.Tensor:
-    """``y_MN = base + scale * h_MR @ q_RN`` (or without ``base``), rounded once into ``y_MN``; ``base``
-    is [M, N] with row stride ``stride_base``, or a bias [N] with stride 0. Returns y_MN."""
-    n_rows, n_cols = y_MN.shape
-    if y_MN.numel() == 0:
-        return y_MN
+    n_rows, n_cols = base_MN.shape
+    if base_MN.numel() == 0:
+        return base_MN
     c = UP_CONFIG
     _lora_up_add_kernel[(triton.cdiv(n_rows, c["block_m"]), triton.cdiv(n_cols, c["block_n"]))](
-        base if base is not None else y_MN, h_MR, q_RN, y_MN, n_rows, n_cols, h_MR.shape[1], stride_base,
-        q_RN.stride(0), q_RN.stride(1), y_MN.stride(0), float(scale), HAS_BASE=base is not None,
+        base_MN, h_MR, q_RN, base_MN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0),
+        q_RN.stride(0), q_RN.stride(1), base_MN.stride(0), float(scale),
         BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(h_MR.shape[1]), num_warps=c["num_warps"],
         num_stages=c["num_stages"],
     )
-    return y_MN
-
-
-def _linear_plus_adapter(x_MK: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], h_MR: torch.Tensor,
-                         q_RN: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x_MK @ w.T + bias + scale * h_MR @ q_RN`` in x's dtype. With ADAPTER_IN_GEMM_EPILOGUE the adapter
-    term (and bias) is written first and cuBLAS adds the base product onto it in its epilogue
-    (``addmm_``, beta 1): one pass over the [M, N] output outside the GEMM instead of two. Otherwise
-    cuBLAS writes the base and the up kernel adds the adapter term in place (read and write)."""
-    if not ADAPTER_IN_GEMM_EPILOGUE:
-        return _up_add_(F.linear(x_MK, w, bias), h_MR, q_RN, scale)
-    y_MN = torch.empty((x_MK.shape[0], w.shape[0]), dtype=x_MK.dtype, device=x_MK.device)
-    _up(y_MN, h_MR, q_RN, scale, bias, 0)
-    return y_MN.addmm_(x_MK, w.t())
+    return base_MN
 
 
 def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool = False) -> torch.Tensor:
@@ -396,7 +377,7 @@ def lora_forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
         return lora_linear_reference(x, w, bias, a, b, scale)
     x_MK = rows_2d(x)
     h_MR = _down(x_MK, a.t())
-    y_MN = _linear_plus_adapter(x_MK, w, bias, h_MR, b.t(), scale)
+    y_MN = _up_add_(F.linear(x_MK, w, bias), h_MR, b.t(), scale)  # cuBLAS writes base, the kernel adds in place
     return y_MN.view(*x.shape[:-1], w.shape[0]), h_MR
 
 
@@ -411,7 +392,7 @@ def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.T
         return dx, (scale * g.t() @ x2).to(a.dtype), (scale * dy2.t() @ h).to(b.dtype)
     dy_MN, x_MK = rows_2d(dy), rows_2d(x)
     g_MR = _down(dy_MN, b)
-    dx = _linear_plus_adapter(dy_MN, w.t(), None, g_MR, a, scale).view(x.shape) if need_dx else x.new_empty(0)
+    dx = _up_add_(dy_MN @ w, g_MR, a, scale).view(x.shape) if need_dx else x.new_empty(0)
     da = _grad(g_MR, x_MK, scale).to(a.dtype)
     db = _grad(h, dy_MN, scale, transposed=True).to(b.dtype)
     return dx, da, db

@@ -24,7 +24,6 @@ SHAPES = (("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate/up", 4096, 14336), ("
 
 def main(argv: list[str] | None = None) -> int:
     args, device = harness.start(__doc__, argv)
-    import sloth.lowering.lora as lowering
     from sloth.lowering.lora import lora_linear
     from sloth.patterns.lora import lora_pattern
 
@@ -47,16 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         # Minimal bytes: x and w read, y written (fwd); dy read twice, w and x read, dx written (bwd).
         nbytes = {"fwd": (tokens * k + n * k + tokens * n) * e, "bwd": (2 * tokens * n + n * k + 2 * tokens * k) * e}
         nbytes["fwd+bwd"] = nbytes["fwd"] + nbytes["bwd"]
-        shape = f"{name} {tokens}x{k}->{n} r{rank}"
-        case_rows = harness.run(shape, providers, [x, w, a, b], nbytes, copy_gbps)
-        # The other place for the adapter term (lowering/lora.py ADAPTER_IN_GEMM_EPILOGUE), read per call.
-        lowering.ADAPTER_IN_GEMM_EPILOGUE = not lowering.ADAPTER_IN_GEMM_EPILOGUE
-        other = "sloth-epilogue" if lowering.ADAPTER_IN_GEMM_EPILOGUE else "sloth-add-pass"
-        try:
-            case_rows += [r for r in harness.run(shape, {"eager": pattern, other: providers["sloth"]}, [x, w, a, b],
-                                                 nbytes, copy_gbps) if r["provider"] == other]
-        finally:
-            lowering.ADAPTER_IN_GEMM_EPILOGUE = not lowering.ADAPTER_IN_GEMM_EPILOGUE
+        case_rows = harness.run(f"{name} {tokens}x{k}->{n} r{rank}", providers, [x, w, a, b], nbytes, copy_gbps)
         flops = {"fwd": 2 * tokens * n * k, "bwd": 2 * tokens * n * k, "fwd+bwd": 4 * tokens * n * k}
         for row in case_rows:
             ms = row.get("kernel ms") or row.get("ms")
