@@ -137,11 +137,12 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
             "frozen_matmul_params": float(frozen), "trainable_params": float(trainable)}
 
 
-def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str, Any]) -> Callable[..., Any]:
+def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str, Any],
+                  inductor_options: dict[str, Any] | None = None) -> Callable[..., Any]:
     if variant in ("eager", "liger"):
         return model
     if variant == "inductor":
-        return torch.compile(model)
+        return torch.compile(model, options=inductor_options or None)
     if variant == "sloth":
         return torch.compile(model, backend="sloth", options=sloth_options or None)
     raise ValueError(f"unknown variant {variant!r}")
@@ -161,7 +162,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     flops = step_flops(model, cfg, args.batch, args.seq)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
-    compiled = compile_model(model, args.variant, json.loads(args.sloth_options))
+    compiled = compile_model(model, args.variant, json.loads(args.sloth_options), json.loads(args.inductor_options))
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))
 
@@ -273,7 +274,8 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
 def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--variant", variant, "--json-out", str(json_out),
            "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
-           "--warmup", str(args.warmup), "--steps", str(args.steps), "--sloth-options", args.sloth_options]
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--sloth-options", args.sloth_options,
+           "--inductor-options", args.inductor_options]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     if args.grad_ckpt:
@@ -366,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="MFU denominator; measured if 0")
     parser.add_argument("--sloth-options", default="{}", help='JSON, e.g. \'{"inner": "aot_eager"}\'')
+    parser.add_argument("--inductor-options", default="{}",
+                        help='JSON Inductor config for the inductor variant, e.g. \'{"triton.cudagraphs": true}\'')
     parser.add_argument("--smoke", action="store_true", help="CPU toy: tiny-llama, batch 2 x 32, 2 + 2 steps")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per variant under --all")
     parser.add_argument("--json-out", type=Path, default=None, help="(internal) write the one row here")
