@@ -167,11 +167,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                         generator=torch.Generator(device=device).manual_seed(0))
 
     def step() -> torch.Tensor:
+        # A new step for CUDA graphs (Inductor's triton.cudagraphs): the previous replay's outputs may be
+        # overwritten from here on, which is why the loss kept is a clone. A no-op without CUDA graphs.
+        torch.compiler.cudagraph_mark_step_begin()
         loss = compiled(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone()
 
     warmup_walls, warmup_losses = [], []
     for _ in range(args.warmup):
@@ -244,10 +247,11 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     written as text to $OUT (or benchmarks/results) as profile-<variant>-L<layers>.txt."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    averages = prof.key_averages()
+    events = [e for e in averages if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
     families: dict[str, float] = {}
     for e in events:
@@ -262,6 +266,14 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         lines.append(f"{e.self_device_time_total / 1e3:8.2f} {100 * e.self_device_time_total / total:5.1f} "
                      f"{e.count:6d}  {_family(e.key):<9}  {e.key[:110]}")
+    # The host side: CPU time by op (self time, so nested calls are not counted twice). A step whose wall
+    # time exceeds its GPU kernel time is waiting on this.
+    cpu = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    cpu_total = sum(e.self_cpu_time_total for e in cpu)
+    lines += ["", f"host: CPU self time {cpu_total / 1e3:.2f} ms (profiled, so inflated)",
+              f"{'ms':>8} {'%':>5} {'calls':>6}  op"]
+    lines += [f"{e.self_cpu_time_total / 1e3:8.2f} {100 * e.self_cpu_time_total / cpu_total:5.1f} {e.count:6d}  "
+              f"{e.key[:110]}" for e in cpu[:top]]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     path = out_dir / f"profile-{args.variant}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
     path.write_text("\n".join(lines) + "\n")

@@ -76,12 +76,18 @@ _FP4_MAGNITUDES = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0)
 
 
 @functools.cache
-def _code_table(quant_type: str, device: torch.device) -> torch.Tensor:
-    """The 16 fp32 code values of ``quant_type`` on ``device`` (cached: one tiny tensor per device)."""
-    if quant_type == "nf4":
-        return torch.tensor(_NF4_CODE, dtype=torch.float32, device=device)
-    mags = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32) / 12.0
-    return torch.cat([mags, -mags]).to(device)
+def code_table(quant_type: str, device: torch.device) -> torch.Tensor:
+    """The 16 fp32 code values of ``quant_type`` on ``device`` (cached: one tiny tensor per device).
+
+    The LoRA pattern pass asks for it when it places a 4-bit op, so the table is made at compile time: made
+    on the first run instead, it would be allocated inside a CUDA graph's private pool when the graph is
+    run with CUDA graphs (Inductor's ``triton.cudagraphs``), which then refuses it as an untracked live
+    allocation (seen on the H200)."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        if quant_type == "nf4":
+            return torch.tensor(_NF4_CODE, dtype=torch.float32, device=device)
+        mags = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32) / 12.0
+        return torch.cat([mags, -mags]).to(device)
 
 
 @triton.jit
@@ -190,7 +196,7 @@ def dequantize_4bit_reference(packed: torch.Tensor, absmax: torch.Tensor, blocks
     n = _numel(shape)
     flat = packed.reshape(-1)
     idx = torch.stack([flat >> 4, flat & 0xF], 1).reshape(-1)[:n].long()
-    vals = _code_table(quant_type, packed.device)[idx]
+    vals = code_table(quant_type, packed.device)[idx]
     nblocks = absmax.numel()
     vals = torch.nn.functional.pad(vals, (0, nblocks * blocksize - n)).view(nblocks, blocksize)
     return (vals * absmax.view(-1, 1)).reshape(-1)[:n].to(dtype).view(*shape)
@@ -215,7 +221,7 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, 
     if n:
         n_bytes = (n + 1) // 2
         _dequantize_4bit_kernel[(triton.cdiv(n_bytes, _BLOCK_BYTES),)](
-            packed.reshape(-1), absmax.reshape(-1), _code_table(quant_type, packed.device), out,
+            packed.reshape(-1), absmax.reshape(-1), code_table(quant_type, packed.device), out,
             n, n_bytes,
             BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, num_warps=4,
         )

@@ -67,6 +67,13 @@ def _lowering_glu_lora():
     return glu_lora
 
 
+def _lowering_nf4():
+    """lowering/nf4.py, imported on first use (as _lowering)."""
+    from ..lowering import nf4
+
+    return nf4
+
+
 def _lowering_qlora():
     """lowering/qlora.py, imported on first use (as _lowering)."""
     from ..lowering import qlora
@@ -356,6 +363,7 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
         args = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, q.out_features,
                 q.in_features, q.blocksize, q.quant_type, m.bias, a, b, scale)
         keep = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, m.bias, *factors)
+        _lowering_nf4().code_table(q.quant_type, tensor_of(q.packed).device)  # now, not on the first run
     fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
     y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
     erased = replace_and_erase(m.out, y, keep=keep)

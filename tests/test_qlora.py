@@ -162,3 +162,23 @@ def test_peft_qlora_model_with_every_family_takes_the_glu_into_the_down_projecti
     names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
     for name, ours, theirs, ref in zip(names, actual, eager, reference):
         assert_close(name, ours, theirs, ref)
+
+
+def test_code_table_is_made_when_compiling_not_on_the_first_run():
+    # Made on the first run, the table would land in a CUDA graph's private pool (Inductor's
+    # triton.cudagraphs) and be refused as an untracked live allocation; the pass makes it instead.
+    from sloth.compiler.backend import sloth_backend
+    from sloth.lowering import nf4
+
+    nf4.code_table.cache_clear()
+    calls: list[str] = []
+
+    def backend(gm, example_inputs):
+        compiled = sloth_backend(gm, example_inputs, options={"inner": "eager", "patterns": ["lora"]})
+        calls.append(f"compiled with {nf4.code_table.cache_info().currsize} table(s)")
+        return compiled
+
+    model = qlora_model(torch.float32)
+    ids = torch.randint(0, 128, (2, 9), generator=seeded(8))
+    torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+    assert calls and calls[0] == "compiled with 1 table(s)", calls
