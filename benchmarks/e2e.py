@@ -5,7 +5,8 @@ a transformers model built from a config (random bf16 weights, SDPA attention), 
 alpha=16, dropout 0 on every q/k/v/o/gate/up/down projection, fused AdamW on the trainable
 parameters, `model(input_ids=ids, labels=ids)` on one fixed random batch. 3 warm-up steps (the first
 one's wall time is reported as warm-up/compile seconds), then 8 steps timed between two CUDA events;
-peak memory is `torch.cuda.max_memory_allocated()` over those 8 steps. Weights and batch come from
+peak memory is `torch.cuda.max_memory_allocated()` over those 8 steps (and `max_memory_reserved()`, the
+number to read under CUDA graphs, whose pools the first misses). Weights and batch come from
 seed 0, so every variant trains the same model on the same data: the first step's loss (before any
 update) must agree to bf16 rounding. Final losses drift apart after a few AdamW steps even between
 eager and Inductor (seen: 11.63 vs 11.38 after 11 steps), because Adam's first updates are about
@@ -55,7 +56,7 @@ MODELS: dict[str, dict[str, Any]] = {
                        num_key_value_heads=2, vocab_size=256, rope_theta=500000.0, rms_norm_eps=1e-5,
                        max_position_embeddings=256, tie_word_embeddings=False),
 }
-COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "warm-up s", "first loss", "loss", "graphs",
+COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "reserved GiB", "warm-up s", "first loss", "loss", "graphs",
            "sloth sites",
            "error"]
 
@@ -193,12 +194,15 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         step_ms = begin.elapsed_time(end) / args.steps
         peak_gib = torch.cuda.max_memory_allocated() / common.GiB
+        # What the allocator holds, private pools included: under CUDA graphs the activations live in a graph's
+        # pool, allocated once while recording, and max_memory_allocated over the replays misses them.
+        reserved_gib = torch.cuda.max_memory_reserved() / common.GiB
     else:
         start = time.perf_counter()
         for _ in range(args.steps):
             loss = step()
         step_ms = (time.perf_counter() - start) * 1e3 / args.steps
-        peak_gib = None
+        peak_gib = reserved_gib = None
 
     if args.profile and cuda:
         profile_step(step, args)
@@ -214,6 +218,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "tok/s": tokens / (step_ms * 1e-3),
         "MFU %": 100 * flops["total"] / (step_ms * 1e-3) / (peak_tflops * 1e12),
         "peak GiB": peak_gib,
+        "reserved GiB": reserved_gib,
         "warm-up s": warmup_walls[0] if warmup_walls else None,
         "first loss": warmup_losses[0].float().item() if warmup_losses else None,
         "loss": loss.float().item(),
