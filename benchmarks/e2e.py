@@ -1,4 +1,5 @@
-"""End-to-end benchmark: one LoRA training step of a random-weight Llama, eager vs Inductor vs sloth.
+"""End-to-end benchmark: one LoRA training step of a random-weight Llama or Qwen3-MoE, eager vs Inductor vs
+Liger vs sloth.
 
 The workload is /work/shared/BENCHMARKING.md's, so our numbers sit beside DESIGN.md's peer table:
 a transformers model built from a config (random bf16 weights, SDPA attention), peft LoRA r=16,
@@ -15,6 +16,7 @@ lr * sign(g), which turns rounding-level gradient differences into lr-sized weig
     python -m benchmarks.e2e --model llama3-8b --variant sloth --batch 2 --seq 2048   # one run
     python -m benchmarks.e2e --all --model llama3-8b --batch 2 --seq 2048             # every variant
     python -m benchmarks.e2e --smoke --all                                            # CPU, 2-layer toy
+    python -m benchmarks.e2e --all --model qwen3-moe --batch 2 --seq 2048             # the MoE row
 
 `--all` runs each variant in its own process (a fresh CUDA allocator, Dynamo cache and peak counter),
 one after another, and writes JSON and a markdown table to benchmarks/results/ (and $OUT if set).
@@ -26,7 +28,10 @@ Model FLOPs per step, T = batch x seq tokens, recomputation under checkpointing 
   trainable matmul weights (LoRA A and B), P params:             6 P T   (+ weight grad 2PT)
   causal attention, per layer: QK^T and PV are 2 b s^2 (heads x head_dim) each forward, backward
   is twice forward, causal halves it:                             6 b s^2 (heads x head_dim) layers
-For Llama-3-8B at 2 x 2048 that is 1.23e14 + 1.0e12 + 6.6e12 = 1.31e14, DESIGN.md's floor.
+  experts stored as [E, ...] parameters (Qwen3-MoE): top-k of E experts per token, 4 P_expert k T; the
+  router's [E, H] weight as a frozen matmul.
+For Llama-3-8B at 2 x 2048 that is 1.23e14 + 1.0e12 + 6.6e12 = 1.31e14, DESIGN.md's floor; for the
+Qwen3-MoE shape 1.63e13 + 2.5e12 = 1.88e13.
 """
 
 from __future__ import annotations
@@ -47,15 +52,32 @@ from benchmarks import common
 
 VARIANTS = ["eager", "inductor", "liger", "sloth"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODELS: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
-                      max_position_embeddings=8192, tie_word_embeddings=False),
-    # The smoke model: every code path of the 8B one (GQA, gated MLP, RMSNorm, RoPE), seconds on a CPU.
-    "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, rope_theta=500000.0, rms_norm_eps=1e-5,
-                       max_position_embeddings=256, tie_word_embeddings=False),
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# name -> (transformers architecture, config fields, LoRA targets). The MoE model is issue 5's Qwen3-MoE
+# shape (Qwen3-30B-A3B's layer, 12 layers): its experts are 3-D parameters, not nn.Linear, so LoRA goes on
+# attention only, as in DESIGN.md's MoE row.
+MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                                tie_word_embeddings=False), LORA_TARGETS),
+    "qwen3-moe": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                                    num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                                    vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                    tie_word_embeddings=False), ATTENTION_TARGETS),
+    # The smoke models: every code path of the big ones (GQA, gated MLP or experts, RMSNorm, RoPE), seconds
+    # on a CPU.
+    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                 max_position_embeddings=256, tie_word_embeddings=False), LORA_TARGETS),
+    "tiny-qwen3-moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         vocab_size=256, rms_norm_eps=1e-6, max_position_embeddings=256,
+                                         tie_word_embeddings=False), ATTENTION_TARGETS),
 }
+SMOKE_MODEL = {"llama3-8b": "tiny-llama", "qwen3-moe": "tiny-qwen3-moe"}
 COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "reserved GiB", "warm-up s", "first loss", "loss", "graphs",
            "sloth sites",
            "error"]
@@ -88,20 +110,21 @@ def _quantize_linears_nf4(model: torch.nn.Module) -> int:
 def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
     """The random-weight LoRA (or, with --qlora, NF4 QLoRA) model, on `device`, and its config."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
+    arch, fields, targets = MODELS[args.model]
     if args.variant == "liger":
-        # Liger patches the Llama classes (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); it must
-        # run before the model is built (shared/BENCHMARKING.md).
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        # Liger patches the model family's classes (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); it
+        # must run before the model is built (shared/BENCHMARKING.md).
+        import liger_kernel.transformers as liger
 
-        apply_liger_kernel_to_llama()
+        getattr(liger, f"apply_liger_kernel_to_{arch}")()
 
-    fields = dict(MODELS[args.model])
+    fields = dict(fields)
     if args.layers:
         fields["num_hidden_layers"] = args.layers
     fields["max_position_embeddings"] = max(fields["max_position_embeddings"], args.seq)
-    cfg = LlamaConfig(**fields)
+    cfg = {"llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[arch](**fields)
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False  # training: no KV cache (checkpointing would turn it off with a warning anyway)
     torch.manual_seed(0)
@@ -113,7 +136,7 @@ def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module,
     if args.grad_ckpt:
         # Non-reentrant: works with frozen embeddings (no enable_input_require_grads) and with Dynamo.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     model.train()
     return model, cfg
@@ -131,6 +154,12 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
                 trainable += params
             else:
                 frozen += params
+        elif getattr(cfg, "num_experts", None) and hasattr(module, "gate_up_proj"):
+            # Experts stored as [E, ...] parameters: each token multiplies by top-k of the E experts.
+            per_expert = sum(p[0].numel() for p in module.parameters(recurse=False) if p.dim() == 3)
+            frozen += per_expert * cfg.num_experts_per_tok
+        elif getattr(cfg, "num_experts", None) and module.__class__.__name__.endswith("Router"):
+            frozen += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 2)  # [E, H]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = 6 * batch * seq**2 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
     matmul = 4 * frozen * tokens + 6 * trainable * tokens
@@ -387,13 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sloth-options", default="{}", help='JSON, e.g. \'{"inner": "aot_eager"}\'')
     parser.add_argument("--inductor-options", default="{}",
                         help='JSON Inductor config for the inductor variant, e.g. \'{"triton.cudagraphs": true}\'')
-    parser.add_argument("--smoke", action="store_true", help="CPU toy: tiny-llama, batch 2 x 32, 2 + 2 steps")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU toy: the tiny model of --model's architecture, batch 2 x 32, 2 + 2 steps")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per variant under --all")
     parser.add_argument("--json-out", type=Path, default=None, help="(internal) write the one row here")
     parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results (smoke: none)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.model, args.batch, args.seq = "tiny-llama", 2, 32
+        args.model, args.batch, args.seq = SMOKE_MODEL.get(args.model, args.model), 2, 32
         args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 2)
 
     if args.all:
