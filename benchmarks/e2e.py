@@ -50,7 +50,7 @@ import torch
 
 from benchmarks import common
 
-VARIANTS = ["eager", "inductor", "liger", "sloth"]
+VARIANTS = ["eager", "inductor", "liger", "sloth", "unsloth"]  # unsloth: not in --all's default (wheels)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # name -> (transformers architecture, config fields, LoRA targets). The MoE model is issue 5's Qwen3-MoE
@@ -107,19 +107,12 @@ def _quantize_linears_nf4(model: torch.nn.Module) -> int:
     return swapped
 
 
-def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
-    """The random-weight LoRA (or, with --qlora, NF4 QLoRA) model, on `device`, and its config."""
-    from peft import LoraConfig, get_peft_model
+def random_base_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
+    """The random-weight bf16 model of ``args.model`` (seed 0, so every variant gets the same weights) on
+    ``device``, and its config; SDPA attention, no KV cache."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-    arch, fields, targets = MODELS[args.model]
-    if args.variant == "liger":
-        # Liger patches the model family's classes (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); it
-        # must run before the model is built (shared/BENCHMARKING.md).
-        import liger_kernel.transformers as liger
-
-        getattr(liger, f"apply_liger_kernel_to_{arch}")()
-
+    arch, fields, _ = MODELS[args.model]
     fields = dict(fields)
     if args.layers:
         fields["num_hidden_layers"] = args.layers
@@ -131,6 +124,26 @@ def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module,
     # Built on the device: an 8B model initialises in seconds there, minutes on the CPU.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model, cfg
+
+
+def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
+    """The random-weight LoRA (or, with --qlora, NF4 QLoRA) model, on `device`, and its config."""
+    from peft import LoraConfig, get_peft_model
+
+    arch, _, targets = MODELS[args.model]
+    if args.variant == "unsloth":
+        from benchmarks import unsloth_variant
+
+        return unsloth_variant.build_model(args, device, targets, random_base_model)
+    if args.variant == "liger":
+        # Liger patches the model family's classes (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy); it
+        # must run before the model is built (shared/BENCHMARKING.md).
+        import liger_kernel.transformers as liger
+
+        getattr(liger, f"apply_liger_kernel_to_{arch}")()
+
+    model, cfg = random_base_model(args, device)
     if args.qlora:
         _quantize_linears_nf4(model)
     if args.grad_ckpt:
@@ -169,7 +182,7 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
 
 def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str, Any],
                   inductor_options: dict[str, Any] | None = None) -> Callable[..., Any]:
-    if variant in ("eager", "liger"):
+    if variant in ("eager", "liger", "unsloth"):  # Unsloth compiles its own regions
         return model
     if variant == "inductor":
         return torch.compile(model, options=inductor_options or None)
@@ -181,6 +194,10 @@ def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str,
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """Build, warm up and time one variant; returns one result row (plus details)."""
     common.use_triton_interpreter_without_cuda()  # before peft or sloth import triton
+    if args.variant == "unsloth":
+        from benchmarks import unsloth_variant
+
+        unsloth_variant.import_first()  # before anything imports transformers
     sloth = common.import_sloth() if args.variant == "sloth" else None
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -401,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--all", action="store_true", help="run every variant of --variants, each in a subprocess")
     parser.add_argument("--variant", choices=VARIANTS, default="eager")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="for --all")
+    parser.add_argument("--variants", default=",".join(VARIANTS[:4]),
+                        help="for --all; add unsloth with its wheels installed (benchmarks/unsloth_wheels.sh)")
     parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
     parser.add_argument("--layers", type=int, default=0, help="shrink the model to N decoder layers")
     parser.add_argument("--batch", type=int, default=2)

@@ -1,0 +1,36 @@
+#!/bin/bash
+# The wheels Unsloth 2026.10.9 needs on the device machine (torch, triton, transformers, peft and accelerate
+# are there already), downloaded here into .whl/unsloth/ (git-ignored) to be carried; shared/BENCHMARKING.md
+# lists the set. unsloth's own wheel is 28 MB because of an 82 MB studio/ web app: it is unpacked, studio/
+# and unsloth_cli/ (top-level folders of the wheel) dropped with their RECORD lines, and re-zipped (about 2 MB), so the set with
+# bitsandbytes fits one call's 64 MiB carry. Binary wheels are fetched for the device's Python (3.12).
+#
+#   bash benchmarks/unsloth_wheels.sh          # then carry .whl/ and, on the device:
+#   pip install -q --no-index --no-deps --target /tmp/wheels .whl/unsloth/*.whl .whl/bitsandbytes-*.whl
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.whl/unsloth
+rm -rf "$out" && mkdir -p "$out"
+pip download -q --no-deps -d "$out" --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 \
+    unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 tyro docstring_parser shtab typeguard \
+    "datasets<5" dill multiprocess cut_cross_entropy torchao msgspec hf_transfer structlog json5 nest_asyncio \
+    pydantic pydantic_core annotated_types typing_inspection
+python - "$out" <<'EOF'
+import pathlib, sys, zipfile
+
+out = pathlib.Path(sys.argv[1])
+wheel = next(out.glob("unsloth-2026*.whl"))
+dropped = ("studio/", "unsloth_cli/")
+slim = wheel.with_suffix(".slim")
+with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as dst:
+    for item in src.infolist():
+        if item.filename.startswith(dropped):
+            continue
+        data = src.read(item)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"\n".join(line for line in data.split(b"\n") if not line.decode().startswith(dropped))
+        dst.writestr(item, data)
+slim.replace(wheel)
+EOF
+du -ch "$out"/*.whl .whl/bitsandbytes-*.whl | tail -1
