@@ -23,7 +23,7 @@ from .report import Report
 log = logging.getLogger("sloth")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "attention")
+_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "recompute", "attention")
 # Names for the ``attention`` option: PyTorch's SDPA backends.
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
@@ -114,7 +114,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
 
     Options: ``inner`` ("inductor" default, "aot_eager", "eager"), ``patterns`` (families to enable,
     default all), ``report`` (print the report after compiling), ``return_logits`` (True default; False
-    returns an empty tensor in place of logits that only a fused loss needs), ``attention`` (SDPA backends
+    returns an empty tensor in place of logits that only a fused loss needs), ``recompute`` (True default:
+    RMSNorm outputs recomputed in the backward instead of saved), ``attention`` (SDPA backends
     in priority order, e.g. ["flash", "cudnn"]; default PyTorch's own choice); other keys go to Inductor's
     config.
     """

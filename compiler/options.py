@@ -12,8 +12,12 @@ class PassOptions:
     ``return_logits``: False lets the cross-entropy pass return an empty tensor in place of the logits
     when a loss is fused and the logits' only other use is being returned, so they are never computed
     (top-level graph only: a subgraph's outputs feed its caller).
+
+    ``recompute``: True lets cheap sloth ops (RMSNorm) be recomputed in the backward instead of keeping
+    their outputs from the forward (compiler/recompute.py); False keeps them, as Inductor would decide.
     """
     return_logits: bool = True
+    recompute: bool = True
 
     @classmethod
     def from_user(cls, options: dict[str, Any]) -> "PassOptions":
@@ -21,4 +25,7 @@ class PassOptions:
         return_logits = options.pop("return_logits", True)
         if not isinstance(return_logits, bool):
             raise ValueError(f"sloth: return_logits must be True or False, got {return_logits!r}")
-        return cls(return_logits=return_logits)
+        recompute = options.pop("recompute", True)
+        if not isinstance(recompute, bool):
+            raise ValueError(f"sloth: recompute must be True or False, got {recompute!r}")
+        return cls(return_logits=return_logits, recompute=recompute)

@@ -6,7 +6,8 @@
 outputs feed the graph that calls them rather than the user.
 
 ``canonicalize`` always runs first (every pattern assumes canonical spellings); the family passes
-follow in roadmap order and each can be switched off by name through ``options={"patterns": [...]}``.
+follow in roadmap order and each can be switched off by name through ``options={"patterns": [...]}``;
+``recompute`` runs last and marks what the backward should recompute rather than keep.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
 from .canonicalize import canonicalize_pass
 from .options import PassOptions
+from .recompute import recompute_pass
 from .report import Report
 
 GraphPass = Callable[..., fx.GraphModule]
@@ -80,4 +82,6 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
         for family_pass in FAMILY_PASSES:
             if family_pass.family in families:
                 family_pass.run(graph_module, example_inputs, report=report, options=graph_options)
+    # Top level only: a checkpointed body (a subgraph) is recomputed whole already.
+    recompute_pass(gm, example_inputs, report=report, options=options)
     return gm

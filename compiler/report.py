@@ -41,6 +41,8 @@ class Report:
     rejections: list[Rejection] = dataclasses.field(default_factory=list)
     disabled: list[str] = dataclasses.field(default_factory=list)
     graphs: int = 0
+    # op name -> outputs tagged to be recomputed in the backward rather than saved (compiler/recompute.py)
+    recomputed: Counter = dataclasses.field(default_factory=Counter)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -64,12 +66,16 @@ class Report:
         self.rejections += other.rejections
         self.disabled = sorted(set(self.disabled) | set(other.disabled))
         self.graphs += other.graphs
+        self.recomputed += other.recomputed
 
     def __str__(self) -> str:
         out = [f"sloth report: {self.graphs} graph(s), "
                + (", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "nothing replaced")]
         if self.disabled:
             out.append(f"  disabled passes: {', '.join(self.disabled)}")
+        if self.recomputed:
+            out.append("  recomputed in backward, not saved: "
+                       + ", ".join(f"{n} sloth.{op} outputs" for op, n in sorted(self.recomputed.items())))
         if self.sites:
             out.append("  replaced:")
             for s in self.sites:
