@@ -4,13 +4,18 @@
     print(sloth.explain(model, input_ids))                 # what it would replace, and why not
     print(sloth.report())                                  # what it replaced in everything compiled
 
-See README.md. Importing sloth defines functions and registers nothing; the custom ops register the
-first time a pass inserts them.
+See README.md. Importing sloth defines functions and registers one thing: the name "sloth" with
+accelerate, when it is installed, so that ``TrainingArguments(torch_compile_backend="sloth")`` passes
+accelerate's check (compiler/accelerate_name.py). The custom ops register the first time a pass inserts
+them.
 """
 from .compiler.backend import last_report, report, reset_report, sloth_backend
 from .compiler.explain import explain
 from .compiler.pipeline import FAMILIES
 from .compiler.report import Rejection, Report, Site
+from .compiler.accelerate_name import register_with_accelerate
+
+register_with_accelerate()
 
 __all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "Report", "Site", "Rejection"]
 __version__ = "0.1.0"
