@@ -95,10 +95,11 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
 def sdpa_priority(names: Optional[Sequence[str]]) -> contextlib.AbstractContextManager:
     """A context in which ``F.scaled_dot_product_attention`` tries the SDPA backends ``names`` in that order
     (the rest disabled), or no change for None. Compiling inside it fixes the choice in the traced graph:
-    AOTAutograd decomposes SDPA into the chosen backend's forward and backward ops while it traces."""
+    AOTAutograd decomposes SDPA into the chosen backend's forward and backward ops while it traces. The
+    settings are process-wide while the context is open (as ``sdpa_kernel``'s are)."""
     if names is None:
         return contextlib.nullcontext()
-    if isinstance(names, str) or not names or any(n not in SDPA_BACKENDS for n in names):
+    if not isinstance(names, (list, tuple)) or not names or any(n not in SDPA_BACKENDS for n in names):
         raise ValueError(f"sloth: attention must be a non-empty list of SDPA backends from {list(SDPA_BACKENDS)} "
                          f"in priority order, got {names!r}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -135,13 +136,20 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     if show_report:
         print(graph_report)
     log.debug("sloth: rewritten graph\n%s", gm.graph)
-    with sdpa_priority(attention):
+    # AOTAutograd's cache keys a compiled graph by the graph's code, which shows neither the recompute tags
+    # (node meta) nor the SDPA priority (global state): a graph compiled earlier with other settings, in this
+    # process or an earlier one, would be returned as is. Seen on the H200: a run asking for flash attention
+    # got the previous run's cuDNN graph. Inductor's own cache, keyed on the partitioned graphs, still works.
+    uncacheable = attention is not None or bool(graph_report.recomputed)
+    with sdpa_priority(attention), torch._functorch.config.patch(
+            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
         compiled = compile_inner(gm, example_inputs, inner, mode, options)
     if inner != "eager" or attention is None:
         return compiled
 
     def run_with_priority(*args: Any) -> Any:
-        # Uncompiled, SDPA picks its backend when the graph runs: keep the priority then too.
+        # Uncompiled, SDPA picks its backend when the graph runs: keep the priority then too (a checkpointed
+        # region's recomputation in the backward runs outside it, so it may pick another kernel).
         with sdpa_priority(attention):
             return compiled(*args)
 

@@ -82,6 +82,6 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
         for family_pass in FAMILY_PASSES:
             if family_pass.family in families:
                 family_pass.run(graph_module, example_inputs, report=report, options=graph_options)
-    # Top level only: a checkpointed body (a subgraph) is recomputed whole already.
+    # Top level only: subgraph bodies keep their own policy (a checkpointed layer is recomputed whole already).
     recompute_pass(gm, example_inputs, report=report, options=options)
     return gm

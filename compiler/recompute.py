@@ -9,13 +9,19 @@ residual stream keeps anyway, so recomputing y = rms_norm(h, w) in the backward 
 h and write of y per norm (about 20 us each on the H200 at that size) and saves all of it.
 
 How: the FX node gets ``meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE``, the tag selective
-activation checkpointing uses. AOTAutograd copies the tag onto the joint graph's nodes it traces from this
-one, and the min-cut partitioner (Inductor's) then puts the op in the backward wherever a backward reads
-its output. Nodes that already carry a tag (inside a checkpointed region) are left to their policy.
+activation checkpointing uses, and an ``ac_graph_id`` below any checkpointed region's (older partitioners
+read it from every tagged node without checking; at a boundary with a checkpointed region the lower id
+makes the partitioner save our output rather than recompute across the boundary). AOTAutograd copies both
+onto the joint graph's nodes it traces from this one, and the min-cut partitioner (Inductor's) then puts
+the op in the backward wherever a backward reads its output, just before that use. The pass runs on the
+top-level graph only: subgraph bodies (a checkpointed layer, an autograd.Function) keep their own policy,
+so norms inside them are not tagged.
+
+Because the cache of AOTAutograd cannot see node meta, compiler/backend.py switches that cache off for a
+graph with tags; the report counts the tagged outputs (a backward that never reads one recomputes nothing).
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Sequence
 
 import torch
@@ -25,8 +31,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .options import PassOptions
 from .report import Report
 
-# Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive.
+# Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive
+# (single-output ops: a multi-output op would need its getitem users tagged too).
 RECOMPUTED_OPS = ("rms_norm",)
+# Checkpointed regions number themselves from 0 or 1 up; ours sits below them (see the module docstring).
+AC_GRAPH_ID = -1
 
 
 def _recomputed_targets() -> set[Any]:
@@ -35,16 +44,15 @@ def _recomputed_targets() -> set[Any]:
 
 def recompute_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                    options: PassOptions = PassOptions()) -> fx.GraphModule:
-    """Tag every node of ``RECOMPUTED_OPS`` (and its ``getitem`` users) for recomputation in the backward,
-    unless ``options.recompute`` is off or the node already has a checkpoint policy; the number tagged
-    goes to ``report.recomputed``."""
+    """Tag every node of ``RECOMPUTED_OPS`` for recomputation in the backward, unless ``options.recompute`` is
+    off or the node already has a checkpoint policy; the number tagged goes to ``report.recomputed``."""
     if not options.recompute:
         return gm
     targets = _recomputed_targets()
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in targets or "recompute" in node.meta:
             continue
-        for tagged in (node, *(u for u in node.users if u.target is operator.getitem)):
-            tagged.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        node.meta["ac_graph_id"] = AC_GRAPH_ID
         report.recomputed[node.target.name().split("::")[-1]] += 1
     return gm

@@ -41,7 +41,8 @@ class Report:
     rejections: list[Rejection] = dataclasses.field(default_factory=list)
     disabled: list[str] = dataclasses.field(default_factory=list)
     graphs: int = 0
-    # op name -> outputs tagged to be recomputed in the backward rather than saved (compiler/recompute.py)
+    # op name -> outputs tagged to be recomputed in the backward rather than saved where a backward reads them
+    # (compiler/recompute.py; the partitioner acts on the tags, so inner="eager" ignores them)
     recomputed: Counter = dataclasses.field(default_factory=Counter)
 
     @property
@@ -74,7 +75,7 @@ class Report:
         if self.disabled:
             out.append(f"  disabled passes: {', '.join(self.disabled)}")
         if self.recomputed:
-            out.append("  recomputed in backward, not saved: "
+            out.append("  marked to be recomputed in backward, not saved: "
                        + ", ".join(f"{n} sloth.{op} outputs" for op, n in sorted(self.recomputed.items())))
         if self.sites:
             out.append("  replaced:")

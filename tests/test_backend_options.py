@@ -65,3 +65,23 @@ def test_option_is_in_force_while_compiling_and_for_eager_while_running(monkeypa
 def test_bad_attention_option_names_the_option(value):
     with pytest.raises(ValueError, match="attention"):
         sloth_backend(torch.fx.symbolic_trace(lambda t: t + 1), [torch.randn(2)], options={"attention": value})
+
+
+def test_aot_cache_cannot_hand_back_a_graph_compiled_with_other_settings(monkeypatch, tmp_path):
+    # AOTAutograd's cache key shows neither the SDPA priority nor sloth's recompute tags, so a graph compiled
+    # with them must not be cached: here a later compile without the option must not get the math-only graph.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    counters = torch._dynamo.utils.counters
+    hits = []
+    for options in ({"attention": ["math"]}, {}):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(attention, backend="sloth", options=options)(q, k, v).sum().backward()
+        hits.append(counters["aot_autograd"]["autograd_cache_hit"])
+    assert hits == [0, 0], hits
+    # and the cache itself is on for graphs without such settings: the second compile again is a hit
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(attention, backend="sloth")(q, k, v).sum().backward()
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             return t.transpose(1, 2).requires_grad_()
 
         q, k, v = proj(heads), proj(kv_heads), proj(kv_heads)
+        # causal: half of QK^T and PV's 4 b h s^2 d forward; the backward is twice the forward
         flops = {"fwd": 2 * batch * heads * seq * seq * dim, "fwd+bwd": 6 * batch * heads * seq * seq * dim}
         dy = torch.randn(batch, heads, seq, dim, generator=gen).to(device, torch.bfloat16)
         with torch.no_grad():
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(f"{row['shape']} {mode} {name}: {row['error']}", flush=True)
                     continue
-                row.update({"kernel ms": kernel, "TFLOP/s": flops[mode] / 2 / (kernel * 1e-3) / 1e12 if kernel else None,
+                row.update({"kernel ms": kernel, "TFLOP/s": flops[mode] / (kernel * 1e-3) / 1e12 if kernel else None,
                             "peak MiB": peak / common.MiB if peak is not None else None})
                 rows.append(row)
                 print(f"{row['shape']} {mode:<7} {name:<12} kernel {kernel or float('nan'):8.3f} ms "
