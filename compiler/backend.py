@@ -14,6 +14,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch._functorch.config  # enable_autograd_cache, patched per compile
 import torch.fx as fx
 
 from .options import PassOptions

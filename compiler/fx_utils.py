@@ -89,13 +89,29 @@ def insert_call(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple,
     return node
 
 
+def inherit_requires_grad(old: fx.Node, new: fx.Node) -> None:
+    """Give ``new``'s fake value the ``requires_grad`` of ``old``'s, whose value it replaces.
+
+    The passes make a fused node's value with ``new_empty`` (running the op on fakes could add guards),
+    which drops requires_grad; a later pass reading it would then think no gradient flows here. Seen: the
+    fused loss, reading its input x from the fused final RMSNorm, took x as needing no gradient and
+    computed none in the forward, so the backward recomputed the N x V x H logits matmul.
+    """
+    old_t, new_t = tensor_of(old), tensor_of(new)
+    if old_t is not None and new_t is not None and old_t.requires_grad and not new_t.requires_grad \
+            and new_t.is_floating_point() and new_t.is_leaf:
+        new_t.requires_grad_(True)
+
+
 def replace_and_erase(old: fx.Node, new: fx.Node, keep: Iterable[Any]) -> set[fx.Node]:
     """Point ``old``'s users at ``new``, then erase what fed only ``old``, walking back from it.
 
     Nodes in ``keep`` (the fused op's inputs), placeholders and anything impure stay. Returns the
-    erased nodes, so a pass iterating over a snapshot of the graph can skip them.
+    erased nodes, so a pass iterating over a snapshot of the graph can skip them. ``new``'s value takes
+    ``old``'s requires_grad (``inherit_requires_grad``).
     """
     graph, keep = old.graph, set(keep)
+    inherit_requires_grad(old, new)
     old.replace_all_uses_with(new)
     erased: set[fx.Node] = set()
     stack = [old]

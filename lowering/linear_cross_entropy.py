@@ -322,25 +322,35 @@ def _lce_bwd(grad_loss: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: Op
 def _setup_context(ctx, inputs, output) -> None:
     x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, _, _ = inputs
     _, dx, dw, db = output
-    ctx.save_for_backward(x, w, bias, labels, dx, dw, db)
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = bias is not None and ctx.needs_input_grad[2]
+    # With every needed gradient computed in the forward (mean or sum), the backward only scales them: x, w
+    # and the labels are not kept for it (in a compiled graph, keeping x would keep the final norm's output).
+    ctx.precomputed = bool(reduction != "none" and (dx.numel() or not need_dx) and (dw.numel() or not need_dw)
+                           and (db.numel() or not need_db))
+    ctx.needs = (need_dx, need_dw, need_db)
+    ctx.dtypes = (x.dtype, w.dtype, bias.dtype if bias is not None else None)
+    if ctx.precomputed:
+        ctx.save_for_backward(dx, dw, db)
+    else:
+        ctx.save_for_backward(x, w, bias, labels)
     ctx.args = (ignore_index, reduction, softcap, logit_scale, label_smoothing)
     ctx.mark_non_differentiable(dx, dw, db)
 
 
 def _backward(ctx, grad_loss, _gdx, _gdw, _gdb):
-    x, w, bias, labels, dx, dw, db = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs
+    if ctx.precomputed:
+        dx, dw, db = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        return ((grad_loss * dx).to(x_dtype) if need_dx else None, (grad_loss * dw).to(w_dtype) if need_dw else None,
+                (grad_loss * db).to(b_dtype) if need_db else None, *([None] * 8))
+    x, w, bias, labels = ctx.saved_tensors
     ignore_index, reduction, softcap, logit_scale, label_smoothing = ctx.args
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    need_db = bias is not None and ctx.needs_input_grad[2]
-    saved = (reduction != "none" and (dx.numel() or not need_dx) and (dw.numel() or not need_dw)
-             and (db.numel() or not need_db))
-    if not saved:
-        dx, dw, db = torch.ops.sloth.linear_cross_entropy_backward(
-            grad_loss, x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing,
-            need_dw or need_db)
-        return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 8)
-    return ((grad_loss * dx).to(x.dtype) if need_dx else None, (grad_loss * dw).to(w.dtype) if need_dw else None,
-            (grad_loss * db).to(bias.dtype) if need_db else None, *([None] * 8))
+    dx, dw, db = torch.ops.sloth.linear_cross_entropy_backward(
+        grad_loss, x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing,
+        need_dw or need_db)
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 8)
 
 
 @functools.cache

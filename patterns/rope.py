@@ -57,8 +57,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
-                                 single_user, source_location, tensor_of)
+from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, module_path, replace_and_erase,
+                                 same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 
@@ -476,6 +476,7 @@ def _replace_out(m: RopeMatch, new: fx.Node, keep: Sequence[fx.Node]) -> None:
     if m.interleaved:
         # Also walk call_method nodes (flatten, the reshape before view_as_complex), all pure views.
         graph, keep = m.out.graph, set(keep)
+        inherit_requires_grad(m.out, new)
         m.out.replace_all_uses_with(new)
         stack = [m.out]
         while stack:

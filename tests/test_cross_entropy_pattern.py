@@ -338,6 +338,35 @@ def test_frozen_head_skips_weight_gradient():
     torch.testing.assert_close(x.grad, x2.grad)
 
 
+def test_loss_after_a_fused_norm_forms_its_gradient_in_the_forward():
+    # The loss reads x from the fused final RMSNorm: that node's value must still say x requires grad, or the
+    # loss computes no gradient in the forward and its backward redoes the N x V x H matmul.
+    def norm_then_loss(h, g, w, labels):
+        hf = h.float()
+        x = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype) * g
+        return F.cross_entropy(F.linear(x, w).float(), labels)
+
+    gen = seeded(3)
+    h = torch.randn(6, 16, generator=gen, requires_grad=True)
+    g, w = torch.randn(16, generator=gen), torch.randn(40, 16, generator=gen)
+    labels = torch.randint(0, 40, (6,), generator=gen)
+    graphs: list = []
+
+    def backend(gm, example_inputs):
+        out = sloth.sloth_backend(gm, example_inputs, options={"inner": "eager"})
+        graphs.append(gm)
+        return out
+
+    loss = torch.compile(norm_then_loss, backend=backend, fullgraph=True)(h, g, w, labels)
+    assert sloth.last_report().counts == {"rms_norm": 1, "cross_entropy": 1}
+    (fused,) = [n for n in graphs[0].graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
+    assert fused.args[-2:] == (True, False)  # compute_dx, compute_dw (the head is frozen)
+    loss.backward()
+    h2 = h.detach().requires_grad_(True)
+    norm_then_loss(h2, g, w, labels).backward()
+    torch.testing.assert_close(h.grad, h2.grad)
+
+
 def test_pass_can_be_switched_off():
     x, w, b, y = make_inputs(torch.float32, False)
     others = [f for f in sloth.FAMILIES if f != "cross_entropy"]

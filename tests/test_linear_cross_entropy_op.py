@@ -287,3 +287,18 @@ def test_fallback_is_used_when_triton_cannot_run(monkeypatch):
     force_fallback(monkeypatch, lowering, "_lce_rows_kernel")
     x, w, b, labels = make_inputs(7, 16, 50, bias=True, ignored="some")
     check_against_pattern(x, w, b, labels, torch.bfloat16, softcap=3.0, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("reduction,weight_grad,keeps_inputs", [
+    ("mean", False, False), ("sum", True, False), ("none", False, True)], ids=["mean-frozen", "sum-trained", "none"])
+def test_backward_keeps_the_inputs_only_when_it_recomputes(reduction, weight_grad, keeps_inputs):
+    # mean/sum: every gradient is formed in the forward, so x (in a model, the final norm's output), w and
+    # the labels are not saved for the backward; 'none' recomputes chunk by chunk and needs them.
+    x32, w32, _, labels = make_inputs(13, 24, 37)
+    x, w = x32.requires_grad_(), w32.requires_grad_(weight_grad)
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+        loss = linear_cross_entropy(x, w, None, labels, reduction=reduction)
+    assert (x.data_ptr() in saved) == keeps_inputs and (w.data_ptr() in saved) == keeps_inputs, saved
+    loss.sum().backward()  # and the backward still runs on what was kept
+    assert x.grad is not None and (w.grad is not None) == weight_grad
