@@ -6,7 +6,7 @@ need their input x (da = s g^T x), and that x is the norm's output; q, k, v read
 another, so each layer keeps two [tokens, hidden] tensors only for the adapters (Llama-3-8B at 2 x 2048:
 2 x 32 MiB per layer, 2 GiB over 32 layers). The norm's own backward saves its input h, which the
 residual stream keeps anyway, so recomputing y = rms_norm(h, w) in the backward costs one more read of
-h and write of y per norm (about 20 us each on the H200 at that size) and saves all of it.
+h and write of y per norm (64 MiB there, about 16 us at the H200's copy bandwidth) and saves all of it.
 
 How: the FX node gets ``meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE``, the tag selective
 activation checkpointing uses, and an ``ac_graph_id`` below any checkpointed region's (older partitioners
