@@ -1,0 +1,83 @@
+"""The fused 4-bit matmul (lowering/nf4_matmul.py, a benchmark candidate, not an op): ``x @ W.T`` with the
+weight dequantised in the main loop equals dequantise-then-matmul, under the tolerance rule against fp64,
+for NF4 and FP4, block sizes 64 and 128, nested absmax, fp32 and bf16, shapes that leave partial tiles."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sloth.lowering.nf4 import dequantize_4bit, dequantize_absmax
+from sloth.lowering.nf4_matmul import CONFIGS, nf4_matmul
+from pattern_checks import seeded
+from tolerance import assert_close
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+
+@pytest.mark.parametrize("quant_type,blocksize,nested,block_k", [
+    ("nf4", 64, True, 64), ("fp4", 128, False, 64), ("nf4", 128, False, 64),
+    ("nf4", 64, False, 128),  # a K tile spanning two absmax blocks of a row
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_matmul_equals_dequantise_then_matmul(quant_type, blocksize, nested, block_k, dtype):
+    m, n, k = 37, 45, 256  # M and N leave partial tiles; K a multiple of the block size (required)
+    w = torch.randn(n, k, generator=seeded(1)) / k**0.5
+    packed, state = bnb_functional.quantize_4bit(w.to(dtype), blocksize=blocksize, quant_type=quant_type,
+                                                 compress_statistics=nested)
+    absmax = dequantize_absmax(state.absmax, state.state2.absmax, state.state2.code, state.offset,
+                               state.state2.blocksize) if nested else state.absmax
+    w_deq = dequantize_4bit(packed, absmax, blocksize, quant_type, (n, k), dtype)  # bit-exact with bitsandbytes
+    x = torch.randn(m, k, generator=seeded(2)).to(dtype)
+    config = dict(block_m=16, block_n=16, block_k=block_k, num_warps=4, num_stages=2)
+    ours = nf4_matmul(x, packed, absmax, blocksize, quant_type, n, k, config=config)
+    eager = x @ w_deq.t()
+    reference = x.double() @ w_deq.double().t()
+    assert ours.dtype == dtype and ours.shape == (m, n)
+    assert_close("y", ours, eager, reference)
+
+
+def test_a_k_that_splits_a_block_is_refused():
+    packed = torch.zeros(4 * 96 // 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiple of the blocksize"):
+        nf4_matmul(torch.randn(3, 96), packed, torch.ones(4 * 96 // 64), 64, "nf4", 4, 96)
+
+
+_COMPILE_FOR_SM90 = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sloth.lowering.nf4_matmul import CONFIGS, _nf4_matmul_kernel
+
+signature = {"p_x": "*bf16", "p_packed": "*u8", "p_absmax": "*fp32", "p_code": "*fp32", "p_y": "*bf16",
+             "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+names = list(_nf4_matmul_kernel.arg_names)
+shared = []
+for config in CONFIGS:
+    constants = {"BLOCKSIZE": 64, "BLOCK_M": config["block_m"], "BLOCK_N": config["block_n"],
+                 "BLOCK_K": config["block_k"], "GROUP_M": 8, "UPCAST": False}
+    source = ASTSource(fn=_nf4_matmul_kernel, signature={**signature, **{k: "constexpr" for k in constants}},
+                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+    shared.append(kernel.metadata.shared)
+print(json.dumps(shared))
+"""
+
+
+def test_every_launch_setting_compiles_for_the_h200():
+    # The interpreter runs what sm_90 code generation may refuse (an interleaved tile feeding tl.trans did):
+    # compile each setting for sm_90, in a process without TRITON_INTERPRET (the kernels must be JIT
+    # functions), and check it fits the H200's 232,448 bytes of shared memory a block.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+        pytest.skip("no ptxas in this Triton install")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(shared) == len(CONFIGS) and all(s <= 232448 for s in shared), shared
