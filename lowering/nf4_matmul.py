@@ -5,7 +5,7 @@ Issue 6 asks for both, measured at Llama-3-8B shapes, the faster kept. This is t
 function (not an op): ``benchmarks/ops/qlora_gemm.py`` times it against dequantise + cuBLAS. The math is
 the same bit for bit up to the matmul's summation order: each weight element is formed exactly as
 ``dequantize_4bit`` forms it (``code[nibble] * absmax`` in fp32, rounded once to x's dtype), then
-multiplied on tensor cores with fp32 accumulation::
+multiplied on tensor cores with fp32 accumulation (x in bf16 or fp16: an fp32 x would get TF32 products)::
 
     y[m, n] = sum_k x[m, k] * round(code[q(n, k)] * absmax[(n * K + k) // blocksize])      (fp32 sum)
 
@@ -13,7 +13,8 @@ Per K step a program loads an x tile [BLOCK_M, BLOCK_K] as its even and odd colu
 of a weight tile [BLOCK_N, BLOCK_K / 2], one absmax per (row, block), gathers the codes from the 16-entry
 table, and makes two half-K ``tl.dot``s (even columns with the high nibbles, odd with the low). It reads the weight at half a byte an element instead of cuBLAS's two, but spends ALU and
 table lookups in the main loop that cuBLAS's Hopper kernels do not. Requires ``K % blocksize == 0``
-(every Llama-family projection), so a K tile never straddles a row.
+(every Llama-family projection), so each row's absmax blocks start at its first column; a last K tile
+that runs past K is masked (x's padding is zero, and no absmax past the row is read).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import triton_interpreter_on
-from .nf4 import _to_output_dtype, code_table
+from .nf4 import BLOCKSIZES, _to_output_dtype, code_table
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def _nf4_matmul_kernel(p_x, p_packed, p_absmax, p_code, p_y, M, N, K, stride_xm,
     rows = tl.minimum(n_m - first_m, GROUP_M)
     i_m = first_m + (pid % (GROUP_M * n_n)) % rows
     i_n = (pid % (GROUP_M * n_n)) // rows
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M x K may pass 2**31 elements
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m, m_n = o_m < M, o_n < N
     o_byte = tl.arange(0, BLOCK_K // 2)
@@ -62,12 +63,14 @@ def _nf4_matmul_kernel(p_x, p_packed, p_absmax, p_code, p_y, M, N, K, stride_xm,
             b_absmax = tl.load(p_absmax + o_block, mask=m_n, other=0.0)[:, None]
         else:
             o_sub = tl.arange(0, BLOCK_K // BLOCKSIZE)
-            b_blocks = tl.load(p_absmax + o_block[:, None] + o_sub[None, :], mask=m_n[:, None], other=0.0)
+            m_sub = (k0 + o_sub * BLOCKSIZE) < K  # a partial last tile: no block past the row's end
+            b_blocks = tl.load(p_absmax + o_block[:, None] + o_sub[None, :], mask=m_n[:, None] & m_sub[None, :],
+                               other=0.0)
             b_spread = tl.broadcast_to(b_blocks[:, :, None], (BLOCK_N, BLOCK_K // BLOCKSIZE, BLOCKSIZE // 2))
             b_absmax = tl.reshape(b_spread, (BLOCK_N, BLOCK_K // 2))
         b_hi = _to_output_dtype(tl.load(p_code + (b_q >> 4)) * b_absmax, p_x.dtype.element_ty)
         b_lo = _to_output_dtype(tl.load(p_code + (b_q & 0xF)) * b_absmax, p_x.dtype.element_ty)
-        if UPCAST:  # Triton 3.6's CPU interpreter multiplies 16-bit tiles wrongly; fp32 holds them exactly
+        if UPCAST:  # Triton 3.6's CPU interpreter multiplies bf16 tiles wrongly; fp32 holds them exactly
             acc = tl.dot(b_x_even.to(tl.float32), tl.trans(b_hi.to(tl.float32)), acc)
             acc = tl.dot(b_x_odd.to(tl.float32), tl.trans(b_lo.to(tl.float32)), acc)
         else:
@@ -90,12 +93,17 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, bloc
     block, already dequantised when nested), in x's dtype; see the module docstring."""
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"sloth.nf4_matmul: x must be [M, {k}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"sloth.nf4_matmul: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"sloth.nf4_matmul: x must be bfloat16 or float16 (4-bit compute dtypes), got {x.dtype}")
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"sloth.nf4_matmul: blocksize must be one of {BLOCKSIZES}, got {blocksize}")
+    if packed.device != x.device or absmax.device != x.device:
+        raise ValueError(f"sloth.nf4_matmul: x, packed and absmax must share a device, got {x.device}, "
+                         f"{packed.device}, {absmax.device}")
     if packed.dtype != torch.uint8 or packed.numel() != n * k // 2 or absmax.dtype != torch.float32:
         raise ValueError(f"sloth.nf4_matmul: want packed uint8 of {n * k // 2} bytes and float32 absmax, got "
                          f"{packed.dtype} of {packed.numel()} and {absmax.dtype}")
-    if k % blocksize or k % 2 or absmax.numel() != n * k // blocksize or blocksize < 2:
+    if k % blocksize or absmax.numel() != n * k // blocksize:
         raise ValueError(f"sloth.nf4_matmul: K = {k} must be a multiple of the blocksize {blocksize} (and "
                          f"absmax hold {n * k // blocksize} entries, got {absmax.numel()})")
     if quant_type not in ("nf4", "fp4"):
