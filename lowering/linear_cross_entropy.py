@@ -320,18 +320,18 @@ def _lce_bwd(grad_loss: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: Op
 # ---------------------------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, _, _ = inputs
+    x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, compute_dx, compute_dw = inputs
     _, dx, dw, db = output
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
-    # With every needed gradient computed in the forward (mean or sum), the backward only scales them: x, w
-    # and the labels are not kept for it (in a compiled graph, keeping x would keep the final norm's output).
-    ctx.precomputed = bool(reduction != "none" and (dx.numel() or not need_dx) and (dw.numel() or not need_dw)
-                           and (db.numel() or not need_db))
+    # With every needed gradient formed in the forward (mean or sum; the op's own flags say which it formed),
+    # the backward only scales them: x, w and the labels are not kept for it (in a compiled graph, keeping x
+    # would keep the final norm's output), nor a gradient nobody needs.
+    ctx.precomputed = reduction != "none" and (compute_dx or not need_dx) and (compute_dw or not (need_dw or need_db))
     ctx.needs = (need_dx, need_dw, need_db)
     ctx.dtypes = (x.dtype, w.dtype, bias.dtype if bias is not None else None)
     if ctx.precomputed:
-        ctx.save_for_backward(dx, dw, db)
+        ctx.save_for_backward(dx if need_dx else None, dw if need_dw else None, db if need_db else None)
     else:
         ctx.save_for_backward(x, w, bias, labels)
     ctx.args = (ignore_index, reduction, softcap, logit_scale, label_smoothing)

@@ -306,8 +306,11 @@ def _replace(gm: fx.GraphModule, m: CrossEntropyMatch) -> set[fx.Node]:
     # flatten, not reshape(-1, H): no size in the arguments, so a symbolic H needs no size node in the graph
     x2 = m.x if xt.dim() == 2 else insert_call(graph, m.out, torch.flatten, (m.x, 0, -2), meta_from=m.out)
     x2t = tensor_of(x2)
-    compute_dx = bool(xt.requires_grad)
-    compute_dw = bool(wt.requires_grad or (bt is not None and bt.requires_grad))
+    # Gradients formed in the forward only where a backward will want them: the loss itself must require
+    # grad (not so under no_grad, where a Parameter head still has requires_grad set).
+    training = bool(tensor_of(m.out).requires_grad)
+    compute_dx = training and bool(xt.requires_grad)
+    compute_dw = training and bool(wt.requires_grad or (bt is not None and bt.requires_grad))
     grads = m.reduction != "none" and (compute_dx or compute_dw)
     empty = x2t.new_empty(0)
     value = (x2t.new_empty((x2t.shape[0],) if m.reduction == "none" else (), dtype=torch.float32),

@@ -367,6 +367,27 @@ def test_loss_after_a_fused_norm_forms_its_gradient_in_the_forward():
     torch.testing.assert_close(h.grad, h2.grad)
 
 
+def test_under_no_grad_no_gradient_is_formed_in_the_forward():
+    # An evaluation forward of a model whose head is a trainable Parameter: the fused loss must not form dW
+    # (an extra N x V x H matmul), although the head's fake value still says requires_grad.
+    head = nn.Linear(16, 40, bias=False)
+    gen = seeded(5)
+    x = torch.randn(6, 16, generator=gen)
+    labels = torch.randint(0, 40, (6,), generator=gen)
+    graphs: list = []
+
+    def backend(gm, example_inputs):
+        out = sloth.sloth_backend(gm, example_inputs, options={"inner": "eager"})
+        graphs.append(gm)
+        return out
+
+    with torch.no_grad():
+        loss = torch.compile(lambda x, y: F.cross_entropy(head(x).float(), y), backend=backend)(x, labels)
+    (fused,) = [n for n in graphs[0].graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
+    assert fused.args[-2:] == (False, False)
+    torch.testing.assert_close(loss, F.cross_entropy(head(x).float(), labels))
+
+
 def test_pass_can_be_switched_off():
     x, w, b, y = make_inputs(torch.float32, False)
     others = [f for f in sloth.FAMILIES if f != "cross_entropy"]
