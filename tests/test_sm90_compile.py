@@ -1,0 +1,151 @@
+"""Every Triton kernel sloth launches at Llama-3-8B shapes compiles for the H200 (sm_90), checked on the CPU.
+
+The interpreter runs kernels that sm_90 code generation may refuse (an interleaved tile feeding tl.trans
+did, in lowering/nf4_matmul.py), and the device is lent 30 minutes a session. So: run each op's launcher
+at a real shape with every kernel replaced by a recorder (nothing executes, so the shapes can be large),
+turn each recorded launch into a Triton signature and constants, and compile them all for
+``GPUTarget("cuda", 90, 32)`` in a process without TRITON_INTERPRET (the kernels must be JIT functions
+there). Each must compile and fit the H200's 232,448 bytes of shared memory a block. ``UPCAST`` (the
+interpreter's bf16-dot workaround) is compiled as on the GPU, off.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import sloth.lowering.glu as glu
+import sloth.lowering.linear_cross_entropy as lce
+import sloth.lowering.lora as lora
+import sloth.lowering.nf4 as nf4
+import sloth.lowering.rms_norm as rms_norm
+import sloth.lowering.rope as rope
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+                 torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+H200_SHARED_BYTES = 232448
+
+
+class _Recorder:
+    """Stands in for a kernel: records each ``kernel[grid](*args, **kwargs)`` and runs nothing."""
+
+    def __init__(self, module: str, name: str, kernel, launches: list):
+        self.module, self.name, self.kernel, self.launches = module, name, kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(_describe(self.module, self.name, self.kernel, args, kwargs))
+        return launch
+
+
+def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tuple:
+    """(module, kernel name, signature, constants, options) of one launch, picklable."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    params = inspect.signature(kernel.fn).parameters  # an InterpretedFunction here: read the Python function
+    values = dict(zip(params, args)) | kwargs
+    signature, constants = {}, {}
+    for param in params.values():
+        value = values.get(param.name, None if param.default is inspect.Parameter.empty else param.default)
+        if "constexpr" in str(param.annotation) or value is None:
+            signature[param.name] = "constexpr"
+            constants[param.name] = False if param.name == "UPCAST" else value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    return module, name, signature, constants, options
+
+
+def _record(monkeypatch) -> list:
+    launches: list = []
+    for module in (glu, lce, lora, nf4, rms_norm, rope):
+        for name, value in list(vars(module).items()):
+            if name.endswith("_kernel") and hasattr(value, "arg_names"):
+                monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
+    return launches
+
+
+def _llama_launches() -> None:
+    """Each op's launcher at Llama-3-8B shapes (4096 tokens, hidden 4096, intermediate 14336, 32 q and 8 kv
+    heads of 128), in the dtypes a bf16 LoRA step uses; the tensors are never read."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    n, h, inter, r = 4096, 4096, 14336, 16
+    x, w = torch.empty(n, h, dtype=bf16), torch.empty(h, dtype=bf16)
+    rms_norm._rms_norm_fwd(x, w, 1e-5, 0.0, bf16)
+    rms_norm._rms_norm_bwd(x, x, w, 1e-5, 0.0, True)
+    gate = torch.empty(n, inter, dtype=bf16)
+    for activation in ("silu", "gelu_tanh"):
+        glu.glu_forward(gate, gate, activation)
+        glu.glu_backward_impl(gate, gate, gate, activation)
+    q, k = torch.empty(2, 32, 2048, 128, dtype=bf16), torch.empty(2, 8, 2048, 128, dtype=bf16)
+    cos = torch.empty(1, 1, 2048, 128, dtype=bf16)
+    rope._rope_fwd(q, k, cos, cos)
+    rope._rope_bwd(q, k, cos, cos, bf16, bf16)
+    half = torch.empty(1, 1, 2048, 64, dtype=bf16)
+    rope._rope_fwd(q, k, half, half, interleaved=True)  # GPT-J pairs
+    rope._rope_single_fwd(q, torch.empty(1, 1, 2048, 32, dtype=bf16), torch.empty(1, 1, 2048, 32, dtype=bf16))
+    for adapter, rank in ((f32, r), (bf16, r), (f32, 64)):  # rank 64: the down kernel's K tile shrinks to fit
+        for k_in, n_out in ((h, h), (h, inter), (inter, h)):
+            xi = torch.empty(n, k_in, dtype=bf16)
+            wi, a, b = torch.empty(n_out, k_in, dtype=bf16), torch.empty(rank, k_in, dtype=adapter), \
+                torch.empty(n_out, rank, dtype=adapter)
+            y, hh = lora.lora_forward(xi, wi, None, a, b, 2.0)
+            lora.lora_backward(torch.empty(n, n_out, dtype=bf16), xi, wi, a, b, hh, 2.0, True)
+    labels = torch.zeros(n, dtype=torch.int64)
+    head = torch.empty(128256, h, dtype=bf16)
+    lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
+    packed = torch.empty(inter * h // 2, dtype=torch.uint8)
+    nf4.dequantize_4bit(packed, torch.empty(inter * h // 64), 64, "nf4", (inter, h), bf16)
+    nf4.dequantize_absmax(torch.empty(inter * h // 64, dtype=torch.uint8), torch.empty(inter * h // 64 // 256),
+                          torch.empty(256), 0.0, 256)
+
+
+_COMPILE = """
+import importlib, pickle, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+results = []
+for module, name, signature, constants, options in pickle.loads(sys.stdin.buffer.read()):
+    kernel = getattr(importlib.import_module(module), name)
+    names = list(kernel.arg_names)
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        results.append((name, compiled.metadata.shared, None))
+    except Exception as exc:
+        results.append((name, None, f"{type(exc).__name__}: {str(exc)[-300:]}"))
+sys.stdout.buffer.write(pickle.dumps(results))
+"""
+
+
+def test_every_kernel_compiles_for_the_h200(monkeypatch):
+    launches = _record(monkeypatch)
+    with torch.no_grad():
+        _llama_launches()
+    unique = list({pickle.dumps(launch): launch for launch in launches}.values())
+    kernels = {launch[1] for launch in unique}
+    assert {"_rms_norm_fwd_kernel", "_glu_fwd_kernel", "_rope_kernel", "_lora_down_kernel", "_lora_up_add_kernel",
+            "_lora_grad_kernel", "_lce_rows_kernel", "_dequantize_4bit_kernel"} <= kernels, kernels
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(unique), env=env,
+                          capture_output=True, timeout=900)
+    if done.returncode and b"ptxas" in done.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    results = pickle.loads(done.stdout)
+    failed = [(name, error) for name, _, error in results if error]
+    assert not failed, failed
+    too_big = [(name, shared) for name, shared, _ in results if shared > H200_SHARED_BYTES]
+    assert not too_big, too_big
