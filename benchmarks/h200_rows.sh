@@ -1,0 +1,57 @@
+#!/bin/bash
+# Issue 5's end-to-end rows on the device machine, one part per device call (each under the tool's 10-minute
+# limit; Inductor alone compiles the 8B model for ~130 s). Every run writes its JSON and markdown to
+# benchmarks/results and, when set, $OUT; the logs go into one logs.tgz there at the end (at most 7 files a
+# part come back from the device, under its limit of 8).
+#
+#   bash benchmarks/h200_rows.sh lora      # eager, inductor, liger, sloth, sloth + CUDA graphs (~8 min)
+#   bash benchmarks/h200_rows.sh qlora     # the same with NF4 base weights, without Liger (~9 min)
+#   bash benchmarks/h200_rows.sh unsloth   # Unsloth LoRA and QLoRA, profiled (wheels: benchmarks/unsloth_wheels.sh)
+#   bash benchmarks/h200_rows.sh moe       # Qwen3-MoE: eager, inductor, liger, sloth
+#   bash benchmarks/h200_rows.sh long      # batch 1 x 16384 with gradient checkpointing: inductor, sloth
+#   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
+#
+# sloth runs with return_logits=False (Unsloth and Liger do not return the logits while training either);
+# wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long}
+out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
+mkdir -p "$out/logs"
+export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if [ -z "${DRY:-}" ] && ls .whl/*.whl .whl/unsloth/*.whl >/dev/null 2>&1; then
+    pip install -q --no-index --no-deps --target /tmp/wheels $(ls .whl/*.whl .whl/unsloth/*.whl 2>/dev/null) \
+        2>/dev/null && export PYTHONPATH=/tmp/wheels
+fi
+SLOTH='{"return_logits": false}'
+SLOTH_CG='{"return_logits": false, "triton.cudagraphs": true}'
+
+run() {  # run NAME SECONDS ARGS...: one e2e invocation with a time limit, its log kept
+    local name=$1 limit=$2
+    shift 2
+    if [ -n "${DRY:-}" ]; then echo "python -m benchmarks.e2e $*"; return; fi
+    timeout "$limit" python -m benchmarks.e2e --peak-tflops 790 "$@" > "$out/logs/$name.log" 2>&1
+    echo "$name: rc $?"
+    grep -E "^\[.*(ms/step|FAILED)" "$out/logs/$name.log" | tail -6
+}
+
+case $part in
+    lora)
+        run lora-peers 350 --all --variants eager,inductor,liger --model llama3-8b
+        run lora-sloth 110 --all --variants sloth --sloth-options "$SLOTH"
+        run lora-sloth-cg 120 --all --variants sloth --sloth-options "$SLOTH_CG" ;;
+    qlora)
+        run qlora-peers 300 --all --qlora --variants eager,inductor  # Liger's QLoRA row: DESIGN.md (time)
+        run qlora-sloth 120 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        run qlora-sloth-cg 130 --all --qlora --variants sloth --sloth-options "$SLOTH_CG" ;;
+    unsloth)
+        run lora-unsloth 240 --all --variants unsloth --profile
+        run qlora-unsloth 280 --all --qlora --variants unsloth ;;
+    moe)
+        run moe 560 --all --model qwen3-moe --variants eager,inductor,liger,sloth --sloth-options "$SLOTH" ;;
+    long)
+        run long 560 --all --batch 1 --seq 16384 --grad-ckpt --variants inductor,sloth --sloth-options "$SLOTH" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+esac
+[ -z "${DRY:-}" ] && (cd "$out" && tar czf logs.tgz logs && rm -rf logs)
+exit 0
