@@ -1,7 +1,7 @@
 """Every Triton kernel sloth launches at Llama-3-8B shapes compiles for the H200 (sm_90), checked on the CPU.
 
 The interpreter runs kernels that sm_90 code generation may refuse (an interleaved tile feeding tl.trans
-did, in lowering/nf4_matmul.py), and the device is lent 30 minutes a session. So: run each op's launcher
+did, in lowering/nf4_matmul.py, whose every launch setting is compiled here too), and the device is lent 30 minutes a session. So: run each op's launcher
 at a real shape with every kernel replaced by a recorder (nothing executes, so the shapes can be large),
 turn each recorded launch into a Triton signature and constants, and compile them all for
 ``GPUTarget("cuda", 90, 32)`` in a process without TRITON_INTERPRET (the kernels must be JIT functions
@@ -24,6 +24,7 @@ import sloth.lowering.glu as glu
 import sloth.lowering.linear_cross_entropy as lce
 import sloth.lowering.lora as lora
 import sloth.lowering.nf4 as nf4
+import sloth.lowering.nf4_matmul as nf4_matmul
 import sloth.lowering.rms_norm as rms_norm
 import sloth.lowering.rope as rope
 
@@ -68,7 +69,7 @@ def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tupl
 
 def _record(monkeypatch) -> list:
     launches: list = []
-    for module in (glu, lce, lora, nf4, rms_norm, rope):
+    for module in (glu, lce, lora, nf4, nf4_matmul, rms_norm, rope):
         for name, value in list(vars(module).items()):
             if name.endswith("_kernel") and hasattr(value, "arg_names"):
                 monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
@@ -108,6 +109,8 @@ def _llama_launches() -> None:
     nf4.dequantize_4bit(packed, torch.empty(inter * h // 64), 64, "nf4", (inter, h), bf16)
     nf4.dequantize_absmax(torch.empty(inter * h // 64, dtype=torch.uint8), torch.empty(inter * h // 64 // 256),
                           torch.empty(256), 0.0, 256)
+    for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
+        nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
 
 
 _COMPILE = """
@@ -132,12 +135,15 @@ sys.stdout.buffer.write(pickle.dumps(results))
 
 def test_every_kernel_compiles_for_the_h200(monkeypatch):
     launches = _record(monkeypatch)
+    # nf4_matmul shrinks its tiles under the interpreter; record the settings the GPU launches.
+    monkeypatch.setattr(nf4_matmul, "triton_interpreter_on", lambda: False)
     with torch.no_grad():
         _llama_launches()
     unique = list({pickle.dumps(launch): launch for launch in launches}.values())
     kernels = {launch[1] for launch in unique}
     assert {"_rms_norm_fwd_kernel", "_glu_fwd_kernel", "_rope_kernel", "_lora_down_kernel", "_lora_up_add_kernel",
             "_lora_grad_kernel", "_lce_rows_kernel", "_dequantize_4bit_kernel"} <= kernels, kernels
+    assert sum(launch[1] == "_nf4_matmul_kernel" for launch in unique) == len(nf4_matmul.CONFIGS), unique
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(unique), env=env,
                           capture_output=True, timeout=900)
