@@ -9,13 +9,14 @@
 #   bash benchmarks/h200_rows.sh unsloth   # Unsloth LoRA and QLoRA, profiled (wheels: benchmarks/unsloth_wheels.sh)
 #   bash benchmarks/h200_rows.sh moe       # Qwen3-MoE: eager, inductor, liger, sloth
 #   bash benchmarks/h200_rows.sh long      # batch 1 x 16384 with gradient checkpointing: inductor, sloth
+#   bash benchmarks/h200_rows.sh profile   # Unsloth's and sloth's LoRA steps, each with its kernel table
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #
 # sloth runs with return_logits=False (Unsloth and Liger do not return the logits while training either);
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long}
+part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile}
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -49,6 +50,9 @@ case $part in
         run qlora-unsloth 280 --all --qlora --variants unsloth ;;
     moe)
         run moe 560 --all --model qwen3-moe --variants eager,inductor,liger,sloth --sloth-options "$SLOTH" ;;
+    profile)
+        run lora-unsloth 270 --all --variants unsloth --profile
+        run lora-sloth 200 --all --variants sloth --sloth-options "$SLOTH" --profile ;;
     long)
         run long 560 --all --batch 1 --seq 16384 --grad-ckpt --variants inductor,sloth --sloth-options "$SLOTH" ;;
     *) echo "unknown part $part"; exit 2 ;;
