@@ -7,7 +7,9 @@ outputs feed the graph that calls them rather than the user.
 
 ``canonicalize`` always runs first (every pattern assumes canonical spellings); the family passes
 follow in roadmap order and each can be switched off by name through ``options={"patterns": [...]}``;
-``recompute`` runs last and marks what the backward should recompute rather than keep.
+``recompute`` runs last and marks what the backward should recompute rather than keep. A family pass runs
+on the graph and on each subgraph body, except a ``whole_module`` one, which runs once on the top-level
+graph and reaches into the bodies itself (the causal mask: a body receives it from its caller).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
 
+from ..patterns.causal_mask import fuse_causal_mask_pass
 from ..patterns.cross_entropy import fuse_cross_entropy_pass
 from ..patterns.glu import fuse_glu_pass
 from ..patterns.lora import fuse_lora_pass
@@ -33,6 +36,7 @@ GraphPass = Callable[..., fx.GraphModule]
 class FamilyPass:
     family: str
     run: GraphPass
+    whole_module: bool = False  # run once on the top-level graph, which reaches into its bodies itself
 
 
 # Roadmap order (DESIGN.md). A family's pass may rely on the passes before it having run.
@@ -42,6 +46,7 @@ FAMILY_PASSES: tuple[FamilyPass, ...] = (
     FamilyPass("glu", fuse_glu_pass),
     FamilyPass("cross_entropy", fuse_cross_entropy_pass),
     FamilyPass("lora", fuse_lora_pass),
+    FamilyPass("causal_mask", fuse_causal_mask_pass, whole_module=True),
 )
 FAMILIES: tuple[str, ...] = tuple(p.family for p in FAMILY_PASSES)
 
@@ -80,7 +85,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
         graph_options = options if graph_module is gm else PassOptions()
         canonicalize_pass(graph_module, example_inputs, report=report, options=graph_options)
         for family_pass in FAMILY_PASSES:
-            if family_pass.family in families:
+            if family_pass.family in families and (graph_module is gm or not family_pass.whole_module):
                 family_pass.run(graph_module, example_inputs, report=report, options=graph_options)
     # Top level only: subgraph bodies keep their own policy (a checkpointed layer is recomputed whole already).
     recompute_pass(gm, example_inputs, report=report, options=options)

@@ -1,0 +1,262 @@
+"""The causal-mask family: an SDPA mask proven causal at compile time becomes ``is_causal=True``; any other
+mask stays, with the reason in the report."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers.masking_utils
+from torch import nn
+
+import sloth
+from sloth.patterns.causal_mask import causal_mask_pattern, causal_reason, causal_reference
+from tests.pattern_checks import forward_backward, graph_of, seeded
+from tests.test_models import VOCAB, assert_model_close, build, loss_and_grads
+from tests.tolerance import assert_close
+
+B, H, L, D = 2, 3, 7, 8  # odd sizes: a transposed or shifted mask cannot pass by symmetry
+
+
+def _sdpa_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+
+
+# Causal masks as hand-written models spell them: each (q, k, v) -> attention output.
+def tril_bool(q, k, v):
+    mask = torch.tril(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def triu_neg_inf(q, k, v):
+    mask = torch.full((q.shape[-2], k.shape[-2]), float("-inf"), device=q.device).triu(1)
+    return F.scaled_dot_product_attention(q, k, v, mask.to(q.dtype))  # positional attn_mask
+
+
+def arange_compare(q, k, v):
+    i = torch.arange(q.shape[-2], device=q.device)
+    j = torch.arange(k.shape[-2], device=q.device)
+    mask = (j[None, None, None, :] <= i[None, None, :, None]).expand(q.shape[0], 1, -1, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+
+
+def finfo_min_fill(q, k, v):
+    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=0.3)
+
+
+def shorter_queries_top_left(q, k, v):
+    """L < S, masked top-left as torch's is_causal is: the mask is exactly torch's, so it is replaced."""
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+CAUSAL_FORMS = [tril_bool, triu_neg_inf, arange_compare, finfo_min_fill]
+
+
+def _qkv(dtype: torch.dtype, kv_len: int = L) -> list[torch.Tensor]:
+    g = seeded(0)
+    return [torch.randn(B, H, L, D, generator=g).to(dtype), torch.randn(B, H, kv_len, D, generator=g).to(dtype),
+            torch.randn(B, H, kv_len, D, generator=g).to(dtype)]
+
+
+def _assert_causal_rewrite(fn, args) -> None:
+    sloth.reset_report()
+    gm = graph_of(fn, *args)
+    (node,) = _sdpa_nodes(gm)
+    assert node.kwargs.get("is_causal") is True and node.kwargs.get("attn_mask") is None \
+        and (len(node.args) <= 3 or node.args[3] is None), node.format_node()
+    # The mask's producers are gone (nothing else read them).
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.tril, torch.ones,
+                                                                                      torch.full, torch.arange)]
+    assert sloth.report().counts == {"causal_mask": 1}, str(sloth.report())
+
+
+@pytest.mark.parametrize("fn", CAUSAL_FORMS + [shorter_queries_top_left], ids=lambda f: f.__name__)
+def test_causal_masks_become_is_causal(fn) -> None:
+    args = _qkv(torch.float32, kv_len=11 if fn is shorter_queries_top_left else L)
+    _assert_causal_rewrite(fn, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fn", CAUSAL_FORMS, ids=lambda f: f.__name__)
+def test_rewritten_attention_matches_masked_forward_and_gradients(fn, dtype: torch.dtype) -> None:
+    """Output and q/k/v gradients of the compiled (is_causal) form against the masked pattern, fp64 reference."""
+    args = _qkv(dtype)
+    compiled = torch.compile(fn, backend="sloth", options={"inner": "aot_eager"}, fullgraph=True)
+    ours = forward_backward(compiled, args, [])
+    eager = forward_backward(fn, args, [])
+    reference = forward_backward(fn, [a.double() for a in args], [], dy_dtype=dtype)
+    assert sloth.report().counts == {"causal_mask": 1}, str(sloth.report())
+    for name, a, e, r in zip(["out", "dq", "dk", "dv"], ours, eager, reference):
+        assert_close(name, a, e, r)
+
+
+def test_pattern_function_is_the_masked_attention() -> None:
+    q, k, v = _qkv(torch.float64)
+    mask = causal_reference(L, L)
+    torch.testing.assert_close(causal_mask_pattern(q, k, v, mask), F.scaled_dot_product_attention(q, k, v,
+                                                                                                  is_causal=True))
+
+
+# Near misses: the mask stays, and the report says why.
+def sliding_window(q, k, v):
+    ones = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ones.tril() & ones.triu(-2))
+
+
+def one_future_token(q, k, v):
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def alibi_bias(q, k, v):
+    i = torch.arange(q.shape[-2], device=q.device)
+    distance = (i[None, :] - i[:, None]).to(q.dtype)
+    bias = torch.where(distance <= 0, 0.5 * distance, torch.tensor(float("-inf"), dtype=q.dtype))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def bottom_right_shorter_queries(q, k, v):
+    """L < S masked bottom-right (a KV cache's alignment): not torch's top-left is_causal."""
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def prefix_lm(q, k, v):
+    j = torch.arange(k.shape[-2], device=q.device)
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril() | (j < 3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def prefix_lm_in_place(q, k, v):
+    """The mask node is the tril; the setitem writes into it afterwards (evaluating the tril alone would pass)."""
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    mask[:, :3] = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def causal_then_view_written(q, k, v):
+    """Written through a view of the mask: the aliasing is seen through the example values' storage."""
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    mask.view(-1)[1] = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("fn, kv_len, reason", [
+    (sliding_window, L, "not the causal mask"),
+    (one_future_token, L, "not the causal mask"),
+    (prefix_lm, L, "not the causal mask"),
+    (prefix_lm_in_place, L, "in place"),
+    (causal_then_view_written, L, "in place"),
+    (alibi_bias, L, "additive bias"),
+    (bottom_right_shorter_queries, 11, "not the causal mask"),
+], ids=lambda p: getattr(p, "__name__", None) or str(p)[:12])
+def test_other_masks_stay_with_reason(fn, kv_len: int, reason: str) -> None:
+    args = _qkv(torch.float32, kv_len)
+    sloth.reset_report()
+    gm = graph_of(fn, *args)
+    (node,) = _sdpa_nodes(gm)
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    assert isinstance(mask, torch.fx.Node) and not node.kwargs.get("is_causal"), node.format_node()
+    report = sloth.report()
+    assert report.counts.get("causal_mask", 0) == 0
+    (rejection,) = [r for r in report.rejections if r.family == "causal_mask"]
+    assert reason in rejection.reason, rejection.reason
+    # The compiled function still computes what the pattern does.
+    compiled = torch.compile(fn, backend="sloth", options={"inner": "eager"})
+    torch.testing.assert_close(compiled(*args), fn(*args))
+
+
+def test_mask_from_an_input_stays() -> None:
+    args = _qkv(torch.float32)
+    mask = causal_reference(L, L)  # causal in value, but an input: the next call may pass another
+    sloth.reset_report()
+    graph_of(causal_mask_pattern, *args, mask)
+    (rejection,) = sloth.report().rejections
+    assert "graph input" in rejection.reason, rejection.reason
+
+
+class BufferMask(nn.Module):
+    """nanoGPT's registered causal buffer: lifted into a graph input by Dynamo, so it is not proven."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("causal", torch.ones(L, L, dtype=torch.bool).tril())
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal)
+
+
+def test_buffer_mask_stays() -> None:
+    sloth.reset_report()
+    graph_of(BufferMask(), *_qkv(torch.float32))
+    assert sloth.report().counts.get("causal_mask", 0) == 0
+    assert [r.family for r in sloth.report().rejections] == ["causal_mask"], str(sloth.report())
+
+
+def test_dynamic_lengths_stay_with_reason() -> None:
+    sloth.reset_report()
+    compiled = torch.compile(tril_bool, backend="sloth", options={"inner": "eager"}, dynamic=True)
+    args = _qkv(torch.float32)
+    torch.testing.assert_close(compiled(*args), tril_bool(*args))
+    report = sloth.report()
+    assert report.counts.get("causal_mask", 0) == 0
+    assert all("symbolic" in r.reason for r in report.rejections if r.family == "causal_mask") \
+        and any(r.family == "causal_mask" for r in report.rejections), str(report)
+
+
+def test_switched_off_by_name() -> None:
+    sloth.reset_report()
+    others = [f for f in sloth.FAMILIES if f != "causal_mask"]
+    torch.compile(tril_bool, backend="sloth", options={"inner": "eager", "patterns": others})(*_qkv(torch.float32))
+    report = sloth.report()
+    assert report.counts.get("causal_mask", 0) == 0 and report.disabled == ["causal_mask"], str(report)
+
+
+def test_causal_reason_checks_every_broadcast_slice() -> None:
+    mask = causal_reference(L, L).expand(B, 1, L, L).clone()
+    assert causal_reason(mask, L, L) is None
+    mask[1, 0, 4, 5] = True  # one batch row sees one future key
+    assert "not the causal mask" in causal_reason(mask, L, L)
+    assert "does not end in" in causal_reason(causal_reference(L, L), L, L + 1)
+    assert "neither bool nor" in causal_reason(causal_reference(L, L).int(), L, L)
+
+
+# transformers up to 5.17 builds the causal mask whenever Dynamo traces (its _ignore_causal_mask_sdpa says no
+# under tracing); 5.18+ passes is_causal itself when there is no padding mask. Reproduced here by patching.
+@pytest.fixture
+def transformers_517_masks(monkeypatch):
+    monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_transformers_materialised_causal_mask(transformers_517_masks, checkpointing: bool) -> None:
+    """Every layer's SDPA gets is_causal (checkpointed layers receive the mask from the top-level graph), and
+    the loss and every gradient agree with eager under the whole-model tolerance rule."""
+    model = build("llama", torch.float32)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+    sloth.reset_report()
+    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
+    ours = loss_and_grads(model, ids, compiled)
+    eager = loss_and_grads(model, ids)
+    reference = loss_and_grads(model.double(), ids)
+    model.float()
+    report = sloth.report()
+    assert report.counts.get("causal_mask") == model.config.num_hidden_layers, str(report)
+    assert not [r for r in report.rejections if r.family == "causal_mask"], str(report)
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
+def test_transformers_padding_mask_stays_with_reason(transformers_517_masks) -> None:
+    """With an attention_mask passed (even all ones), the mask reads the input: kept, and the report says so."""
+    model = build("llama", torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+    sloth.reset_report()
+    torch.compile(model, backend="sloth", options={"inner": "eager"})(
+        input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    reasons = [r.reason for r in sloth.report().rejections if r.family == "causal_mask"]
+    assert len(reasons) == model.config.num_hidden_layers and all("graph input" in r for r in reasons), reasons
