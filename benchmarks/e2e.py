@@ -272,6 +272,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "graphs": dynamo["stats"]["unique_graphs"] if args.variant != "eager" else None,
         "graph breaks": sum(dynamo["graph_break"].values()) if args.variant != "eager" else None,
         "sloth counts": counts,
+        # How sloth's ops were registered (lowering/registration.py: SLOTH_TRITON_OP=1 for triton_op).
+        "sloth ops": ("triton_op" if sys.modules["sloth.lowering.registration"].TRITON_OP else "custom_op")
+        if sloth is not None and "sloth.lowering.registration" in sys.modules else None,
         "sloth report": str(report) if report is not None else None,
         "warm-up walls s": warmup_walls,
         "flops": flops,
@@ -296,13 +299,16 @@ def _family(kernel: str) -> str:
 def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 40) -> None:
     """Profile one training step: GPU time per kernel family and the ``top`` kernels by GPU time,
     written as text to $OUT (or benchmarks/results) as profile-<variant>-L<layers>.txt."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    events = [e for e in averages if e.self_device_time_total > 0]
+    # Kernels only: with CPU activity on, each aten op also carries its kernels' time as its own "self device
+    # time", which would count every GEMM twice (the first H200 profiles of 2026-11-29 19:32 did).
+    events = [e for e in averages if e.self_device_time_total > 0 and e.device_type == DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
     families: dict[str, float] = {}
     for e in events:
@@ -326,7 +332,8 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     lines += [f"{e.self_cpu_time_total / 1e3:8.2f} {100 * e.self_cpu_time_total / cpu_total:5.1f} {e.count:6d}  "
               f"{e.key[:110]}" for e in cpu[:top]]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
-    path = out_dir / f"profile-{args.variant}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
+    ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
+    path = out_dir / f"profile-{args.variant}{ops}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]), flush=True)
 

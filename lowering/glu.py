@@ -48,6 +48,7 @@ import triton.language as tl
 
 from .backend_choice import use_triton
 from .layout import rows_2d
+from .registration import define, fake, launch
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -234,7 +235,7 @@ def glu_forward(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) ->
     y_Nn = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y_Nn.numel():
         block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
-        _glu_fwd_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+        launch(_glu_fwd_kernel)[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
             g_Nn, u_Nn, y_Nn,
             n_rows, n_cols, g_Nn.stride(0), u_Nn.stride(0), y_Nn.stride(0),
             ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -257,7 +258,7 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
     dg_Nn, du_Nn = _split(dx_2d, du_Nn)
     if dg_Nn.numel():
         block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
-        _glu_bwd_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+        launch(_glu_bwd_kernel)[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
             dy_Nn, g_Nn, u_Nn, dg_Nn, du_Nn,
             n_rows, n_cols, dy_Nn.stride(0), g_Nn.stride(0), u_Nn.stride(0), dg_Nn.stride(0), du_Nn.stride(0),
             ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -288,14 +289,14 @@ def _backward(ctx, dy):
 @functools.cache
 def register() -> None:
     """Define ``sloth::glu`` and ``sloth::glu_backward`` (idempotent)."""
-    fwd = torch.library.custom_op("sloth::glu", mutates_args=())(glu_forward)
-    bwd = torch.library.custom_op("sloth::glu_backward", mutates_args=())(glu_backward_impl)
+    fwd = define("sloth::glu", glu_forward)
+    bwd = define("sloth::glu_backward", glu_backward_impl)
 
-    @fwd.register_fake
+    @fake(fwd)
     def _(x, up, activation):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2) if up is None else x.shape)
 
-    @bwd.register_fake
+    @fake(bwd)
     def _(dy, x, up, activation):
         return x.new_empty(x.shape), (up.new_empty(up.shape) if up is not None else x.new_empty(0))
 

@@ -28,6 +28,7 @@ import torch
 from .glu import glu_backward_impl, glu_forward
 from .lora import lora_backward, lora_forward
 from .qlora import dequantized_weight
+from .registration import define, fake
 
 
 def _glu_lora_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str, w: torch.Tensor,
@@ -88,15 +89,15 @@ def _backward(ctx, dy, _dh):
 @functools.cache
 def register() -> None:
     """Define ``sloth::glu_lora_linear`` and its backward (idempotent)."""
-    fwd = torch.library.custom_op("sloth::glu_lora_linear", mutates_args=())(_glu_lora_fwd)
-    bwd = torch.library.custom_op("sloth::glu_lora_linear_backward", mutates_args=())(_glu_lora_bwd)
+    fwd = define("sloth::glu_lora_linear", _glu_lora_fwd)
+    bwd = define("sloth::glu_lora_linear_backward", _glu_lora_bwd)
 
-    @fwd.register_fake
+    @fake(fwd)
     def _(gate, up, activation, w, bias, a, b, scale):
         rows = math.prod(gate.shape[:-1])
         return gate.new_empty((*gate.shape[:-1], w.shape[0])), gate.new_empty((rows, a.shape[0]), dtype=torch.float32)
 
-    @bwd.register_fake
+    @fake(bwd)
     def _(dy, gate, up, activation, w, a, b, h, scale):
         return (gate.new_empty(gate.shape), up.new_empty(up.shape) if up is not None else gate.new_empty(0),
                 a.new_empty(a.shape), b.new_empty(b.shape))
@@ -134,17 +135,17 @@ def _backward_4bit(ctx, dy, _dh):
 @functools.cache
 def register_4bit() -> None:
     """Define ``sloth::glu_qlora_linear`` and its backward (idempotent)."""
-    fwd = torch.library.custom_op("sloth::glu_qlora_linear", mutates_args=())(_glu_qlora_fwd)
-    bwd = torch.library.custom_op("sloth::glu_qlora_linear_backward", mutates_args=())(_glu_qlora_bwd)
+    fwd = define("sloth::glu_qlora_linear", _glu_qlora_fwd)
+    bwd = define("sloth::glu_qlora_linear_backward", _glu_qlora_bwd)
 
-    @fwd.register_fake
+    @fake(fwd)
     def _(gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features,
           in_features, blocksize, quant_type, bias, a, b, scale):
         rows = math.prod(gate.shape[:-1])
         return gate.new_empty((*gate.shape[:-1], out_features)), gate.new_empty((rows, a.shape[0]),
                                                                                 dtype=torch.float32)
 
-    @bwd.register_fake
+    @fake(bwd)
     def _(dy, gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features,
           in_features, blocksize, quant_type, a, b, h, scale):
         return (gate.new_empty(gate.shape), up.new_empty(up.shape) if up is not None else gate.new_empty(0),

@@ -54,6 +54,7 @@ import triton.language as tl
 
 from .backend_choice import triton_interpreter_on, use_triton
 from .layout import rows_2d
+from .registration import define, fake, launch
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -285,10 +286,10 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
     block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
     if mode == _SPLIT_BF16.value:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
-        _split_factor_kernel[(triton.cdiv(k, 64),)](p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1),
+        launch(_split_factor_kernel)[(triton.cdiv(k, 64),)](p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1),
                                                     BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
         p_KR = split
-    _lora_down_kernel[(triton.cdiv(n_rows, c["block_m"]),)](
+    launch(_lora_down_kernel)[(triton.cdiv(n_rows, c["block_m"]),)](
         x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1),
         MODE=mode, UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k, BLOCK_R=block_r,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -302,7 +303,7 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
     if base_MN.numel() == 0:
         return base_MN
     c = UP_CONFIG
-    _lora_up_add_kernel[(triton.cdiv(n_rows, c["block_m"]), triton.cdiv(n_cols, c["block_n"]))](
+    launch(_lora_up_add_kernel)[(triton.cdiv(n_rows, c["block_m"]), triton.cdiv(n_cols, c["block_n"]))](
         base_MN, h_MR, q_RN, base_MN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0),
         q_RN.stride(0), q_RN.stride(1), base_MN.stride(0), float(scale),
         BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(h_MR.shape[1]), num_warps=c["num_warps"],
@@ -328,7 +329,7 @@ def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool
     splits = triton.cdiv(n_rows, rows_per_split)
     g = torch.empty((splits, *shape), dtype=torch.float32, device=x_MK.device)
     stride_gk, stride_gr = (rank, 1) if transposed else (1, k)
-    _lora_grad_kernel[(k_blocks, splits)](
+    launch(_lora_grad_kernel)[(k_blocks, splits)](
         u_MR, x_MK, g, n_rows, k, rank, x_MK.stride(0), stride_gk, stride_gr, rows_per_split, float(scale),
         MODE=_mode(x_MK, u_MR), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=_block_r(rank),
@@ -423,15 +424,15 @@ def _backward(ctx, dy, _dh):
 @functools.cache
 def register() -> None:
     """Define ``sloth::lora_linear`` and ``sloth::lora_linear_backward`` (idempotent)."""
-    fwd = torch.library.custom_op("sloth::lora_linear", mutates_args=())(lora_forward)
-    bwd = torch.library.custom_op("sloth::lora_linear_backward", mutates_args=())(lora_backward)
+    fwd = define("sloth::lora_linear", lora_forward)
+    bwd = define("sloth::lora_linear_backward", lora_backward)
 
-    @fwd.register_fake
+    @fake(fwd)
     def _(x, w, bias, a, b, scale):
         rows = math.prod(x.shape[:-1])
         return x.new_empty((*x.shape[:-1], w.shape[0])), x.new_empty((rows, a.shape[0]), dtype=torch.float32)
 
-    @bwd.register_fake
+    @fake(bwd)
     def _(dy, x, w, a, b, h, scale, need_dx):
         return (x.new_empty(x.shape) if need_dx else x.new_empty(0)), a.new_empty(a.shape), b.new_empty(b.shape)
 

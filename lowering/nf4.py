@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .registration import launch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' quantize_4bit accepts these
@@ -220,7 +221,7 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, 
         out = torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=packed.device)
     if n:
         n_bytes = (n + 1) // 2
-        _dequantize_4bit_kernel[(triton.cdiv(n_bytes, _BLOCK_BYTES),)](
+        launch(_dequantize_4bit_kernel)[(triton.cdiv(n_bytes, _BLOCK_BYTES),)](
             packed.reshape(-1), absmax.reshape(-1), code_table(quant_type, packed.device), out,
             n, n_bytes,
             BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, num_warps=4,
@@ -277,7 +278,7 @@ def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, stat
                                            offset_t, blocksize2)
     out = torch.empty(n, dtype=torch.float32, device=absmax_u8.device)
     if n:
-        _dequantize_absmax_kernel[(triton.cdiv(n, _ABSMAX_BLOCK),)](
+        launch(_dequantize_absmax_kernel)[(triton.cdiv(n, _ABSMAX_BLOCK),)](
             absmax_u8.reshape(-1), state2_absmax.reshape(-1), state2_code.reshape(-1), offset_t, out,
             n,
             BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, num_warps=4, enable_fp_fusion=False,

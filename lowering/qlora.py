@@ -30,6 +30,7 @@ import torch
 
 from . import nf4
 from .lora import lora_backward, lora_forward
+from .registration import define, fake
 
 QUANT_TYPES = ("nf4", "fp4")
 
@@ -102,16 +103,16 @@ def _backward(ctx, dy, _dh):
 @functools.cache
 def register() -> None:
     """Define ``sloth::qlora_linear`` and ``sloth::qlora_linear_backward`` (idempotent)."""
-    fwd = torch.library.custom_op("sloth::qlora_linear", mutates_args=())(_qlora_fwd)
-    bwd = torch.library.custom_op("sloth::qlora_linear_backward", mutates_args=())(_qlora_bwd)
+    fwd = define("sloth::qlora_linear", _qlora_fwd)
+    bwd = define("sloth::qlora_linear_backward", _qlora_bwd)
 
-    @fwd.register_fake
+    @fake(fwd)
     def _(x, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features, blocksize,
           quant_type, bias, a, b, scale):
         rows = math.prod(x.shape[:-1])
         return x.new_empty((*x.shape[:-1], out_features)), x.new_empty((rows, a.shape[0]), dtype=torch.float32)
 
-    @bwd.register_fake
+    @fake(bwd)
     def _(dy, x, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features, blocksize,
           quant_type, a, b, h, scale, need_dx):
         return (x.new_empty(x.shape) if need_dx else x.new_empty(0)), a.new_empty(a.shape), b.new_empty(b.shape)

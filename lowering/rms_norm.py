@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .registration import define, fake, launch
 from .rounding import round_to
 
 # A row lives in registers whole; past this the single-pass kernel would spill (the patterns' guard
@@ -173,7 +174,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, o
     y_ND = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0:
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        launch(_rms_norm_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
             x_ND, weight if weight is not None else x_ND, y_ND,
             n_rows, n_cols, x_ND.stride(0), y_ND.stride(0),
             float(eps), float(offset),
@@ -240,7 +241,7 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     blocks_per_prog = triton.cdiv(n_blocks, n_progs)
     n_progs = triton.cdiv(n_blocks, blocks_per_prog)
     dw_partial = torch.empty((n_progs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(n_progs,)](
+    launch(_rms_norm_bwd_kernel)[(n_progs,)](
         dy_ND, x_ND, weight if weight is not None else x_ND, dx_ND, dw_partial,
         n_rows, n_cols, dy_ND.stride(0), x_ND.stride(0), dx_ND.stride(0), blocks_per_prog,
         float(eps), float(offset),
@@ -271,14 +272,14 @@ def _backward(ctx, dy):
 @functools.cache
 def register() -> None:
     """Define ``sloth::rms_norm`` and ``sloth::rms_norm_backward`` (idempotent)."""
-    fwd = torch.library.custom_op("sloth::rms_norm", mutates_args=())(_rms_norm_fwd)
-    bwd = torch.library.custom_op("sloth::rms_norm_backward", mutates_args=())(_rms_norm_bwd)
+    fwd = define("sloth::rms_norm", _rms_norm_fwd)
+    bwd = define("sloth::rms_norm_backward", _rms_norm_bwd)
 
-    @fwd.register_fake
+    @fake(fwd)
     def _(x, weight, eps, offset, out_dtype):
         return x.new_empty(x.shape, dtype=out_dtype)
 
-    @bwd.register_fake
+    @fake(bwd)
     def _(dy, x, weight, eps, offset, compute_dw):
         dw = weight.new_empty(weight.shape) if (compute_dw and weight is not None) else x.new_empty(0)
         return x.new_empty(x.shape), dw

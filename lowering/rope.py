@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .registration import define, fake, launch
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -250,7 +251,7 @@ def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dt
         return ys
     if len(xs) == 1:  # the k slot gets no programs
         xs, ys, metas, n_blocks = xs * 2, ys * 2, metas * 2, n_blocks + [0]
-    _rope_kernel[(sum(n_blocks),)](
+    launch(_rope_kernel)[(sum(n_blocks),)](
         xs[0], xs[1], cos, sin, ys[0], ys[1],
         *metas[0], *metas[1],
         rot // 2, head - rot, n_blocks[0],
@@ -333,25 +334,25 @@ def _backward_single(ctx, dy):
 @functools.cache
 def register() -> None:
     """Define ``sloth::rope``, ``sloth::rope_single`` and their backward ops (idempotent)."""
-    fwd = torch.library.custom_op("sloth::rope", mutates_args=())(_rope_fwd)
-    bwd = torch.library.custom_op("sloth::rope_backward", mutates_args=())(_rope_bwd)
-    fwd1 = torch.library.custom_op("sloth::rope_single", mutates_args=())(_rope_single_fwd)
-    bwd1 = torch.library.custom_op("sloth::rope_single_backward", mutates_args=())(_rope_single_bwd)
+    fwd = define("sloth::rope", _rope_fwd)
+    bwd = define("sloth::rope_backward", _rope_bwd)
+    fwd1 = define("sloth::rope_single", _rope_single_fwd)
+    bwd1 = define("sloth::rope_single_backward", _rope_single_bwd)
 
-    @fwd.register_fake
+    @fake(fwd)
     def _(q, k, cos, sin, interleaved=False):
         return q.new_empty(q.shape, dtype=_out_dtype(q.dtype, cos, sin)), \
             k.new_empty(k.shape, dtype=_out_dtype(k.dtype, cos, sin))
 
-    @bwd.register_fake
+    @fake(bwd)
     def _(dq, dk, cos, sin, q_dtype, k_dtype, interleaved=False):
         return dq.new_empty(dq.shape, dtype=q_dtype), dk.new_empty(dk.shape, dtype=k_dtype)
 
-    @fwd1.register_fake
+    @fake(fwd1)
     def _(x, cos, sin, interleaved=False):
         return x.new_empty(x.shape, dtype=_out_dtype(x.dtype, cos, sin))
 
-    @bwd1.register_fake
+    @fake(bwd1)
     def _(dy, cos, sin, x_dtype, interleaved=False):
         return dy.new_empty(dy.shape, dtype=x_dtype)
 
