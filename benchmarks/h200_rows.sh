@@ -11,13 +11,14 @@
 #   bash benchmarks/h200_rows.sh long      # batch 1 x 16384 with gradient checkpointing: inductor, sloth
 #   bash benchmarks/h200_rows.sh profile   # Unsloth's and sloth's LoRA steps, each with its kernel table
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
+#   bash benchmarks/h200_rows.sh versus    # QLoRA sloth (with and without CUDA graphs) and Unsloth, LoRA Unsloth
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #
 # sloth runs with return_logits=False (Unsloth and Liger do not return the logits while training either);
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile|launch}
+part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile|launch|versus}
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -60,6 +61,11 @@ case $part in
         run lora-sloth-triton-op 230 --all --variants sloth --sloth-options "$SLOTH" --profile
         unset SLOTH_TRITON_OP
         run lora-sloth-cg 150 --all --variants sloth --sloth-options "$SLOTH_CG" ;;
+    versus)  # one lease for sloth and Unsloth (their host CPUs differ from lease to lease)
+        run qlora-sloth-cg 120 --all --qlora --variants sloth --sloth-options "$SLOTH_CG"
+        run qlora-unsloth 180 --all --qlora --variants unsloth
+        run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        run lora-unsloth 150 --all --variants unsloth ;;
     long)
         run long 560 --all --batch 1 --seq 16384 --grad-ckpt --variants inductor,sloth --sloth-options "$SLOTH" ;;
     *) echo "unknown part $part"; exit 2 ;;
