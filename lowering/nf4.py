@@ -113,16 +113,25 @@ def _to_output_dtype(b_x, DTYPE: tl.constexpr):
 @triton.jit
 def _dequantize_4bit_kernel(
     p_packed, p_absmax, p_code, p_out,
+    p_absmax2, p_code2, p_offset,
     n_elements, n_bytes,
-    BLOCKSIZE: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+    BLOCKSIZE: tl.constexpr, BLOCK_BYTES: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
 ):
-    """One program: BLOCK_BYTES packed bytes -> 2*BLOCK_BYTES consecutive output elements."""
+    """One program: BLOCK_BYTES packed bytes -> 2*BLOCK_BYTES consecutive output elements. NESTED: ``p_absmax``
+    holds uint8 codes and each block's absmax is dequantised here (``_dequantize_absmax_kernel``'s math, two
+    roundings: the launch passes enable_fp_fusion=False) instead of by a kernel launch of its own."""
     i_b = tl.program_id(0).to(tl.int64)
     o_byte = i_b * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     m_byte = o_byte < n_bytes
     b_packed = tl.load(p_packed + o_byte, mask=m_byte, other=0).to(tl.int32)
     # Both elements of a byte (2i, 2i+1) lie in one absmax block: blocksize is even.
-    b_absmax = tl.load(p_absmax + o_byte // (BLOCKSIZE // 2), mask=m_byte, other=0.0)
+    o_block = o_byte // (BLOCKSIZE // 2)
+    if NESTED:
+        b_q = tl.load(p_absmax + o_block, mask=m_byte, other=0).to(tl.int32)
+        b_absmax2 = tl.load(p_absmax2 + o_block // BLOCKSIZE2, mask=m_byte, other=0.0)
+        b_absmax = tl.load(p_code2 + b_q) * b_absmax2 + tl.load(p_offset)
+    else:
+        b_absmax = tl.load(p_absmax + o_block, mask=m_byte, other=0.0)
     b_hi = tl.load(p_code + (b_packed >> 4)) * b_absmax  # element 2i
     b_lo = tl.load(p_code + (b_packed & 0xF)) * b_absmax  # element 2i + 1
     o_out = i_b * (2 * BLOCK_BYTES) + tl.arange(0, 2 * BLOCK_BYTES)
@@ -156,14 +165,15 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _check_4bit_inputs(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
-                       shape: Sequence[int], dtype: torch.dtype, out: Optional[torch.Tensor]) -> int:
+                       shape: Sequence[int], dtype: torch.dtype, out: Optional[torch.Tensor],
+                       absmax_dtype: torch.dtype = torch.float32) -> int:
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"sloth.nf4: quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
     if packed.dtype != torch.uint8:
         raise TypeError(f"sloth.nf4: packed must be uint8 (two 4-bit codes a byte), got {packed.dtype}")
-    if absmax.dtype != torch.float32:
-        raise TypeError(f"sloth.nf4: absmax must be float32 (dequantize_absmax first when nested), "
-                        f"got {absmax.dtype}")
+    if absmax.dtype != absmax_dtype:
+        raise TypeError(f"sloth.nf4: absmax must be {absmax_dtype} (float32, or the uint8 codes of a nested "
+                        f"state for dequantize_4bit_nested), got {absmax.dtype}")
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"sloth.nf4: dtype must be float32, bfloat16 or float16, got {dtype}")
     if blocksize not in BLOCKSIZES:
@@ -219,14 +229,25 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, 
         return w if out is None else out.copy_(w)
     if out is None:
         out = torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=packed.device)
-    if n:
-        n_bytes = (n + 1) // 2
-        launch(_dequantize_4bit_kernel)[(triton.cdiv(n_bytes, _BLOCK_BYTES),)](
-            packed.reshape(-1), absmax.reshape(-1), code_table(quant_type, packed.device), out,
-            n, n_bytes,
-            BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, num_warps=4,
-        )
+    _launch_4bit(packed, absmax, None, blocksize, quant_type, n, out)
     return out
+
+
+def _launch_4bit(packed: torch.Tensor, absmax: torch.Tensor, nested: Optional[tuple], blocksize: int,
+                 quant_type: str, n: int, out: torch.Tensor) -> None:
+    """One launch of ``_dequantize_4bit_kernel`` into ``out``; ``nested`` = (state2_absmax, state2_code,
+    offset tensor, blocksize2) when ``absmax`` holds the uint8 codes of a double-quantised state."""
+    if not n:
+        return
+    absmax2, code2, offset, blocksize2 = nested if nested is not None else (absmax, absmax, absmax, 256)
+    n_bytes = (n + 1) // 2
+    launch(_dequantize_4bit_kernel)[(triton.cdiv(n_bytes, _BLOCK_BYTES),)](
+        packed.reshape(-1), absmax.reshape(-1), code_table(quant_type, packed.device), out,
+        absmax2.reshape(-1), code2.reshape(-1), offset,
+        n, n_bytes,
+        BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, NESTED=nested is not None, BLOCKSIZE2=blocksize2,
+        num_warps=4, enable_fp_fusion=False,
+    )
 
 
 def _offset_tensor(offset: Union[torch.Tensor, float], device: torch.device) -> torch.Tensor:
@@ -246,15 +267,8 @@ def dequantize_absmax_reference(absmax_u8: torch.Tensor, state2_absmax: torch.Te
     return state2_code[absmax_u8.reshape(-1).long()] * scale + offset
 
 
-def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, state2_code: torch.Tensor,
-                      offset: Union[torch.Tensor, float], blocksize2: int = 256) -> torch.Tensor:
-    """The fp32 absmax of a nested (double-quantised) bitsandbytes QuantState ``qs``::
-
-        dequantize_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.state2.blocksize)
-
-    equals bit for bit ``dequantize_blockwise(qs.absmax, qs.state2) + qs.offset``, what
-    ``bitsandbytes.functional.dequantize_4bit`` computes before dequantising the weight.
-    """
+def _check_absmax_inputs(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, state2_code: torch.Tensor,
+                         blocksize2: int) -> None:
     if absmax_u8.dtype != torch.uint8:
         raise TypeError(f"sloth.nf4: absmax_u8 must be uint8 (nested absmax codes), got {absmax_u8.dtype}")
     if state2_absmax.dtype != torch.float32 or state2_code.dtype != torch.float32:
@@ -264,14 +278,26 @@ def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, stat
         raise ValueError(f"sloth.nf4: state2_code must have 256 entries, got {state2_code.numel()}")
     if blocksize2 <= 0:
         raise ValueError(f"sloth.nf4: blocksize2 must be positive, got {blocksize2}")
-    n = absmax_u8.numel()
-    nblocks2 = -(-n // blocksize2)
+    nblocks2 = -(-absmax_u8.numel() // blocksize2)
     if state2_absmax.numel() != nblocks2:
-        raise ValueError(f"sloth.nf4: state2_absmax must have ceil({n} / {blocksize2}) = {nblocks2} entries, "
-                         f"got {state2_absmax.numel()}")
+        raise ValueError(f"sloth.nf4: state2_absmax must have ceil({absmax_u8.numel()} / {blocksize2}) = "
+                         f"{nblocks2} entries, got {state2_absmax.numel()}")
     for name, t in (("state2_absmax", state2_absmax), ("state2_code", state2_code)):
         if t.device != absmax_u8.device:
             raise ValueError(f"sloth.nf4: {name} is on {t.device} but absmax_u8 is on {absmax_u8.device}")
+
+
+def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, state2_code: torch.Tensor,
+                      offset: Union[torch.Tensor, float], blocksize2: int = 256) -> torch.Tensor:
+    """The fp32 absmax of a nested (double-quantised) bitsandbytes QuantState ``qs``::
+
+        dequantize_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset, qs.state2.blocksize)
+
+    equals bit for bit ``dequantize_blockwise(qs.absmax, qs.state2) + qs.offset``, what
+    ``bitsandbytes.functional.dequantize_4bit`` computes before dequantising the weight.
+    """
+    _check_absmax_inputs(absmax_u8, state2_absmax, state2_code, blocksize2)
+    n = absmax_u8.numel()
     offset_t = _offset_tensor(offset, absmax_u8.device)
     if not use_triton(absmax_u8):
         return dequantize_absmax_reference(absmax_u8, state2_absmax.reshape(-1), state2_code.reshape(-1),
@@ -283,4 +309,21 @@ def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, stat
             n,
             BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, num_warps=4, enable_fp_fusion=False,
         )
+    return out
+
+
+def dequantize_4bit_nested(packed: torch.Tensor, absmax_u8: torch.Tensor, state2_absmax: torch.Tensor,
+                           state2_code: torch.Tensor, offset: Union[torch.Tensor, float], blocksize: int,
+                           quant_type: str, shape: Sequence[int], dtype: torch.dtype, blocksize2: int = 256
+                           ) -> torch.Tensor:
+    """``dequantize_4bit(packed, dequantize_absmax(absmax_u8, state2_absmax, state2_code, offset, blocksize2),
+    ...)`` bit for bit, in one kernel launch (the absmax of each block dequantised where it is used)."""
+    if not use_triton(packed):
+        absmax = dequantize_absmax(absmax_u8, state2_absmax, state2_code, offset, blocksize2)
+        return dequantize_4bit(packed, absmax, blocksize, quant_type, shape, dtype)
+    _check_absmax_inputs(absmax_u8, state2_absmax, state2_code, blocksize2)
+    n = _check_4bit_inputs(packed, absmax_u8, blocksize, quant_type, shape, dtype, None, absmax_dtype=torch.uint8)
+    out = torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=packed.device)
+    _launch_4bit(packed, absmax_u8, (state2_absmax, state2_code, _offset_tensor(offset, absmax_u8.device),
+                                     blocksize2), blocksize, quant_type, n, out)
     return out

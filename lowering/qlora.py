@@ -46,8 +46,9 @@ def dequantized_weight(packed: torch.Tensor, absmax: torch.Tensor, absmax_code: 
     if nested != (absmax_scale is not None) or nested != (absmax_offset is not None):
         raise ValueError("sloth.qlora_linear: absmax_code, absmax_scale and absmax_offset come together "
                          "(double quantisation) or not at all")
-    if nested:
-        absmax = nf4.dequantize_absmax(absmax, absmax_scale, absmax_code, absmax_offset)
+    if nested:  # one launch: each block's absmax is dequantised where the weight kernel reads it
+        return nf4.dequantize_4bit_nested(packed, absmax, absmax_scale, absmax_code, absmax_offset, blocksize,
+                                          quant_type, (out_features, in_features), dtype)
     return nf4.dequantize_4bit(packed, absmax, blocksize, quant_type, (out_features, in_features), dtype)
 
 

@@ -25,7 +25,7 @@ import torch
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 import sloth.lowering.nf4 as lowering  # noqa: E402
-from sloth.lowering.nf4 import dequantize_4bit, dequantize_absmax  # noqa: E402
+from sloth.lowering.nf4 import dequantize_4bit, dequantize_4bit_nested, dequantize_absmax  # noqa: E402
 from op_checks import force_fallback  # noqa: E402
 
 KERNELS = ("_dequantize_4bit_kernel", "_dequantize_absmax_kernel")
@@ -86,6 +86,11 @@ def test_matches_bitsandbytes(quant_type, blocksize, nested, shape, path, device
         assert torch.equal(got, default), f"{dtype}: differs from bitsandbytes' default backend"
         if not _bnb_cpu_reads_absmax_per_row(w.device, shape, blocksize):
             assert torch.equal(got, expected), f"{dtype}: differs from bitsandbytes.functional.dequantize_4bit"
+        if nested:  # the one-launch form, each block's absmax dequantised inside the weight kernel
+            one = dequantize_4bit_nested(q, state.absmax, state.state2.absmax, state.state2.code, state.offset,
+                                         blocksize, quant_type, shape, dtype, state.state2.blocksize)
+            assert one.dtype == dtype and one.shape == shape
+            assert torch.equal(one.view(torch.uint8), got.view(torch.uint8)), f"{dtype}: nested in one launch"
 
 
 def test_triton_and_fallback_same_bits(device, monkeypatch):
@@ -136,19 +141,26 @@ def test_nested_absmax_two_roundings(path, device):
     # A Python float offset is rounded to fp32 first, as torch's ``absmax += float`` does.
     got_float = dequantize_absmax(q, state2.absmax, state2.code, float(offset), 256)
     assert torch.equal(got_float.view(torch.int32), expected.view(torch.int32))
+    # The same absmax inside the weight kernel: NF4 code 15 is 1.0, so an fp32 weight of all-0xFF bytes
+    # (blocksize 64) reads back each block's absmax.
+    packed = torch.full((5000 * 32,), 0xFF, dtype=torch.uint8, device=device)
+    weight = dequantize_4bit_nested(packed, q, state2.absmax, state2.code, offset, 64, "nf4", (5000, 64),
+                                    torch.float32)
+    assert torch.equal(weight[:, 0].contiguous().view(torch.int32), expected.view(torch.int32))
     # What an FMA would give (one rounding): it differs, so the two roundings are observable.
     scale = state2.absmax.double().repeat_interleave(256)[:5000]
     fused = (state2.code.double()[q.long()] * scale + offset.double()).float()
     assert not torch.equal(fused, expected)
 
 
-def test_nested_absmax_launch_disables_fp_fusion(device, monkeypatch):
-    """The absmax kernel is launched with enable_fp_fusion=False (the interpreter ignores it; a GPU would
-    otherwise contract the multiply and the add into one FMA)."""
+@pytest.mark.parametrize("name", KERNELS)
+def test_nested_absmax_launch_disables_fp_fusion(name, device, monkeypatch):
+    """Both kernels that dequantise a nested absmax are launched with enable_fp_fusion=False (the interpreter
+    ignores it; a GPU would otherwise contract the multiply and the add into one FMA)."""
     if not lowering.use_triton(torch.empty(0, device=device)):
         pytest.skip("no Triton here")
     launches = []
-    kernel = lowering._dequantize_absmax_kernel
+    kernel = getattr(lowering, name)
 
     class _Record:
         def __getitem__(self, grid):
@@ -157,9 +169,13 @@ def test_nested_absmax_launch_disables_fp_fusion(device, monkeypatch):
                 return kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(lowering, "_dequantize_absmax_kernel", _Record())
+    monkeypatch.setattr(lowering, name, _Record())
     q = torch.randint(0, 256, (300,), dtype=torch.uint8, device=device)
-    dequantize_absmax(q, torch.ones(2, device=device), torch.linspace(-1, 1, 256, device=device), 0.5)
+    if name == "_dequantize_absmax_kernel":
+        dequantize_absmax(q, torch.ones(2, device=device), torch.linspace(-1, 1, 256, device=device), 0.5)
+    else:
+        dequantize_4bit_nested(torch.zeros(300 * 32, dtype=torch.uint8, device=device), q, torch.ones(2, device=device),
+                               torch.linspace(-1, 1, 256, device=device), 0.5, 64, "nf4", (300, 64), torch.bfloat16)
     assert launches and all(k.get("enable_fp_fusion") is False for k in launches)
 
 
@@ -192,7 +208,7 @@ def test_bad_inputs(device):
         dequantize_4bit(q.view(torch.int8), absmax, 64, "nf4", shape, torch.bfloat16)
     with pytest.raises(ValueError, match="packed must hold"):
         dequantize_4bit(q[:-1], absmax, 64, "nf4", shape, torch.bfloat16)
-    with pytest.raises(TypeError, match="absmax must be float32"):
+    with pytest.raises(TypeError, match="absmax must be torch.float32"):
         dequantize_4bit(q, absmax.half(), 64, "nf4", shape, torch.bfloat16)
     with pytest.raises(ValueError, match="blocksize"):
         dequantize_4bit(q, absmax, 48, "nf4", shape, torch.bfloat16)

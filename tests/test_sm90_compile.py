@@ -109,6 +109,8 @@ def _llama_launches() -> None:
     nf4.dequantize_4bit(packed, torch.empty(inter * h // 64), 64, "nf4", (inter, h), bf16)
     nf4.dequantize_absmax(torch.empty(inter * h // 64, dtype=torch.uint8), torch.empty(inter * h // 64 // 256),
                           torch.empty(256), 0.0, 256)
+    nf4.dequantize_4bit_nested(packed, torch.empty(inter * h // 64, dtype=torch.uint8),
+                               torch.empty(inter * h // 64 // 256), torch.empty(256), 0.0, 64, "nf4", (inter, h), bf16)
     for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
         nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
 
