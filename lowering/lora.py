@@ -191,13 +191,11 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, st
 
 
 @triton.jit
-def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, rows_per_split, scale,
-                      MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
-    """g[split] = scale * u[rows, R].T @ x[rows, K] over one split's rows, stored through (stride_gk,
-    stride_gr) so the caller picks [R, K] or [K, R]: grid (K blocks, splits). The caller sums the splits
-    (a deterministic reduction, no atomics)."""
-    i_k, i_s = tl.program_id(0), tl.program_id(1)
+def _grad_tile(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s, rows_per_split,
+               scale, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """g[i_s] [:, K block i_k] = scale * u[rows, R].T @ x[rows, K block] over split i_s's rows, stored through
+    (stride_gk, stride_gr) so the caller picks [R, K] or [K, R], splits ``stride_gs`` apart."""
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     o_r = tl.arange(0, BLOCK_R)
     m_k, m_r = o_k < K, o_r < R
@@ -210,8 +208,26 @@ def _lora_grad_kernel(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, r
         b_ut = tl.load(p_u + o_m[None, :] * R + o_r[:, None], mask=m_r[:, None] & m_m[None, :], other=0.0)
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_g = _dot_fp32_exact(b_x, b_ut, b_g, MODE, True, UPCAST)
-    p_out = p_g + i_s * R * K + o_r[:, None] * stride_gr + o_k[None, :] * stride_gk
+    p_out = p_g + i_s * stride_gs + o_r[:, None] * stride_gr + o_k[None, :] * stride_gk
     tl.store(p_out, b_g * scale, mask=m_r[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _lora_grad_kernel(p_u, p_x, p_g, K, stride_xm, stride_gk, stride_gr, stride_gs, k_blocks,
+                      p_u2, p_x2, p_g2, K2, stride_xm2, stride_gk2, stride_gr2, stride_gs2,
+                      M, R, rows_per_split, scale,
+                      MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """Up to two weight gradients of one backward in one launch (same rows M, rank R and scale): programs
+    i_k < k_blocks form g = u.T @ x over K, the rest g2 = u2.T @ x2 over K2 (K2 = 0: one gradient only).
+    Grid (k blocks of both, splits); the caller sums the splits (a deterministic reduction, no atomics)."""
+    i_k, i_s = tl.program_id(0), tl.program_id(1)
+    if i_k < k_blocks:
+        _grad_tile(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s, rows_per_split,
+                   scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+    else:
+        _grad_tile(p_u2, p_x2, p_g2, M, K2, R, stride_xm2, stride_gk2, stride_gr2, stride_gs2, i_k - k_blocks, i_s,
+                   rows_per_split, scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,30 +328,46 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
     return base_MN
 
 
-def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool = False) -> torch.Tensor:
-    """``scale * u_MR.T @ x_MK`` in fp32: [R, K], or its transpose [K, R] (contiguous) when ``transposed``.
-    The M rows are split so the grid covers the GPU; the splits' partial sums are added at the end."""
-    n_rows, k = x_MK.shape
-    rank = u_MR.shape[1]
-    u_MR = u_MR.contiguous()  # the kernel reads u with row stride R
-    shape = (k, rank) if transposed else (rank, k)
-    if n_rows == 0 or k == 0:
-        return torch.zeros(shape, dtype=torch.float32, device=x_MK.device)
+def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float) -> list[torch.Tensor]:
+    """``scale * u_MR.T @ x_MK`` in fp32 for each (u_MR, x_MK, transposed) of one or two ``problems`` sharing
+    M rows and rank R, in one launch: [R, K], or its transpose [K, R] (contiguous) when ``transposed``. The M
+    rows are split so the grid covers the GPU; the splits' partial sums are added at the end."""
+    n_rows, rank = problems[0][0].shape
+    sizes = [x.shape[1] for _, x, _ in problems]
+    if n_rows == 0 or 0 in sizes:
+        return [torch.zeros((k, rank) if t else (rank, k), dtype=torch.float32, device=x.device)
+                for (_, x, t), k in zip(problems, sizes)]
     c = GRAD_CONFIG
-    block_m, block_k = c["block_m"], min(c["block_k"], max(16, triton.next_power_of_2(k)))
-    k_blocks = triton.cdiv(k, block_k)
-    splits = max(1, min(triton.cdiv(c["programs"], k_blocks), triton.cdiv(n_rows, 4 * block_m)))
+    block_m, block_k = c["block_m"], min(c["block_k"], max(16, triton.next_power_of_2(max(sizes))))
+    k_blocks = [triton.cdiv(k, block_k) for k in sizes]
+    splits = max(1, min(triton.cdiv(c["programs"], sum(k_blocks)), triton.cdiv(n_rows, 4 * block_m)))
     rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
     splits = triton.cdiv(n_rows, rows_per_split)
-    g = torch.empty((splits, *shape), dtype=torch.float32, device=x_MK.device)
-    stride_gk, stride_gr = (rank, 1) if transposed else (1, k)
-    launch(_lora_grad_kernel)[(k_blocks, splits)](
-        u_MR, x_MK, g, n_rows, k, rank, x_MK.stride(0), stride_gk, stride_gr, rows_per_split, float(scale),
-        MODE=_mode(x_MK, u_MR), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k,
+    args, outs = [], []
+    for u_MR, x_MK, transposed in problems:
+        k = x_MK.shape[1]
+        g = torch.empty((splits, *((k, rank) if transposed else (rank, k))), dtype=torch.float32, device=x_MK.device)
+        stride_gk, stride_gr = (rank, 1) if transposed else (1, k)
+        # The kernel reads u with row stride R.
+        args.append((u_MR.contiguous(), x_MK, g, k, x_MK.stride(0), stride_gk, stride_gr, g.stride(0)))
+        outs.append(g)
+    (u1, x1, g1, k1, *strides1), (u2, x2, g2, k2, *strides2) = args[0], args[-1]
+    if len(problems) == 1:
+        k2 = 0  # the second slot gets no programs
+    launch(_lora_grad_kernel)[(sum(k_blocks), splits)](
+        u1, x1, g1, k1, *strides1, k_blocks[0],
+        u2, x2, g2, k2, *strides2,
+        n_rows, rank, rows_per_split, float(scale),
+        MODE=_mode(x1, u1), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=_block_r(rank),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    return g[0] if splits == 1 else g.sum(0)
+    return [g[0] if splits == 1 else g.sum(0) for g in outs]
+
+
+def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool = False) -> torch.Tensor:
+    """``scale * u_MR.T @ x_MK`` in fp32: [R, K], or its transpose [K, R] (contiguous) when ``transposed``."""
+    return _grads([(u_MR, x_MK, transposed)], scale)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -394,8 +426,10 @@ def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.T
     dy_MN, x_MK = rows_2d(dy), rows_2d(x)
     g_MR = _down(dy_MN, b)
     dx = _up_add_(dy_MN @ w, g_MR, a, scale).view(x.shape) if need_dx else x.new_empty(0)
-    da = _grad(g_MR, x_MK, scale).to(a.dtype)
-    db = _grad(h, dy_MN, scale, transposed=True).to(b.dtype)
+    # da and db in one launch: they share M, r and the scale, and their mode (x and dy share a dtype; g and h
+    # are fp32).
+    da, db = _grads([(g_MR, x_MK, False), (h, dy_MN, True)], scale)
+    da, db = da.to(a.dtype), db.to(b.dtype)
     return dx, da, db
 
 

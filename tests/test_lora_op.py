@@ -143,6 +143,25 @@ def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype):
     check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), dtype, adapter_dtype, 2.0)
 
 
+def test_backward_forms_both_adapter_gradients_in_one_launch(monkeypatch):
+    """da and db come from one grad-kernel launch (programs of both problems in one grid)."""
+    if not lowering.use_triton(torch.empty(0)):
+        pytest.skip("no Triton here")
+    launches = []
+    kernel = lowering._lora_grad_kernel
+
+    class _Record:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(lowering, "_lora_grad_kernel", _Record())
+    x, w, _, a, b, _ = make_inputs((3, 9, 40), 24, 5, bias=False)
+    x, a, b = x.bfloat16().requires_grad_(), a.requires_grad_(), b.requires_grad_()
+    lora_linear(x, w.bfloat16(), None, a, b, 2.0).sum().backward()
+    assert len(launches) == 1 and a.grad is not None and b.grad is not None and x.grad is not None
+
+
 def test_fp32_input_with_a_bf16_adapter():
     # Allowed by the op (the factors need only agree with each other). The pattern rounds x to bf16 for the
     # adapter (peft's x.to(lora_A.weight.dtype)); the op reads x in fp32, which the fp64 reference rewards.
