@@ -12,13 +12,14 @@
 #   bash benchmarks/h200_rows.sh profile   # Unsloth's and sloth's LoRA steps, each with its kernel table
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
 #   bash benchmarks/h200_rows.sh versus    # QLoRA sloth (with and without CUDA graphs) and Unsloth, LoRA Unsloth
+#   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #
 # sloth runs with return_logits=False (Unsloth and Liger do not return the logits while training either);
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile|launch|versus}
+part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile|launch|versus|recheck}
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -66,9 +67,18 @@ case $part in
         run qlora-unsloth 180 --all --qlora --variants unsloth
         run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH"
         run lora-unsloth 150 --all --variants unsloth ;;
+    recheck)  # after launch-count changes; the 4-layer pair says whether triton_op compiles and what it saves
+        run lora-sloth 130 --all --variants sloth --sloth-options "$SLOTH"
+        run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        run l4-custom-op 90 --all --variants sloth --layers 4 --sloth-options "$SLOTH" --profile
+        export SLOTH_TRITON_OP=1
+        run l4-triton-op 150 --all --variants sloth --layers 4 --sloth-options "$SLOTH" --profile
+        unset SLOTH_TRITON_OP ;;
     long)
         run long 560 --all --batch 1 --seq 16384 --grad-ckpt --variants inductor,sloth --sloth-options "$SLOTH" ;;
     *) echo "unknown part $part"; exit 2 ;;
 esac
 [ -z "${DRY:-}" ] && (cd "$out" && tar czf logs.tgz logs && rm -rf logs)
+# At most 8 files come back: the markdown tables (each made again from its JSON) travel as one archive.
+[ -z "${DRY:-}" ] && [ "$(ls "$out" | wc -l)" -gt 8 ] && (cd "$out" && tar czf tables.tgz ./*.md && rm -f ./*.md)
 exit 0
