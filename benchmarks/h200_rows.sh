@@ -19,13 +19,13 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile|launch|versus|recheck}
+part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile|launch|versus|recheck|qlora-recheck}
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-if [ -z "${DRY:-}" ] && ls .whl/*.whl .whl/unsloth/*.whl >/dev/null 2>&1; then
-    pip install -q --no-index --no-deps --target /tmp/wheels $(ls .whl/*.whl .whl/unsloth/*.whl 2>/dev/null) \
-        2>/dev/null && export PYTHONPATH=/tmp/wheels
+wheels=$(ls .whl/*.whl .whl/unsloth/*.whl 2>/dev/null)  # whichever of the two folders were carried
+if [ -z "${DRY:-}" ] && [ -n "$wheels" ]; then
+    pip install -q --no-index --no-deps --target /tmp/wheels $wheels 2>/dev/null && export PYTHONPATH=/tmp/wheels
 fi
 SLOTH='{"return_logits": false}'
 SLOTH_CG='{"return_logits": false, "triton.cudagraphs": true}'
@@ -67,6 +67,8 @@ case $part in
         run qlora-unsloth 180 --all --qlora --variants unsloth
         run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH"
         run lora-unsloth 150 --all --variants unsloth ;;
+    qlora-recheck)
+        run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH" ;;
     recheck)  # after launch-count changes; the 4-layer pair says whether triton_op compiles and what it saves
         run lora-sloth 130 --all --variants sloth --sloth-options "$SLOTH"
         run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH"
