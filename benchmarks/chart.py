@@ -3,9 +3,12 @@
     python -m benchmarks.chart results/A.json [results/B.json ...] --out results/chart.png \
         [--reference "Unsloth (DESIGN.md)=269,30.7"] [--title "..."]
 
-Every row of every given e2e JSON becomes one variant (the last row wins when a variant repeats);
-``--reference name=ms,GiB`` adds a row measured elsewhere, drawn hatched so it is not mistaken for one
-of ours. Needs matplotlib (``pip install matplotlib``; not a dependency of sloth).
+Every row of every given e2e JSON becomes one bar, named by its variant (" + CUDA graphs" when its run set
+``triton.cudagraphs``; the last row wins when a name repeats). Memory is ``max_memory_allocated``, except for
+CUDA-graph rows, whose activations live in a graph pool that counter misses: there it is
+``max_memory_reserved`` (marked "reserved"). ``--reference name=ms,GiB`` adds a row measured elsewhere, drawn
+hatched so it is not mistaken for one of ours. Needs matplotlib (``pip install matplotlib``; not a
+dependency of sloth).
 """
 from __future__ import annotations
 
@@ -15,11 +18,25 @@ import sys
 from pathlib import Path
 
 
+def _cudagraphs(record: dict, variant: str) -> bool:
+    """Whether ``variant``'s run in ``record`` (one e2e JSON) replayed CUDA graphs."""
+    key = "sloth_options" if variant == "sloth" else "inductor_options" if variant == "inductor" else None
+    options = json.loads(record["config"].get(key) or "{}") if key else {}
+    return bool(options.get("triton.cudagraphs")) or record["config"].get("mode") == "reduce-overhead"
+
+
 def load_rows(paths: list[Path]) -> dict[str, tuple[float, float]]:
     rows: dict[str, tuple[float, float]] = {}
     for path in paths:
-        for row in json.loads(path.read_text())["rows"]:
-            if "step ms" in row and row.get("peak GiB") is not None:
+        record = json.loads(path.read_text())
+        for row in record["rows"]:
+            if row.get("step ms") is None or row.get("peak GiB") is None:
+                continue
+            if _cudagraphs(record, row["variant"]):
+                if row.get("reserved GiB") is None:  # an older run: its allocated peak would mislead
+                    raise SystemExit(f"{path}: a CUDA-graph row without 'reserved GiB'; leave it out")
+                rows[f"{row['variant']} + CUDA graphs (reserved)"] = (row["step ms"], row["reserved GiB"])
+            else:
                 rows[row["variant"]] = (row["step ms"], row["peak GiB"])
     return rows
 
@@ -49,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, index, label in ((axes[0], 0, "step time (ms), lower is better"), (axes[1], 1, "peak memory (GiB)")):
         values = [(rows.get(n) or references[n])[index] for n in names]
-        bars = ax.barh(names, values, color=["#c44e52" if n == "sloth" else "#8c8c8c" for n in names])
+        bars = ax.barh(names, values, color=["#c44e52" if n.startswith("sloth") else "#8c8c8c" for n in names])
         for bar, name in zip(bars, names):
             if name in references:
                 bar.set_hatch("//")
