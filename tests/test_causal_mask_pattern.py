@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 import transformers.masking_utils
 from torch import nn
 
 import sloth
 from sloth.patterns.causal_mask import causal_mask_pattern, causal_reason, causal_reference
 from tests.pattern_checks import forward_backward, graph_of, seeded
-from tests.test_models import VOCAB, assert_model_close, build, loss_and_grads
+from tests.test_models import VOCAB, assert_model_close, build, loss_and_grads, tiny_config
 from tests.tolerance import assert_close
 
 B, H, L, D = 2, 3, 7, 8  # odd sizes: a transposed or shifted mask cannot pass by symmetry
@@ -230,11 +231,14 @@ def transformers_517_masks(monkeypatch):
     monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_transformers_materialised_causal_mask(transformers_517_masks, checkpointing: bool) -> None:
+@pytest.mark.parametrize("model_type, checkpointing", [
+    ("llama", False), ("llama", True), ("qwen3", False), ("mistral", False), ("phi3", False),
+    ("gemma3_text", False), ("olmo2", False), ("starcoder2", False)],
+    ids=lambda p: {True: "checkpointed", False: "plain"}.get(p, p) if isinstance(p, bool) else p)
+def test_transformers_materialised_causal_mask(transformers_517_masks, model_type: str, checkpointing: bool) -> None:
     """Every layer's SDPA gets is_causal (checkpointed layers receive the mask from the top-level graph), and
     the loss and every gradient agree with eager under the whole-model tolerance rule."""
-    model = build("llama", torch.float32)
+    model = build(model_type, torch.float32)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -249,6 +253,24 @@ def test_transformers_materialised_causal_mask(transformers_517_masks, checkpoin
     assert report.counts.get("causal_mask") == model.config.num_hidden_layers, str(report)
     assert not [r for r in report.rejections if r.family == "causal_mask"], str(report)
     assert_model_close(ours, eager, reference, torch.float32)
+
+
+def test_sliding_window_layers_keep_their_mask(transformers_517_masks) -> None:
+    """Gemma3 with a 4-token window over 11 tokens: the sliding layer's mask is not causal and stays (with the
+    reason), the full-attention layer's becomes is_causal; the loss still equals eager's."""
+    config = tiny_config("gemma3_text")
+    config.sliding_window = 4
+    config.layer_types = ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+    sloth.reset_report()
+    loss = torch.compile(model, backend="sloth", options={"inner": "eager"})(input_ids=ids, labels=ids).loss
+    report = sloth.report()
+    assert report.counts.get("causal_mask") == 1, str(report)
+    reasons = [r.reason for r in report.rejections if r.family == "causal_mask"]
+    assert len(reasons) == 1 and "not the causal mask" in reasons[0], reasons
+    torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss)
 
 
 def test_transformers_padding_mask_stays_with_reason(transformers_517_masks) -> None:
