@@ -9,7 +9,9 @@ outputs feed the graph that calls them rather than the user.
 follow in roadmap order and each can be switched off by name through ``options={"patterns": [...]}``;
 ``recompute`` runs last and marks what the backward should recompute rather than keep. A family pass runs
 on the graph and on each subgraph body, except a ``whole_module`` one, which runs once on the top-level
-graph and reaches into the bodies itself (the causal mask: a body receives it from its caller).
+graph and reaches into the bodies itself (the causal mask: a body receives it from its caller); it sees
+the bodies before their canonicalisation, so it must not rely on canonical spellings (the causal mask
+evaluates whatever ops build the mask).
 """
 from __future__ import annotations
 

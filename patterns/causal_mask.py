@@ -67,7 +67,7 @@ def _attention_parts(node: fx.Node) -> Optional[tuple[Any, Any, Any, bool]]:
     if node.op != "call_function" or node.target not in _SDPA:
         return None
     args = list(node.args) + [None] * (6 - len(node.args))
-    q, k = args[0], args[1]
+    q, k = node.kwargs.get("query", args[0]), node.kwargs.get("key", args[1])
     mask = node.kwargs.get("attn_mask", args[3])
     is_causal = node.kwargs.get("is_causal", args[5] if args[5] is not None else False)
     return q, k, mask, is_causal
@@ -119,6 +119,8 @@ def _closed_producers(mask: fx.Node) -> tuple[list[fx.Node], Optional[str]]:
                         "whose values the graph does not fix)")
         if node.op in ("get_attr", "call_module"):
             return [], f"it reads {node.target!r} ({node.op}), not only values the graph fixes"
+        if _is_random(node):
+            return [], f"it draws random numbers ({node.name}), which one evaluation would freeze"
         stack.extend(node.all_input_nodes)
     mutated = _mutated_producer(mask.graph, seen)
     if mutated is not None:
@@ -132,22 +134,64 @@ _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.i
                       operator.ilshift, operator.irshift, operator.imatmul}
 
 
-def _mutated_argument(node: fx.Node) -> Any:
-    """The tensor argument ``node`` writes in place (setitem, ``x += y``, ``x.fill_()``, ``out=``,
-    ``inplace=True``, a mutable aten op), or None for a functional node."""
-    if node.op not in ("call_function", "call_method") or not node.args:
-        return node.kwargs.get("out")
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        return node.args[0]
-    if getattr(node.target, "__module__", None) in ("operator", "_operator"):  # and_, or_, not_: functional
-        return None
+def _flat_nodes(value: Any) -> list[fx.Node]:
+    """Every fx.Node inside ``value`` (args, kwargs, nested lists, tuples and dicts)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    return found
+
+
+def _schema_writes(node: fx.Node, schema: Any) -> list[fx.Node]:
+    """The arguments ``schema`` marks as written (``Tensor(a!)``), by position or by name."""
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+        written += _flat_nodes(value)
+    return written
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose tensors ``node`` may write in place: setitem, ``x += y``, ``x.fill_()``, ``out=``,
+    ``inplace=True``, an op whose schema writes an argument (any of a packet's overloads counts for all its
+    arguments), a checkpointed body writing its placeholder, and, not knowing better, every input of any
+    other higher-order op. Empty for a functional node."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    target = node.target
+    out = _flat_nodes(node.kwargs.get("out"))
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return _body_call_writes(node) if getattr(target, "__name__", None) in _BODY_CALLS \
+            else node.all_input_nodes
+    if isinstance(target, torch._ops.OpOverload):
+        return _schema_writes(node, target._schema) + out
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        mutable = any(getattr(target, name)._schema.is_mutable for name in target.overloads())
+        return node.all_input_nodes if mutable else out
+    if not node.args:
+        return out
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    if target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return [*_flat_nodes(node.args[0]), *out]
+    if getattr(target, "__module__", None) in ("operator", "_operator"):  # and_, or_, not_: functional
+        return out
     if isinstance(name, str) and name.endswith("_") and not name.startswith("__"):
-        return node.args[0]
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None and schema.is_mutable:
-        return node.args[0]
-    return node.kwargs.get("out")
+        return [*_flat_nodes(node.args[0]), *out]
+    return out
+
+
+def _body_call_writes(node: fx.Node) -> list[fx.Node]:
+    """The operands of a ``_BODY_CALLS`` node whose placeholder its body writes (recursively); every operand
+    when the body cannot be read."""
+    body_node, operands = node.args[0], list(node.args[1:])
+    body = getattr(body_node.graph.owning_module, body_node.target, None) \
+        if isinstance(body_node, fx.Node) and body_node.op == "get_attr" else None
+    if not isinstance(body, fx.GraphModule):
+        return node.all_input_nodes
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    return [operand for placeholder, operand in zip(placeholders, operands)
+            if isinstance(operand, fx.Node) and _mutated_producer(body.graph, {placeholder}) is not None]
 
 
 def _storage(node: Any) -> Any:
@@ -162,10 +206,28 @@ def _mutated_producer(graph: fx.Graph, producers: set[fx.Node]) -> Optional[fx.N
     example values' storages say what aliases what), or None."""
     storages = {_storage(n) for n in producers} - {None}
     for node in graph.nodes:
-        target = _mutated_argument(node)
-        if isinstance(target, fx.Node) and (target in producers or _storage(target) in storages):
+        if any(target in producers or _storage(target) in storages for target in _written(node)):
             return node
     return None
+
+
+# Producers whose value is a random draw: evaluating them at compile time would freeze one draw and skip the
+# generator's advance that eager makes on every call.
+_RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.normal,
+                     torch.multinomial, torch.poisson, torch.rand_like, torch.randn_like, torch.randint_like,
+                     torch.nn.functional.dropout, torch.dropout}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_",
+                   "cauchy_", "log_normal_", "bernoulli_"}
+
+
+def _is_random(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in node.target.tags
+    return node.target in _RANDOM_FUNCTIONS
 
 
 def _evaluate(gm: fx.GraphModule, producers: list[fx.Node], mask: fx.Node) -> Any:

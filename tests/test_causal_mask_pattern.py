@@ -144,12 +144,50 @@ def causal_then_view_written(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+@torch.library.custom_op("sloth_test::open_prefix", mutates_args=("mask",))
+def open_prefix(n: int, mask: torch.Tensor) -> None:
+    """A mutable custom op writing its second argument."""
+    mask[:, :n] = True
+
+
+@open_prefix.register_fake
+def _(n, mask):
+    return None
+
+
+def written_by_custom_op(q, k, v):
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    torch.ops.sloth_test.open_prefix(3, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _widen(x, mask):
+    mask[:, :3] = True
+    return x * 2
+
+
+def written_inside_checkpointed_body(q, k, v):
+    """The body writes the mask; the top-level attention reads it afterwards."""
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    q2 = torch.utils.checkpoint.checkpoint(_widen, q, mask, use_reentrant=False)
+    return F.scaled_dot_product_attention(q2, k, v, attn_mask=mask)
+
+
+def random_but_all_true(q, k, v):
+    """Causal in value, but a random draw: one evaluation would freeze it and skip the generator's advance."""
+    mask = (torch.rand(q.shape[-2], k.shape[-2], device=q.device) < 2.0).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 @pytest.mark.parametrize("fn, kv_len, reason", [
     (sliding_window, L, "not the causal mask"),
     (one_future_token, L, "not the causal mask"),
     (prefix_lm, L, "not the causal mask"),
     (prefix_lm_in_place, L, "in place"),
     (causal_then_view_written, L, "in place"),
+    (written_by_custom_op, L, "in place"),
+    (written_inside_checkpointed_body, L, "in place"),
+    (random_but_all_true, L, "random"),
     (alibi_bias, L, "additive bias"),
     (bottom_right_shorter_queries, 11, "not the causal mask"),
 ], ids=lambda p: getattr(p, "__name__", None) or str(p)[:12])
@@ -167,6 +205,36 @@ def test_other_masks_stay_with_reason(fn, kv_len: int, reason: str) -> None:
     # The compiled function still computes what the pattern does.
     compiled = torch.compile(fn, backend="sloth", options={"inner": "eager"})
     torch.testing.assert_close(compiled(*args), fn(*args))
+
+
+def _attend_in_body(q, k, v, mask):
+    mask[:, :3] = True
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_checkpointed_body_writing_its_mask_keeps_it() -> None:
+    """The caller passes a causal mask, but the body widens it before attending: not replaced, and the result is
+    the pattern's."""
+    def fn(q, k, v):
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        return torch.utils.checkpoint.checkpoint(_attend_in_body, q, k, v, mask, use_reentrant=False)
+
+    args = _qkv(torch.float32)
+    sloth.reset_report()
+    out = torch.compile(fn, backend="sloth", options={"inner": "eager"})(*args)
+    assert sloth.report().counts.get("causal_mask", 0) == 0, str(sloth.report())
+    torch.testing.assert_close(out, fn(*args))
+
+
+def test_query_and_key_by_keyword() -> None:
+    def fn(q, k, v):
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask=mask)
+
+    args = _qkv(torch.float32)
+    sloth.reset_report()
+    graph_of(fn, *args)
+    assert sloth.report().counts == {"causal_mask": 1}, str(sloth.report())
 
 
 def test_mask_from_an_input_stays() -> None:
