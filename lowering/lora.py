@@ -203,7 +203,7 @@ def _grad_tile(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, stride_g
     row_stop = tl.minimum(row_start + rows_per_split, M)
     b_g = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     for m0 in range(row_start, row_stop, BLOCK_M):
-        o_m = m0 + tl.arange(0, BLOCK_M)
+        o_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # row * stride passes 2^31 past ~150k rows of 14336
         m_m = o_m < row_stop
         b_ut = tl.load(p_u + o_m[None, :] * R + o_r[:, None], mask=m_r[:, None] & m_m[None, :], other=0.0)
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
@@ -352,6 +352,9 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
         args.append((u_MR.contiguous(), x_MK, g, k, x_MK.stride(0), stride_gk, stride_gr, g.stride(0)))
         outs.append(g)
     (u1, x1, g1, k1, *strides1), (u2, x2, g2, k2, *strides2) = args[0], args[-1]
+    if _mode(x2, u2) != _mode(x1, u1):  # one MODE constexpr serves both problems
+        raise ValueError(f"sloth.lora_linear: the paired gradients need one product mode, got {x1.dtype} x "
+                         f"{u1.dtype} and {x2.dtype} x {u2.dtype}")
     if len(problems) == 1:
         k2 = 0  # the second slot gets no programs
     launch(_lora_grad_kernel)[(sum(k_blocks), splits)](

@@ -33,9 +33,10 @@ installed CPU library's outputs):
   calls ``.to(dtype)`` last. There is no add, so no FMA question here.
 * Double quantisation: ``functional.dequantize_4bit`` runs ``dequantize_blockwise(absmax, state2)`` (one
   kernel writing ``code * absmax2`` to an fp32 tensor) and then ``absmax += offset`` (a second op), so
-  the product is rounded to fp32 before the add. The absmax kernel here is launched with
-  ``enable_fp_fusion=False`` so that Triton cannot contract the two into one FMA (it does by default on
-  GPUs; the interpreter ignores the option and never fuses).
+  the product is rounded to fp32 before the add. Both kernels here that dequantise a nested absmax form it
+  with PTX's explicitly rounded multiply and add, which are never contracted into one FMA (Triton
+  contracts a plain ``a * b + c`` by default on GPUs), and are also launched with
+  ``enable_fp_fusion=False``; the interpreter never fuses.
 * Sign of zero for FP4 code 0b1000 ("-0"): bitsandbytes' backends disagree. The CUDA kernel
   (``fp4_dequantization_lut[v & 7] * sign``) and the CPU scalar kernel give -0.0; ``get_4bit_type`` (whose
   ``-0`` is a Python int, so +0.0) and the CPU AVX-512 kernel give +0.0. The table below follows CUDA,
@@ -56,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend_choice import use_triton
+from .backend_choice import triton_interpreter_on, use_triton
 from .registration import launch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -111,15 +112,31 @@ def _to_output_dtype(b_x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _scaled_plus_offset(b_code, b_scale, offset, INTERPRETED: tl.constexpr):
+    """``code * scale`` rounded to fp32, then ``+ offset`` rounded again: bitsandbytes' two ops, never one FMA.
+    Compiled, as PTX ``mul.rn.f32`` and ``add.rn.f32`` (an explicit rounding mode: the PTX optimiser never
+    contracts them; no flush of subnormals, as nvcc's default; libdevice's ``mul_rn`` would add ``.ftz``), so
+    the two roundings do not depend on the launch's ``enable_fp_fusion`` (Inductor drops launch options when
+    it launches a user kernel, as under SLOTH_TRITON_OP=1); interpreted, numpy arithmetic, which never fuses."""
+    if INTERPRETED:
+        return b_code * b_scale + offset
+    b_scaled = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [b_code, b_scale], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [b_scaled, offset], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def _dequantize_4bit_kernel(
     p_packed, p_absmax, p_code, p_out,
     p_absmax2, p_code2, p_offset,
     n_elements, n_bytes,
     BLOCKSIZE: tl.constexpr, BLOCK_BYTES: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """One program: BLOCK_BYTES packed bytes -> 2*BLOCK_BYTES consecutive output elements. NESTED: ``p_absmax``
     holds uint8 codes and each block's absmax is dequantised here (``_dequantize_absmax_kernel``'s math, two
-    roundings: the launch passes enable_fp_fusion=False) instead of by a kernel launch of its own."""
+    roundings, ``_scaled_plus_offset``) instead of by a kernel launch of its own."""
     i_b = tl.program_id(0).to(tl.int64)
     o_byte = i_b * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     m_byte = o_byte < n_bytes
@@ -129,7 +146,7 @@ def _dequantize_4bit_kernel(
     if NESTED:
         b_q = tl.load(p_absmax + o_block, mask=m_byte, other=0).to(tl.int32)
         b_absmax2 = tl.load(p_absmax2 + o_block // BLOCKSIZE2, mask=m_byte, other=0.0)
-        b_absmax = tl.load(p_code2 + b_q) * b_absmax2 + tl.load(p_offset)
+        b_absmax = _scaled_plus_offset(tl.load(p_code2 + b_q), b_absmax2, tl.load(p_offset), INTERPRETED)
     else:
         b_absmax = tl.load(p_absmax + o_block, mask=m_byte, other=0.0)
     b_hi = tl.load(p_code + (b_packed >> 4)) * b_absmax  # element 2i
@@ -143,16 +160,14 @@ def _dequantize_4bit_kernel(
 def _dequantize_absmax_kernel(
     p_q, p_absmax2, p_code2, p_offset, p_out,
     n_elements,
-    BLOCKSIZE2: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCKSIZE2: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     o_n = i_b * BLOCK + tl.arange(0, BLOCK)
     m_n = o_n < n_elements
     b_q = tl.load(p_q + o_n, mask=m_n, other=0).to(tl.int32)
     b_absmax2 = tl.load(p_absmax2 + o_n // BLOCKSIZE2, mask=m_n, other=0.0)
-    b_scaled = tl.load(p_code2 + b_q) * b_absmax2
-    # Two roundings, as bitsandbytes (two ops): the launch passes enable_fp_fusion=False, no FMA here.
-    b_out = b_scaled + tl.load(p_offset)
+    b_out = _scaled_plus_offset(tl.load(p_code2 + b_q), b_absmax2, tl.load(p_offset), INTERPRETED)
     tl.store(p_out + o_n, b_out, mask=m_n)
 
 
@@ -246,7 +261,7 @@ def _launch_4bit(packed: torch.Tensor, absmax: torch.Tensor, nested: Optional[tu
         absmax2.reshape(-1), code2.reshape(-1), offset,
         n, n_bytes,
         BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, NESTED=nested is not None, BLOCKSIZE2=blocksize2,
-        num_warps=4, enable_fp_fusion=False,
+        INTERPRETED=triton_interpreter_on(), num_warps=4, enable_fp_fusion=False,
     )
 
 
@@ -307,7 +322,8 @@ def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, stat
         launch(_dequantize_absmax_kernel)[(triton.cdiv(n, _ABSMAX_BLOCK),)](
             absmax_u8.reshape(-1), state2_absmax.reshape(-1), state2_code.reshape(-1), offset_t, out,
             n,
-            BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, num_warps=4, enable_fp_fusion=False,
+            BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, INTERPRETED=triton_interpreter_on(), num_warps=4,
+            enable_fp_fusion=False,
         )
     return out
 

@@ -2,8 +2,9 @@
 a LoRA adapter, dequantised in Triton and never keeping the dequantised weight past the call.
 
 The op equals (``W = dequantize_4bit(packed, absmax, blocksize, quant_type, (N, K), x.dtype)``, bit for bit
-bitsandbytes' dequantisation, lowering/nf4.py; with double quantisation the absmax is itself dequantised
-first from its uint8 codes, ``absmax_code``, ``absmax_scale`` and ``absmax_offset``)::
+bitsandbytes' dequantisation, lowering/nf4.py; with double quantisation each block's absmax is itself
+dequantised from its uint8 code, ``absmax_code``, ``absmax_scale`` and ``absmax_offset``, inside the same
+kernel)::
 
     sloth.lora_linear(x, W, bias, a, b, s)        (lowering/lora.py: the same math, forward and backward)
 

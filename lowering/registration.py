@@ -12,7 +12,9 @@ launch) and Inductor launches the same kernels from its generated wrapper, with 
 
 ``triton_op`` is chosen when ``SLOTH_TRITON_OP=1`` is set before sloth is imported and the kernels are not
 interpreted (Triton's CPU interpreter makes its own kernel objects, which ``wrap_triton`` refuses before torch
-2.14). The op's meaning, its backward (``register_autograd``) and its kernels are the same either way.
+2.14). The op's meaning, its backward (``register_autograd``) and its kernels are the same either way; one
+difference: Inductor launches a user kernel with its own compile options and drops launch options such as
+``enable_fp_fusion``, so a kernel must not rely on them for its numbers (lowering/nf4.py rounds explicitly).
 """
 from __future__ import annotations
 

@@ -222,3 +222,42 @@ def test_bad_inputs(device):
         dequantize_absmax(q8, torch.ones(1, device=device), code2, 0.0)
     with pytest.raises(ValueError, match="state2_code must have 256"):
         dequantize_absmax(q8, torch.ones(2, device=device), code2[:16], 0.0)
+
+
+_PTX_CHECK = r"""
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import sloth.lowering.nf4 as nf4
+kernels = {
+    "absmax": (nf4._dequantize_absmax_kernel,
+               {"p_q": "*u8", "p_absmax2": "*fp32", "p_code2": "*fp32", "p_offset": "*fp32", "p_out": "*fp32",
+                "n_elements": "i32", "BLOCKSIZE2": "constexpr", "BLOCK": "constexpr", "INTERPRETED": "constexpr"},
+               {"BLOCKSIZE2": 256, "BLOCK": 1024, "INTERPRETED": False}),
+    "weight": (nf4._dequantize_4bit_kernel,
+               {"p_packed": "*u8", "p_absmax": "*u8", "p_code": "*fp32", "p_out": "*bf16", "p_absmax2": "*fp32",
+                "p_code2": "*fp32", "p_offset": "*fp32", "n_elements": "i64", "n_bytes": "i64",
+                "BLOCKSIZE": "constexpr", "BLOCK_BYTES": "constexpr", "NESTED": "constexpr",
+                "BLOCKSIZE2": "constexpr", "INTERPRETED": "constexpr"},
+               {"BLOCKSIZE": 64, "BLOCK_BYTES": 1024, "NESTED": True, "BLOCKSIZE2": 256, "INTERPRETED": False}),
+}
+for name, (kernel, signature, constexprs) in kernels.items():
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(list(signature).index(k),): v
+                                                                   for k, v in constexprs.items()})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True}).asm["ptx"]
+    fused = re.findall(r"\bfma\.\S*f32", ptx)
+    assert not fused and "mul.rn.f32" in ptx and "add.rn.f32" in ptx, (name, fused)
+print("ok")
+"""
+
+
+def test_nested_absmax_never_fuses_even_with_fp_fusion_on():
+    """Compiled for the H200 (sm_90, no GPU needed) with enable_fp_fusion=True, as Inductor would launch it
+    under SLOTH_TRITON_OP=1: the nested absmax is still an explicitly rounded multiply and add, no FMA."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _PTX_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
