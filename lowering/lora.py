@@ -302,8 +302,8 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
     block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
     if mode == _SPLIT_BF16.value:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
-        launch(_split_factor_kernel)[(triton.cdiv(k, 64),)](p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1),
-                                                    BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
+        launch(_split_factor_kernel)[(triton.cdiv(k, 64),)](
+            p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1), BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
         p_KR = split
     launch(_lora_down_kernel)[(triton.cdiv(n_rows, c["block_m"]),)](
         x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1),
