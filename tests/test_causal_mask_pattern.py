@@ -293,7 +293,7 @@ def test_causal_reason_checks_every_broadcast_slice() -> None:
 
 
 # transformers up to 5.17 builds the causal mask whenever Dynamo traces (its _ignore_causal_mask_sdpa says no
-# under tracing); 5.18+ passes is_causal itself when there is no padding mask. Reproduced here by patching.
+# under tracing); 5.24 passes is_causal itself when there is no padding mask. Reproduced here by patching.
 @pytest.fixture
 def transformers_517_masks(monkeypatch):
     monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
