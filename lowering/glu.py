@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .host_math import cdiv, next_power_of_2
 from .layout import rows_2d
 from .registration import define, fake, launch
 from .rounding import round_to
@@ -155,8 +156,8 @@ def _block_sizes(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     Triton tutorials' vector-add uses 1024), rows stacked when the inner size is small, and one warp
     per 256 elements, 1 to 8.
     """
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), 1024)
-    block_m = max(1, min(triton.next_power_of_2(max(n_rows, 1)), 4096 // block_n))
+    block_n = min(next_power_of_2(max(n_cols, 1)), 1024)
+    block_m = max(1, min(next_power_of_2(max(n_rows, 1)), 4096 // block_n))
     num_warps = min(max(block_m * block_n // 256, 1), 8)
     return block_m, block_n, num_warps
 
@@ -235,7 +236,7 @@ def glu_forward(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) ->
     y_Nn = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y_Nn.numel():
         block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_glu_fwd_kernel)[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+        launch(_glu_fwd_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             g_Nn, u_Nn, y_Nn,
             n_rows, n_cols, g_Nn.stride(0), u_Nn.stride(0), y_Nn.stride(0),
             ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -258,7 +259,7 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
     dg_Nn, du_Nn = _split(dx_2d, du_Nn)
     if dg_Nn.numel():
         block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_glu_bwd_kernel)[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+        launch(_glu_bwd_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             dy_Nn, g_Nn, u_Nn, dg_Nn, du_Nn,
             n_rows, n_cols, dy_Nn.stride(0), g_Nn.stride(0), u_Nn.stride(0), dg_Nn.stride(0), du_Nn.stride(0),
             ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .host_math import next_power_of_2
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -156,7 +157,7 @@ def chunk_rows(n_rows: int, vocab: int, hidden: int, weight_grad: bool = False) 
     power of two. ``hidden`` is unused by the rule (kept so the rule may depend on it)."""
     tile = _TILE_ELEMENTS_WITH_DW if weight_grad else _TILE_ELEMENTS
     by_tile = 1 << (max(1, tile // max(vocab, 1)).bit_length() - 1)
-    return min(by_tile, triton.next_power_of_2(max(n_rows, 1)))
+    return min(by_tile, next_power_of_2(max(n_rows, 1)))
 
 
 @functools.cache
@@ -242,7 +243,7 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     dw_acc = torch.zeros((vocab, hidden), dtype=torch.float32, device=x.device) if compute_dw else None
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=x.device) if compute_db else None
     triton_ok = use_triton(x)
-    block_v = min(triton.next_power_of_2(max(vocab, 1)), 4096)
+    block_v = min(next_power_of_2(max(vocab, 1)), 4096)
     rows = chunk_rows(n_rows, vocab, hidden, compute_dw)
     for start in range(0, n_rows, rows):
         stop = min(start + rows, n_rows)

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import triton_interpreter_on, use_triton
+from .host_math import cdiv, next_power_of_2
 from .layout import rows_2d
 from .registration import define, fake, launch
 from .rounding import round_to
@@ -263,7 +264,7 @@ def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
 
 
 def _block_r(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))  # tl.dot needs every dimension >= 16
+    return max(16, next_power_of_2(rank))  # tl.dot needs every dimension >= 16
 
 
 # Shared memory the down kernel may plan for: the H200 (sm_90) allows 232,448 bytes a block; the margin
@@ -282,7 +283,7 @@ def _down_block_k(c: dict, mode: int, block_r: int, x_bytes: int, factor_bytes: 
     """DOWN_CONFIG's block_k (swept at r = 16), halved until the tiles fit ``_DOWN_SMEM_BUDGET``: the split
     factor tile grows with the rank (r = 32 at 256 would need 295 KB), and the tile must stay >= 16."""
     cols = 4 * block_r if mode == _SPLIT_BF16.value else block_r
-    block_k = min(c["block_k"], max(16, triton.next_power_of_2(k)))
+    block_k = min(c["block_k"], max(16, next_power_of_2(k)))
     while block_k > 16 and down_smem_bytes(c["block_m"], block_k, cols, x_bytes, factor_bytes,
                                            c["num_stages"]) > _DOWN_SMEM_BUDGET:
         block_k //= 2
@@ -302,10 +303,10 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
     block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
     if mode == _SPLIT_BF16.value:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
-        launch(_split_factor_kernel)[(triton.cdiv(k, 64),)](
+        launch(_split_factor_kernel)[(cdiv(k, 64),)](
             p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1), BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
         p_KR = split
-    launch(_lora_down_kernel)[(triton.cdiv(n_rows, c["block_m"]),)](
+    launch(_lora_down_kernel)[(cdiv(n_rows, c["block_m"]),)](
         x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1),
         MODE=mode, UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k, BLOCK_R=block_r,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -319,7 +320,7 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
     if base_MN.numel() == 0:
         return base_MN
     c = UP_CONFIG
-    launch(_lora_up_add_kernel)[(triton.cdiv(n_rows, c["block_m"]), triton.cdiv(n_cols, c["block_n"]))](
+    launch(_lora_up_add_kernel)[(cdiv(n_rows, c["block_m"]), cdiv(n_cols, c["block_n"]))](
         base_MN, h_MR, q_RN, base_MN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0),
         q_RN.stride(0), q_RN.stride(1), base_MN.stride(0), float(scale),
         BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(h_MR.shape[1]), num_warps=c["num_warps"],
@@ -338,11 +339,11 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
         return [torch.zeros((k, rank) if t else (rank, k), dtype=torch.float32, device=x.device)
                 for (_, x, t), k in zip(problems, sizes)]
     c = GRAD_CONFIG
-    block_m, block_k = c["block_m"], min(c["block_k"], max(16, triton.next_power_of_2(max(sizes))))
-    k_blocks = [triton.cdiv(k, block_k) for k in sizes]
-    splits = max(1, min(triton.cdiv(c["programs"], sum(k_blocks)), triton.cdiv(n_rows, 4 * block_m)))
-    rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
-    splits = triton.cdiv(n_rows, rows_per_split)
+    block_m, block_k = c["block_m"], min(c["block_k"], max(16, next_power_of_2(max(sizes))))
+    k_blocks = [cdiv(k, block_k) for k in sizes]
+    splits = max(1, min(cdiv(c["programs"], sum(k_blocks)), cdiv(n_rows, 4 * block_m)))
+    rows_per_split = cdiv(cdiv(n_rows, splits), block_m) * block_m
+    splits = cdiv(n_rows, rows_per_split)
     args, outs = [], []
     for u_MR, x_MK, transposed in problems:
         k = x_MK.shape[1]

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import triton_interpreter_on, use_triton
+from .host_math import cdiv
 from .registration import launch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -256,7 +257,7 @@ def _launch_4bit(packed: torch.Tensor, absmax: torch.Tensor, nested: Optional[tu
         return
     absmax2, code2, offset, blocksize2 = nested if nested is not None else (absmax, absmax, absmax, 256)
     n_bytes = (n + 1) // 2
-    launch(_dequantize_4bit_kernel)[(triton.cdiv(n_bytes, _BLOCK_BYTES),)](
+    launch(_dequantize_4bit_kernel)[(cdiv(n_bytes, _BLOCK_BYTES),)](
         packed.reshape(-1), absmax.reshape(-1), code_table(quant_type, packed.device), out,
         absmax2.reshape(-1), code2.reshape(-1), offset,
         n, n_bytes,
@@ -319,7 +320,7 @@ def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, stat
                                            offset_t, blocksize2)
     out = torch.empty(n, dtype=torch.float32, device=absmax_u8.device)
     if n:
-        launch(_dequantize_absmax_kernel)[(triton.cdiv(n, _ABSMAX_BLOCK),)](
+        launch(_dequantize_absmax_kernel)[(cdiv(n, _ABSMAX_BLOCK),)](
             absmax_u8.reshape(-1), state2_absmax.reshape(-1), state2_code.reshape(-1), offset_t, out,
             n,
             BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, INTERPRETED=triton_interpreter_on(), num_warps=4,

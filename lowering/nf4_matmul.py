@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import triton_interpreter_on
+from .host_math import cdiv
 from .nf4 import BLOCKSIZES, _to_output_dtype, code_table
 
 
@@ -115,7 +116,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, bloc
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    grid = (triton.cdiv(x.shape[0], c["block_m"]) * triton.cdiv(n, c["block_n"]),)
+    grid = (cdiv(x.shape[0], c["block_m"]) * cdiv(n, c["block_n"]),)
     _nf4_matmul_kernel[grid](
         x, packed.reshape(-1), absmax.reshape(-1), code_table(quant_type, x.device), y, x.shape[0], n, k,
         x.stride(0), y.stride(0), BLOCKSIZE=blocksize, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .host_math import cdiv, next_power_of_2
 from .registration import define, fake, launch
 from .rounding import round_to
 
@@ -109,8 +110,8 @@ def _block_sizes(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     moves enough bytes; long rows (hidden 4096) take one row each. Warps follow the Triton
     layer-norm tutorial: one warp per 256 elements, 1 to 8.
     """
-    block_d = triton.next_power_of_2(max(n_cols, 1))
-    block_m = max(1, min(triton.next_power_of_2(max(n_rows, 1)), 4096 // block_d))
+    block_d = next_power_of_2(max(n_cols, 1))
+    block_m = max(1, min(next_power_of_2(max(n_rows, 1)), 4096 // block_d))
     num_warps = min(max(block_m * block_d // 256, 1), 8)
     return block_m, block_d, num_warps
 
@@ -174,7 +175,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, o
     y_ND = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0:
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_rms_norm_fwd_kernel)[(triton.cdiv(n_rows, block_m),)](
+        launch(_rms_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
             x_ND, weight if weight is not None else x_ND, y_ND,
             n_rows, n_cols, x_ND.stride(0), y_ND.stride(0),
             float(eps), float(offset),
@@ -205,16 +206,16 @@ def _bwd_launch_config(x: torch.Tensor, n_rows: int, n_cols: int, compute_dw: bo
     """(BLOCK_M, BLOCK_D, num_warps, programs) of the backward kernel."""
     block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
     if not compute_dw:
-        return block_m, block_d, num_warps, triton.cdiv(n_rows, block_m)  # no partials: a program a block
+        return block_m, block_d, num_warps, cdiv(n_rows, block_m)  # no partials: a program a block
     if x.device.type != "cuda":
-        return block_m, block_d, num_warps, max(1, min(triton.cdiv(n_rows, block_m), 4))
+        return block_m, block_d, num_warps, max(1, min(cdiv(n_rows, block_m), 4))
     if n_cols <= _NARROW:
         block_m, num_warps, per_sm = _DW_NARROW["block_rows"], _DW_NARROW["num_warps"], _DW_NARROW["programs_per_sm"]
     else:
         block_m = max(1, _DW_WIDE["block_elements"] // block_d)
         num_warps, per_sm = _DW_WIDE["num_warps"], _DW_WIDE["programs_per_sm"]
-    block_m = min(block_m, triton.next_power_of_2(n_rows))
-    n_progs = max(1, min(triton.cdiv(n_rows, block_m), per_sm * _sm_count(x.device.index or 0)))
+    block_m = min(block_m, next_power_of_2(n_rows))
+    n_progs = max(1, min(cdiv(n_rows, block_m), per_sm * _sm_count(x.device.index or 0)))
     return block_m, block_d, num_warps, n_progs
 
 
@@ -237,9 +238,9 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
         dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
         return dx_ND.view(x.shape), dw
     block_m, block_d, num_warps, n_progs = _bwd_launch_config(x, n_rows, n_cols, compute_dw)
-    n_blocks = triton.cdiv(n_rows, block_m)
-    blocks_per_prog = triton.cdiv(n_blocks, n_progs)
-    n_progs = triton.cdiv(n_blocks, blocks_per_prog)
+    n_blocks = cdiv(n_rows, block_m)
+    blocks_per_prog = cdiv(n_blocks, n_progs)
+    n_progs = cdiv(n_blocks, blocks_per_prog)
     dw_partial = torch.empty((n_progs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=x.device)
     launch(_rms_norm_bwd_kernel)[(n_progs,)](
         dy_ND, x_ND, weight if weight is not None else x_ND, dx_ND, dw_partial,

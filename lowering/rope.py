@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .host_math import cdiv, next_power_of_2
 from .registration import define, fake, launch
 from .rounding import round_to
 
@@ -222,11 +223,11 @@ def _block_sizes(n_rows: int, half: int, n_pass: int) -> tuple[int, int, int, in
 
     A head of 128 dims takes 32 rows a program; warps follow the Triton tutorials, one per 256 elements.
     """
-    block_h = triton.next_power_of_2(max(half, 1))
-    block_p = triton.next_power_of_2(max(n_pass, 1))
+    block_h = next_power_of_2(max(half, 1))
+    block_p = next_power_of_2(max(n_pass, 1))
     per_row = 2 * block_h + (block_p if n_pass else 0)
     rows = max(1, 4096 // per_row)
-    block_m = min(triton.next_power_of_2(max(n_rows, 1)), 1 << (rows.bit_length() - 1))  # a power of 2
+    block_m = min(next_power_of_2(max(n_rows, 1)), 1 << (rows.bit_length() - 1))  # a power of 2
     num_warps = min(max(block_m * (2 * block_h) // 256, 1), 8)
     return block_m, block_h, block_p, num_warps
 
@@ -246,7 +247,7 @@ def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dt
     metas = [_rows_meta(x, cos, sin) for x in xs]
     n_rows = [m[0] for m in metas]
     block_m, block_h, block_p, num_warps = _block_sizes(max(n_rows), rot // 2, head - rot)
-    n_blocks = [triton.cdiv(n, block_m) for n in n_rows]
+    n_blocks = [cdiv(n, block_m) for n in n_rows]
     if sum(n_blocks) == 0:
         return ys
     if len(xs) == 1:  # the k slot gets no programs
