@@ -200,7 +200,7 @@ def _check_4bit_inputs(packed: torch.Tensor, absmax: torch.Tensor, blocksize: in
     if packed.numel() != (n + 1) // 2:
         raise ValueError(f"sloth.nf4: packed must hold (numel + 1) // 2 = {(n + 1) // 2} bytes for shape "
                          f"{tuple(shape)}, got {packed.numel()}")
-    nblocks = -(-n // blocksize)
+    nblocks = cdiv(n, blocksize)
     if absmax.numel() != nblocks:
         raise ValueError(f"sloth.nf4: absmax must have ceil({n} / {blocksize}) = {nblocks} entries (one per "
                          f"block), got {absmax.numel()}")
@@ -294,7 +294,7 @@ def _check_absmax_inputs(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, s
         raise ValueError(f"sloth.nf4: state2_code must have 256 entries, got {state2_code.numel()}")
     if blocksize2 <= 0:
         raise ValueError(f"sloth.nf4: blocksize2 must be positive, got {blocksize2}")
-    nblocks2 = -(-absmax_u8.numel() // blocksize2)
+    nblocks2 = cdiv(absmax_u8.numel(), blocksize2)
     if state2_absmax.numel() != nblocks2:
         raise ValueError(f"sloth.nf4: state2_absmax must have ceil({absmax_u8.numel()} / {blocksize2}) = "
                          f"{nblocks2} entries, got {state2_absmax.numel()}")

@@ -181,16 +181,25 @@ def _written(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _body_of(node: fx.Node) -> Optional[fx.GraphModule]:
+    """The body of a ``_BODY_CALLS`` node (``(body, *operands)``, body a get_attr of a GraphModule), else None."""
+    if node.op != "call_function" or getattr(node.target, "__name__", None) not in _BODY_CALLS or not node.args:
+        return None
+    body_node = node.args[0]
+    if not isinstance(body_node, fx.Node) or body_node.op != "get_attr":
+        return None
+    body = getattr(body_node.graph.owning_module, body_node.target, None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
 def _body_call_writes(node: fx.Node) -> list[fx.Node]:
     """The operands of a ``_BODY_CALLS`` node whose placeholder its body writes (recursively); every operand
     when the body cannot be read."""
-    body_node, operands = node.args[0], list(node.args[1:])
-    body = getattr(body_node.graph.owning_module, body_node.target, None) \
-        if isinstance(body_node, fx.Node) and body_node.op == "get_attr" else None
-    if not isinstance(body, fx.GraphModule):
+    body = _body_of(node)
+    if body is None:
         return node.all_input_nodes
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    return [operand for placeholder, operand in zip(placeholders, operands)
+    return [operand for placeholder, operand in zip(placeholders, node.args[1:])
             if isinstance(operand, fx.Node) and _mutated_producer(body.graph, {placeholder}) is not None]
 
 
@@ -266,30 +275,34 @@ def causal_reason(mask_value: Any, q_len: int, kv_len: int) -> Optional[str]:
 
 
 class _Prover:
-    """Proves masks causal once per mask node (q and k lengths part of the key), remembering the reasons."""
+    """Proves masks causal once per mask node (q and k lengths part of the key), remembering the reasons and,
+    for a proven mask, its producers (so each mask's graph scan runs once, however many layers read it)."""
 
     def __init__(self) -> None:
-        self.proven: dict[tuple[fx.Node, int, int], Optional[str]] = {}
+        self.proven: dict[tuple[fx.Node, int, int], tuple[Optional[str], list[fx.Node]]] = {}
 
-    def reason(self, gm: fx.GraphModule, mask: fx.Node, q_len: int, kv_len: int) -> Optional[str]:
+    def check(self, gm: fx.GraphModule, mask: fx.Node, q_len: int, kv_len: int) -> tuple[Optional[str],
+                                                                                          list[fx.Node]]:
+        """(None, the mask's producers) when ``mask`` is causal at these lengths, else (why not, [])."""
         key = (mask, q_len, kv_len)
         if key not in self.proven:
-            self.proven[key] = self._reason(gm, mask, q_len, kv_len)
+            self.proven[key] = self._check(gm, mask, q_len, kv_len)
         return self.proven[key]
 
     @staticmethod
-    def _reason(gm: fx.GraphModule, mask: fx.Node, q_len: int, kv_len: int) -> Optional[str]:
+    def _check(gm: fx.GraphModule, mask: fx.Node, q_len: int, kv_len: int) -> tuple[Optional[str], list[fx.Node]]:
         example = tensor_of(mask)
         if example is not None and example.numel() > MAX_MASK_ELEMENTS:
-            return f"it has {example.numel()} elements, too many to evaluate at compile time"
+            return f"it has {example.numel()} elements, too many to evaluate at compile time", []
         producers, why_not = _closed_producers(mask)
         if why_not:
-            return why_not
+            return why_not, []
         try:
             value = _evaluate(gm, producers, mask)
         except Exception as error:  # an op that cannot run outside the graph: leave it as it was
-            return f"evaluating it at compile time failed ({type(error).__name__}: {error})"
-        return causal_reason(value, q_len, kv_len)
+            return f"evaluating it at compile time failed ({type(error).__name__}: {error})", []
+        why_not = causal_reason(value, q_len, kv_len)
+        return why_not, [] if why_not else producers
 
 
 def _lengths(q: Any, k: Any) -> Optional[tuple[int, int]]:
@@ -306,12 +319,8 @@ def _body_operands(gm: fx.GraphModule) -> dict[fx.GraphModule, list[tuple[fx.Gra
     """For each body of a ``_BODY_CALLS`` higher-order op in ``gm``: (caller graph, operands) per call site."""
     sites: dict[fx.GraphModule, list[tuple[fx.GraphModule, list[Any]]]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "__name__", None) not in _BODY_CALLS:
-            continue
-        if not node.args or not isinstance(node.args[0], fx.Node) or node.args[0].op != "get_attr":
-            continue
-        body = getattr(gm, node.args[0].target, None)
-        if isinstance(body, fx.GraphModule):
+        body = _body_of(node)
+        if body is not None:
             sites.setdefault(body, []).append((gm, list(node.args[1:])))
     return sites
 
@@ -352,14 +361,13 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
             continue
         if mask.op == "placeholder" and call_sites:
             position = placeholders.index(mask)
-            reasons = [prover.reason(caller, operands[position], *lengths) if position < len(operands)
+            reasons = [prover.check(caller, operands[position], *lengths)[0] if position < len(operands)
                        and isinstance(operands[position], fx.Node) else "the call site passes no mask node"
                        for caller, operands in call_sites]
             why_not = next((r for r in reasons if r), None)
-            producers: list[fx.Node] = []
+            producers: list[fx.Node] = []  # the caller's: its top-level mask stays passed to the body
         else:
-            why_not = prover.reason(graph_module, mask, *lengths)
-            producers = _closed_producers(mask)[0] if why_not is None else []
+            why_not, producers = prover.check(graph_module, mask, *lengths)
         if why_not:
             report.reject(FAMILY, node, f"attention mask kept: {why_not}")
             continue

@@ -16,7 +16,7 @@ SCRIPT = r'''
 import torch, peft, sloth
 from sloth.lowering import registration
 assert registration.TRITON_OP, "SLOTH_TRITON_OP=1 without the interpreter must choose triton_op"
-from test_models import build, VOCAB
+from test_models import VOCAB, build, loss_and_grads
 model = build("llama", torch.float32)
 model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                        "gate_proj", "up_proj", "down_proj"]))
@@ -26,17 +26,11 @@ with torch.no_grad():
             p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
 ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
 
-def loss_and_grads(run):
-    model.zero_grad(set_to_none=True)
-    loss = run(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-eager = loss_and_grads(model)
+eager = loss_and_grads(model, ids)
 for inner in ("aot_eager", "inductor"):
     torch._dynamo.reset()
     sloth.reset_report()
-    loss, grads = loss_and_grads(torch.compile(model, backend="sloth", options={"inner": inner}))
+    loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="sloth", options={"inner": inner}))
     counts = sloth.report().counts
     assert counts.get("lora") == 14 and counts.get("rms_norm") == 5 and counts.get("rope") == 2, counts
     torch.testing.assert_close(loss, eager[0], rtol=1e-5, atol=1e-6)
