@@ -86,6 +86,18 @@ COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "reser
 # ----------------------------------------------------------------------------- one run
 
 
+def _sloth_ops() -> str | None:
+    """How sloth's ops were registered and launched (lowering/registration.py): "triton_op" under
+    SLOTH_TRITON_OP=1, else "custom_op", with "Triton dispatch" when SLOTH_FAST_LAUNCH=0 turned the cached
+    launcher off."""
+    registration = sys.modules.get("sloth.lowering.registration")
+    if registration is None:
+        return None
+    if registration.TRITON_OP:
+        return "triton_op"
+    return "custom_op" if registration.FAST_LAUNCH else "custom_op, Triton dispatch"
+
+
 def _quantize_linears_nf4(model: torch.nn.Module) -> int:
     """Swap every ``nn.Linear`` under ``model.model`` (not the lm_head) for a bitsandbytes NF4
     ``Linear4bit`` holding the same weight, quantised on the move to CUDA (shared/BENCHMARKING.md's
@@ -272,9 +284,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "graphs": dynamo["stats"]["unique_graphs"] if args.variant != "eager" else None,
         "graph breaks": sum(dynamo["graph_break"].values()) if args.variant != "eager" else None,
         "sloth counts": counts,
-        # How sloth's ops were registered (lowering/registration.py: SLOTH_TRITON_OP=1 for triton_op).
-        "sloth ops": ("triton_op" if sys.modules["sloth.lowering.registration"].TRITON_OP else "custom_op")
-        if sloth is not None and "sloth.lowering.registration" in sys.modules else None,
+        "sloth ops": _sloth_ops() if sloth is not None else None,
         "sloth report": str(report) if report is not None else None,
         "warm-up walls s": warmup_walls,
         "flops": flops,
@@ -333,6 +343,7 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
               f"{e.key[:110]}" for e in cpu[:top]]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
+    ops += "-triton-dispatch" if args.variant == "sloth" and os.environ.get("SLOTH_FAST_LAUNCH") == "0" else ""
     path = out_dir / f"profile-{args.variant}{ops}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]), flush=True)

@@ -2,7 +2,8 @@
 
     define("sloth::name", fn)   the operator, from a function of tensors (its type hints give the schema)
     fake(op)(impl)              op.register_fake(impl); nothing under triton_op, where fn is its own fake
-    launch(kernel)[grid](...)   how fn launches a Triton kernel: wrap_triton(kernel) under triton_op
+    launch(kernel)[grid](...)   how fn launches a Triton kernel: wrap_triton(kernel) under triton_op, else a
+                                launcher that skips Triton's per-call dispatch (lowering/fast_launch.py)
 
 With ``custom_op`` every call of an op from a compiled graph runs fn in Python, and each Triton launch goes
 through Triton's JIT dispatch: on the H200 that host time (0.3 ms a LoRA forward, 0.45 ms a backward,
@@ -24,9 +25,13 @@ from typing import Any, Callable
 import torch
 
 from .backend_choice import triton_interpreter_on
+from .fast_launch import cached
 
 TRITON_OP: bool = (os.environ.get("SLOTH_TRITON_OP", "0") == "1" and not triton_interpreter_on()
                    and hasattr(torch.library, "triton_op"))
+# Under custom_op, launches skip Triton's per-call dispatch once a kernel is compiled (lowering/fast_launch.py);
+# SLOTH_FAST_LAUNCH=0 turns that off. The interpreter keeps Triton's own path (it makes its own kernel objects).
+FAST_LAUNCH: bool = os.environ.get("SLOTH_FAST_LAUNCH", "1") == "1" and not triton_interpreter_on()
 
 
 def define(name: str, fn: Callable) -> Any:
@@ -48,4 +53,6 @@ def launch(kernel: Any) -> Any:
     """``kernel`` as the op's function should launch it: ``launch(kernel)[grid](*args)``."""
     if TRITON_OP:
         return torch.library.wrap_triton(kernel)
+    if FAST_LAUNCH:
+        return cached(kernel)
     return kernel
