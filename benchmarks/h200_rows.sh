@@ -11,7 +11,7 @@
 #   bash benchmarks/h200_rows.sh long      # batch 1 x 16384 with gradient checkpointing: inductor, sloth
 #   bash benchmarks/h200_rows.sh profile   # Unsloth's and sloth's LoRA steps, each with its kernel table
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
-#   bash benchmarks/h200_rows.sh versus    # QLoRA sloth (with and without CUDA graphs) and Unsloth, LoRA Unsloth
+#   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
 #   bash benchmarks/h200_rows.sh fastlaunch  # host time per launch/op with and without the cached launcher, NF4
 #                                             # bits vs bitsandbytes, sloth LoRA with and without it, QLoRA
@@ -65,10 +65,10 @@ case $part in
         unset SLOTH_TRITON_OP
         run lora-sloth-cg 150 --all --variants sloth --sloth-options "$SLOTH_CG" ;;
     versus)  # one lease for sloth and Unsloth (their host CPUs differ from lease to lease)
-        run qlora-sloth-cg 120 --all --qlora --variants sloth --sloth-options "$SLOTH_CG"
-        run qlora-unsloth 180 --all --qlora --variants unsloth
-        run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH"
-        run lora-unsloth 150 --all --variants unsloth ;;
+        run lora-sloth 120 --all --variants sloth --sloth-options "$SLOTH"
+        run lora-unsloth 150 --all --variants unsloth
+        run qlora-sloth 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        run qlora-unsloth 180 --all --qlora --variants unsloth ;;
     qlora-recheck)
         run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH" ;;
     recheck)  # after launch-count changes; the 4-layer pair says whether triton_op compiles and what it saves
