@@ -16,12 +16,13 @@
 #   bash benchmarks/h200_rows.sh fastlaunch  # host time per launch/op with and without the cached launcher, NF4
 #                                             # bits vs bitsandbytes, sloth LoRA with and without it, QLoRA
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
+#   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
 #
 # sloth runs with return_logits=False (Unsloth and Liger do not return the logits while training either);
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: h200_rows.sh lora|qlora|unsloth|moe|long|profile|launch|versus|recheck|qlora-recheck|fastlaunch}
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|fastlaunch)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -41,6 +42,7 @@ run() {  # run NAME SECONDS ARGS...: one e2e invocation with a time limit, its l
     grep -E "^\[.*(ms/step|FAILED)" "$out/logs/$name.log" | tail -6
 }
 
+for part in "$@"; do
 case $part in
     lora)
         run lora-peers 350 --all --variants eager,inductor,liger --model llama3-8b
@@ -55,6 +57,10 @@ case $part in
         run qlora-unsloth 280 --all --qlora --variants unsloth ;;
     moe)
         run moe 560 --all --model qwen3-moe --variants eager,inductor,liger,sloth --sloth-options "$SLOTH" ;;
+    moe-liger)
+        run moe-liger 120 --all --model qwen3-moe --variants liger ;;
+    qlora-profile)
+        run qlora-sloth 200 --all --qlora --variants sloth --sloth-options "$SLOTH" --profile ;;
     profile)
         run lora-unsloth 270 --all --variants unsloth --profile
         run lora-sloth 200 --all --variants sloth --sloth-options "$SLOTH" --profile ;;
@@ -92,8 +98,11 @@ case $part in
         run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH" ;;
     long)
         run long 560 --all --batch 1 --seq 16384 --grad-ckpt --variants inductor,sloth --sloth-options "$SLOTH" ;;
+    long-sloth)
+        run long-sloth 240 --all --batch 1 --seq 16384 --grad-ckpt --variants sloth --sloth-options "$SLOTH" ;;
     *) echo "unknown part $part"; exit 2 ;;
 esac
+done
 [ -z "${DRY:-}" ] && (cd "$out" && tar czf logs.tgz logs && rm -rf logs)
 # At most 8 files come back: the markdown tables (each made again from its JSON) travel as one archive.
 [ -z "${DRY:-}" ] && [ "$(ls "$out" | wc -l)" -gt 8 ] && (cd "$out" && tar czf tables.tgz ./*.md && rm -f ./*.md)
