@@ -87,15 +87,12 @@ COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "reser
 
 
 def _sloth_ops() -> str | None:
-    """How sloth's ops were registered and launched (lowering/registration.py): "triton_op" under
-    SLOTH_TRITON_OP=1, else "custom_op", with "Triton dispatch" when SLOTH_FAST_LAUNCH=0 turned the cached
-    launcher off."""
+    """How sloth's ops were registered (lowering/registration.py): "triton_op" under SLOTH_TRITON_OP=1,
+    else "custom_op"."""
     registration = sys.modules.get("sloth.lowering.registration")
     if registration is None:
         return None
-    if registration.TRITON_OP:
-        return "triton_op"
-    return "custom_op" if registration.FAST_LAUNCH else "custom_op, Triton dispatch"
+    return "triton_op" if registration.TRITON_OP else "custom_op"
 
 
 def _quantize_linears_nf4(model: torch.nn.Module) -> int:
@@ -343,7 +340,6 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
               f"{e.key[:110]}" for e in cpu[:top]]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
-    ops += "-triton-dispatch" if args.variant == "sloth" and os.environ.get("SLOTH_FAST_LAUNCH") == "0" else ""
     path = out_dir / f"profile-{args.variant}{ops}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]), flush=True)

@@ -13,8 +13,8 @@
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
-#   bash benchmarks/h200_rows.sh fastlaunch  # host time per launch/op with and without the cached launcher, NF4
-#                                             # bits vs bitsandbytes, sloth LoRA with and without it, QLoRA
+#   bash benchmarks/h200_rows.sh host      # host microseconds per Triton launch and per sloth op call
+#   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
 #
@@ -22,7 +22,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|fastlaunch)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|nf4)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -84,18 +84,12 @@ case $part in
         export SLOTH_TRITON_OP=1
         run l4-triton-op 150 --all --variants sloth --layers 4 --sloth-options "$SLOTH" --profile
         unset SLOTH_TRITON_OP ;;
-    fastlaunch)  # lowering/fast_launch.py: host time per launch and op, the NF4 bits, then LoRA with and without it
-        if [ -z "${DRY:-}" ]; then
-            python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1; echo "launch_overhead: rc $?"
-            tail -8 "$out/logs/launch_overhead.log"
-            timeout 120 python -m benchmarks.ops.nf4 > "$out/logs/nf4.log" 2>&1; echo "nf4: rc $?"
-            tail -4 "$out/logs/nf4.log"
-        fi
-        run lora-sloth 150 --all --variants sloth --sloth-options "$SLOTH"
-        export SLOTH_FAST_LAUNCH=0
-        run lora-sloth-triton-dispatch 130 --all --variants sloth --sloth-options "$SLOTH"
-        unset SLOTH_FAST_LAUNCH
-        run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH" ;;
+    host)  # host time per Triton launch and per op call (benchmarks/launch_overhead.py)
+        [ -z "${DRY:-}" ] && { python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
+                               echo "launch_overhead: rc $?"; tail -8 "$out/logs/launch_overhead.log"; } ;;
+    nf4)  # NF4/FP4 dequantisation bits vs bitsandbytes, and its time
+        [ -z "${DRY:-}" ] && { timeout 120 python -m benchmarks.ops.nf4 > "$out/logs/nf4.log" 2>&1
+                               echo "nf4: rc $?"; tail -4 "$out/logs/nf4.log"; } ;;
     long)
         run long 560 --all --batch 1 --seq 16384 --grad-ckpt --variants inductor,sloth --sloth-options "$SLOTH" ;;
     long-sloth)

@@ -258,19 +258,30 @@ def _launch_4bit(packed: torch.Tensor, absmax: torch.Tensor, nested: Optional[tu
     absmax2, code2, offset, blocksize2 = nested if nested is not None else (absmax, absmax, absmax, 256)
     n_bytes = (n + 1) // 2
     launch(_dequantize_4bit_kernel)[(cdiv(n_bytes, _BLOCK_BYTES),)](
-        packed.reshape(-1), absmax.reshape(-1), code_table(quant_type, packed.device), out,
-        absmax2.reshape(-1), code2.reshape(-1), offset,
+        _flat(packed), _flat(absmax), code_table(quant_type, packed.device), out, _flat(absmax2), _flat(code2),
+        offset,
         n, n_bytes,
         BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, NESTED=nested is not None, BLOCKSIZE2=blocksize2,
         INTERPRETED=triton_interpreter_on(), num_warps=4, enable_fp_fusion=False,
     )
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read it, element i at data_ptr + i: itself when contiguous (whatever its shape:
+    bitsandbytes stores packed weights as [bytes, 1]), else a contiguous copy. ``reshape(-1)``, used before,
+    cost an aten call even when it changed nothing and returned a strided 1-D tensor as it was, which the
+    kernels then read wrongly (tests/test_nf4_op.py::test_strided_inputs_and_offset_forms)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _offset_tensor(offset: Union[torch.Tensor, float], device: torch.device) -> torch.Tensor:
-    """``offset`` as a 1-element fp32 tensor on ``device`` (read by the kernel: no host sync)."""
+    """``offset`` as a 1-element fp32 tensor on ``device`` (read by the kernel: no host sync); bitsandbytes'
+    own offset (a 0-d fp32 tensor on the weight's device) is used as it is."""
     if isinstance(offset, torch.Tensor):
         if offset.numel() != 1:
             raise ValueError(f"sloth.nf4: offset must be a scalar, got shape {tuple(offset.shape)}")
+        if offset.dtype == torch.float32 and offset.device == device:
+            return offset
         return offset.reshape(1).to(device=device, dtype=torch.float32)
     return torch.tensor([offset], dtype=torch.float32, device=device)
 
@@ -321,7 +332,7 @@ def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, stat
     out = torch.empty(n, dtype=torch.float32, device=absmax_u8.device)
     if n:
         launch(_dequantize_absmax_kernel)[(cdiv(n, _ABSMAX_BLOCK),)](
-            absmax_u8.reshape(-1), state2_absmax.reshape(-1), state2_code.reshape(-1), offset_t, out,
+            _flat(absmax_u8), _flat(state2_absmax), _flat(state2_code), offset_t, out,
             n,
             BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, INTERPRETED=triton_interpreter_on(), num_warps=4,
             enable_fp_fusion=False,

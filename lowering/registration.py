@@ -2,8 +2,7 @@
 
     define("sloth::name", fn)   the operator, from a function of tensors (its type hints give the schema)
     fake(op)(impl)              op.register_fake(impl); nothing under triton_op, where fn is its own fake
-    launch(kernel)[grid](...)   how fn launches a Triton kernel: wrap_triton(kernel) under triton_op, else a
-                                launcher that skips Triton's per-call dispatch (lowering/fast_launch.py)
+    launch(kernel)[grid](...)   how fn launches a Triton kernel: wrap_triton(kernel) under triton_op
 
 With ``custom_op`` every call of an op from a compiled graph runs fn in Python, and each Triton launch goes
 through Triton's JIT dispatch: on the H200 that host time (0.3 ms a LoRA forward, 0.45 ms a backward,
@@ -25,13 +24,9 @@ from typing import Any, Callable
 import torch
 
 from .backend_choice import triton_interpreter_on
-from .fast_launch import cached
 
 TRITON_OP: bool = (os.environ.get("SLOTH_TRITON_OP", "0") == "1" and not triton_interpreter_on()
                    and hasattr(torch.library, "triton_op"))
-# Under custom_op, launches skip Triton's per-call dispatch once a kernel is compiled (lowering/fast_launch.py);
-# SLOTH_FAST_LAUNCH=0 turns that off. The interpreter keeps Triton's own path (it makes its own kernel objects).
-FAST_LAUNCH: bool = os.environ.get("SLOTH_FAST_LAUNCH", "1") == "1" and not triton_interpreter_on()
 
 
 def define(name: str, fn: Callable) -> Any:
@@ -50,9 +45,13 @@ def fake(op: Any) -> Callable[[Callable], Callable]:
 
 
 def launch(kernel: Any) -> Any:
-    """``kernel`` as the op's function should launch it: ``launch(kernel)[grid](*args)``."""
+    """``kernel`` as the op's function should launch it: ``launch(kernel)[grid](*args)``.
+
+    Tried and not kept: a launcher that kept each kernel's ``CompiledKernel`` under a specialisation key built
+    in Python and called its launcher directly, skipping ``JITFunction.run``. On the H200 it was slower than
+    Triton 3.6's own dispatch, whose argument specialisation is native code: 23.9 vs 16.4 us a launch, LoRA
+    step 277.5 vs 263.4 ms on one lease (benchmarks/results/2026-11-29_212631_launch_overhead.json and the
+    e2e records beside it; commit bfd1dc1)."""
     if TRITON_OP:
         return torch.library.wrap_triton(kernel)
-    if FAST_LAUNCH:
-        return cached(kernel)
     return kernel

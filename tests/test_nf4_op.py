@@ -179,6 +179,32 @@ def test_nested_absmax_launch_disables_fp_fusion(name, device, monkeypatch):
     assert launches and all(k.get("enable_fp_fusion") is False for k in launches)
 
 
+def test_strided_inputs_and_offset_forms(device):
+    """The kernels read their tensors flat from data_ptr: contiguous inputs of any shape are passed as they are
+    (bitsandbytes' [bytes, 1]); strided ones are copied first. A 0-d, a 1-element and a float offset agree."""
+    g = torch.Generator().manual_seed(5)
+    shape = (33, 130)
+    w = torch.randn(shape, generator=g).to(device=device, dtype=torch.bfloat16)
+    q, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    s2 = state.state2
+    expected = dequantize_4bit_nested(q, state.absmax, s2.absmax, s2.code, state.offset, 64, "nf4", shape,
+                                      torch.bfloat16)
+
+    def strided(t):  # the same values, every other element of a buffer twice as long
+        buf = torch.zeros((t.numel(), 2), dtype=t.dtype, device=t.device)
+        buf[:, 0] = t.reshape(-1)
+        return buf[:, 0]
+
+    got = dequantize_4bit_nested(strided(q), strided(state.absmax), strided(s2.absmax), strided(s2.code),
+                                 state.offset, 64, "nf4", shape, torch.bfloat16)
+    assert not strided(q).is_contiguous() and torch.equal(got, expected)
+    for offset in (state.offset.reshape(()), state.offset.reshape(1), float(state.offset)):
+        got = dequantize_4bit_nested(q, state.absmax, s2.absmax, s2.code, offset, 64, "nf4", shape, torch.bfloat16)
+        assert torch.equal(got, expected), type(offset)
+    absmax = _nested_absmax(state)
+    assert torch.equal(dequantize_4bit(strided(q), strided(absmax), 64, "nf4", shape, torch.bfloat16), expected)
+
+
 def test_out_buffer(path, device):
     g = torch.Generator().manual_seed(3)
     shape = (33, 130)
