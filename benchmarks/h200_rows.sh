@@ -58,7 +58,7 @@ case $part in
     moe)
         run moe 560 --all --model qwen3-moe --variants eager,inductor,liger,sloth --sloth-options "$SLOTH" ;;
     moe-liger)
-        run moe-liger 120 --all --model qwen3-moe --variants liger ;;
+        run moe-liger 240 --all --model qwen3-moe --variants liger ;;
     qlora-profile)
         run qlora-sloth 200 --all --qlora --variants sloth --sloth-options "$SLOTH" --profile ;;
     profile)
@@ -76,7 +76,7 @@ case $part in
         run qlora-sloth 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
         run qlora-unsloth 180 --all --qlora --variants unsloth ;;
     qlora-recheck)
-        run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH" ;;
+        run qlora-sloth 200 --all --qlora --variants sloth --sloth-options "$SLOTH" ;;
     recheck)  # after launch-count changes; the 4-layer pair says whether triton_op compiles and what it saves
         run lora-sloth 130 --all --variants sloth --sloth-options "$SLOTH"
         run qlora-sloth 130 --all --qlora --variants sloth --sloth-options "$SLOTH"
