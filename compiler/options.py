@@ -15,9 +15,14 @@ class PassOptions:
 
     ``recompute``: True lets cheap sloth ops (RMSNorm) be recomputed in the backward instead of keeping
     their outputs from the forward (compiler/recompute.py); False keeps them, as Inductor would decide.
+
+    ``share_lora_input``: True makes the LoRA linears that read one input (q, k, v; gate, up) one op
+    (patterns/lora_shared.py: fewer op calls and launches, x read once); False keeps one op each. The values
+    are the same math; the input gradient's sum is rounded as eager rounds it rather than once.
     """
     return_logits: bool = True
     recompute: bool = True
+    share_lora_input: bool = True
 
     @classmethod
     def from_user(cls, options: dict[str, Any]) -> "PassOptions":
@@ -28,4 +33,7 @@ class PassOptions:
         recompute = options.pop("recompute", True)
         if not isinstance(recompute, bool):
             raise ValueError(f"sloth: recompute must be True or False, got {recompute!r}")
-        return cls(return_logits=return_logits, recompute=recompute)
+        share_lora_input = options.pop("share_lora_input", True)
+        if not isinstance(share_lora_input, bool):
+            raise ValueError(f"sloth: share_lora_input must be True or False, got {share_lora_input!r}")
+        return cls(return_logits=return_logits, recompute=recompute, share_lora_input=share_lora_input)

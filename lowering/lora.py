@@ -134,10 +134,11 @@ def _split_factor_kernel(p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr,
+def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, stride_hm,
                       MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr):
-    """h[M, R] (fp32) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K looped over. With
+    """h[M, R] (fp32, rows stride_hm apart) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K
+    looped over. With
     MODE _SPLIT_BF16, p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel``: one dot against all
     three parts, whose column groups are summed at the end (p's split is done once per call, not once
     per program)."""
@@ -166,11 +167,11 @@ def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr,
             b_p = tl.load(p_p + o_k[:, None] * stride_pk + o_r[None, :] * stride_pr,
                           mask=m_k[:, None] & m_r[None, :], other=0.0)
             b_h = _dot_fp32_exact(b_x, b_p, b_h, MODE, False, UPCAST)
-    tl.store(p_h + o_m[:, None] * R + o_r[None, :], b_h, mask=m_m[:, None] & m_r[None, :])
+    tl.store(p_h + o_m[:, None] * stride_hm + o_r[None, :], b_h, mask=m_m[:, None] & m_r[None, :])
 
 
 @triton.jit
-def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, stride_qn, stride_ym, scale,
+def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, stride_qr, stride_qn, stride_ym, scale,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[M, N] = base[M, N] + scale * h[M, R] @ q[R, N], summed in fp32, rounded once to y's dtype.
     ``y`` may be ``base`` itself (each program reads its tile before writing it). Both factors are fp32
@@ -181,7 +182,7 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, st
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_r = tl.arange(0, BLOCK_R)
     m_m, m_n, m_r = o_m < M, o_n < N, o_r < R
-    b_h = tl.load(p_h + o_m[:, None] * R + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)
+    b_h = tl.load(p_h + o_m[:, None] * stride_hm + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)
     b_q = tl.load(p_q + o_r[:, None] * stride_qr + o_n[None, :] * stride_qn, mask=m_r[:, None] & m_n[None, :],
                   other=0.0)
     b_low = tl.dot(b_h, b_q.to(tl.float32), input_precision="tf32x3")
@@ -192,7 +193,7 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_qr, st
 
 
 @triton.jit
-def _grad_tile(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s, rows_per_split,
+def _grad_tile(p_u, p_x, p_g, M, K, R, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s, rows_per_split,
                scale, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                BLOCK_R: tl.constexpr):
     """g[i_s] [:, K block i_k] = scale * u[rows, R].T @ x[rows, K block] over split i_s's rows, stored through
@@ -206,7 +207,7 @@ def _grad_tile(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, stride_g
     for m0 in range(row_start, row_stop, BLOCK_M):
         o_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # row * stride passes 2^31 past ~150k rows of 14336
         m_m = o_m < row_stop
-        b_ut = tl.load(p_u + o_m[None, :] * R + o_r[:, None], mask=m_r[:, None] & m_m[None, :], other=0.0)
+        b_ut = tl.load(p_u + o_m[None, :] * stride_um + o_r[:, None], mask=m_r[:, None] & m_m[None, :], other=0.0)
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_g = _dot_fp32_exact(b_x, b_ut, b_g, MODE, True, UPCAST)
     p_out = p_g + i_s * stride_gs + o_r[:, None] * stride_gr + o_k[None, :] * stride_gk
@@ -214,8 +215,8 @@ def _grad_tile(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, stride_g
 
 
 @triton.jit
-def _lora_grad_kernel(p_u, p_x, p_g, K, stride_xm, stride_gk, stride_gr, stride_gs, k_blocks,
-                      p_u2, p_x2, p_g2, K2, stride_xm2, stride_gk2, stride_gr2, stride_gs2,
+def _lora_grad_kernel(p_u, p_x, p_g, K, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, k_blocks,
+                      p_u2, p_x2, p_g2, K2, stride_um2, stride_xm2, stride_gk2, stride_gr2, stride_gs2,
                       M, R, rows_per_split, scale,
                       MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr):
@@ -224,11 +225,11 @@ def _lora_grad_kernel(p_u, p_x, p_g, K, stride_xm, stride_gk, stride_gr, stride_
     Grid (k blocks of both, splits); the caller sums the splits (a deterministic reduction, no atomics)."""
     i_k, i_s = tl.program_id(0), tl.program_id(1)
     if i_k < k_blocks:
-        _grad_tile(p_u, p_x, p_g, M, K, R, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s, rows_per_split,
-                   scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
-    else:
-        _grad_tile(p_u2, p_x2, p_g2, M, K2, R, stride_xm2, stride_gk2, stride_gr2, stride_gs2, i_k - k_blocks, i_s,
+        _grad_tile(p_u, p_x, p_g, M, K, R, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s,
                    rows_per_split, scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+    else:
+        _grad_tile(p_u2, p_x2, p_g2, M, K2, R, stride_um2, stride_xm2, stride_gk2, stride_gr2, stride_gs2,
+                   i_k - k_blocks, i_s, rows_per_split, scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,11 +291,12 @@ def _down_block_k(c: dict, mode: int, block_r: int, x_bytes: int, factor_bytes: 
     return block_k
 
 
-def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
-    """``x_MK @ p_KR`` in fp32 ([M, R]); ``p_KR`` may be any strided view (a.T, or b)."""
+def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x_MK @ p_KR`` in fp32 ([M, R]); ``p_KR`` may be any strided view (a.T, or b). Written into ``out``
+    when given: an fp32 [M, R] view with unit column stride (a column block of a wider buffer)."""
     n_rows, k = x_MK.shape
     rank = p_KR.shape[1]
-    h_MR = torch.empty((n_rows, rank), dtype=torch.float32, device=x_MK.device)
+    h_MR = torch.empty((n_rows, rank), dtype=torch.float32, device=x_MK.device) if out is None else out
     if n_rows == 0:
         return h_MR
     if k == 0:
@@ -307,7 +309,7 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
             p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1), BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
         p_KR = split
     launch(_lora_down_kernel)[(cdiv(n_rows, c["block_m"]),)](
-        x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1),
+        x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1), h_MR.stride(0),
         MODE=mode, UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k, BLOCK_R=block_r,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
@@ -315,13 +317,14 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor) -> torch.Tensor:
 
 
 def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scale: float) -> torch.Tensor:
-    """``base_MN += scale * h_MR @ q_RN`` in place (fp32 sum, one rounding); returns base_MN."""
+    """``base_MN += scale * h_MR @ q_RN`` in place (fp32 sum, one rounding); returns base_MN. ``h_MR`` needs a
+    unit column stride only (it may be a column block of a wider buffer)."""
     n_rows, n_cols = base_MN.shape
     if base_MN.numel() == 0:
         return base_MN
     c = UP_CONFIG
     launch(_lora_up_add_kernel)[(cdiv(n_rows, c["block_m"]), cdiv(n_cols, c["block_n"]))](
-        base_MN, h_MR, q_RN, base_MN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0),
+        base_MN, h_MR, q_RN, base_MN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0), h_MR.stride(0),
         q_RN.stride(0), q_RN.stride(1), base_MN.stride(0), float(scale),
         BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(h_MR.shape[1]), num_warps=c["num_warps"],
         num_stages=c["num_stages"],
@@ -349,8 +352,8 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
         k = x_MK.shape[1]
         g = torch.empty((splits, *((k, rank) if transposed else (rank, k))), dtype=torch.float32, device=x_MK.device)
         stride_gk, stride_gr = (rank, 1) if transposed else (1, k)
-        # The kernel reads u with row stride R.
-        args.append((u_MR.contiguous(), x_MK, g, k, x_MK.stride(0), stride_gk, stride_gr, g.stride(0)))
+        u_MR = u_MR if u_MR.stride(1) == 1 else u_MR.contiguous()  # rows may be apart, columns adjacent
+        args.append((u_MR, x_MK, g, k, u_MR.stride(0), x_MK.stride(0), stride_gk, stride_gr, g.stride(0)))
         outs.append(g)
     (u1, x1, g1, k1, *strides1), (u2, x2, g2, k2, *strides2) = args[0], args[-1]
     if _mode(x2, u2) != _mode(x1, u1):  # one MODE constexpr serves both problems

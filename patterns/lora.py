@@ -48,6 +48,7 @@ from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, line
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused
+from .lora_shared import share_lora_inputs
 
 FAMILY = "lora"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -345,8 +346,8 @@ def _absorb_glu_input(gm: fx.GraphModule, fused: fx.Node) -> bool:
     return True
 
 
-def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
-    """Insert the fused node for ``m``; returns the nodes erased."""
+def _replace(gm: fx.GraphModule, m: LoraMatch) -> tuple[set[fx.Node], fx.Node]:
+    """Insert the fused node for ``m``; returns the nodes erased and the fused node."""
     a, b, scale, stacked = _stacked_adapter(gm, m)
     xt, at, out = tensor_of(m.x), tensor_of(a), tensor_of(m.out)
     rows = 1
@@ -375,7 +376,7 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> set[fx.Node]:
     if q is not None:
         erased |= {n for n in (q.out, q.hop, *q.bodies) if n is not None}
         erase_if_unused(gm, q)
-    return erased
+    return erased, fused
 
 
 def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
@@ -392,6 +393,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     erased: set[fx.Node] = set()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
+    fused: list[tuple[fx.Node, int]] = []  # each fused node and its outcome's index
     # Last node first: with several adapters summed onto one base, the outermost add is the site (an
     # inner add alone would be a LoRA whose sum is not yet cast back, a false near-miss). The report
     # still lists the sites in graph order.
@@ -404,9 +406,18 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         if isinstance(found, str):
             outcomes.append((position[node], (node, found)))
             continue
-        erased |= _replace(gm, found)
+        erased_here, fused_node = _replace(gm, found)
+        erased |= erased_here
+        fused.append((fused_node, len(outcomes)))
         outcomes.append((position[node], Site(FAMILY, found.op, module_path(node), source_location(node),
                                               found.detail)))
+    if options.share_lora_input:
+        notes = share_lora_inputs(gm, [f for f, _ in fused])
+        for node, index in fused:
+            if node in notes:
+                place, site = outcomes[index]
+                outcomes[index] = (place, dataclasses.replace(site, op="sloth.lora_linear_shared",
+                                                              detail=f"{site.detail}, {notes[node]}"))
     for _, outcome in sorted(outcomes, key=lambda item: item[0]):
         if isinstance(outcome, Site):
             report.replaced(outcome)

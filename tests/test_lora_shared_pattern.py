@@ -1,0 +1,111 @@
+"""LoRA linears reading one input become one ``sloth.lora_linear_shared`` (patterns/lora_shared.py).
+
+Hand-written modules (no peft, no transformers): three adapted projections of one x, each written in a
+different but equivalent style, and the near misses the join must leave apart (another scale, another
+rank, another adapter dtype, the option off). Each compiles with the sloth backend through AOT autograd;
+the output and the gradients of x and every factor are compared with eager under the tolerance rule, and
+the graph is read for what became one op. peft models are covered in tests/test_models.py (q, k, v and
+gate, up joined in Llama, Qwen3 and Gemma3; Phi3's merged projections have nothing to join).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sloth
+from pattern_checks import forward_backward, graph_of, seeded
+from tolerance import assert_close
+
+K = 40
+
+
+class ThreeProjections(nn.Module):
+    """q, k and v of one x: frozen bases [N_i, K] and adapters (A_i [r_i, K], B_i [N_i, r_i]) written three
+    ways: ``F.linear + s * (x @ A.T) @ B.T``, ``x @ W.T + linear(linear(x, A), B) * s`` and the scale on x."""
+
+    def __init__(self, ranks=(4, 4, 4), scales=(2.0, 2.0, 2.0), adapter_dtypes=(None, None, None)):
+        super().__init__()
+        g = seeded(0)
+        self.scales = scales
+        for name, n, r, dt in zip("qkv", (24, 8, 8), ranks, adapter_dtypes):
+            setattr(self, f"w{name}", nn.Parameter(torch.randn(n, K, generator=g) / math.sqrt(K), requires_grad=False))
+            a = nn.Parameter(torch.randn(r, K, generator=g) / math.sqrt(K))
+            b = nn.Parameter(torch.randn(n, r, generator=g) / math.sqrt(r))
+            setattr(self, f"a{name}", a)
+            setattr(self, f"b{name}", b)
+            self._adapter_dtypes = adapter_dtypes
+        self.bias_q = nn.Parameter(torch.randn(24, generator=g), requires_grad=False)
+
+    def to(self, dtype):  # the frozen bases in dtype; an adapter given its own dtype keeps it (peft's fp32 adapter)
+        super().to(dtype)
+        for name, dt in zip("qkv", self._adapter_dtypes):
+            if dt is not None:
+                for f in "ab":
+                    setattr(self, f"{f}{name}", nn.Parameter(getattr(self, f"{f}{name}").detach().to(dt)))
+        return self
+
+    def forward(self, x):
+        sq, sk, sv = self.scales
+        q = F.linear(x, self.wq, self.bias_q) + sq * (x.to(self.aq.dtype) @ self.aq.t()) @ self.bq.t()
+        k = x @ self.wk.t() + F.linear(F.linear(x.to(self.ak.dtype), self.ak), self.bk) * sk
+        v = F.linear(x, self.wv) + F.linear(F.linear(x.to(self.av.dtype) * sv, self.av), self.bv)
+        return torch.cat([q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)], -1)
+
+
+def _trainable(m):
+    return [p for p in m.parameters() if p.requires_grad]
+
+
+def check(make, dtype, shared: int, options=None):
+    """Compile ``make()`` with sloth, compare with eager and float64, and count the joined sites."""
+    x = torch.randn(3, 5, K, generator=seeded(1))
+    module = make().to(dtype)
+    eager = forward_backward(module, [x.to(dtype)], _trainable(module))
+    ref_module = make().double()
+    reference = forward_backward(ref_module, [x.double()], _trainable(ref_module), dy_dtype=eager[0].dtype)
+    module = make().to(dtype)
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager", **(options or {})},
+                             fullgraph=True)
+    actual = forward_backward(compiled, [x.to(dtype)], _trainable(module))
+    report = sloth.last_report()
+    sites = [s for s in report.sites if s.family == "lora"]
+    assert len(sites) == 3, str(report)
+    assert sum(s.op == "sloth.lora_linear_shared" for s in sites) == shared, str(report)
+    names = ["out", "dx"] + [n for n, p in module.named_parameters() if p.requires_grad]
+    for name, a, e, r in zip(names, actual, eager, reference):
+        assert_close(f"{name}", a, e, r)
+    return report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_three_projections_become_one_op(dtype):
+    report = check(ThreeProjections, dtype, shared=3)
+    details = [s.detail for s in report.sites if s.family == "lora"]
+    assert all("one sloth.lora_linear_shared with" in d for d in details), details
+    gm = graph_of(ThreeProjections().to(dtype), torch.randn(2, K).to(dtype))
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "sloth" in str(n.target)]
+    assert targets == ["sloth.lora_linear_shared.default"], targets
+
+
+def test_fp32_adapters_under_a_bf16_base():
+    check(lambda: ThreeProjections(adapter_dtypes=(torch.float32,) * 3), torch.bfloat16, shared=3)
+
+
+@pytest.mark.parametrize("make,shared", [
+    pytest.param(lambda: ThreeProjections(scales=(2.0, 2.0, 0.5)), 2, id="v-another-scale"),
+    pytest.param(lambda: ThreeProjections(scales=(2.0, 1.0, 0.5)), 0, id="three-scales"),
+    pytest.param(lambda: ThreeProjections(ranks=(4, 4, 2)), 2, id="v-another-rank"),
+    pytest.param(lambda: ThreeProjections(adapter_dtypes=(None, None, torch.float32)), 2, id="v-another-dtype"),
+])
+def test_members_must_agree(make, shared):
+    check(make, torch.bfloat16, shared=shared)
+
+
+def test_the_join_can_be_switched_off():
+    check(ThreeProjections, torch.bfloat16, shared=0, options={"share_lora_input": False})
+    with pytest.raises(Exception, match="share_lora_input must be True or False"):  # inside Dynamo's wrapper
+        torch.compile(ThreeProjections(), backend="sloth", options={"share_lora_input": "yes"})(torch.randn(2, K))
