@@ -13,6 +13,7 @@
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
+#   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
 #   bash benchmarks/h200_rows.sh host      # host microseconds per Triton launch and per sloth op call
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
@@ -22,7 +23,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|nf4)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|nf4|share)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -59,6 +60,11 @@ case $part in
         run moe 560 --all --model qwen3-moe --variants eager,inductor,liger,sloth --sloth-options "$SLOTH" ;;
     moe-liger)
         run moe-liger 240 --all --model qwen3-moe --variants liger ;;
+    share)  # LoRA and QLoRA with the LoRA linears that share an input joined (the default) and not, one lease
+        run lora-sloth 150 --all --variants sloth --sloth-options "$SLOTH"
+        run lora-sloth-unshared 130 --all --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}'
+        run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        run qlora-sloth-unshared 140 --all --qlora --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}' ;;
     qlora-profile)
         run qlora-sloth 200 --all --qlora --variants sloth --sloth-options "$SLOTH" --profile ;;
     profile)

@@ -69,6 +69,15 @@ def main() -> int:
     q = b.t()
     lora.register()
     rms_norm.register()
+    from sloth.lowering import lora_shared
+
+    lora_shared.register()
+    # q, k and v of Llama-3-8B: one [4096, 4096] and two [1024, 4096] bases on one x, as three ops and as one.
+    qkv_w = [w, w[:1024], w[1024:2048]]
+    qkv_b = [b, b[:1024], b[1024:2048]]
+    qkv_a = torch.cat([a, a, a])
+    qkv_dy = [dy, dy[:, :1024].contiguous(), dy[:, 1024:2048].contiguous()]
+    qkv_h = torch.randn(m, 3 * r, device=dev)
     calls = {
         "one launch (_lora_up_add_kernel)": lambda: lora._lora_up_add_kernel[(1, 64)](
             base, h, q, base, m, n, r, base.stride(0), h.stride(0), q.stride(0), q.stride(1), base.stride(0), 0.5,
@@ -78,6 +87,15 @@ def main() -> int:
         "lora_forward, no dispatcher": lambda: lora.lora_forward(x, w, None, a, b, 2.0),
         "sloth::rms_norm": lambda: torch.ops.sloth.rms_norm(x, nw, 1e-6, 0.0, bf16),
         "sloth::rms_norm_backward": lambda: torch.ops.sloth.rms_norm_backward(x, x, nw, 1e-6, 0.0, True),
+        "3 x sloth::lora_linear (q, k, v)": lambda: [torch.ops.sloth.lora_linear(x, wi, None, a, bi, 2.0)
+                                                     for wi, bi in zip(qkv_w, qkv_b)],
+        "sloth::lora_linear_shared (q, k, v)": lambda: torch.ops.sloth.lora_linear_shared(
+            x, qkv_w, [None] * 3, qkv_a, qkv_b, 2.0),
+        "3 x sloth::lora_linear_backward (q, k, v)": lambda: [
+            torch.ops.sloth.lora_linear_backward(d, x, wi, a, bi, h, 2.0, True)
+            for d, wi, bi in zip(qkv_dy, qkv_w, qkv_b)],
+        "sloth::lora_linear_shared_backward (q, k, v)": lambda: torch.ops.sloth.lora_linear_shared_backward(
+            qkv_dy, x, qkv_w, qkv_a, qkv_b, qkv_h, 2.0, True),
         **_qlora_calls(x, dy, a, b, h),
     }
     rows = []

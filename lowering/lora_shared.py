@@ -1,4 +1,5 @@
-"""LoRA linears that read one input as one op: ``torch.ops.sloth.lora_linear_shared`` (q, k and v; gate and up).
+"""LoRA linears that read one input as one op: ``torch.ops.sloth.lora_linear_shared`` (q, k and v; gate and up),
+and ``sloth.qlora_linear_shared`` over bitsandbytes 4-bit bases.
 
 The op equals, for i = 0..n-1 (``x`` [..., K]; frozen ``w_i`` [N_i, K] and ``bias_i``; adapters of one rank r
 and one dtype, ``a = cat(a_0, ..., a_{n-1})`` [n r, K] and ``b_i`` [N_i, r]; one scale ``s``)::
@@ -21,7 +22,10 @@ the same x: as one op they make one call instead of n and share the launches tha
               da       = s * g.T @ x2                          [n r, K]   one grad problem (x read once)
               db_i     = s * dy_i.T @ h_i                                  paired two to a launch
 
-(h_i = h[:, i r:(i + 1) r]; the derivation is lora_linear's, summed over i for dx). Launches for n = 3
+(h_i = h[:, i r:(i + 1) r]; the derivation is lora_linear's, summed over i for dx). The 4-bit op takes each
+member's quantised weight and statistics as lists (the absmax_* lists empty without double quantisation)
+and dequantises w_i where it is used, one weight at a time, forward and backward, as sloth.qlora_linear
+does (lowering/qlora.py). Launches for n = 3
 (tests/test_lora_shared_op.py counts them): forward 5 (split, down, 3 up) instead of 9; backward 10 (3 splits,
 3 downs, 1 up, 3 grad kernels: da, then the db two to a launch) instead of 12; and one op call each way
 instead of three. x is read once by the down kernel and once for da, where three ops read it three times each. Rounding differs from n
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,61 +45,55 @@ import torch.nn.functional as F
 from .backend_choice import use_triton
 from .layout import rows_2d
 from .lora import _check_inputs, _down, _grads, _up_add_, lora_linear_reference
+from .qlora import dequantized_weight
 from .registration import define, fake
 
+Weight = Callable[[int], torch.Tensor]  # member i's base weight [N_i, K] in x's dtype (dense, or dequantised)
 
-def _rank(ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]], a: torch.Tensor,
-          bs: list[torch.Tensor]) -> int:
-    n = len(ws)
+
+def _rank(n: int, biases: list[Optional[torch.Tensor]], a: torch.Tensor, bs: list[torch.Tensor]) -> int:
     if n == 0 or len(biases) != n or len(bs) != n:
-        raise ValueError(f"sloth.lora_linear_shared: ws, biases and bs must have one entry per linear, got "
-                         f"{len(ws)}, {len(biases)} and {len(bs)}")
+        raise ValueError(f"sloth.lora_linear_shared: the weights, biases and bs must have one entry per linear, "
+                         f"got {n}, {len(biases)} and {len(bs)}")
     if a.dim() != 2 or a.shape[0] % n:
         raise ValueError(f"sloth.lora_linear_shared: a must be the {n} adapters' a stacked by rows ([{n} r, K]), "
                          f"got shape {tuple(a.shape)}")
     return a.shape[0] // n
 
 
-def _check(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]], a: torch.Tensor,
-           bs: list[torch.Tensor]) -> int:
-    r = _rank(ws, biases, a, bs)
-    for i, (w, bias, b) in enumerate(zip(ws, biases, bs)):
-        _check_inputs(x, w, bias, a[i * r:(i + 1) * r], b)
-    return r
-
-
-def lora_shared_reference(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
-                          a: torch.Tensor, bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
-    """``[y_0, ..., y_{n-1}, h]`` by the module docstring's formula, each y_i as lora_linear's reference."""
-    r = _rank(ws, biases, a, bs)
-    outs = [lora_linear_reference(x, w, bias, a[i * r:(i + 1) * r], b, scale)
-            for i, (w, bias, b) in enumerate(zip(ws, biases, bs))]
-    return [y for y, _ in outs] + [torch.cat([h for _, h in outs], 1)]
-
-
-def lora_shared_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
-                        a: torch.Tensor, bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
-    r = _check(x, ws, biases, a, bs)
-    if not use_triton(x):
-        return lora_shared_reference(x, ws, biases, a, bs, scale)
+def _forward(x: torch.Tensor, weight: Weight, n: int, biases: list[Optional[torch.Tensor]], a: torch.Tensor,
+             bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    """``[y_0, ..., y_{n-1}, h]`` (module docstring); each weight is asked for once and dropped after use."""
+    r = _rank(n, biases, a, bs)
+    triton_path = use_triton(x)
     x_MK = rows_2d(x)
-    h_MR = _down(x_MK, a.t())
-    ys = [_up_add_(F.linear(x_MK, w, bias), h_MR[:, i * r:(i + 1) * r], b.t(), scale).view(*x.shape[:-1], w.shape[0])
-          for i, (w, bias, b) in enumerate(zip(ws, biases, bs))]
-    return ys + [h_MR]
+    h_MR = _down(x_MK, a.t()) if triton_path else None
+    ys, hs = [], []
+    for i in range(n):
+        w = weight(i)
+        _check_inputs(x, w, biases[i], a[:r], bs[i])  # a[:r]: every member's slice has this shape and dtype
+        if triton_path:
+            y = _up_add_(F.linear(x_MK, w, biases[i]), h_MR[:, i * r:(i + 1) * r], bs[i].t(), scale)
+            ys.append(y.view(*x.shape[:-1], w.shape[0]))
+        else:
+            y, h = lora_linear_reference(x, w, biases[i], a[i * r:(i + 1) * r], bs[i], scale)
+            ys.append(y)
+            hs.append(h)
+        del w
+    return ys + [h_MR if triton_path else torch.cat(hs, 1)]
 
 
-def lora_shared_backward(dys: list[torch.Tensor], x: torch.Tensor, ws: list[torch.Tensor], a: torch.Tensor,
-                         bs: list[torch.Tensor], h: torch.Tensor, scale: float, need_dx: bool) -> list[torch.Tensor]:
-    """``[dx, da, db_0, ..., db_{n-1}]``; dx is empty when ``need_dx`` is False."""
-    n = len(ws)
+def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: torch.Tensor, bs: list[torch.Tensor],
+                   h: torch.Tensor, scale: float, need_dx: bool) -> list[torch.Tensor]:
+    """``[dx, da, db_0, ..., db_{n-1}]``; dx is empty when ``need_dx`` is False (no weight is then asked for)."""
+    n = len(bs)
     r = a.shape[0] // n
     if not use_triton(x):
         x2 = x.reshape(-1, x.shape[-1]).float()
         dy2 = [dy.reshape(-1, dy.shape[-1]).float() for dy in dys]
         g = torch.cat([d @ b.float() for d, b in zip(dy2, bs)], 1)
-        dx = (sum(d @ w.float() for d, w in zip(dy2, ws)) + scale * g @ a.float()).to(x.dtype).view(x.shape) \
-            if need_dx else x.new_empty(0)
+        dx = (sum(d @ weight(i).float() for i, d in enumerate(dy2)) + scale * g @ a.float()).to(x.dtype) \
+            .view(x.shape) if need_dx else x.new_empty(0)
         dbs = [(scale * d.t() @ h[:, i * r:(i + 1) * r]).to(b.dtype) for i, (d, b) in enumerate(zip(dy2, bs))]
         return [dx, (scale * g.t() @ x2).to(a.dtype), *dbs]
     x_MK = rows_2d(x)
@@ -104,9 +102,9 @@ def lora_shared_backward(dys: list[torch.Tensor], x: torch.Tensor, ws: list[torc
     for i, (dy_MN, b) in enumerate(zip(dys_MN, bs)):
         _down(dy_MN, b, out=g_MR[:, i * r:(i + 1) * r])
     if need_dx:
-        dx = dys_MN[0] @ ws[0]
-        for dy_MN, w in zip(dys_MN[1:], ws[1:]):
-            dx.addmm_(dy_MN, w)  # cuBLAS adds the product into dx in its epilogue (beta 1)
+        dx = dys_MN[0] @ weight(0)
+        for i in range(1, n):
+            dx.addmm_(dys_MN[i], weight(i))  # cuBLAS adds the product into dx in its epilogue (beta 1)
         dx = _up_add_(dx, g_MR, a, scale).view(x.shape)
     else:
         dx = x.new_empty(0)
@@ -118,58 +116,176 @@ def lora_shared_backward(dys: list[torch.Tensor], x: torch.Tensor, ws: list[torc
     return [dx, da.to(a.dtype), *(db.to(b.dtype) for db, b in zip(dbs, bs))]
 
 
+def lora_shared_reference(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
+                          a: torch.Tensor, bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    """``[y_0, ..., y_{n-1}, h]`` by the module docstring's formula, each y_i as lora_linear's reference."""
+    r = _rank(len(ws), biases, a, bs)
+    outs = [lora_linear_reference(x, w, bias, a[i * r:(i + 1) * r], b, scale)
+            for i, (w, bias, b) in enumerate(zip(ws, biases, bs))]
+    return [y for y, _ in outs] + [torch.cat([h for _, h in outs], 1)]
+
+
+def lora_shared_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
+                        a: torch.Tensor, bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    return _forward(x, ws.__getitem__, len(ws), biases, a, bs, scale)
+
+
+def lora_shared_backward(dys: list[torch.Tensor], x: torch.Tensor, ws: list[torch.Tensor], a: torch.Tensor,
+                         bs: list[torch.Tensor], h: torch.Tensor, scale: float, need_dx: bool) -> list[torch.Tensor]:
+    return _backward_impl(dys, x, ws.__getitem__, a, bs, h, scale, need_dx)
+
+
+def _quantized(packed: list[torch.Tensor], absmax: list[torch.Tensor], absmax_code: list[torch.Tensor],
+               absmax_scale: list[torch.Tensor], absmax_offset: list[torch.Tensor], out_features: list[int],
+               in_features: int, blocksize: int, quant_type: str, dtype: torch.dtype) -> Weight:
+    """Member i's 4-bit base dequantised (lowering/qlora.py); the three absmax lists are empty without double
+    quantisation."""
+    n = len(packed)
+    nested = len(absmax_code) > 0
+    if len(absmax) != n or len(out_features) != n or \
+            (nested and not len(absmax_code) == len(absmax_scale) == len(absmax_offset) == n) or \
+            (not nested and (absmax_scale or absmax_offset)):
+        raise ValueError(f"sloth.qlora_linear_shared: one packed weight, absmax and out_features per linear, and "
+                         f"absmax_code, absmax_scale, absmax_offset all empty or one per linear, got {n}, "
+                         f"{len(absmax)}, {len(out_features)} and {len(absmax_code)}, {len(absmax_scale)}, "
+                         f"{len(absmax_offset)}")
+    return lambda i: dequantized_weight(packed[i], absmax[i], absmax_code[i] if nested else None,
+                                        absmax_scale[i] if nested else None, absmax_offset[i] if nested else None,
+                                        out_features[i], in_features, blocksize, quant_type, dtype)
+
+
+def qlora_shared_forward(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],
+                         absmax_code: list[torch.Tensor], absmax_scale: list[torch.Tensor],
+                         absmax_offset: list[torch.Tensor], out_features: list[int], in_features: int,
+                         blocksize: int, quant_type: str, biases: list[Optional[torch.Tensor]], a: torch.Tensor,
+                         bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    weight = _quantized(packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features,
+                        blocksize, quant_type, x.dtype)
+    return _forward(x, weight, len(packed), biases, a, bs, scale)
+
+
+def qlora_shared_backward(dys: list[torch.Tensor], x: torch.Tensor, packed: list[torch.Tensor],
+                          absmax: list[torch.Tensor], absmax_code: list[torch.Tensor],
+                          absmax_scale: list[torch.Tensor], absmax_offset: list[torch.Tensor],
+                          out_features: list[int], in_features: int, blocksize: int, quant_type: str, a: torch.Tensor,
+                          bs: list[torch.Tensor], h: torch.Tensor, scale: float, need_dx: bool) -> list[torch.Tensor]:
+    weight = _quantized(packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features,
+                        blocksize, quant_type, x.dtype)
+    return _backward_impl(dys, x, weight, a, bs, h, scale, need_dx)
+
+
 # ---------------------------------------------------------------------------------------------------
-# Registration with torch.library: a graph citizen with a fake implementation and its own backward.
+# Registration with torch.library: graph citizens with fake implementations and their own backward.
 # ---------------------------------------------------------------------------------------------------
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, ws, _biases, a, bs, scale = inputs
-    ctx.save_for_backward(x, a, output[-1], *ws, *bs)
-    ctx.mark_non_differentiable(output[-1])  # h is returned to be saved, not to be used
-    ctx.n, ctx.scale = len(ws), scale
-    # The gradient must mirror the input's structure as torch.library flattens it: a list of tensors only is
-    # a list (one None each); a list with a None in it is one non-tensor argument (one None).
-    ctx.bias_grads = [None] * len(ws) if all(b is not None for b in _biases) else None
+def _grad_structure(inputs) -> list[Optional[list]]:
+    """Per input, what its gradient slot must look like as torch.library flattens the inputs: a list of
+    tensors only is a list (one None per item); anything else, a list with a None in it too, is one slot."""
+    return [[None] * len(v) if isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v) else None
+            for v in inputs]
 
 
 def _per_item(flags, n: int) -> list[bool]:
-    """``ctx.needs_input_grad``'s entry for a list input: a list of bools, or one bool (seen for a list of
-    Optional tensors), as one bool per item."""
+    """``ctx.needs_input_grad``'s entry for a list input: a list of bools, or one bool (a list of Optional
+    tensors), as one bool per item."""
     return [bool(f) for f in flags] if isinstance(flags, (list, tuple)) else [bool(flags)] * n
 
 
-def _backward(ctx, grads):
-    x, a, h, *rest = ctx.saved_tensors
-    ws, bs = rest[:ctx.n], rest[ctx.n:]
-    needs_x, needs_w, needs_bias, needs_a, needs_b, _ = ctx.needs_input_grad
-    needs_b = _per_item(needs_b, ctx.n)
-    if any(_per_item(needs_w, ctx.n)) or any(_per_item(needs_bias, ctx.n)):
+def _save(ctx, inputs, output, x, a, bs, bases: list[torch.Tensor], scale) -> None:
+    ctx.save_for_backward(x, a, output[-1], *bs, *bases)
+    ctx.mark_non_differentiable(output[-1])  # h is returned to be saved, not to be used
+    ctx.n, ctx.scale, ctx.structure = len(bs), scale, _grad_structure(inputs)
+
+
+def _grads_to_return(ctx, dx, da, dbs, x_index: int, a_index: int, b_index: int, bias_index: int, base_index: int):
+    needs = ctx.needs_input_grad
+    if any(_per_item(needs[base_index], ctx.n)) or any(_per_item(needs[bias_index], ctx.n)):
         raise RuntimeError("sloth.lora_linear_shared: the base weights and biases must be frozen "
                            "(requires_grad=False); the op computes no gradient for them")
+    out = [None if slot is None else list(slot) for slot in ctx.structure]
+    out[x_index] = dx if needs[x_index] else None
+    out[a_index] = da if needs[a_index] else None
+    out[b_index] = [db if need else None for db, need in zip(dbs, _per_item(needs[b_index], ctx.n))]
+    return tuple(out)
+
+
+def _setup_dense(ctx, inputs, output) -> None:
+    x, ws, _, a, bs, scale = inputs
+    _save(ctx, inputs, output, x, a, bs, ws, scale)
+
+
+def _backward_dense(ctx, grads):
+    x, a, h, *rest = ctx.saved_tensors
+    bs, ws = rest[:ctx.n], rest[ctx.n:]
     dx, da, *dbs = torch.ops.sloth.lora_linear_shared_backward(list(grads[:ctx.n]), x, list(ws), a, list(bs), h,
-                                                               ctx.scale, needs_x)
-    return (dx if needs_x else None), [None] * ctx.n, ctx.bias_grads, (da if needs_a else None), \
-        [db if need else None for db, need in zip(dbs, needs_b)], None
+                                                               ctx.scale, bool(ctx.needs_input_grad[0]))
+    return _grads_to_return(ctx, dx, da, dbs, x_index=0, a_index=3, b_index=4, bias_index=2, base_index=1)
+
+
+_Q_ARGS = ("x", "packed", "absmax", "absmax_code", "absmax_scale", "absmax_offset", "out_features", "in_features",
+           "blocksize", "quant_type", "biases", "a", "bs", "scale")
+
+
+def _setup_4bit(ctx, inputs, output) -> None:
+    args = dict(zip(_Q_ARGS, inputs))
+    n = len(args["packed"])
+    tensors = [*args["packed"], *args["absmax"], *args["absmax_code"], *args["absmax_scale"], *args["absmax_offset"]]
+    _save(ctx, inputs, output, args["x"], args["a"], args["bs"], tensors, args["scale"])
+    ctx.nested = len(args["absmax_code"]) == n and n > 0
+    ctx.static = tuple(args[k] for k in ("out_features", "in_features", "blocksize", "quant_type"))
+
+
+def _backward_4bit(ctx, grads):
+    x, a, h, *rest = ctx.saved_tensors
+    n = ctx.n
+    bs, q = rest[:n], rest[n:]
+    packed, absmax = list(q[:n]), list(q[n:2 * n])
+    code, absmax_scale, offset = (list(q[2 * n:3 * n]), list(q[3 * n:4 * n]), list(q[4 * n:5 * n])) \
+        if ctx.nested else ([], [], [])
+    out_features, in_features, blocksize, quant_type = ctx.static
+    dx, da, *dbs = torch.ops.sloth.qlora_linear_shared_backward(
+        list(grads[:n]), x, packed, absmax, code, absmax_scale, offset, list(out_features), in_features, blocksize,
+        quant_type, a, list(bs), h, ctx.scale, bool(ctx.needs_input_grad[0]))
+    return _grads_to_return(ctx, dx, da, dbs, x_index=0, a_index=11, b_index=12, bias_index=10, base_index=1)
 
 
 @functools.cache
 def register() -> None:
-    """Define ``sloth::lora_linear_shared`` and its backward (idempotent)."""
+    """Define ``sloth::lora_linear_shared``, ``sloth::qlora_linear_shared`` and their backwards (idempotent)."""
     fwd = define("sloth::lora_linear_shared", lora_shared_forward)
     bwd = define("sloth::lora_linear_shared_backward", lora_shared_backward)
+    qfwd = define("sloth::qlora_linear_shared", qlora_shared_forward)
+    qbwd = define("sloth::qlora_linear_shared_backward", qlora_shared_backward)
 
-    @fake(fwd)
-    def _(x, ws, biases, a, bs, scale):
+    def _outputs(x, out_features, a):
         rows = math.prod(x.shape[:-1])
-        return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in ws] + \
+        return [x.new_empty((*x.shape[:-1], n)) for n in out_features] + \
             [x.new_empty((rows, a.shape[0]), dtype=torch.float32)]
 
-    @fake(bwd)
-    def _(dys, x, ws, a, bs, h, scale, need_dx):
+    def _grad_values(x, a, bs, need_dx):
         return [x.new_empty(x.shape) if need_dx else x.new_empty(0), a.new_empty(a.shape),
                 *(b.new_empty(b.shape) for b in bs)]
 
-    fwd.register_autograd(_backward, setup_context=_setup_context)
+    @fake(fwd)
+    def _(x, ws, biases, a, bs, scale):
+        return _outputs(x, [w.shape[0] for w in ws], a)
+
+    @fake(bwd)
+    def _(dys, x, ws, a, bs, h, scale, need_dx):
+        return _grad_values(x, a, bs, need_dx)
+
+    @fake(qfwd)
+    def _(x, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features, blocksize,
+          quant_type, biases, a, bs, scale):
+        return _outputs(x, out_features, a)
+
+    @fake(qbwd)
+    def _(dys, x, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features, blocksize,
+          quant_type, a, bs, h, scale, need_dx):
+        return _grad_values(x, a, bs, need_dx)
+
+    fwd.register_autograd(_backward_dense, setup_context=_setup_dense)
+    qfwd.register_autograd(_backward_4bit, setup_context=_setup_4bit)
 
 
 def lora_linear_shared(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],

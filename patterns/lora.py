@@ -415,9 +415,8 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         notes = share_lora_inputs(gm, [f for f, _ in fused])
         for node, index in fused:
             if node in notes:
-                place, site = outcomes[index]
-                outcomes[index] = (place, dataclasses.replace(site, op="sloth.lora_linear_shared",
-                                                              detail=f"{site.detail}, {notes[node]}"))
+                (place, site), (op, note) = outcomes[index], notes[node]
+                outcomes[index] = (place, dataclasses.replace(site, op=op, detail=f"{site.detail}, {note}"))
     for _, outcome in sorted(outcomes, key=lambda item: item[0]):
         if isinstance(outcome, Site):
             report.replaced(outcome)

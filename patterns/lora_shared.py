@@ -9,17 +9,19 @@ attention's q, k and v projections, an MLP's gate and up) become one ``sloth.lor
     out = sloth.lora_linear_shared(x, [w_i], [bias_i], a, [b_i], s)
     y_i = out[i]
 
+and ``sloth.qlora_linear`` nodes over bitsandbytes 4-bit bases likewise become one ``sloth.qlora_linear_shared``.
 The value of each y_i is the same math (lowering/lora_shared.py, which also says what it saves: one op call
-instead of n, and x read once). Grouped only when the members agree on what the op needs: one scale, adapters
+instead of n, and x read once). Grouped only when the members agree on what the op needs: dense or 4-bit
+alike (4-bit: one block size, quant type and in_features, all double-quantised or none), one scale, adapters
 of one rank and one dtype, and each member's output used through its first result only. Members are joined
 at the first one's place in the graph, so a member whose weights or adapters are computed after that place
-(a stacked multi-adapter factor, say) stays on its own. 4-bit bases (``qlora_linear``) and a down projection
-fused with its GLU (``glu_lora_linear``) are left as they are.
+(a stacked multi-adapter factor, say) stays on its own. A down projection fused with its GLU
+(``glu_lora_linear``) reads no shared input and is left as it is.
 """
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -34,57 +36,88 @@ def _lowering():
     return lora_shared
 
 
+# Where each op keeps its arguments: (x, bias, a, b, scale) positions; the rest are the base's.
+_DENSE = dict(x=0, bias=2, a=3, b=4, scale=5)  # lora_linear(x, w, bias, a, b, scale)
+_4BIT = dict(x=0, bias=10, a=11, b=12, scale=13)  # qlora_linear(x, packed, absmax, absmax_code, absmax_scale,
+#                                                   absmax_offset, out_features, in_features, blocksize,
+#                                                   quant_type, bias, a, b, scale)
+
+
+def _layout(node: fx.Node) -> Optional[dict]:
+    if node.target is torch.ops.sloth.lora_linear.default:
+        return _DENSE
+    if node.target is torch.ops.sloth.qlora_linear.default:
+        return _4BIT
+    return None
+
+
 def _inputs(node: fx.Node) -> list[fx.Node]:
-    _, w, bias, a, b, _ = node.args
-    return [n for n in (w, bias, a, b) if isinstance(n, fx.Node)]
+    """Everything the node reads besides x: what must exist where the joined op is placed."""
+    return [n for n in node.args[1:] if isinstance(n, fx.Node)]
 
 
 def _key(node: fx.Node) -> Any:
     """What members of one group must share, or None for a node that cannot be a member."""
+    layout = _layout(node)
+    if layout is None:
+        return None
     if any(not (u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0) for u in node.users):
         return None
-    x, _, _, a, _, scale = node.args
-    at = tensor_of(a)
+    at, scale = tensor_of(node.args[layout["a"]]), node.args[layout["scale"]]
     if at is None or not isinstance(scale, float):
         return None
-    return x, scale, at.shape[0], at.dtype
+    key = (node.target, node.args[0], scale, at.shape[0], at.dtype)
+    if layout is _4BIT:  # in_features, blocksize, quant_type, and double quantisation or not
+        key += (node.args[7], node.args[8], node.args[9], node.args[3] is None)
+    return key
 
 
-def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node, str]:
-    """Join the ``sloth.lora_linear`` nodes in ``fused`` that read one input (module docstring). Returns, for
-    each node joined, a note for the report naming the modules it was joined with."""
+def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node, tuple[str, str]]:
+    """Join the ``sloth.lora_linear`` / ``sloth.qlora_linear`` nodes in ``fused`` that read one input (module
+    docstring). Returns, for each node joined, the op it became and a note for the report naming the modules
+    it was joined with."""
     _lowering().register()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     groups: dict[Any, list[fx.Node]] = {}
     for node in fused:
-        if node.target is torch.ops.sloth.lora_linear.default and (key := _key(node)) is not None:
+        if (key := _key(node)) is not None:
             groups.setdefault(key, []).append(node)
-    notes: dict[fx.Node, str] = {}
-    for (x, scale, _, _), nodes in groups.items():
+    notes: dict[fx.Node, tuple[str, str]] = {}
+    for nodes in groups.values():
         nodes.sort(key=position.__getitem__)
         first = nodes[0]
         members = [first] + [n for n in nodes[1:] if all(position[i] < position[first] for i in _inputs(n))]
         if len(members) < 2:
             continue
         names = [module_path(n) or "(top level)" for n in members]
-        _join(gm, x, scale, members)
+        op = _join(gm, members)
         for node, name in zip(members, names):
             others = ", ".join(n for n in names if n != name)
-            notes[node] = f"one sloth.lora_linear_shared with {others} (x read once)"
+            notes[node] = (op, f"one op with {others} (x read once)")
     if notes:
         gm.graph.lint()
     return notes
 
 
-def _join(gm: fx.GraphModule, x: fx.Node, scale: float, members: list[fx.Node]) -> None:
+def _join(gm: fx.GraphModule, members: list[fx.Node]) -> str:
+    """Replace ``members`` by one shared op placed before the first; returns the op's name for the report."""
     graph, first = gm.graph, members[0]
-    a = insert_call(graph, first, torch.cat, ([m.args[3] for m in members], 0), meta_from=first)
+    layout = _layout(first)
+    column = lambda i: [m.args[i] for m in members]  # noqa: E731  (argument i of every member)
+    a = insert_call(graph, first, torch.cat, (column(layout["a"]), 0), meta_from=first)
+    x, scale = first.args[layout["x"]], first.args[layout["scale"]]
+    if layout is _DENSE:
+        target, name = torch.ops.sloth.lora_linear_shared.default, "sloth.lora_linear_shared"
+        args = (x, column(1), column(2), a, column(4), scale)
+    else:
+        nested = first.args[3] is not None
+        target, name = torch.ops.sloth.qlora_linear_shared.default, "sloth.qlora_linear_shared"
+        args = (x, column(1), column(2), *((column(3), column(4), column(5)) if nested else ([], [], [])),
+                column(6), *first.args[7:10], column(10), a, column(12), scale)
     # The outputs' values as the LoRA pass left them (their requires_grad inherited from the replaced sums).
     ys = [tensor_of(next(iter(m.users))) if m.users else value_of(m)[0] for m in members]
     h = tensor_of(x).new_empty((value_of(first)[1].shape[0], tensor_of(a).shape[0]), dtype=torch.float32)
-    shared = insert_call(graph, first, torch.ops.sloth.lora_linear_shared.default,
-                         (x, [m.args[1] for m in members], [m.args[2] for m in members], a,
-                          [m.args[4] for m in members], scale), meta_from=first, value=[*ys, h])
+    shared = insert_call(graph, first, target, args, meta_from=first, value=[*ys, h])
     outs = [insert_call(graph, first, operator.getitem, (shared, i), meta_from=m, value=ys[i])
             for i, m in enumerate(members)]
     for member, y in zip(members, outs):
@@ -92,3 +125,4 @@ def _join(gm: fx.GraphModule, x: fx.Node, scale: float, members: list[fx.Node]) 
             user.replace_all_uses_with(y)
             graph.erase_node(user)
         graph.erase_node(member)
+    return name

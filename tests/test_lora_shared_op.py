@@ -152,3 +152,44 @@ def test_bad_inputs():
         torch.ops.sloth.lora_linear_shared(x, ws, biases, a[:3], bs, 1.0)
     with pytest.raises(ValueError, match="shapes do not chain"):
         torch.ops.sloth.lora_linear_shared(x, [ws[0], ws[0][:, :4]], biases, a, bs, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The 4-bit op: the dense op on bitsandbytes' dequantised weights, bit for bit
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quant_type,nested", [("nf4", True), ("fp4", False)], ids=["nf4-nested", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_4bit_equals_the_dense_op_on_the_dequantised_weights(quant_type, nested, dtype, device):
+    """sloth.qlora_linear_shared dequantises each member's weight bit for bit as bitsandbytes does
+    (tests/test_nf4_op.py) and then runs the dense op's arithmetic: outputs and every gradient are equal."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    x, ws, biases, a_list, bs, dys = make_inputs((5, 7, 64), (45, 13, 13), 4, (False, True, False))
+    states = [bnb_functional.quantize_4bit(w.to(dtype), blocksize=64, quant_type=quant_type,
+                                           compress_statistics=nested) for w in ws]
+    dense = [bnb_functional.dequantize_4bit(q, st) for q, st in states]
+    lists = ([q for q, _ in states], [st.absmax for _, st in states],
+             *(([st.state2.code for _, st in states], [st.state2.absmax for _, st in states],
+                [st.offset for _, st in states]) if nested else ([], [], [])))
+    lowering.register()
+
+    def quantised(x, ws_unused, biases, a_list, bs, scale):
+        return torch.ops.sloth.qlora_linear_shared(x, *lists, [w.shape[0] for w in ws], 64, 64, quant_type, biases,
+                                                   torch.cat(a_list), bs, scale)[:-1]
+
+    cast = [None if b is None else b.to(dtype) for b in biases]
+    args = (x.to(dtype), dense, cast, a_list, bs, 2.0, [d.to(dtype) for d in dys])
+    got = forward_backward(quantised, *args)
+    want = forward_backward(lora_linear_shared, *args)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), i
+
+
+def test_4bit_bad_lists():
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    q, st = bnb_functional.quantize_4bit(torch.randn(8, 64), blocksize=64, quant_type="nf4", compress_statistics=True)
+    lowering.register()
+    x, a, b = torch.randn(3, 64), torch.randn(4, 64), torch.randn(8, 2)
+    with pytest.raises(ValueError, match="all empty or one per linear"):
+        torch.ops.sloth.qlora_linear_shared(x, [q, q], [st.absmax, st.absmax], [st.state2.code], [], [], [8, 8], 64,
+                                            64, "nf4", [None, None], a, [b, b], 1.0)

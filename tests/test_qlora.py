@@ -143,22 +143,27 @@ def test_peft_qlora_model_every_linear_fused_and_within_the_tolerance_rule(dtype
     report = sloth.report()
     assert report.counts == {"lora": len(TARGETS)}, str(report)
     assert all(quant_type in site.detail for site in report.sites), str(report)
-    ops = sorted(site.op for site in report.sites)  # the down projection takes the GLU only when glu is on
-    assert ops == ["sloth.qlora_linear"] * len(TARGETS), ops
+    # The down projection takes the GLU only when glu is on; q, k, v and gate, up each read one input.
+    ops = {site.module.rsplit(".", 1)[-1]: site.op for site in report.sites}
+    assert ops == {**{t: "sloth.qlora_linear_shared" for t in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
+                   "o_proj": "sloth.qlora_linear", "down_proj": "sloth.qlora_linear"}, ops
     names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
     for name, ours, theirs, ref in zip(names, actual, eager, reference):
         assert_close(name, ours, theirs, ref, atol=1e-6 if dtype == torch.float32 else None)
 
 
-def test_peft_qlora_model_with_every_family_takes_the_glu_into_the_down_projection():
+@pytest.mark.parametrize("share", [True, False], ids=["shared-input-joined", "one-op-each"])
+def test_peft_qlora_model_with_every_family_takes_the_glu_into_the_down_projection(share):
     model = qlora_model(torch.bfloat16)
     ids = torch.randint(0, 128, (2, 9), generator=seeded(8))
     reference = loss_and_lora_grads(dense_fp64_copy(model), ids)
     eager = loss_and_lora_grads(model, ids)
-    actual = loss_and_lora_grads(torch.compile(model, backend="sloth"), ids)
+    actual = loss_and_lora_grads(torch.compile(model, backend="sloth", options={"share_lora_input": share}), ids)
     report = sloth.report()
     ops = sorted(site.op for site in report.sites if site.family == "lora")
-    assert ops == ["sloth.glu_qlora_linear"] + ["sloth.qlora_linear"] * (len(TARGETS) - 1), str(report)
+    expected = ["sloth.glu_qlora_linear"] + (["sloth.qlora_linear"] + ["sloth.qlora_linear_shared"] * 5 if share
+                                             else ["sloth.qlora_linear"] * (len(TARGETS) - 1))
+    assert ops == expected, str(report)
     names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
     for name, ours, theirs, ref in zip(names, actual, eager, reference):
         assert_close(name, ours, theirs, ref)
