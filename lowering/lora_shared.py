@@ -28,10 +28,14 @@ and dequantises w_i where it is used, one weight at a time, forward and backward
 does (lowering/qlora.py). Launches for n = 3
 (tests/test_lora_shared_op.py counts them): forward 5 (split, down, 3 up) instead of 9; backward 10 (3 splits,
 3 downs, 1 up, 3 grad kernels: da, then the db two to a launch) instead of 12; and one op call each way
-instead of three. x is read once by the down kernel and once for da, where three ops read it three times each. Rounding differs from n
-separate ops only in dx: cuBLAS rounds the running sum of the base products to x's dtype after each
-product, as eager's sum of the projections' input gradients does; the adapter term is added in fp32 and
-rounded once.
+instead of three. x is read once by the down kernel and once for da, where three ops read it three times each.
+
+Numerics: in exact arithmetic the op equals n separate ops. In floating point two things differ: the down
+and grad kernels tile n r adapter columns instead of r (other summation blocks: a few ulps in y, da, db),
+and dx's sum over the members is rounded to x's dtype by cuBLAS after each base product (beta 1), as eager's
+sum of the projections' input gradients is, where n separate ops let Inductor add their dx in fp32; the
+adapter term is added in fp32 and rounded once. The pass that joins members (patterns/lora_shared.py) caps
+n r at 128 columns, which keeps the up and grad kernels' tiles within the H200's shared memory.
 """
 from __future__ import annotations
 

@@ -31,21 +31,19 @@ stays passed, unused, so the body's signature does not change).
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..compiler.fx_utils import module_path, source_location, tensor_of
+from ..compiler.writes import body_of, mutated_producer
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 
 FAMILY = "causal_mask"
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-# Higher-order ops whose body's placeholders are the call's operands in order: (body, *operands).
-_BODY_CALLS = ("tag_activation_checkpoint", "wrap")
 # A compile-time evaluation of a larger mask is refused (4096 x 4096 x 32 heads still fits).
 MAX_MASK_ELEMENTS = 1 << 31
 
@@ -122,102 +120,11 @@ def _closed_producers(mask: fx.Node) -> tuple[list[fx.Node], Optional[str]]:
         if _is_random(node):
             return [], f"it draws random numbers ({node.name}), which one evaluation would freeze"
         stack.extend(node.all_input_nodes)
-    mutated = _mutated_producer(mask.graph, seen)
+    mutated = mutated_producer(mask.graph, seen)
     if mutated is not None:
         return [], f"{mutated.name} changes it in place after it is made, so evaluating its producers would miss that"
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     return sorted(seen, key=order.__getitem__), None
-
-
-_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-                      operator.ilshift, operator.irshift, operator.imatmul}
-
-
-def _flat_nodes(value: Any) -> list[fx.Node]:
-    """Every fx.Node inside ``value`` (args, kwargs, nested lists, tuples and dicts)."""
-    found: list[fx.Node] = []
-    fx.node.map_arg(value, found.append)
-    return found
-
-
-def _schema_writes(node: fx.Node, schema: Any) -> list[fx.Node]:
-    """The arguments ``schema`` marks as written (``Tensor(a!)``), by position or by name."""
-    written = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-        written += _flat_nodes(value)
-    return written
-
-
-def _written(node: fx.Node) -> list[fx.Node]:
-    """The nodes whose tensors ``node`` may write in place: setitem, ``x += y``, ``x.fill_()``, ``out=``,
-    ``inplace=True``, an op whose schema writes an argument (any of a packet's overloads counts for all its
-    arguments), a checkpointed body writing its placeholder, and, not knowing better, every input of any
-    other higher-order op. Empty for a functional node."""
-    if node.op not in ("call_function", "call_method"):
-        return []
-    target = node.target
-    out = _flat_nodes(node.kwargs.get("out"))
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return _body_call_writes(node) if getattr(target, "__name__", None) in _BODY_CALLS \
-            else node.all_input_nodes
-    if isinstance(target, torch._ops.OpOverload):
-        return _schema_writes(node, target._schema) + out
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        mutable = any(getattr(target, name)._schema.is_mutable for name in target.overloads())
-        return node.all_input_nodes if mutable else out
-    if not node.args:
-        return out
-    name = target if node.op == "call_method" else getattr(target, "__name__", "")
-    if target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        return [*_flat_nodes(node.args[0]), *out]
-    if getattr(target, "__module__", None) in ("operator", "_operator"):  # and_, or_, not_: functional
-        return out
-    if isinstance(name, str) and name.endswith("_") and not name.startswith("__"):
-        return [*_flat_nodes(node.args[0]), *out]
-    return out
-
-
-def _body_of(node: fx.Node) -> Optional[fx.GraphModule]:
-    """The body of a ``_BODY_CALLS`` node (``(body, *operands)``, body a get_attr of a GraphModule), else None."""
-    if node.op != "call_function" or getattr(node.target, "__name__", None) not in _BODY_CALLS or not node.args:
-        return None
-    body_node = node.args[0]
-    if not isinstance(body_node, fx.Node) or body_node.op != "get_attr":
-        return None
-    body = getattr(body_node.graph.owning_module, body_node.target, None)
-    return body if isinstance(body, fx.GraphModule) else None
-
-
-def _body_call_writes(node: fx.Node) -> list[fx.Node]:
-    """The operands of a ``_BODY_CALLS`` node whose placeholder its body writes (recursively); every operand
-    when the body cannot be read."""
-    body = _body_of(node)
-    if body is None:
-        return node.all_input_nodes
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    return [operand for placeholder, operand in zip(placeholders, node.args[1:])
-            if isinstance(operand, fx.Node) and _mutated_producer(body.graph, {placeholder}) is not None]
-
-
-def _storage(node: Any) -> Any:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    value = tensor_of(node)
-    return None if value is None else StorageWeakRef(value.untyped_storage())
-
-
-def _mutated_producer(graph: fx.Graph, producers: set[fx.Node]) -> Optional[fx.Node]:
-    """A node of ``graph`` that writes in place into memory one of ``producers`` made (views included: the
-    example values' storages say what aliases what), or None."""
-    storages = {_storage(n) for n in producers} - {None}
-    for node in graph.nodes:
-        if any(target in producers or _storage(target) in storages for target in _written(node)):
-            return node
-    return None
 
 
 # Producers whose value is a random draw: evaluating them at compile time would freeze one draw and skip the
@@ -316,10 +223,10 @@ def _lengths(q: Any, k: Any) -> Optional[tuple[int, int]]:
 
 
 def _body_operands(gm: fx.GraphModule) -> dict[fx.GraphModule, list[tuple[fx.GraphModule, list[Any]]]]:
-    """For each body of a ``_BODY_CALLS`` higher-order op in ``gm``: (caller graph, operands) per call site."""
+    """For each body of a ``BODY_CALLS`` higher-order op in ``gm``: (caller graph, operands) per call site."""
     sites: dict[fx.GraphModule, list[tuple[fx.GraphModule, list[Any]]]] = {}
     for node in gm.graph.nodes:
-        body = _body_of(node)
+        body = body_of(node)
         if body is not None:
             sites.setdefault(body, []).append((gm, list(node.args[1:])))
     return sites

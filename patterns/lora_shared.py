@@ -15,7 +15,9 @@ instead of n, and x read once). Grouped only when the members agree on what the 
 alike (4-bit: one block size, quant type and in_features, all double-quantised or none), one scale, adapters
 of one rank and one dtype, and each member's output used through its first result only. Members are joined
 at the first one's place in the graph, so a member whose weights or adapters are computed after that place
-(a stacked multi-adapter factor, say) stays on its own. A down projection fused with its GLU
+(a stacked multi-adapter factor, say) stays on its own, and so does every member after a node that may write
+a tensor in place or changes grad mode or autocast (moving a member across it would change what it reads or
+whether it records a gradient). A down projection fused with its GLU
 (``glu_lora_linear``) reads no shared input and is left as it is.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.fx_utils import insert_call, module_path, tensor_of, value_of
+from ..compiler.writes import written
 
 
 def _lowering():
@@ -35,6 +38,12 @@ def _lowering():
 
     return lora_shared
 
+
+# The joined op's kernels tile all members' adapter columns at once (n r, padded to a power of two); at 128 the
+# up and grad kernels' tiles take 131 KB of shared memory, at 256 they would need 262 KB, past the H200's
+# 227 KB (compiled for sm_90 on the CPU). So a group is cut into ops of at most 128 adapter columns: q, k, v
+# at r = 16 or 32 stay one op, at r = 64 become two (q + k, v alone), at r >= 128 are not joined.
+MAX_SHARED_RANK = 128
 
 # Where each op keeps its arguments: (x, bias, a, b, scale) positions; the rest are the base's.
 _DENSE = dict(x=0, bias=2, a=3, b=4, scale=5)  # lora_linear(x, w, bias, a, b, scale)
@@ -72,6 +81,17 @@ def _key(node: fx.Node) -> Any:
     return key
 
 
+def _barrier(node: fx.Node) -> bool:
+    """A node no member may be moved across: it may write a tensor in place (x itself, a weight, an adapter:
+    compiler/writes.py) or change state the ops run under (grad mode, autocast: FX's impure nodes)."""
+    return node.op in ("call_function", "call_method") and (node.is_impure() or bool(written(node)))
+
+
+def _next_barrier(nodes: list[fx.Node], start: int, end: int) -> int:
+    """The position of the first barrier strictly between positions ``start`` and ``end``, else ``end + 1``."""
+    return next((i for i in range(start + 1, end) if _barrier(nodes[i])), end + 1)
+
+
 def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node, tuple[str, str]]:
     """Join the ``sloth.lora_linear`` / ``sloth.qlora_linear`` nodes in ``fused`` that read one input (module
     docstring). Returns, for each node joined, the op it became and a note for the report naming the modules
@@ -83,17 +103,23 @@ def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node,
         if (key := _key(node)) is not None:
             groups.setdefault(key, []).append(node)
     notes: dict[fx.Node, tuple[str, str]] = {}
+    nodes_in_order = list(gm.graph.nodes)
     for nodes in groups.values():
         nodes.sort(key=position.__getitem__)
         first = nodes[0]
-        members = [first] + [n for n in nodes[1:] if all(position[i] < position[first] for i in _inputs(n))]
-        if len(members) < 2:
-            continue
-        names = [module_path(n) or "(top level)" for n in members]
-        op = _join(gm, members)
-        for node, name in zip(members, names):
-            others = ", ".join(n for n in names if n != name)
-            notes[node] = (op, f"one op with {others} (x read once)")
+        stop = _next_barrier(nodes_in_order, position[first], position[nodes[-1]])
+        members = [first] + [n for n in nodes[1:] if position[n] < stop
+                             and all(position[i] < position[first] for i in _inputs(n))]
+        rank = tensor_of(first.args[_layout(first)["a"]]).shape[0]
+        size = MAX_SHARED_RANK // rank  # members per op
+        for chunk in (members[i:i + size] for i in range(0, len(members), max(size, 1))):
+            if len(chunk) < 2:
+                continue
+            names = [module_path(n) or "(top level)" for n in chunk]
+            op = _join(gm, chunk)
+            for node, name in zip(chunk, names):
+                others = ", ".join(n for n in names if n != name)
+                notes[node] = (op, f"one op with {others} (x read once)")
     if notes:
         gm.graph.lint()
     return notes

@@ -109,3 +109,98 @@ def test_the_join_can_be_switched_off():
     check(ThreeProjections, torch.bfloat16, shared=0, options={"share_lora_input": False})
     with pytest.raises(Exception, match="share_lora_input must be True or False"):  # inside Dynamo's wrapper
         torch.compile(ThreeProjections(), backend="sloth", options={"share_lora_input": "yes"})(torch.randn(2, K))
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the join must not do (found by a second reviewer): move a member across an in-place write or a
+# grad-mode change, forget the option inside a checkpointed layer, or build kernels too wide for the GPU
+# ---------------------------------------------------------------------------------------------------
+
+class TwoProjections(nn.Module):
+    """q and k on one x, with ``between`` run between them: a barrier the join must respect."""
+
+    def __init__(self, between: str, rank: int = 4):
+        super().__init__()
+        g = seeded(0)
+        self.between = between
+        for name, n in zip("qk", (24, 8)):
+            setattr(self, f"w{name}", nn.Parameter(torch.randn(n, K, generator=g) / math.sqrt(K), requires_grad=False))
+            setattr(self, f"a{name}", nn.Parameter(torch.randn(rank, K, generator=g) / math.sqrt(K)))
+            setattr(self, f"b{name}", nn.Parameter(torch.randn(n, rank, generator=g) / math.sqrt(rank)))
+        self.t = nn.Parameter(torch.tensor(0.5))
+
+    def _lora(self, x, name):
+        w, a, b = (getattr(self, f"{p}{name}") for p in "wab")
+        return F.linear(x, w) + 2.0 * (x @ a.t()) @ b.t()
+
+    def forward(self, inp):
+        x = inp * 1.0
+        if self.between == "no_grad_q":
+            with torch.no_grad():
+                q = self._lora(x, "q")
+        else:
+            q = self._lora(x, "q")
+        if self.between == "mul_":
+            x.mul_(3.0)  # k must read the scaled x
+        k = self._lora(x, "k")
+        return torch.cat([q * k.sum(-1, keepdim=True), k], -1) + self.t * inp.sum()
+
+
+def _run(module, x, options, grad=True):
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager", **options}, fullgraph=True)
+    with torch.set_grad_enabled(grad):
+        y = compiled(x)
+    grads = {}
+    if grad:
+        y.sum().backward()
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
+    ops = [s.op for s in sloth.last_report().sites if s.family == "lora"]
+    return y.detach(), grads, ops
+
+
+@pytest.mark.parametrize("between,grad", [("mul_", False), ("no_grad_q", True)], ids=["in-place-write", "no-grad-region"])
+def test_no_member_is_moved_across_a_barrier(between, grad):
+    x = torch.randn(3, K, generator=seeded(1))
+    eager_module = TwoProjections(between)
+    with torch.set_grad_enabled(grad):
+        y_eager = eager_module(x)
+    eager_grads = {}
+    if grad:
+        y_eager.sum().backward()
+        eager_grads = {n: p.grad for n, p in eager_module.named_parameters() if p.requires_grad}
+    y, grads, ops = _run(TwoProjections(between), x, {}, grad=grad)
+    assert ops == ["sloth.lora_linear"] * 2, ops
+    torch.testing.assert_close(y, y_eager.detach(), rtol=1e-5, atol=1e-5)
+    for name, g in eager_grads.items():  # aq, bq: None under no_grad, as in eager
+        assert (grads[name] is None) == (g is None), name
+        if g is not None:
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5)
+
+
+def test_the_option_reaches_checkpointed_layers():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = ThreeProjections()
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    x = torch.randn(3, K, generator=seeded(1))
+    for share, op in ((False, "sloth.lora_linear"), (True, "sloth.lora_linear_shared")):
+        _, _, ops = _run(Checkpointed(), x, {"share_lora_input": share})
+        assert ops == [op] * 3, (share, ops)
+
+
+@pytest.mark.parametrize("rank,ops", [
+    (32, ["sloth.lora_linear_shared"] * 3),  # 96 adapter columns: one op
+    (64, ["sloth.lora_linear_shared"] * 2 + ["sloth.lora_linear"]),  # 192: q + k joined, v alone
+    (128, ["sloth.lora_linear"] * 3),  # 384: none joined
+])
+def test_a_group_is_cut_at_128_adapter_columns(rank, ops):
+    """The joined kernels tile n r columns; past 128 the up and grad tiles outgrow the H200's shared memory."""
+    x = torch.randn(3, K, generator=seeded(1))
+    _, _, got = _run(ThreeProjections(ranks=(rank,) * 3), x, {}, grad=False)
+    assert sorted(got) == sorted(ops), got
