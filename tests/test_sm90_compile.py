@@ -103,6 +103,17 @@ def _llama_launches() -> None:
                 torch.empty(n_out, rank, dtype=adapter)
             y, hh = lora.lora_forward(xi, wi, None, a, b, 2.0)
             lora.lora_backward(torch.empty(n, n_out, dtype=bf16), xi, wi, a, b, hh, 2.0, True)
+    # The joined q/k/v op tiles n r adapter columns: 48 at r 16, and 128 (two members at r 64), the most
+    # patterns/lora_shared.py lets one op have. Its tiles do not depend on the row count: 256 rows keep the
+    # CPU's real base matmuls cheap.
+    from sloth.lowering import lora_shared
+
+    xs = torch.empty(256, h, dtype=bf16)
+    for rank, members in ((r, 3), (64, 2)):
+        ws, bs = [torch.empty(h, h, dtype=bf16)] * members, [torch.empty(h, rank, dtype=f32)] * members
+        a = torch.empty(members * rank, h, dtype=f32)
+        *_, hh = lora_shared.lora_shared_forward(xs, ws, [None] * members, a, bs, 2.0)
+        lora_shared.lora_shared_backward([torch.empty(256, h, dtype=bf16)] * members, xs, ws, a, bs, hh, 2.0, True)
     labels = torch.zeros(n, dtype=torch.int64)
     head = torch.empty(128256, h, dtype=bf16)
     lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
