@@ -25,10 +25,12 @@ the same x: as one op they make one call instead of n and share the launches tha
 (h_i = h[:, i r:(i + 1) r]; the derivation is lora_linear's, summed over i for dx). The 4-bit op takes each
 member's quantised weight and statistics as lists (the absmax_* lists empty without double quantisation)
 and dequantises w_i where it is used, one weight at a time, forward and backward, as sloth.qlora_linear
-does (lowering/qlora.py). Launches for n = 3
-(tests/test_lora_shared_op.py counts them): forward 5 (split, down, 3 up) instead of 9; backward 10 (3 splits,
-3 downs, 1 up, 3 grad kernels: da, then the db two to a launch) instead of 12; and one op call each way
-instead of three. x is read once by the down kernel and once for da, where three ops read it three times each.
+does (lowering/qlora.py).
+
+Launches for n = 3 (tests/test_lora_shared_op.py counts them): forward 5 (split, down, 3 up) instead of 9;
+backward 10 (3 splits, 3 downs, 1 up, 3 grad kernels: da, then the db two to a launch) instead of 12; and
+one op call each way instead of three. x is read once by the down kernel and once for da, where three ops
+read it three times each.
 
 Numerics: in exact arithmetic the op equals n separate ops. In floating point two things differ: the down
 and grad kernels tile n r adapter columns instead of r (other summation blocks: a few ulps in y, da, db),
@@ -71,11 +73,14 @@ def _forward(x: torch.Tensor, weight: Weight, n: int, biases: list[Optional[torc
     r = _rank(n, biases, a, bs)
     triton_path = use_triton(x)
     x_MK = rows_2d(x)
+    w = weight(0)
+    _check_inputs(x, w, biases[0], a[:r], bs[0])  # before any launch; a[:r]: every member's slice looks alike
     h_MR = _down(x_MK, a.t()) if triton_path else None
     ys, hs = [], []
     for i in range(n):
-        w = weight(i)
-        _check_inputs(x, w, biases[i], a[:r], bs[i])  # a[:r]: every member's slice has this shape and dtype
+        if i:
+            w = weight(i)
+            _check_inputs(x, w, biases[i], a[:r], bs[i])
         if triton_path:
             y = _up_add_(F.linear(x_MK, w, biases[i]), h_MR[:, i * r:(i + 1) * r], bs[i].t(), scale)
             ys.append(y.view(*x.shape[:-1], w.shape[0]))
@@ -118,15 +123,6 @@ def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: 
         pair = [(h[:, j * r:(j + 1) * r], dys_MN[j], True) for j in range(i, min(i + 2, n))]
         dbs += _grads(pair, scale)
     return [dx, da.to(a.dtype), *(db.to(b.dtype) for db, b in zip(dbs, bs))]
-
-
-def lora_shared_reference(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
-                          a: torch.Tensor, bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
-    """``[y_0, ..., y_{n-1}, h]`` by the module docstring's formula, each y_i as lora_linear's reference."""
-    r = _rank(len(ws), biases, a, bs)
-    outs = [lora_linear_reference(x, w, bias, a[i * r:(i + 1) * r], b, scale)
-            for i, (w, bias, b) in enumerate(zip(ws, biases, bs))]
-    return [y for y, _ in outs] + [torch.cat([h for _, h in outs], 1)]
 
 
 def lora_shared_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],

@@ -103,6 +103,8 @@ def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node,
         if (key := _key(node)) is not None:
             groups.setdefault(key, []).append(node)
     notes: dict[fx.Node, tuple[str, str]] = {}
+    # Positions are taken once: a join only inserts pure nodes and erases members, so every other node keeps
+    # its order relative to the rest.
     nodes_in_order = list(gm.graph.nodes)
     for nodes in groups.values():
         nodes.sort(key=position.__getitem__)
