@@ -359,7 +359,7 @@ def test_custom_model_returning_upcast_logits_is_left_with_reason() -> None:
 # peft LoRA on every linear layer: the lora family beside the others
 # ---------------------------------------------------------------------------------------------------
 
-LORA_ARCHITECTURES = ["llama", "qwen3", "gemma3_text", "phi3"]  # phi3: merged qkv_proj and gate_up_proj
+LORA_ARCHITECTURES = ["llama", "qwen3", "gemma3_text", "phi3", "qwen2"]  # phi3: merged qkv_proj and gate_up_proj; qwen2: biased q, k, v
 
 
 def build_lora(model_type: str, dtype: torch.dtype) -> torch.nn.Module:
