@@ -17,8 +17,8 @@ class PassOptions:
     their outputs from the forward (compiler/recompute.py); False keeps them, as Inductor would decide.
 
     ``share_lora_input``: True makes the LoRA linears that read one input (q, k, v; gate, up) one op, dense
-    or 4-bit (patterns/lora_shared.py: fewer op calls and launches, x read once); False keeps one op each. The values
-    are the same math; the input gradient's sum is rounded as eager rounds it rather than once.
+    or 4-bit (patterns/lora_shared.py: fewer op calls and launches, x read once); False keeps one op each.
+    The values are the same math; the input gradient's sum is rounded as eager rounds it rather than once.
     """
     return_logits: bool = True
     recompute: bool = True

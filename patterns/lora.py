@@ -385,6 +385,9 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
 
     before:  r = F.linear(x, w); u = F.linear(F.linear(x.float(), a), b) * s; y = (r + u).to(x.dtype)
     after:   y = sloth.lora_linear(x, w, None, a, b, s)
+
+    Then, unless ``options.share_lora_input`` is False, the fused linears that read one input become one op
+    (patterns/lora_shared.py).
     """
     _lowering().register()
     _lowering_qlora().register()

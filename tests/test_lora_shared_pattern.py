@@ -158,7 +158,8 @@ def _run(module, x, options, grad=True):
     return y.detach(), grads, ops
 
 
-@pytest.mark.parametrize("between,grad", [("mul_", False), ("no_grad_q", True)], ids=["in-place-write", "no-grad-region"])
+@pytest.mark.parametrize("between,grad", [("mul_", False), ("no_grad_q", True)],
+                         ids=["in-place-write", "no-grad-region"])
 def test_no_member_is_moved_across_a_barrier(between, grad):
     x = torch.randn(3, K, generator=seeded(1))
     eager_module = TwoProjections(between)
