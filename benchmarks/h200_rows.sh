@@ -13,7 +13,8 @@
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
-#   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
+#   bash benchmarks/h200_rows.sh share     # the joined LoRA op alone (ops.lora_shared), then sloth LoRA and QLoRA
+#                                           # with and without share_lora_input, one lease
 #   bash benchmarks/h200_rows.sh host      # host microseconds per Triton launch and per sloth op call
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
@@ -61,6 +62,8 @@ case $part in
     moe-liger)
         run moe-liger 240 --all --model qwen3-moe --variants liger ;;
     share)  # LoRA and QLoRA with the LoRA linears that share an input joined (the default) and not, one lease
+        [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.lora_shared > "$out/logs/ops-lora-shared.log" 2>&1
+                               echo "ops.lora_shared: rc $?"; grep -E "fwd\+bwd" "$out/logs/ops-lora-shared.log" | tail -8; }
         run lora-sloth 150 --all --variants sloth --sloth-options "$SLOTH"
         run lora-sloth-unshared 130 --all --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}'
         run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH"
