@@ -13,9 +13,8 @@
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
-#   bash benchmarks/h200_rows.sh share     # the joined LoRA op alone (ops.lora_shared), then sloth LoRA and QLoRA
-#                                           # with and without share_lora_input, one lease
-#   bash benchmarks/h200_rows.sh host      # host microseconds per Triton launch and per sloth op call
+#   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
+#   bash benchmarks/h200_rows.sh host      # host us per Triton launch and per sloth op call; ops.lora_shared
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
@@ -62,8 +61,6 @@ case $part in
     moe-liger)
         run moe-liger 240 --all --model qwen3-moe --variants liger ;;
     share)  # LoRA and QLoRA with the LoRA linears that share an input joined (the default) and not, one lease
-        [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.lora_shared > "$out/logs/ops-lora-shared.log" 2>&1
-                               echo "ops.lora_shared: rc $?"; grep -E "fwd\+bwd" "$out/logs/ops-lora-shared.log" | tail -8; }
         run lora-sloth 150 --all --variants sloth --sloth-options "$SLOTH"
         run lora-sloth-unshared 130 --all --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}'
         run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH"
@@ -93,9 +90,12 @@ case $part in
         export SLOTH_TRITON_OP=1
         run l4-triton-op 150 --all --variants sloth --layers 4 --sloth-options "$SLOTH" --profile
         unset SLOTH_TRITON_OP ;;
-    host)  # host time per Triton launch and per op call (benchmarks/launch_overhead.py)
+    host)  # host time per Triton launch and per op call (benchmarks/launch_overhead.py), the joined LoRA op alone
         [ -z "${DRY:-}" ] && { python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
-                               echo "launch_overhead: rc $?"; tail -8 "$out/logs/launch_overhead.log"; } ;;
+                               echo "launch_overhead: rc $?"; tail -12 "$out/logs/launch_overhead.log"; }
+        [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.lora_shared > "$out/logs/ops-lora-shared.log" 2>&1
+                               echo "ops.lora_shared: rc $?"; grep -E "fwd\+bwd" "$out/logs/ops-lora-shared.log" | tail -8; }
+        ;;
     nf4)  # NF4/FP4 dequantisation bits vs bitsandbytes, and its time
         [ -z "${DRY:-}" ] && { timeout 120 python -m benchmarks.ops.nf4 > "$out/logs/nf4.log" 2>&1
                                echo "nf4: rc $?"; tail -4 "$out/logs/nf4.log"; } ;;
