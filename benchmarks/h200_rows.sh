@@ -14,6 +14,7 @@
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
+#   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
 #   bash benchmarks/h200_rows.sh host      # host us per Triton launch and per sloth op call; ops.lora_shared
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
@@ -23,7 +24,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|nf4|share)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -58,6 +59,13 @@ case $part in
         run qlora-unsloth 280 --all --qlora --variants unsloth ;;
     moe)
         run moe 560 --all --model qwen3-moe --variants eager,inductor,liger,sloth --sloth-options "$SLOTH" ;;
+    moe-families)  # where sloth loses to Inductor on the MoE step: the same run without some families (host cost
+        # per op call is 60-200 us on the H200, against ~8 us of GPU for a norm of 4096 x 2048)
+        run moe-sloth 150 --all --model qwen3-moe --variants sloth --sloth-options "$SLOTH"
+        run moe-sloth-no-norm-rope 150 --all --model qwen3-moe --variants sloth \
+            --sloth-options '{"return_logits": false, "patterns": ["glu", "cross_entropy", "lora", "causal_mask"]}'
+        run moe-sloth-loss-only 150 --all --model qwen3-moe --variants sloth \
+            --sloth-options '{"return_logits": false, "patterns": ["cross_entropy", "causal_mask"]}' ;;
     moe-liger)
         run moe-liger 240 --all --model qwen3-moe --variants liger ;;
     share)  # LoRA and QLoRA with the LoRA linears that share an input joined (the default) and not, one lease
