@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sloth
+from sloth.compiler.backend import sloth_backend
 from pattern_checks import forward_backward, graph_of, seeded
 from tolerance import assert_close
 
@@ -205,3 +206,32 @@ def test_a_group_is_cut_at_128_adapter_columns(rank, ops):
     x = torch.randn(3, K, generator=seeded(1))
     _, _, got = _run(ThreeProjections(ranks=(rank,) * 3), x, {}, grad=False)
     assert sorted(got) == sorted(ops), got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inductor_with_a_dynamic_batch(dtype):
+    """The joined op through Inductor (the default inner compiler) with the batch marked dynamic: one graph
+    serves three batch sizes, each within the tolerance rule of eager."""
+    module = ThreeProjections().to(dtype)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return sloth_backend(gm, example_inputs)
+
+    compiled = torch.compile(module, backend=backend)
+    for batch in (3, 5, 7):
+        x = torch.randn(batch, 5, K, generator=seeded(batch))
+        eager_module = ThreeProjections().to(dtype)
+        eager = forward_backward(eager_module, [x.to(dtype)], _trainable(eager_module))
+        ref_module = ThreeProjections().double()
+        reference = forward_backward(ref_module, [x.double()], _trainable(ref_module), dy_dtype=eager[0].dtype)
+        xd = x.to(dtype).requires_grad_(True)
+        torch._dynamo.mark_dynamic(xd, 0)  # on the leaf itself (forward_backward's detached copy would drop it)
+        out = compiled(xd)
+        dy = torch.randn(out.shape, generator=seeded(3)).to(out.dtype)  # forward_backward's cotangent
+        actual = [out.detach(), *torch.autograd.grad(out, [xd, *_trainable(module)], dy)]
+        assert [s.op for s in sloth.last_report().sites if s.family == "lora"] == ["sloth.lora_linear_shared"] * 3
+        for name, a, e, r in zip(["out", "dx", "daq", "dbq", "dak", "dbk", "dav", "dbv"], actual, eager, reference):
+            assert_close(f"{name} batch {batch}", a, e, r)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for three batch sizes"
