@@ -31,3 +31,23 @@ def force_fallback(mp: pytest.MonkeyPatch, lowering: ModuleType, *kernels: str) 
     mp.setattr(lowering, "use_triton", lambda t: False)
     for name in kernels:
         mp.setattr(lowering, name, _NoLaunch())
+
+
+def record_launches(mp: pytest.MonkeyPatch, lowering: ModuleType, *kernels: str) -> list[tuple[str, tuple, dict]]:
+    """Wrap ``lowering``'s Triton kernels named ``kernels`` so that each launch still runs and is appended, as
+    (kernel name, grid, launch keywords), to the returned list."""
+    launches: list[tuple[str, tuple, dict]] = []
+
+    class _Record:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, grid, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in kernels:
+        mp.setattr(lowering, name, _Record(name, getattr(lowering, name)))
+    return launches

@@ -29,7 +29,7 @@ import sloth.lowering.lora as lowering
 from sloth.lowering.lora import lora_linear, lora_linear_reference, register
 from sloth.patterns.lora import lora_pattern
 from tolerance import assert_close
-from op_checks import force_fallback, RecordOps
+from op_checks import force_fallback, record_launches, RecordOps
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNELS = ("_split_factor_kernel", "_lora_down_kernel", "_lora_up_add_kernel", "_lora_grad_kernel")
@@ -147,15 +147,7 @@ def test_backward_forms_both_adapter_gradients_in_one_launch(monkeypatch):
     """da and db come from one grad-kernel launch (programs of both problems in one grid)."""
     if not lowering.use_triton(torch.empty(0)):
         pytest.skip("no Triton here")
-    launches = []
-    kernel = lowering._lora_grad_kernel
-
-    class _Record:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(lowering, "_lora_grad_kernel", _Record())
+    launches = record_launches(monkeypatch, lowering, "_lora_grad_kernel")
     x, w, _, a, b, _ = make_inputs((3, 9, 40), 24, 5, bias=False)
     x, a, b = x.bfloat16().requires_grad_(), a.requires_grad_(), b.requires_grad_()
     lora_linear(x, w.bfloat16(), None, a, b, 2.0).sum().backward()

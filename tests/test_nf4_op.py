@@ -26,7 +26,7 @@ bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 import sloth.lowering.nf4 as lowering  # noqa: E402
 from sloth.lowering.nf4 import dequantize_4bit, dequantize_4bit_nested, dequantize_absmax  # noqa: E402
-from op_checks import force_fallback  # noqa: E402
+from op_checks import force_fallback, record_launches  # noqa: E402
 
 KERNELS = ("_dequantize_4bit_kernel", "_dequantize_absmax_kernel")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -159,24 +159,14 @@ def test_nested_absmax_launch_disables_fp_fusion(name, device, monkeypatch):
     ignores it; a GPU would otherwise contract the multiply and the add into one FMA)."""
     if not lowering.use_triton(torch.empty(0, device=device)):
         pytest.skip("no Triton here")
-    launches = []
-    kernel = getattr(lowering, name)
-
-    class _Record:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs)
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(lowering, name, _Record())
+    launches = record_launches(monkeypatch, lowering, name)
     q = torch.randint(0, 256, (300,), dtype=torch.uint8, device=device)
     if name == "_dequantize_absmax_kernel":
         dequantize_absmax(q, torch.ones(2, device=device), torch.linspace(-1, 1, 256, device=device), 0.5)
     else:
         dequantize_4bit_nested(torch.zeros(300 * 32, dtype=torch.uint8, device=device), q, torch.ones(2, device=device),
                                torch.linspace(-1, 1, 256, device=device), 0.5, 64, "nf4", (300, 64), torch.bfloat16)
-    assert launches and all(k.get("enable_fp_fusion") is False for k in launches)
+    assert launches and all(k.get("enable_fp_fusion") is False for _, _, k in launches)
 
 
 def test_strided_inputs_and_offset_forms(device):
