@@ -22,6 +22,29 @@ from benchmarks.ops import harness
 SHAPES = (("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate/up", 4096, 14336), ("down", 14336, 4096))
 
 
+COLUMNS = harness.COLUMNS[:-1] + ["TFLOP/s", "% peak", "error"]
+
+
+def bytes_and_flops(tokens: int, k: int, n: int, e: int = 2) -> tuple[dict[str, int], dict[str, int]]:
+    """(minimal bytes, base-GEMM FLOPs) per mode of LoRA linears on one x [tokens, k] with n outputs in all
+    (their N summed when several share x), 16-bit activations and bases. Bytes: x and w read, y written
+    (fwd); dy read twice, w and x read, dx written (bwd)."""
+    nbytes = {"fwd": (tokens * k + n * k + tokens * n) * e, "bwd": (2 * tokens * n + n * k + 2 * tokens * k) * e}
+    nbytes["fwd+bwd"] = nbytes["fwd"] + nbytes["bwd"]
+    flops = {"fwd": 2 * tokens * n * k, "bwd": 2 * tokens * n * k, "fwd+bwd": 4 * tokens * n * k}
+    return nbytes, flops
+
+
+def add_matmul_rate(rows: list[dict[str, Any]], flops: dict[str, int], peak_tflops: float) -> list[dict[str, Any]]:
+    """``rows`` with TFLOP/s (over the GPU kernel time, else the wall time) and its % of the matmul peak."""
+    for row in rows:
+        ms = row.get("kernel ms") or row.get("ms")
+        if ms:
+            row["TFLOP/s"] = flops[row["mode"]] / (ms * 1e-3) / 1e12
+            row["% peak"] = 100 * row["TFLOP/s"] / peak_tflops
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args, device = harness.start(__doc__, argv)
     from sloth.lowering.lora import lora_linear
@@ -42,19 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, torch.bfloat16)
         a = (torch.randn(rank, k, generator=gen) / k**0.5).to(device).requires_grad_()
         b = (torch.randn(n, rank, generator=gen) / rank**0.5).to(device).requires_grad_()
-        e = 2
-        # Minimal bytes: x and w read, y written (fwd); dy read twice, w and x read, dx written (bwd).
-        nbytes = {"fwd": (tokens * k + n * k + tokens * n) * e, "bwd": (2 * tokens * n + n * k + 2 * tokens * k) * e}
-        nbytes["fwd+bwd"] = nbytes["fwd"] + nbytes["bwd"]
+        nbytes, flops = bytes_and_flops(tokens, k, n)
         case_rows = harness.run(f"{name} {tokens}x{k}->{n} r{rank}", providers, [x, w, a, b], nbytes, copy_gbps)
-        flops = {"fwd": 2 * tokens * n * k, "bwd": 2 * tokens * n * k, "fwd+bwd": 4 * tokens * n * k}
-        for row in case_rows:
-            ms = row.get("kernel ms") or row.get("ms")
-            if ms:
-                row["TFLOP/s"] = flops[row["mode"]] / (ms * 1e-3) / 1e12
-                row["% peak"] = 100 * row["TFLOP/s"] / peak_tflops
-        rows += case_rows
-    columns = harness.COLUMNS[:-1] + ["TFLOP/s", "% peak", "error"]
+        rows += add_matmul_rate(case_rows, flops, peak_tflops)
+    columns = COLUMNS
     print(common.render_text(columns, rows))
     if not args.smoke:
         config = {"dtype": "bfloat16 activations and base, float32 adapter", "tokens": tokens, "rank": rank,

@@ -18,6 +18,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.ops import harness
+from benchmarks.ops.lora import COLUMNS, add_matmul_rate, bytes_and_flops
 
 # (name, K in, [N out of each member]) of one Llama-3-8B decoder layer.
 GROUPS = (("q,k,v", 4096, (4096, 1024, 1024)), ("gate,up", 4096, (14336, 14336)))
@@ -61,28 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         ws = [(torch.randn(n, k, generator=gen) / k**0.5).to(device, torch.bfloat16) for n in ns]
         a_list = [(torch.randn(rank, k, generator=gen) / k**0.5).to(device).requires_grad_() for _ in ns]
         bs = [(torch.randn(n, rank, generator=gen) / rank**0.5).to(device).requires_grad_() for n in ns]
-        e, n_total = 2, sum(ns)
-        # Minimal bytes: x and the ws read, the ys written (fwd); each dy read twice, ws and x read, dx written.
-        nbytes = {"fwd": (tokens * k + n_total * k + tokens * n_total) * e,
-                  "bwd": (2 * tokens * n_total + n_total * k + 2 * tokens * k) * e}
-        nbytes["fwd+bwd"] = nbytes["fwd"] + nbytes["bwd"]
+        nbytes, flops = bytes_and_flops(tokens, k, sum(ns))
         shape = f"{name} {tokens}x{k}->{'+'.join(map(str, ns))} r{rank}"
         case_rows = harness.run(shape, providers, [x, *ws, *a_list, *bs], nbytes, copy_gbps)
-        flops = {"fwd": 2 * tokens * n_total * k, "bwd": 2 * tokens * n_total * k, "fwd+bwd": 4 * tokens * n_total * k}
-        for row in case_rows:
-            ms = row.get("kernel ms") or row.get("ms")
-            if ms:
-                row["TFLOP/s"] = flops[row["mode"]] / (ms * 1e-3) / 1e12
-                row["% peak"] = 100 * row["TFLOP/s"] / peak_tflops
-        rows += case_rows
-    columns = harness.COLUMNS[:-1] + ["TFLOP/s", "% peak", "error"]
+        rows += add_matmul_rate(case_rows, flops, peak_tflops)
+    columns = COLUMNS
     print(common.render_text(columns, rows))
     if not args.smoke:
         config = {"dtype": "bfloat16 activations and bases, float32 adapters", "tokens": tokens, "rank": rank,
                   "scale": 1.0}
         for path in common.write_result(common.result_record("lora_shared", config, columns, rows)):
             print(f"wrote {path}")
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
