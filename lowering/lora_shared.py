@@ -197,11 +197,16 @@ def _save(ctx, inputs, output, x, a, bs, bases: list[torch.Tensor], scale) -> No
     ctx.n, ctx.scale, ctx.structure = len(bs), scale, _grad_structure(inputs)
 
 
-def _grads_to_return(ctx, dx, da, dbs, x_index: int, a_index: int, b_index: int, bias_index: int, base_index: int):
+def _check_frozen(ctx, base_index: int, bias_index: int) -> None:
+    """Raise, before any backward work, when a base weight or bias wants a gradient the op does not compute."""
     needs = ctx.needs_input_grad
     if any(_per_item(needs[base_index], ctx.n)) or any(_per_item(needs[bias_index], ctx.n)):
         raise RuntimeError("sloth.lora_linear_shared: the base weights and biases must be frozen "
                            "(requires_grad=False); the op computes no gradient for them")
+
+
+def _grads_to_return(ctx, dx, da, dbs, x_index: int, a_index: int, b_index: int):
+    needs = ctx.needs_input_grad
     out = [None if slot is None else list(slot) for slot in ctx.structure]
     out[x_index] = dx if needs[x_index] else None
     out[a_index] = da if needs[a_index] else None
@@ -215,11 +220,12 @@ def _setup_dense(ctx, inputs, output) -> None:
 
 
 def _backward_dense(ctx, grads):
+    _check_frozen(ctx, base_index=1, bias_index=2)
     x, a, h, *rest = ctx.saved_tensors
     bs, ws = rest[:ctx.n], rest[ctx.n:]
     dx, da, *dbs = torch.ops.sloth.lora_linear_shared_backward(list(grads[:ctx.n]), x, list(ws), a, list(bs), h,
                                                                ctx.scale, bool(ctx.needs_input_grad[0]))
-    return _grads_to_return(ctx, dx, da, dbs, x_index=0, a_index=3, b_index=4, bias_index=2, base_index=1)
+    return _grads_to_return(ctx, dx, da, dbs, x_index=0, a_index=3, b_index=4)
 
 
 _Q_ARGS = ("x", "packed", "absmax", "absmax_code", "absmax_scale", "absmax_offset", "out_features", "in_features",
@@ -228,25 +234,23 @@ _Q_ARGS = ("x", "packed", "absmax", "absmax_code", "absmax_scale", "absmax_offse
 
 def _setup_4bit(ctx, inputs, output) -> None:
     args = dict(zip(_Q_ARGS, inputs))
-    n = len(args["packed"])
     tensors = [*args["packed"], *args["absmax"], *args["absmax_code"], *args["absmax_scale"], *args["absmax_offset"]]
     _save(ctx, inputs, output, args["x"], args["a"], args["bs"], tensors, args["scale"])
-    ctx.nested = len(args["absmax_code"]) == n and n > 0
     ctx.static = tuple(args[k] for k in ("out_features", "in_features", "blocksize", "quant_type"))
 
 
 def _backward_4bit(ctx, grads):
+    _check_frozen(ctx, base_index=1, bias_index=10)
     x, a, h, *rest = ctx.saved_tensors
     n = ctx.n
     bs, q = rest[:n], rest[n:]
-    packed, absmax = list(q[:n]), list(q[n:2 * n])
-    code, absmax_scale, offset = (list(q[2 * n:3 * n]), list(q[3 * n:4 * n]), list(q[4 * n:5 * n])) \
-        if ctx.nested else ([], [], [])
+    # q holds packed and absmax per member, then code, scale and offset per member when double-quantised.
+    packed, absmax, code, absmax_scale, offset = (list(q[i * n:(i + 1) * n]) for i in range(5))
     out_features, in_features, blocksize, quant_type = ctx.static
     dx, da, *dbs = torch.ops.sloth.qlora_linear_shared_backward(
         list(grads[:n]), x, packed, absmax, code, absmax_scale, offset, list(out_features), in_features, blocksize,
         quant_type, a, list(bs), h, ctx.scale, bool(ctx.needs_input_grad[0]))
-    return _grads_to_return(ctx, dx, da, dbs, x_index=0, a_index=11, b_index=12, bias_index=10, base_index=1)
+    return _grads_to_return(ctx, dx, da, dbs, x_index=0, a_index=11, b_index=12)
 
 
 @functools.cache

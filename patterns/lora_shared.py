@@ -106,14 +106,13 @@ def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node,
     # Positions are taken once: a join only inserts pure nodes and erases members, so every other node keeps
     # its order relative to the rest.
     nodes_in_order = list(gm.graph.nodes)
-    for nodes in groups.values():
+    for key, nodes in groups.items():
         nodes.sort(key=position.__getitem__)
         first = nodes[0]
         stop = _next_barrier(nodes_in_order, position[first], position[nodes[-1]])
         members = [first] + [n for n in nodes[1:] if position[n] < stop
                              and all(position[i] < position[first] for i in _inputs(n))]
-        rank = tensor_of(first.args[_layout(first)["a"]]).shape[0]
-        size = MAX_SHARED_RANK // rank  # members per op
+        size = MAX_SHARED_RANK // key[3]  # members per op (key[3]: the adapters' rank)
         for chunk in (members[i:i + size] for i in range(0, len(members), max(size, 1))):
             if len(chunk) < 2:
                 continue
