@@ -261,6 +261,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.profile and cuda:
         profile_step(step, args)
+    if args.host_profile:
+        host_profile_step(step, sync, args)
     peak_tflops = args.peak_tflops or common.matmul_tflops()
     tokens = args.batch * args.seq
     # sloth.report() merges every graph compiled in this process (graph breaks, checkpointed layers).
@@ -345,6 +347,41 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     print("\n".join(lines[:12]), flush=True)
 
 
+def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: argparse.Namespace,
+                      steps: int = 2, top: int = 45) -> None:
+    """Where the host's time goes: ``steps`` steps under cProfile, the ``top`` Python functions and builtins by
+    own time (tottime) and sloth's own functions by cumulative time, written as text to $OUT (or
+    benchmarks/results) as hostprofile-<variant>[-qlora]-L<layers>.txt. cProfile slows Python down (about 2x
+    on call-heavy code), so read the shares, not the absolute times. A step without CUDA graphs whose wall
+    time exceeds its GPU kernel time (--profile) is bound by this."""
+    import cProfile
+    import io
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    host_s = time.perf_counter() - start  # the host's issuing time (the GPU may still be running)
+    sync()
+    wall_s = time.perf_counter() - start
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    text.write(f"{steps} steps, {args.variant}, {args.model} L{args.layers or 'all'} b{args.batch} s{args.seq}"
+               f"{' qlora' if args.qlora else ''}: host {host_s * 1e3 / steps:.1f} ms a step under cProfile, "
+               f"wall with the GPU's tail {wall_s * 1e3 / steps:.1f} ms\n\n=== by own time\n")
+    stats.sort_stats("tottime").print_stats(top)
+    text.write("\n=== sloth's functions by cumulative time\n")
+    stats.sort_stats("cumulative").print_stats(r"lowering|compiler|runtime", top)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.results_dir or Path(__file__).parent / "results"
+    path = out_dir / f"hostprofile-{args.variant}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
+    path.write_text(text.getvalue())
+    print(text.getvalue()[:3000], flush=True)
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -361,6 +398,8 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
         cmd.append("--qlora")
     if args.profile:
         cmd.append("--profile")
+    if args.host_profile:
+        cmd.append("--host-profile")
     if args.smoke:
         cmd.append("--smoke")
     if args.peak_tflops:
@@ -442,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qlora", action="store_true", help="NF4 base weights (bitsandbytes Linear4bit)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one step and write its kernel table (see profile_step)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="after timing, run two steps under cProfile and write where the host's time goes")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="MFU denominator; measured if 0")

@@ -16,6 +16,7 @@
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
 #   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
 #   bash benchmarks/h200_rows.sh host      # host us per Triton launch and per sloth op call; ops.lora_shared
+#   bash benchmarks/h200_rows.sh hostprof  # sloth's LoRA and QLoRA steps, two of each under cProfile
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
@@ -24,7 +25,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|hostprof|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -98,6 +99,9 @@ case $part in
         export SLOTH_TRITON_OP=1
         run l4-triton-op 150 --all --variants sloth --layers 4 --sloth-options "$SLOTH" --profile
         unset SLOTH_TRITON_OP ;;
+    hostprof)  # where the host's time goes in sloth's LoRA and QLoRA steps (cProfile of two steps each)
+        run lora-sloth-hostprof 150 --all --variants sloth --sloth-options "$SLOTH" --host-profile
+        run qlora-sloth-hostprof 170 --all --qlora --variants sloth --sloth-options "$SLOTH" --host-profile ;;
     host)  # host time per Triton launch and per op call (benchmarks/launch_overhead.py), the joined LoRA op alone
         [ -z "${DRY:-}" ] && { python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
                                echo "launch_overhead: rc $?"; tail -12 "$out/logs/launch_overhead.log"; }

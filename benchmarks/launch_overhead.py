@@ -32,6 +32,20 @@ def _host_us(fn, reps: int = 400) -> float:
     return best
 
 
+def _print_profile(fn, reps: int = 2000, top: int = 20) -> None:
+    """What one call's host time is made of: ``reps`` calls under cProfile, the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def _qlora_calls(x, dy, a, b, h):
     """The QLoRA op's forward and backward calls on a double-quantised NF4 weight, or {} without bitsandbytes."""
     try:
@@ -102,6 +116,7 @@ def main() -> int:
     for name, fn in calls.items():
         rows.append({"call": name, "host us": round(_host_us(fn), 2)})
         print(rows[-1], flush=True)
+    _print_profile(calls["one launch (_lora_up_add_kernel)"])
     record = common.result_record("launch_overhead", {"m": m, "k": k, "n": n, "r": r, "dtype": "bf16"},
                                   ["call", "host us"], rows)
     common.write_result(record)
