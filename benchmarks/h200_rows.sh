@@ -17,6 +17,8 @@
 #   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
 #   bash benchmarks/h200_rows.sh host      # host us per Triton launch and per sloth op call; ops.lora_shared
 #   bash benchmarks/h200_rows.sh hostprof  # sloth's LoRA and QLoRA steps, two of each under cProfile
+#   bash benchmarks/h200_rows.sh launch-overhead  # host us per Triton launch and per op call only
+#   bash benchmarks/h200_rows.sh gemm      # NF4 dequantised in the matmul's main loop vs buffer + cuBLAS
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
@@ -25,7 +27,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|hostprof|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -108,6 +110,12 @@ case $part in
         [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.lora_shared > "$out/logs/ops-lora-shared.log" 2>&1
                                echo "ops.lora_shared: rc $?"; grep -E "fwd\+bwd" "$out/logs/ops-lora-shared.log" | tail -8; }
         ;;
+    launch-overhead)  # host us per Triton launch and per op call only (the first half of host)
+        [ -z "${DRY:-}" ] && { timeout 150 python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
+                               echo "launch_overhead: rc $?"; grep -E "^\{" "$out/logs/launch_overhead.log"; } ;;
+    gemm)  # NF4 dequantised inside the matmul's main loop vs into a buffer then cuBLAS (issue 6 asks for both)
+        [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.qlora_gemm > "$out/logs/qlora_gemm.log" 2>&1
+                               echo "qlora_gemm: rc $?"; tail -30 "$out/logs/qlora_gemm.log"; } ;;
     nf4)  # NF4/FP4 dequantisation bits vs bitsandbytes, and its time
         [ -z "${DRY:-}" ] && { timeout 120 python -m benchmarks.ops.nf4 > "$out/logs/nf4.log" 2>&1
                                echo "nf4: rc $?"; tail -4 "$out/logs/nf4.log"; } ;;
