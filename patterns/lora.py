@@ -29,8 +29,9 @@ lossy round trip such as ``x.bfloat16().float()``) are not reproduced: the op re
 Anything else says no, with the reason in the report, and leaves the graph as it was: a trainable base
 weight or bias when gradients are on (only the frozen case is implemented), an active dropout (its mask
 is not fused), an adapter factor or the base output read by another node too, a sum kept in another dtype
-than x's, adapters of different dtypes on one base, float64, shapes that do not chain. DoRA's magnitude
-rescaling is not this sum and is not matched.
+than x's, adapters of different dtypes on one base, float64, shapes that do not chain, and an adapter
+multiplied by a tensor instead of a constant (DoRA's magnitude / ||W + s B A|| rescaling, a scale kept in
+a tensor): DoRA is not this sum and is not fused.
 """
 from __future__ import annotations
 
@@ -166,6 +167,32 @@ def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float,
         reaches_base = _strip_scalars(x.args[0], 1.0, [], stop=x_base)[0] is x_base
         return why if reaches_base else None
     return x, down[1], up[1], scale, steps
+
+
+def _tensor_scaled_adapter(node: fx.Node) -> Optional[str]:
+    """Why ``node`` is left alone when it is ``t * adapter``, a low-rank chain of two bias-free projections of
+    trainable factors (``s * F.linear(F.linear(x, a), b)``) multiplied by a tensor ``t`` rather than a
+    constant: DoRA's magnitude / ||W + s B A|| rescaling has this form, and so does a scale kept in a tensor.
+    None for anything else (the low-rank check keeps ordinary two-layer MLPs out of the report)."""
+    if not (is_call(node, torch.mul) and len(node.args) == 2
+            and all(isinstance(arg, fx.Node) for arg in node.args)):
+        return None
+    for low, other in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        up = linear_parts(_strip_scalars(low, 1.0, [])[0])
+        if up is None or up[2] is not None:
+            continue
+        down = linear_parts(_strip_scalars(up[0], 1.0, [])[0])
+        if down is None or down[2] is not None:
+            continue
+        at, bt, ot = tensor_of(down[1]), tensor_of(up[1]), tensor_of(other)
+        if at is None or bt is None or ot is None or at.dim() != 2 or bt.dim() != 2:
+            continue
+        rank = at.shape[0]
+        if at.requires_grad and bt.requires_grad and bt.shape[1] == rank and 2 * rank <= min(at.shape[1], bt.shape[0]):
+            return (f"the adapter's output (rank {rank}) is multiplied by a tensor of shape {tuple(ot.shape)}, not a "
+                    "constant (DoRA's magnitude / ||W + s B A|| rescaling has this form); only base + constant * "
+                    "adapter is fused")
+    return None
 
 
 def _base(gm: fx.GraphModule, node: Any) -> Union[tuple[Any, Any, Any, Optional[Bnb4bitBase]], str, None]:
@@ -414,6 +441,11 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         fused.append((fused_node, len(outcomes)))
         outcomes.append((position[node], Site(FAMILY, found.op, module_path(node), source_location(node),
                                               found.detail)))
+    # An adapter scaled by a tensor is no base + constant * adapter sum, so the loop above never saw it.
+    for node in gm.graph.nodes:
+        why = _tensor_scaled_adapter(node)
+        if why:
+            outcomes.append((position[node], (node, why)))
     if options.share_lora_input:
         notes = share_lora_inputs(gm, [f for f, _ in fused])
         for node, index in fused:

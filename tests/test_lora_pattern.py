@@ -271,7 +271,7 @@ NEAR_MISSES = [
     Case("adapter-intermediate-reused", adapter_intermediate_reused, 0, reason="intermediate of the adapter"),
     Case("base-output-reused", base_output_reused, 0, reason="base projection's output"),
     Case("adapter-reads-another-input", adapter_reads_another_input, 0),  # not a LoRA of this linear: no reason
-    Case("dora", dora_form, 0),  # not base + low: no LoRA site, no near-miss either
+    Case("dora", dora_form, 0, reason="multiplied by a tensor of shape"),  # not base + constant * low
 ]
 
 
@@ -495,12 +495,33 @@ def test_peft_dropout_in_eval_fuses():
     check_model(model, torch.float32, expected=7)
 
 
-def test_peft_dora_is_not_fused():
-    # DoRA rescales by a weight norm: not base + low, so no LoRA site and no near-miss either. (peft's DoRA
-    # breaks Dynamo's graph, on a str.startswith, and the base output reaches the DoRA graph as an input;
-    # the "dora" near-miss above has the whole form in one graph.)
+def test_peft_dora_is_not_fused_and_says_why():
+    # DoRA rescales the adapter by magnitude / ||W + s B A||, a tensor: not base + constant * low, so no LoRA
+    # site, and the report names the form at peft's line. (peft's DoRA breaks Dynamo's graph, on a
+    # str.startswith, and the base output reaches the DoRA graph as an input; the "dora" near-miss above has
+    # the whole form in one graph.) Values as eager: the graph is left as it was.
     model = tiny_peft_model("llama", torch.float32, use_dora=True, target_modules=["q_proj", "v_proj"])
-    check_model(model, torch.float32, expected=0)
+    check_model(model, torch.float32, expected=0, reason="multiplied by a tensor of shape (1, ")
+    report = sloth.report()
+    dora = [r for r in report.rejections if r.family == "lora"]
+    assert len(dora) == 2 and all("DoRA" in r.reason and "dora.py" in r.source for r in dora), str(report)
+
+
+def test_two_layer_mlp_gated_by_a_tensor_is_not_reported():
+    # The DoRA reason is for low-rank chains of trainable factors only: a full-width two-layer block times a
+    # gate is no adapter, and the report stays quiet about it.
+    class GatedMlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Linear(K, K, bias=False), nn.Linear(K, N, bias=False)
+
+        def forward(self, x, gate):
+            return gate * self.w2(self.w1(x))
+
+    module = GatedMlp()
+    torch.compile(module, backend="sloth", options={"inner": "eager"}, fullgraph=True)(torch.randn(3, K),
+                                                                                       torch.randn(3, N))
+    assert not sloth.last_report().rejections, str(sloth.last_report())
 
 
 
