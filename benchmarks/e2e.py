@@ -353,7 +353,10 @@ def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: a
     own time (tottime) and sloth's own functions by cumulative time, written as text to $OUT (or
     benchmarks/results) as hostprofile-<variant>[-qlora]-L<layers>.txt. cProfile slows Python down (about 2x
     on call-heavy code), so read the shares, not the absolute times. A step without CUDA graphs whose wall
-    time exceeds its GPU kernel time (--profile) is bound by this."""
+    time exceeds its GPU kernel time (--profile) is bound by this. Caveat, seen on the H200 (Python 3.12): the
+    autograd engine runs the backward on a device thread, and the two threads' events confuse cProfile's
+    accounting (custom_ops.backend_impl got half of all own time, 0.5 ms a call, while its callees were
+    cheap); the per-function call counts and the callees' cumulative times are the trustworthy part."""
     import cProfile
     import io
     import pstats
