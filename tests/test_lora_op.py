@@ -143,6 +143,25 @@ def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype):
     check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), dtype, adapter_dtype, 2.0)
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["split-inline", "split-launch"])
+def test_both_factor_splits_match_pattern(monkeypatch, inline):
+    # bf16 x with an fp32 adapter: the down kernel multiplies by the factor's three bf16 parts, split by each
+    # program from the fp32 tiles it reads (inline, the default) or by a launch of their own. 16-wide tiles so
+    # the down kernel loops over K and a rank of 5 so the factor's columns are masked.
+    if not lowering.use_triton(torch.empty(0)):
+        pytest.skip("no Triton here")
+    monkeypatch.setattr(lowering, "SPLIT_INLINE", inline)
+    monkeypatch.setitem(lowering.DOWN_CONFIG, "block_m", 16)
+    monkeypatch.setitem(lowering.DOWN_CONFIG, "block_k", 16)
+    launches = record_launches(monkeypatch, lowering, "_split_factor_kernel", "_lora_down_kernel")
+    check_against_pattern(make_inputs((100, 70), 45, 5, bias=True), torch.bfloat16, torch.float32, 2.0)
+    names = [name for name, _, _ in launches]
+    # forward: h = x @ a.T; backward: g = dy @ b, each a down launch (the check runs the op once)
+    assert names.count("_lora_down_kernel") == 2, names
+    assert names.count("_split_factor_kernel") == (0 if inline else 2), names
+    assert all(kwargs["SPLIT_INLINE"] is inline for name, _, kwargs in launches if name == "_lora_down_kernel")
+
+
 def test_backward_forms_both_adapter_gradients_in_one_launch(monkeypatch):
     """da and db come from one grad-kernel launch (programs of both problems in one grid)."""
     if not lowering.use_triton(torch.empty(0)):
