@@ -115,6 +115,8 @@ def environment() -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": bool(dirty) if dirty is not None else None,
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        # sloth's switches for measuring (SLOTH_TRITON_OP, SLOTH_DOWN_SPLIT): which variant a row is
+        "sloth_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLOTH_")},
     }
 
 
