@@ -154,9 +154,9 @@ def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, s
                       BLOCK_R: tl.constexpr, SPLIT_INLINE: tl.constexpr):
     """h[M, R] (fp32, rows stride_hm apart) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K
     looped over. With MODE _SPLIT_BF16 one dot of the x tile against all three bf16 parts of the fp32 factor,
-    whose column groups are summed at the end: with SPLIT_INLINE each program splits the factor tiles it
-    reads (``_split_tile``; p is the fp32 factor, any strides), otherwise p is the [K, 4 * BLOCK_R] output of
-    ``_split_factor_kernel`` (one more launch a call, split once instead of once per program)."""
+    whose column groups are summed at the end: p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel``
+    (one more launch a call, the factor split once), or with SPLIT_INLINE the fp32 factor itself (any
+    strides), split by each program from the tiles it reads (``_split_tile``)."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_r = tl.arange(0, BLOCK_R)
@@ -271,8 +271,12 @@ def _lora_grad_kernel(p_u, p_x, p_g, K, stride_um, stride_xm, stride_gk, stride_
 # and 4 warps (32-row blocks 35-40%, 128-row 40%, 8 warps less).
 DOWN_CONFIG = dict(block_m=64, block_k=256, num_warps=4, num_stages=3)
 # Whether the down kernel splits an fp32 factor itself (one launch a call) or reads the output of
-# _split_factor_kernel (two launches). SLOTH_DOWN_SPLIT=launch|inline picks one for measuring.
-SPLIT_INLINE = os.environ.get("SLOTH_DOWN_SPLIT", "inline") == "inline"
+# _split_factor_kernel (two launches). SLOTH_DOWN_SPLIT=inline|launch picks one for measuring. Split inline,
+# each column group of the operand loads the fp32 factor tile again: the pipelined tiles are 2x the split
+# launch's bf16 ones, so its K tile is half as long at r = 16 (128), and on the H200 the 256-long tile
+# needed 256 KB of shared memory (past 227 KB; the first try failed there, which test_sm90_compile.py now
+# catches on the CPU).
+SPLIT_INLINE = os.environ.get("SLOTH_DOWN_SPLIT", "launch") == "inline"
 UP_CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
 GRAD_CONFIG = dict(block_m=64, block_k=128, num_warps=4, num_stages=3, programs=264)
 # Tried and not kept: writing the adapter term first and letting cuBLAS add the base product in its
@@ -304,9 +308,10 @@ _DOWN_SMEM_BUDGET = 200 * 1024
 def down_smem_bytes(block_m: int, block_k: int, factor_cols: int, x_bytes: int, factor_bytes: int,
                     stages: int) -> int:
     """The down kernel's pipelined tiles: ``stages`` copies of an x tile [block_m, block_k] and a factor tile
-    [block_k, factor_cols] (factor_cols = 4 * BLOCK_R bf16 columns when the factor is split, by its own
-    launch or inline: Triton compiles both to the same use, 196,608 bytes at BLOCK_R 16 and 256-row tiles,
-    test_sm90_compile.py)."""
+    [block_k, factor_cols] (factor_cols = 4 * BLOCK_R columns when the factor is split: bf16 parts from the
+    split launch, or the fp32 factor loaded once a part when split inline). Compiled for sm_90 this is what
+    the split launch's kernel uses (196,608 bytes at BLOCK_R 16, 256-long K tiles) and 32 KB more than the
+    inline one does (test_sm90_compile.py)."""
     return stages * (block_m * block_k * x_bytes + block_k * factor_cols * factor_bytes)
 
 
@@ -333,7 +338,7 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = 
         return h_MR.zero_()
     c, mode, block_r = DOWN_CONFIG, _mode(x_MK, p_KR), _block_r(rank)
     inline = mode == _SPLIT_BF16.value and SPLIT_INLINE
-    block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
+    block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 4 if inline or mode == _TF32X3.value else 2, k)
     if mode == _SPLIT_BF16.value and not inline:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
         launch(_split_factor_kernel)[(cdiv(k, 64),)](

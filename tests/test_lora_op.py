@@ -463,20 +463,22 @@ def test_fallback_output_layout_matches_fake(monkeypatch):
                               test_utils=("test_faketensor",))
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["split-launch", "split-inline"])
 @pytest.mark.parametrize("rank", [1, 16, 32, 64, 128])
 @pytest.mark.parametrize("x_dtype,factor_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                                   (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_down_kernel_tiles_fit_the_shared_memory_budget(rank, x_dtype, factor_dtype):
+def test_down_kernel_tiles_fit_the_shared_memory_budget(rank, x_dtype, factor_dtype, inline):
     # The split factor tile grows with the rank; at the swept 256-wide K tiles r = 32 would need 295 KB of
     # shared memory on an H200 (232 KB a block). The launcher shrinks block_k until the tiles fit.
     x, p = torch.empty(4, 4096, dtype=x_dtype), torch.empty(4096, rank, dtype=factor_dtype)
     mode, block_r = lowering._mode(x, p), lowering._block_r(rank)
-    config = lowering.DOWN_CONFIG
-    factor_bytes = 4 if mode == lowering._TF32X3.value else 2  # the split factor is bf16
+    split, config = mode == lowering._SPLIT_BF16.value, lowering.DOWN_CONFIG
+    inline = inline and split
+    factor_bytes = 4 if inline or mode == lowering._TF32X3.value else 2  # split by a launch: bf16 parts
     block_k = lowering._down_block_k(config, mode, block_r, x.element_size(), factor_bytes, 4096)
-    cols = 4 * block_r if mode == lowering._SPLIT_BF16.value else block_r
+    cols = 4 * block_r if split else block_r
     used = lowering.down_smem_bytes(config["block_m"], block_k, cols, x.element_size(), factor_bytes,
                                     config["num_stages"])
     assert block_k >= 16 and used <= lowering._DOWN_SMEM_BUDGET, (block_k, used)
-    if rank <= 16 and x_dtype == torch.bfloat16:
+    if rank <= 16 and x_dtype == torch.bfloat16 and not inline:
         assert block_k == config["block_k"]  # the swept setting itself where it was measured

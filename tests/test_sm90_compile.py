@@ -46,11 +46,16 @@ class _Recorder:
 
 
 def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tuple:
-    """(module, kernel name, signature, constants, options) of one launch, picklable."""
+    """(module, kernel name, signature, constants, divisible, options) of one launch, picklable. As Triton's
+    launch specialises (runtime/jit.py, 3.6): an int equal to 1 becomes the constant 1, and an int that is a
+    multiple of 16 or a 16-byte aligned pointer is marked divisible by 16 (``divisible``: the parameter
+    names), which lets the compiler pipeline loads through shared memory with async copies: compiled
+    without it, a kernel can use far less shared memory than it does on the GPU (the factor-splitting down
+    kernel: 192 KB here, 256 KB on the H200, past its 227 KB)."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     params = inspect.signature(kernel.fn).parameters  # an InterpretedFunction here: read the Python function
     values = dict(zip(params, args)) | kwargs
-    signature, constants = {}, {}
+    signature, constants, divisible = {}, {}, []
     for param in params.values():
         value = values.get(param.name, None if param.default is inspect.Parameter.empty else param.default)
         if "constexpr" in str(param.annotation) or value is None:
@@ -59,13 +64,19 @@ def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tupl
             constants[param.name] = False if param.name in ("UPCAST", "INTERPRETED") else value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + _TRITON_TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                divisible.append(param.name)
         elif isinstance(value, bool):
             signature[param.name] = "i1"
+        elif isinstance(value, int) and value == 1:
+            signature[param.name], constants[param.name] = "constexpr", 1
         elif isinstance(value, int):
             signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                divisible.append(param.name)
         else:
             signature[param.name] = "fp32"
-    return module, name, signature, constants, options
+    return module, name, signature, constants, divisible, options
 
 
 def _record(monkeypatch) -> list:
@@ -96,6 +107,25 @@ def _llama_launches() -> None:
     half = torch.empty(1, 1, 2048, 64, dtype=bf16)
     rope._rope_fwd(q, k, half, half, interleaved=True)  # GPT-J pairs
     rope._rope_single_fwd(q, torch.empty(1, 1, 2048, 32, dtype=bf16), torch.empty(1, 1, 2048, 32, dtype=bf16))
+    # The down kernel's two ways of splitting an fp32 factor (lowering/lora.py's SPLIT_INLINE) both compile.
+    for split_inline in (False, True):
+        lora.SPLIT_INLINE = split_inline  # restored by the test's monkeypatch
+        _lora_launches(n, h, inter, r)
+    labels = torch.zeros(n, dtype=torch.int64)
+    head = torch.empty(128256, h, dtype=bf16)
+    lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
+    packed = torch.empty(inter * h // 2, dtype=torch.uint8)
+    nf4.dequantize_4bit(packed, torch.empty(inter * h // 64), 64, "nf4", (inter, h), bf16)
+    nf4.dequantize_absmax(torch.empty(inter * h // 64, dtype=torch.uint8), torch.empty(inter * h // 64 // 256),
+                          torch.empty(256), 0.0, 256)
+    nf4.dequantize_4bit_nested(packed, torch.empty(inter * h // 64, dtype=torch.uint8),
+                               torch.empty(inter * h // 64 // 256), torch.empty(256), 0.0, 64, "nf4", (inter, h), bf16)
+    for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
+        nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
+
+
+def _lora_launches(n: int, h: int, inter: int, r: int) -> None:
+    bf16, f32 = torch.bfloat16, torch.float32
     for adapter, rank in ((f32, r), (bf16, r), (f32, 64)):  # rank 64: the down kernel's K tile shrinks to fit
         for k_in, n_out in ((h, h), (h, inter), (inter, h)):
             xi = torch.empty(n, k_in, dtype=bf16)
@@ -114,32 +144,24 @@ def _llama_launches() -> None:
         a = torch.empty(members * rank, h, dtype=f32)
         *_, hh = lora_shared.lora_shared_forward(xs, ws, [None] * members, a, bs, 2.0)
         lora_shared.lora_shared_backward([torch.empty(256, h, dtype=bf16)] * members, xs, ws, a, bs, hh, 2.0, True)
-    labels = torch.zeros(n, dtype=torch.int64)
-    head = torch.empty(128256, h, dtype=bf16)
-    lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
-    packed = torch.empty(inter * h // 2, dtype=torch.uint8)
-    nf4.dequantize_4bit(packed, torch.empty(inter * h // 64), 64, "nf4", (inter, h), bf16)
-    nf4.dequantize_absmax(torch.empty(inter * h // 64, dtype=torch.uint8), torch.empty(inter * h // 64 // 256),
-                          torch.empty(256), 0.0, 256)
-    nf4.dequantize_4bit_nested(packed, torch.empty(inter * h // 64, dtype=torch.uint8),
-                               torch.empty(inter * h // 64 // 256), torch.empty(256), 0.0, 64, "nf4", (inter, h), bf16)
-    for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
-        nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
 
 
 _COMPILE = """
 import importlib, pickle, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
 
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
 results = []
-for module, name, signature, constants, options in pickle.loads(sys.stdin.buffer.read()):
+for module, name, signature, constants, divisible, options in pickle.loads(sys.stdin.buffer.read()):
     kernel = getattr(importlib.import_module(module), name)
     names = list(kernel.arg_names)
-    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(k),): backend.parse_attr("D") for k in divisible})
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        compiled = triton.compile(source, target=target, options=options)
         ptx = compiled.asm["ptx"]
         rounded = (len(re.findall(r"\bfma\.\S*f32", ptx)), "mul.rn.f32" in ptx and "add.rn.f32" in ptx)
         results.append((name, constants, compiled.metadata.shared, rounded, None))
@@ -153,6 +175,7 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
     launches = _record(monkeypatch)
     # nf4_matmul shrinks its tiles under the interpreter; record the settings the GPU launches.
     monkeypatch.setattr(nf4_matmul, "triton_interpreter_on", lambda: False)
+    monkeypatch.setattr(lora, "SPLIT_INLINE", lora.SPLIT_INLINE)  # _llama_launches sets both values
     with torch.no_grad():
         _llama_launches()
     unique = list({pickle.dumps(launch): launch for launch in launches}.values())
