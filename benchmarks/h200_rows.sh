@@ -13,7 +13,6 @@
 #   bash benchmarks/h200_rows.sh launch    # sloth LoRA: ops as custom_op, as triton_op, with CUDA graphs
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
-#   bash benchmarks/h200_rows.sh inline    # versus, then QLoRA with the down kernel splitting the factor itself
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
 #   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
 #   bash benchmarks/h200_rows.sh host      # host us per Triton launch and per sloth op call; ops.lora_shared
@@ -28,7 +27,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|nf4|share|inline|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -77,16 +76,6 @@ case $part in
         run lora-sloth-unshared 130 --all --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}'
         run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH"
         run qlora-sloth-unshared 140 --all --qlora --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}' ;;
-    inline)  # sloth and Unsloth, LoRA and QLoRA, one lease, then QLoRA with the down kernel splitting the fp32
-        # factor itself (SLOTH_DOWN_SPLIT=inline; the default is a split launch of its own) last, so a tight
-        # device budget cuts the experiment, not the comparison
-        run qlora-sloth 110 --all --qlora --variants sloth --sloth-options "$SLOTH"
-        run qlora-unsloth 110 --all --qlora --variants unsloth
-        run lora-sloth 100 --all --variants sloth --sloth-options "$SLOTH"
-        run lora-unsloth 100 --all --variants unsloth
-        export SLOTH_DOWN_SPLIT=inline
-        run qlora-sloth-split-inline 110 --all --qlora --variants sloth --sloth-options "$SLOTH"
-        unset SLOTH_DOWN_SPLIT ;;
     qlora-profile)
         run qlora-sloth 200 --all --qlora --variants sloth --sloth-options "$SLOTH" --profile ;;
     profile)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -135,43 +134,19 @@ def _split_factor_kernel(p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _split_tile(p_p, o_k, m_k, R, stride_pk, stride_pr, BLOCK_R: tl.constexpr):
-    """The fp32 factor tile p[o_k, :R] as one bf16 tile [BLOCK_K, 4 * BLOCK_R] = [hi | mid | lo | 0] of its
-    ``_split_bf16`` parts, the layout of ``_split_factor_kernel``'s output. Each column group loads the same
-    fp32 values (cache hits) and keeps its own part: elementwise only, which Triton lowers for sm_90 at every
-    tile size (a join + reshape of the three parts did not compile below 256-row tiles)."""
-    o_c = tl.arange(0, 4 * BLOCK_R)
-    o_r, part = o_c % BLOCK_R, o_c // BLOCK_R
-    b_p = tl.load(p_p + o_k[:, None] * stride_pk + o_r[None, :] * stride_pr,
-                  mask=m_k[:, None] & ((o_r < R) & (part < 3))[None, :], other=0.0).to(tl.float32)
-    b_hi, b_mid, b_lo = _split_bf16(b_p)
-    return tl.where((part == 0)[None, :], b_hi, tl.where((part == 1)[None, :], b_mid, b_lo))
-
-
-@triton.jit
 def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, stride_hm,
                       MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_R: tl.constexpr, SPLIT_INLINE: tl.constexpr):
+                      BLOCK_R: tl.constexpr):
     """h[M, R] (fp32, rows stride_hm apart) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K
-    looped over. With MODE _SPLIT_BF16 one dot of the x tile against all three bf16 parts of the fp32 factor,
-    whose column groups are summed at the end: p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel``
-    (one more launch a call, the factor split once), or with SPLIT_INLINE the fp32 factor itself (any
-    strides), split by each program from the tiles it reads (``_split_tile``)."""
+    looped over. With
+    MODE _SPLIT_BF16, p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel``: one dot against all
+    three parts, whose column groups are summed at the end (p's split is done once per call, not once
+    per program)."""
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_r = tl.arange(0, BLOCK_R)
     m_m, m_r = o_m < M, o_r < R
-    if MODE == _SPLIT_BF16 and SPLIT_INLINE:
-        b_acc = tl.zeros((BLOCK_M, 4 * BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < K
-            b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                          other=0.0)
-            b_p = _split_tile(p_p, o_k, m_k, R, stride_pk, stride_pr, BLOCK_R)
-            b_acc = _dot16(b_x.to(tl.bfloat16), b_p, b_acc, UPCAST)
-        b_h = tl.sum(tl.reshape(b_acc, (BLOCK_M, 4, BLOCK_R)), axis=1)
-    elif MODE == _SPLIT_BF16:
+    if MODE == _SPLIT_BF16:
         o_c = tl.arange(0, 4 * BLOCK_R)
         b_acc = tl.zeros((BLOCK_M, 4 * BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -270,13 +245,12 @@ def _lora_grad_kernel(p_u, p_x, p_g, K, stride_um, stride_xm, stride_gk, stride_
 # smaller blocks as every program re-split the factor; the one-dot form reaches 45% with 64 x 256 tiles
 # and 4 warps (32-row blocks 35-40%, 128-row 40%, 8 warps less).
 DOWN_CONFIG = dict(block_m=64, block_k=256, num_warps=4, num_stages=3)
-# Whether the down kernel splits an fp32 factor itself (one launch a call) or reads the output of
-# _split_factor_kernel (two launches). SLOTH_DOWN_SPLIT=inline|launch picks one for measuring. Split inline,
-# each column group of the operand loads the fp32 factor tile again: the pipelined tiles are 2x the split
-# launch's bf16 ones, so its K tile is half as long at r = 16 (128), and on the H200 the 256-long tile
-# needed 256 KB of shared memory (past 227 KB; the first try failed there, which test_sm90_compile.py now
-# catches on the CPU).
-SPLIT_INLINE = os.environ.get("SLOTH_DOWN_SPLIT", "launch") == "inline"
+# Tried and not kept: the down kernel splitting the fp32 factor itself (each column group of the [K, 4 R]
+# operand loading the fp32 tile and keeping its part; a join + reshape of the three parts did not compile
+# for sm_90 below 256-long K tiles), which saves the split launch, 2 of the ~15 launches of a LoRA linear's
+# forward and backward. Its fp32 tiles are twice the split launch's bf16 ones in shared memory (the
+# 256-long K tile needed 256 KB on the H200; 128 fit), and on one lease the QLoRA step took 338.7 ms
+# against 285.2 with the split launch (benchmarks/results/2026-11-30_000414 and _000856; commit de1fccd).
 UP_CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
 GRAD_CONFIG = dict(block_m=64, block_k=128, num_warps=4, num_stages=3, programs=264)
 # Tried and not kept: writing the adapter term first and letting cuBLAS add the base product in its
@@ -308,10 +282,7 @@ _DOWN_SMEM_BUDGET = 200 * 1024
 def down_smem_bytes(block_m: int, block_k: int, factor_cols: int, x_bytes: int, factor_bytes: int,
                     stages: int) -> int:
     """The down kernel's pipelined tiles: ``stages`` copies of an x tile [block_m, block_k] and a factor tile
-    [block_k, factor_cols] (factor_cols = 4 * BLOCK_R columns when the factor is split: bf16 parts from the
-    split launch, or the fp32 factor loaded once a part when split inline). Compiled for sm_90 this is what
-    the split launch's kernel uses (196,608 bytes at BLOCK_R 16, 256-long K tiles) and 32 KB more than the
-    inline one does (test_sm90_compile.py)."""
+    [block_k, factor_cols] (factor_cols = 4 * BLOCK_R bf16 columns when the factor is split)."""
     return stages * (block_m * block_k * x_bytes + block_k * factor_cols * factor_bytes)
 
 
@@ -337,9 +308,8 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = 
     if k == 0:
         return h_MR.zero_()
     c, mode, block_r = DOWN_CONFIG, _mode(x_MK, p_KR), _block_r(rank)
-    inline = mode == _SPLIT_BF16.value and SPLIT_INLINE
-    block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 4 if inline or mode == _TF32X3.value else 2, k)
-    if mode == _SPLIT_BF16.value and not inline:
+    block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
+    if mode == _SPLIT_BF16.value:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
         launch(_split_factor_kernel)[(cdiv(k, 64),)](
             p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1), BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
@@ -347,7 +317,7 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = 
     launch(_lora_down_kernel)[(cdiv(n_rows, c["block_m"]),)](
         x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1), h_MR.stride(0),
         MODE=mode, UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k, BLOCK_R=block_r,
-        SPLIT_INLINE=inline, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     return h_MR
 

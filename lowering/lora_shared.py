@@ -27,10 +27,9 @@ member's quantised weight and statistics as lists (the absmax_* lists empty with
 and dequantises w_i where it is used, one weight at a time, forward and backward, as sloth.qlora_linear
 does (lowering/qlora.py).
 
-Launches for n = 3 (tests/test_lora_shared_op.py counts them): forward 4 (down, 3 up) instead of 6;
-backward 7 (3 downs, 1 up, 3 grad kernels: da, then the db two to a launch) instead of 9; and one op call
-each way instead of three (with the factor split by its own launch, lowering/lora.py's SPLIT_INLINE off:
-one more a down). x is read once by the down kernel and once for da, where three ops
+Launches for n = 3 (tests/test_lora_shared_op.py counts them): forward 5 (split, down, 3 up) instead of 9;
+backward 10 (3 splits, 3 downs, 1 up, 3 grad kernels: da, then the db two to a launch) instead of 12; and
+one op call each way instead of three. x is read once by the down kernel and once for da, where three ops
 read it three times each.
 
 Numerics: in exact arithmetic the op equals n separate ops. In floating point two things differ: the down

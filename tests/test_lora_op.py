@@ -143,25 +143,6 @@ def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype):
     check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), dtype, adapter_dtype, 2.0)
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["split-inline", "split-launch"])
-def test_both_factor_splits_match_pattern(monkeypatch, inline):
-    # bf16 x with an fp32 adapter: the down kernel multiplies by the factor's three bf16 parts, split by each
-    # program from the fp32 tiles it reads (inline, the default) or by a launch of their own. 16-wide tiles so
-    # the down kernel loops over K and a rank of 5 so the factor's columns are masked.
-    if not lowering.use_triton(torch.empty(0)):
-        pytest.skip("no Triton here")
-    monkeypatch.setattr(lowering, "SPLIT_INLINE", inline)
-    monkeypatch.setitem(lowering.DOWN_CONFIG, "block_m", 16)
-    monkeypatch.setitem(lowering.DOWN_CONFIG, "block_k", 16)
-    launches = record_launches(monkeypatch, lowering, "_split_factor_kernel", "_lora_down_kernel")
-    check_against_pattern(make_inputs((100, 70), 45, 5, bias=True), torch.bfloat16, torch.float32, 2.0)
-    names = [name for name, _, _ in launches]
-    # forward: h = x @ a.T; backward: g = dy @ b, each a down launch (the check runs the op once)
-    assert names.count("_lora_down_kernel") == 2, names
-    assert names.count("_split_factor_kernel") == (0 if inline else 2), names
-    assert all(kwargs["SPLIT_INLINE"] is inline for name, _, kwargs in launches if name == "_lora_down_kernel")
-
-
 def test_backward_forms_both_adapter_gradients_in_one_launch(monkeypatch):
     """da and db come from one grad-kernel launch (programs of both problems in one grid)."""
     if not lowering.use_triton(torch.empty(0)):
@@ -463,22 +444,20 @@ def test_fallback_output_layout_matches_fake(monkeypatch):
                               test_utils=("test_faketensor",))
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["split-launch", "split-inline"])
 @pytest.mark.parametrize("rank", [1, 16, 32, 64, 128])
 @pytest.mark.parametrize("x_dtype,factor_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
                                                   (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_down_kernel_tiles_fit_the_shared_memory_budget(rank, x_dtype, factor_dtype, inline):
+def test_down_kernel_tiles_fit_the_shared_memory_budget(rank, x_dtype, factor_dtype):
     # The split factor tile grows with the rank; at the swept 256-wide K tiles r = 32 would need 295 KB of
     # shared memory on an H200 (232 KB a block). The launcher shrinks block_k until the tiles fit.
     x, p = torch.empty(4, 4096, dtype=x_dtype), torch.empty(4096, rank, dtype=factor_dtype)
     mode, block_r = lowering._mode(x, p), lowering._block_r(rank)
-    split, config = mode == lowering._SPLIT_BF16.value, lowering.DOWN_CONFIG
-    inline = inline and split
-    factor_bytes = 4 if inline or mode == lowering._TF32X3.value else 2  # split by a launch: bf16 parts
+    config = lowering.DOWN_CONFIG
+    factor_bytes = 4 if mode == lowering._TF32X3.value else 2  # the split factor is bf16
     block_k = lowering._down_block_k(config, mode, block_r, x.element_size(), factor_bytes, 4096)
-    cols = 4 * block_r if split else block_r
+    cols = 4 * block_r if mode == lowering._SPLIT_BF16.value else block_r
     used = lowering.down_smem_bytes(config["block_m"], block_k, cols, x.element_size(), factor_bytes,
                                     config["num_stages"])
     assert block_k >= 16 and used <= lowering._DOWN_SMEM_BUDGET, (block_k, used)
-    if rank <= 16 and x_dtype == torch.bfloat16 and not inline:
+    if rank <= 16 and x_dtype == torch.bfloat16:
         assert block_k == config["block_k"]  # the swept setting itself where it was measured

@@ -126,11 +126,10 @@ def test_one_launch_reads_x_for_every_member(monkeypatch):
     x, ws, biases, a_list, bs, dys = make_inputs((37, 70), (45, 13, 13), 16, (False,) * 3)
     forward_backward(lora_linear_shared, x.bfloat16(), [w.bfloat16() for w in ws], biases, a_list, bs, 2.0,
                      [d.bfloat16() for d in dys])
-    # forward: 1 down + 3 up; backward: 3 downs (g_i), 1 up (dx), 1 grad (da) + 2 (db pairs); and a factor
-    # split before each down when it is not split inline (lowering/lora.py's SPLIT_INLINE)
+    # forward: 1 split + 1 down + 3 up; backward: 3 splits + 3 downs (g_i), 1 up (dx), 1 grad (da) + 2 (db pairs)
     calls = Counter(name for name, _, _ in launches)
-    splits = {} if lora_lowering.SPLIT_INLINE else {"_split_factor_kernel": 4}
-    assert calls == {**splits, "_lora_down_kernel": 4, "_lora_up_add_kernel": 4, "_lora_grad_kernel": 3}, calls
+    assert calls == {"_split_factor_kernel": 4, "_lora_down_kernel": 4, "_lora_up_add_kernel": 4,
+                     "_lora_grad_kernel": 3}, calls
 
 
 def test_bad_inputs():

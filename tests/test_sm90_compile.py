@@ -50,8 +50,8 @@ def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tupl
     launch specialises (runtime/jit.py, 3.6): an int equal to 1 becomes the constant 1, and an int that is a
     multiple of 16 or a 16-byte aligned pointer is marked divisible by 16 (``divisible``: the parameter
     names), which lets the compiler pipeline loads through shared memory with async copies: compiled
-    without it, a kernel can use far less shared memory than it does on the GPU (the factor-splitting down
-    kernel: 192 KB here, 256 KB on the H200, past its 227 KB)."""
+    without it, a kernel can use far less shared memory than it does on the GPU (a down kernel that split
+    the factor itself, since dropped: 192 KB here, 256 KB on the H200, past its 227 KB)."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     params = inspect.signature(kernel.fn).parameters  # an InterpretedFunction here: read the Python function
     values = dict(zip(params, args)) | kwargs
@@ -107,10 +107,7 @@ def _llama_launches() -> None:
     half = torch.empty(1, 1, 2048, 64, dtype=bf16)
     rope._rope_fwd(q, k, half, half, interleaved=True)  # GPT-J pairs
     rope._rope_single_fwd(q, torch.empty(1, 1, 2048, 32, dtype=bf16), torch.empty(1, 1, 2048, 32, dtype=bf16))
-    # The down kernel's two ways of splitting an fp32 factor (lowering/lora.py's SPLIT_INLINE) both compile.
-    for split_inline in (False, True):
-        lora.SPLIT_INLINE = split_inline  # restored by the test's monkeypatch
-        _lora_launches(n, h, inter, r)
+    _lora_launches(n, h, inter, r)
     labels = torch.zeros(n, dtype=torch.int64)
     head = torch.empty(128256, h, dtype=bf16)
     lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
@@ -175,7 +172,6 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
     launches = _record(monkeypatch)
     # nf4_matmul shrinks its tiles under the interpreter; record the settings the GPU launches.
     monkeypatch.setattr(nf4_matmul, "triton_interpreter_on", lambda: False)
-    monkeypatch.setattr(lora, "SPLIT_INLINE", lora.SPLIT_INLINE)  # _llama_launches sets both values
     with torch.no_grad():
         _llama_launches()
     unique = list({pickle.dumps(launch): launch for launch in launches}.values())
