@@ -161,7 +161,10 @@ def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float,
     if why:
         return why
     steps.append(node)
-    x, scale, why = _strip_scalars(down[0], scale, steps, stop=x_base)
+    # The casts and constant multiplies between x and the down projection are not chain nodes: the fused op
+    # reads x itself, so other readers of them (q, k and v sharing one cast of x to the adapters' dtype) keep
+    # them, and they are erased with the last reader.
+    x, scale, why = _strip_scalars(down[0], scale, [], stop=x_base)
     if why:
         # Only a LoRA of this base is a near-miss: the active dropout must read the base's input.
         reaches_base = _strip_scalars(x.args[0], 1.0, [], stop=x_base)[0] is x_base

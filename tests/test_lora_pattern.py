@@ -95,6 +95,12 @@ def dropout_active(x, w, bias, a, b):
     return F.linear(x, w) + F.linear(F.linear(F.dropout(x, 0.1, True), a), b) * S
 
 
+def input_cast_read_elsewhere(x, w, bias, a, b):  # the adapter's cast of x has another reader: still a LoRA
+    xa = x.to(a.dtype)
+    y = (F.linear(x, w) + F.linear(F.linear(xa, a), b) * S).to(x.dtype)
+    return y + xa.sum(-1, keepdim=True).to(x.dtype)
+
+
 def adapter_intermediate_reused(x, w, bias, a, b):
     h = x @ a.T
     return F.linear(x, w) + S * h @ b.T + h.sum(-1, keepdim=True)
@@ -228,6 +234,7 @@ MATCHES = [
     Case("negative-fractional-scale", negative_fractional_scale, 1, detail="scale -0.0833333"),
     Case("2d-x", scaled_low, 1, shape=(7, K)),
     Case("two-lora-layers", two_lora_layers, 2),
+    Case("input-cast-read-elsewhere", input_cast_read_elsewhere, 1, adapter="fp32"),
 ]
 
 
