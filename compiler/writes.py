@@ -102,11 +102,13 @@ def _storage(node: Any) -> Any:
     return None if value is None else StorageWeakRef(value.untyped_storage())
 
 
-def mutated_producer(graph: fx.Graph, producers: set[fx.Node]) -> Optional[fx.Node]:
-    """A node of ``graph`` that writes in place into memory one of ``producers`` made (views included: the
-    example values' storages say what aliases what), or None."""
+def mutated_producer(graph: fx.Graph, producers: set[fx.Node],
+                     candidates: Optional[list[fx.Node]] = None) -> Optional[fx.Node]:
+    """A node of ``graph`` (or of ``candidates``, the nodes known to write, when given) that writes in place
+    into memory one of ``producers`` made (views included: the example values' storages say what aliases
+    what), or None."""
     storages = {_storage(n) for n in producers} - {None}
-    for node in graph.nodes:
+    for node in graph.nodes if candidates is None else candidates:
         if any(target in producers or _storage(target) in storages for target in written(node)):
             return node
     return None

@@ -48,6 +48,7 @@ from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, line
                                  replace_and_erase, source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
+from ..compiler.writes import mutated_producer, written
 from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused
 from .lora_shared import share_lora_inputs
 
@@ -94,6 +95,8 @@ class Adapter:
     a: fx.Node
     b: fx.Node
     scale: float
+    reads: tuple[fx.Node, ...] = ()  # the casts and constant multiplies of x the down projection reads through
+    x_reader: Optional[fx.Node] = None  # the adapter's node that reads x (the first of reads, or the down)
 
 
 @dataclasses.dataclass
@@ -106,6 +109,7 @@ class LoraMatch:
     out: fx.Node
     detail: str
     op: str = ""  # the sloth op the site became, set by _replace
+    base: Optional[fx.Node] = None  # the base projection (the node that reads x for it)
 
 
 def _dropout_inactive(node: fx.Node) -> Union[bool, str]:
@@ -144,10 +148,12 @@ def _strip_scalars(node: Any, scale: float, steps: list[fx.Node], stop: Any = No
     return node, scale, None
 
 
-def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node]], str, None]:
-    """(x, a, b, scale, chain nodes) when ``low`` is ``s * F.linear(F.linear(x, a), b)`` up to casts and
-    constants, walking back from the adapter's input no further than the base's input ``x_base``; a reason
-    for a near-miss (the two projections on x_base, but something else is wrong); None."""
+def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node], tuple[fx.Node, ...]],
+                                             str, None]:
+    """(x, a, b, scale, chain nodes, nodes between x and the down projection) when ``low`` is
+    ``s * F.linear(F.linear(x, a), b)`` up to casts and constants, walking back from the adapter's input no
+    further than the base's input ``x_base``; a reason for a near-miss (the two projections on x_base, but
+    something else is wrong); None."""
     steps: list[fx.Node] = []
     node, scale, why = _strip_scalars(low, 1.0, steps)
     up = linear_parts(node)
@@ -164,12 +170,13 @@ def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float,
     # The casts and constant multiplies between x and the down projection are not chain nodes: the fused op
     # reads x itself, so other readers of them (q, k and v sharing one cast of x to the adapters' dtype) keep
     # them, and they are erased with the last reader.
-    x, scale, why = _strip_scalars(down[0], scale, [], stop=x_base)
+    reads: list[fx.Node] = []
+    x, scale, why = _strip_scalars(down[0], scale, reads, stop=x_base)
     if why:
         # Only a LoRA of this base is a near-miss: the active dropout must read the base's input.
         reaches_base = _strip_scalars(x.args[0], 1.0, [], stop=x_base)[0] is x_base
         return why if reaches_base else None
-    return x, down[1], up[1], scale, steps
+    return x, down[1], up[1], scale, steps, (tuple(reads), reads[-1] if reads else node)
 
 
 def _tensor_scaled_adapter(node: fx.Node) -> Optional[str]:
@@ -232,11 +239,12 @@ def _sum_onto_base(gm: fx.GraphModule, node: Any, depth: int = 0
             continue
         if isinstance(found, str) or isinstance(below, str):
             return found if isinstance(found, str) else below
-        x, a, b, scale, steps = found
+        x, a, b, scale, steps, (reads, x_reader) = found
         if x is not x_base:
             continue  # the adapter reads another tensor than the base: not a LoRA of this linear
         parts, base, adapters, chain = below
-        return parts, base, adapters + [Adapter(a, b, scale)], chain + steps + ([node] if depth else [])
+        return (parts, base, adapters + [Adapter(a, b, scale, reads, x_reader)],
+                chain + steps + ([node] if depth else []))
     return None
 
 
@@ -248,6 +256,23 @@ def _match(gm: fx.GraphModule, add: fx.Node) -> Union[LoraMatch, str, None]:
         return found
     parts, base, adapters, chain = found
     return _check(add, base, parts, parts[0], adapters, chain)
+
+
+def _unwritten_input(m: LoraMatch, writers: list[fx.Node], position: dict[fx.Node, int]) -> Union[LoraMatch, str]:
+    """``m``, or why not when a node between the site's first read of x and its output writes in place into x
+    or into what an adapter reads of it (a cast, a constant multiple): the fused op, placed at the output,
+    reads x once, where the base and each adapter read it on either side of the write. A write before the
+    first read or after the output changes nothing."""
+    first = min(position[n] for n in (m.base, *(adapter.x_reader for adapter in m.adapters)))
+    inside = [w for w in writers if first < position[w] < position[m.out]]
+    if not inside:
+        return m
+    reads = {m.x, *(node for adapter in m.adapters for node in adapter.reads)}
+    writer = mutated_producer(m.x.graph, reads, inside)
+    if writer is None:
+        return m
+    return (f"the input x (or its cast for the adapter) is written in place by {writer.name} between the base's "
+            "and the adapter's reads; the fused op reads it once")
 
 
 def _check_quantized(q: Bnb4bitBase, xt: torch.Tensor, at: torch.Tensor, bt: torch.Tensor) -> Optional[str]:
@@ -324,7 +349,7 @@ def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb
             return (f"the sum stays in {addt.dtype} (no cast back to the input's {xt.dtype}); the fused op returns "
                     "the input's dtype").replace("torch.", "")
         out = users[0]
-    return LoraMatch(x, w, quantized, bias, adapters, out, _detail(xt, wt, bias, quantized, adapters))
+    return LoraMatch(x, w, quantized, bias, adapters, out, _detail(xt, wt, bias, quantized, adapters), base=base)
 
 
 def _detail(xt: torch.Tensor, wt: Optional[torch.Tensor], bias: Any, quantized: Optional[Bnb4bitBase],
@@ -425,6 +450,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     _lowering_glu_lora().register_4bit()
     erased: set[fx.Node] = set()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    writers = [node for node in gm.graph.nodes if written(node)]  # fusing adds none
     outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
     fused: list[tuple[fx.Node, int]] = []  # each fused node and its outcome's index
     # Last node first: with several adapters summed onto one base, the outermost add is the site (an
@@ -436,6 +462,8 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         found = _match(gm, node)
         if found is None:
             continue
+        if not isinstance(found, str):
+            found = _unwritten_input(found, writers, position)
         if isinstance(found, str):
             outcomes.append((position[node], (node, found)))
             continue

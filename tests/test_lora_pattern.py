@@ -101,6 +101,19 @@ def input_cast_read_elsewhere(x, w, bias, a, b):  # the adapter's cast of x has 
     return y + xa.sum(-1, keepdim=True).to(x.dtype)
 
 
+def written_between_reads(x, w, bias, a, b):  # x scaled in place after the base read it, before the adapter
+    x = x * 1.0
+    base = F.linear(x, w)
+    x.mul_(2.0)
+    return base + F.linear(F.linear(x, a), b) * S
+
+
+def written_before_reads(x, w, bias, a, b):  # the same write before both reads: an ordinary LoRA of 2x
+    x = x * 1.0
+    x.mul_(2.0)
+    return F.linear(x, w) + F.linear(F.linear(x, a), b) * S
+
+
 def adapter_intermediate_reused(x, w, bias, a, b):
     h = x @ a.T
     return F.linear(x, w) + S * h @ b.T + h.sum(-1, keepdim=True)
@@ -235,6 +248,7 @@ MATCHES = [
     Case("2d-x", scaled_low, 1, shape=(7, K)),
     Case("two-lora-layers", two_lora_layers, 2),
     Case("input-cast-read-elsewhere", input_cast_read_elsewhere, 1, adapter="fp32"),
+    Case("written-before-reads", written_before_reads, 1),
 ]
 
 
@@ -278,6 +292,7 @@ NEAR_MISSES = [
     Case("adapter-intermediate-reused", adapter_intermediate_reused, 0, reason="intermediate of the adapter"),
     Case("base-output-reused", base_output_reused, 0, reason="base projection's output"),
     Case("adapter-reads-another-input", adapter_reads_another_input, 0),  # not a LoRA of this linear: no reason
+    Case("written-between-reads", written_between_reads, 0, reason="written in place by mul_"),
     Case("dora", dora_form, 0, reason="multiplied by a tensor of shape"),  # not base + constant * low
 ]
 
