@@ -4,12 +4,15 @@
     mutated_producer(graph, nodes) a node of ``graph`` writing memory one of ``nodes`` made (views included)
     body_of(node)                  the body GraphModule of a checkpoint/wrap higher-order op, else None
 
-Conservative by design: an op whose schema may write (any overload of a packet), ``out=``, ``inplace=True``,
-setitem and the augmented operators, any method or function named like an in-place op (``x.mul_``), a
-checkpointed body writing its placeholder, and every input of any other higher-order op all count as writes.
+Conservative by design: an op whose schema may write (any overload of a packet), ``out=``, ``inplace=True``
+(by keyword or by position), setitem and the augmented operators, any method or function named like an
+in-place op (``x.mul_``), a checkpointed body or a custom autograd.Function's forward body writing its
+placeholder, and every input of any other higher-order op all count as writes.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any, Optional
 
@@ -54,8 +57,12 @@ def written(node: fx.Node) -> list[fx.Node]:
     target = node.target
     out = flat_nodes(node.kwargs.get("out"))
     if isinstance(target, torch._ops.HigherOrderOperator):
-        return _body_call_writes(node) if getattr(target, "__name__", None) in BODY_CALLS \
-            else node.all_input_nodes
+        hop = getattr(target, "__name__", None)
+        if hop in BODY_CALLS:
+            return _body_call_writes(node, body_of(node), node.args[1:])
+        if hop == "autograd_function_apply":  # (forward body, backward body, *operands): a custom autograd.Function
+            return _body_call_writes(node, _graph_module(node.args[0]) if node.args else None, node.args[2:])
+        return node.all_input_nodes
     if isinstance(target, torch._ops.OpOverload):
         return _schema_writes(node, target._schema) + out
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -64,7 +71,7 @@ def written(node: fx.Node) -> list[fx.Node]:
     if not node.args:
         return out
     name = target if node.op == "call_method" else getattr(target, "__name__", "")
-    if target in INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+    if target in INPLACE_OPERATORS or node.kwargs.get("inplace") is True or _inplace_by_position(node):
         return [*flat_nodes(node.args[0]), *out]
     if getattr(target, "__module__", None) in ("operator", "_operator"):  # and_, or_, not_: functional
         return out
@@ -73,25 +80,51 @@ def written(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _inplace_index(target: Any) -> Optional[int]:
+    """The position of ``target``'s ``inplace`` parameter (F.dropout(x, p, training, inplace), F.relu(x,
+    inplace)), or None; a target whose signature cannot be read has none."""
+    try:
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _inplace_by_position(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    try:
+        index = _inplace_index(node.target)
+    except TypeError:  # an unhashable target
+        return False
+    return index is not None and index < len(node.args) and node.args[index] is True
+
+
+def _graph_module(arg: Any) -> Optional[fx.GraphModule]:
+    """The GraphModule a get_attr node ``arg`` names, else None."""
+    if not isinstance(arg, fx.Node) or arg.op != "get_attr":
+        return None
+    body = getattr(arg.graph.owning_module, arg.target, None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
 def body_of(node: fx.Node) -> Optional[fx.GraphModule]:
     """The body of a ``BODY_CALLS`` node (``(body, *operands)``, body a get_attr of a GraphModule), else None."""
     if node.op != "call_function" or getattr(node.target, "__name__", None) not in BODY_CALLS or not node.args:
         return None
-    body_node = node.args[0]
-    if not isinstance(body_node, fx.Node) or body_node.op != "get_attr":
-        return None
-    body = getattr(body_node.graph.owning_module, body_node.target, None)
-    return body if isinstance(body, fx.GraphModule) else None
+    return _graph_module(node.args[0])
 
 
-def _body_call_writes(node: fx.Node) -> list[fx.Node]:
-    """The operands of a ``BODY_CALLS`` node whose placeholder its body writes (recursively); every operand
-    when the body cannot be read."""
-    body = body_of(node)
+def _body_call_writes(node: fx.Node, body: Optional[fx.GraphModule], operands: tuple) -> list[fx.Node]:
+    """The ``operands`` of a higher-order op whose placeholder its ``body`` writes (recursively); every input
+    when the body cannot be read or its placeholders do not pair with the operands."""
     if body is None:
         return node.all_input_nodes
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    return [operand for placeholder, operand in zip(placeholders, node.args[1:])
+    if len(placeholders) != len(operands):
+        return node.all_input_nodes
+    return [operand for placeholder, operand in zip(placeholders, operands)
             if isinstance(operand, fx.Node) and mutated_producer(body.graph, {placeholder}) is not None]
 
 

@@ -29,7 +29,9 @@ lossy round trip such as ``x.bfloat16().float()``) are not reproduced: the op re
 Anything else says no, with the reason in the report, and leaves the graph as it was: a trainable base
 weight or bias when gradients are on (only the frozen case is implemented), an active dropout (its mask
 is not fused), an adapter factor or the base output read by another node too, a sum kept in another dtype
-than x's, adapters of different dtypes on one base, float64, shapes that do not chain, and an adapter
+than x's, adapters of different dtypes on one base, float64, shapes that do not chain, x (or the adapter's
+cast of it) written in place between the base's and the adapter's reads or, when gradients flow, after
+them, a grad-mode or autocast change between the reads, and an adapter
 multiplied by a tensor instead of a constant (DoRA's magnitude / ||W + s B A|| rescaling, a scale kept in
 a tensor): DoRA is not this sum and is not fused.
 """
@@ -123,6 +125,11 @@ def _dropout_inactive(node: fx.Node) -> Union[bool, str]:
     return f"the adapter's input goes through dropout p={p} in training; its mask is not fused"
 
 
+def _dropout_input(node: fx.Node) -> Any:
+    """The tensor an F.dropout call reads, passed by position or as ``input=``."""
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
 def _strip_scalars(node: Any, scale: float, steps: list[fx.Node], stop: Any = None
                    ) -> tuple[Any, float, Optional[str]]:
     """Walk up through casts, constant multiplies/divides and inactive dropouts, never past ``stop``;
@@ -140,7 +147,7 @@ def _strip_scalars(node: Any, scale: float, steps: list[fx.Node], stop: Any = No
             inactive = _dropout_inactive(node)
             if inactive is not True:
                 return node, scale, inactive
-            nxt = node.args[0]
+            nxt = _dropout_input(node)
         else:
             return node, scale, None
         steps.append(node)
@@ -174,16 +181,17 @@ def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float,
     x, scale, why = _strip_scalars(down[0], scale, reads, stop=x_base)
     if why:
         # Only a LoRA of this base is a near-miss: the active dropout must read the base's input.
-        reaches_base = _strip_scalars(x.args[0], 1.0, [], stop=x_base)[0] is x_base
+        reaches_base = _strip_scalars(_dropout_input(x), 1.0, [], stop=x_base)[0] is x_base
         return why if reaches_base else None
     return x, down[1], up[1], scale, steps, (tuple(reads), reads[-1] if reads else node)
 
 
 def _tensor_scaled_adapter(node: fx.Node) -> Optional[str]:
     """Why ``node`` is left alone when it is ``t * adapter``, a low-rank chain of two bias-free projections of
-    trainable factors (``s * F.linear(F.linear(x, a), b)``) multiplied by a tensor ``t`` rather than a
-    constant: DoRA's magnitude / ||W + s B A|| rescaling has this form, and so does a scale kept in a tensor.
-    None for anything else (the low-rank check keeps ordinary two-layer MLPs out of the report)."""
+    trainable factors (``s * F.linear(F.linear(x, a), b)``) multiplied by a tensor ``t`` of one factor per
+    output feature or one number, rather than a constant: DoRA's magnitude / ||W + s B A|| rescaling has this
+    form, and so does a scale kept in a tensor. None for anything else (the low-rank check keeps ordinary
+    two-layer MLPs out of the report, the shape check masks and per-token factors)."""
     if not (is_call(node, torch.mul) and len(node.args) == 2
             and all(isinstance(arg, fx.Node) for arg in node.args)):
         return None
@@ -198,7 +206,12 @@ def _tensor_scaled_adapter(node: fx.Node) -> Optional[str]:
         if at is None or bt is None or ot is None or at.dim() != 2 or bt.dim() != 2:
             continue
         rank = at.shape[0]
-        if at.requires_grad and bt.requires_grad and bt.shape[1] == rank and 2 * rank <= min(at.shape[1], bt.shape[0]):
+        # A factor per output feature ([N], [1, N], ...; DoRA's is [1, N]) or one number in a tensor: a mask or
+        # a per-token factor ([b, s, 1]; a norm's rsqrt) multiplies many other things too.
+        per_feature = ot.numel() == 1 or (ot.dim() >= 1 and ot.shape[-1] == bt.shape[0]
+                                          and all(size == 1 for size in ot.shape[:-1]))
+        if per_feature and at.requires_grad and bt.requires_grad and bt.shape[1] == rank \
+                and 2 * rank <= min(at.shape[1], bt.shape[0]):
             return (f"the adapter's output (rank {rank}) is multiplied by a tensor of shape {tuple(ot.shape)}, not a "
                     "constant (DoRA's magnitude / ||W + s B A|| rescaling has this form); only base + constant * "
                     "adapter is fused")
@@ -258,21 +271,35 @@ def _match(gm: fx.GraphModule, add: fx.Node) -> Union[LoraMatch, str, None]:
     return _check(add, base, parts, parts[0], adapters, chain)
 
 
-def _unwritten_input(m: LoraMatch, writers: list[fx.Node], position: dict[fx.Node, int]) -> Union[LoraMatch, str]:
-    """``m``, or why not when a node between the site's first read of x and its output writes in place into x
-    or into what an adapter reads of it (a cast, a constant multiple): the fused op, placed at the output,
-    reads x once, where the base and each adapter read it on either side of the write. A write before the
-    first read or after the output changes nothing."""
+def _window_guard(m: LoraMatch, writers: list[fx.Node], contexts: list[fx.Node],
+                  position: dict[fx.Node, int]) -> Union[LoraMatch, str]:
+    """``m``, or why not, from what happens around the site's reads of x. The fused op, placed at the output,
+    reads x once and runs in one grad mode and autocast state, where the base and each adapter read x and
+    ran separately:
+    - a grad-mode or autocast change (``contexts``) between the first read and the output would be crossed;
+    - a node writing in place into x or into what an adapter reads of it (a cast, a constant multiple)
+      between the first read and the output would be seen by both reads or neither;
+    - when gradients flow, a write after the output too: the fused op keeps x itself for its backward, where
+      eager may have kept a copy (the adapter's cast), so a later write would fail autograd's version check.
+    A write before the first read changes nothing."""
     first = min(position[n] for n in (m.base, *(adapter.x_reader for adapter in m.adapters)))
-    inside = [w for w in writers if first < position[w] < position[m.out]]
+    out = position[m.out]
+    crossed = next((c for c in contexts if first < position[c] < out), None)
+    if crossed is not None:
+        return (f"a grad-mode or autocast change ({crossed.name}) lies between the base's and the adapter's reads "
+                "of x; the fused op runs as one call")
+    out_t = tensor_of(m.out)
+    last = float("inf") if out_t is not None and out_t.requires_grad else out
+    inside = [w for w in writers if first < position[w] < last]
     if not inside:
         return m
     reads = {m.x, *(node for adapter in m.adapters for node in adapter.reads)}
     writer = mutated_producer(m.x.graph, reads, inside)
     if writer is None:
         return m
-    return (f"the input x (or its cast for the adapter) is written in place by {writer.name} between the base's "
-            "and the adapter's reads; the fused op reads it once")
+    where = "between the base's and the adapter's reads" if position[writer] < out else \
+        "after the site, while the fused op keeps x for its backward"
+    return f"the input x (or its cast for the adapter) is written in place by {writer.name} {where}"
 
 
 def _check_quantized(q: Bnb4bitBase, xt: torch.Tensor, at: torch.Tensor, bt: torch.Tensor) -> Optional[str]:
@@ -451,6 +478,8 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     erased: set[fx.Node] = set()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     writers = [node for node in gm.graph.nodes if written(node)]  # fusing adds none
+    contexts = [node for node in gm.graph.nodes if node.op == "call_function" and node.is_impure(impure_random=False)
+                and not written(node)]
     outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
     fused: list[tuple[fx.Node, int]] = []  # each fused node and its outcome's index
     # Last node first: with several adapters summed onto one base, the outermost add is the site (an
@@ -463,7 +492,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         if found is None:
             continue
         if not isinstance(found, str):
-            found = _unwritten_input(found, writers, position)
+            found = _window_guard(found, writers, contexts, position)
         if isinstance(found, str):
             outcomes.append((position[node], (node, found)))
             continue

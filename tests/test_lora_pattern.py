@@ -529,20 +529,22 @@ def test_peft_dora_is_not_fused_and_says_why():
     assert len(dora) == 2 and all("DoRA" in r.reason and "dora.py" in r.source for r in dora), str(report)
 
 
-def test_two_layer_mlp_gated_by_a_tensor_is_not_reported():
-    # The DoRA reason is for low-rank chains of trainable factors only: a full-width two-layer block times a
-    # gate is no adapter, and the report stays quiet about it.
+@pytest.mark.parametrize("hidden,gate_shape", [(K, (3, N)), (R, (3, 1))], ids=["full-width-gated", "low-rank-masked"])
+def test_a_gated_or_masked_two_layer_block_is_not_reported(hidden, gate_shape):
+    # The DoRA reason is for low-rank chains of trainable factors times one factor per output feature: a
+    # full-width two-layer block times a gate is no adapter, and a factorised projection times a per-token
+    # mask ([tokens, 1], as a padding mask or a norm's rsqrt) is no DoRA; the report stays quiet.
     class GatedMlp(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w1, self.w2 = nn.Linear(K, K, bias=False), nn.Linear(K, N, bias=False)
+            self.w1, self.w2 = nn.Linear(K, hidden, bias=False), nn.Linear(hidden, N, bias=False)
 
         def forward(self, x, gate):
             return gate * self.w2(self.w1(x))
 
     module = GatedMlp()
     torch.compile(module, backend="sloth", options={"inner": "eager"}, fullgraph=True)(torch.randn(3, K),
-                                                                                       torch.randn(3, N))
+                                                                                       torch.randn(gate_shape))
     assert not sloth.last_report().rejections, str(sloth.last_report())
 
 
@@ -576,3 +578,94 @@ def test_peft_with_two_active_adapters_on_one_base(dtype):
     report = check_model(model, dtype, expected=len(TARGETS))
     assert all("2 adapters, r=4+2" in s.detail and "scale 2, 3" in s.detail
                for s in report.sites if s.family == "lora"), str(report)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Around the site's reads of x: grad mode, in-place writes (by position too), later writes, odd keywords
+# ---------------------------------------------------------------------------------------------------
+
+class _Site(nn.Module):
+    """A frozen [N, K] base and a rank-R adapter whose forward is ``body(self, x)``."""
+
+    def __init__(self, body, dtype=torch.float32, adapter_dtype=torch.float32):
+        super().__init__()
+        g = seeded(0)
+        self.w = nn.Parameter((torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype), requires_grad=False)
+        self.a = nn.Parameter((torch.randn(R, K, generator=g) / math.sqrt(K)).to(adapter_dtype))
+        self.b = nn.Parameter((torch.randn(N, R, generator=g) / math.sqrt(R)).to(adapter_dtype))
+        self.body = body
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+def _no_grad_cast(m, x):  # the adapter's input made under no_grad: a constant for autograd
+    with torch.no_grad():
+        xa = x * 1.0
+    return F.linear(x, m.w) + F.linear(F.linear(xa, m.a), m.b) * S
+
+
+def _no_grad_adapter(m, x):  # the whole adapter under no_grad: no gradient for a and b
+    with torch.no_grad():
+        low = F.linear(F.linear(x, m.a), m.b) * S
+    return F.linear(x, m.w) + low
+
+
+def _dropout_in_place_by_position(m, x):  # F.dropout(x, p, training, inplace) writes x between the two reads
+    x = x * 1.0
+    base = F.linear(x, m.w)
+    F.dropout(x, 1.0, True, True)
+    return base + F.linear(F.linear(x, m.a), m.b) * S
+
+
+def _written_after_the_site(m, x):  # bf16 x, fp32 adapter: eager keeps the cast's copy, not x
+    x = x * 1.0
+    y = (F.linear(x, m.w) + F.linear(F.linear(x.float(), m.a), m.b) * S).to(x.dtype)
+    x.mul_(2.0)
+    return torch.cat([y, x], -1)
+
+
+@pytest.mark.parametrize("body,dtype,reason", [
+    (_no_grad_cast, torch.float32, "grad-mode or autocast change"),
+    (_no_grad_adapter, torch.float32, "grad-mode or autocast change"),
+    (_dropout_in_place_by_position, torch.float32, "written in place by dropout"),
+    (_written_after_the_site, torch.bfloat16, "after the site, while the fused op keeps x"),
+], ids=["no-grad-cast", "no-grad-adapter", "dropout-in-place-by-position", "written-after-the-site"])
+def test_what_happens_around_the_reads_is_respected(body, dtype, reason):
+    # Each was fused before and gave another dx, a gradient eager does not give, another output, or an
+    # autograd version-check failure: now refused with the reason, values and gradients as eager.
+    def run(module, compiled):
+        x = torch.randn(3, K, generator=seeded(1)).to(dtype).requires_grad_()
+        module.a.grad = module.b.grad = None
+        y = compiled(x)
+        y.float().sum().backward()
+        return y.detach(), x.grad, module.a.grad, module.b.grad
+
+    module = _Site(body, dtype)
+    eager = run(module, module)
+    actual = run(module, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}, fullgraph=True))
+    report = sloth.last_report()
+    assert report.counts.get("lora", 0) == 0, str(report)
+    assert any(reason in r.reason for r in report.rejections if r.family == "lora"), str(report)
+    for name, a, e in zip(("y", "dx", "da", "db"), actual, eager):
+        assert (a is None) == (e is None), name
+        if e is not None:
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_dropout_by_keyword_in_a_gated_block_is_read():
+    # A multiply of two tensors is looked at for DoRA's form; an eval-mode dropout called with input= in it
+    # must be walked through, not crash the pass.
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, gate):
+            return gate * F.dropout(input=self.lin(x), p=0.1, training=False)
+
+    module = Gated()
+    x, gate = torch.randn(2, 8), torch.randn(2, 8)
+    out = torch.compile(module, backend="sloth", options={"inner": "eager"}, fullgraph=True)(x, gate)
+    torch.testing.assert_close(out, module(x, gate))
+    assert not sloth.last_report().rejections, str(sloth.last_report())

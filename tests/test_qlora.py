@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import sloth
 from sloth.lowering.qlora import qlora_linear
@@ -219,3 +220,42 @@ def test_code_table_is_made_when_compiling_not_on_the_first_run():
     ids = torch.randint(0, 128, (2, 9), generator=seeded(8))
     torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
     assert calls and calls[0] == "compiled with 1 table(s)", calls
+
+
+class _FourBitSites(nn.Module):
+    """q and k over NF4 bases on one x, their adapters written first in the sum and reading one shared cast
+    of x to the adapters' dtype: bitsandbytes' MatMul4Bit (an autograd_function_apply in the graph, which
+    reads x) lies inside each site's span and must not count as writing x."""
+
+    def __init__(self):
+        super().__init__()
+        g = seeded(3)
+        for name in "qk":
+            base = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", compute_dtype=torch.bfloat16)
+            base.weight = bnb.nn.Params4bit(torch.randn(64, 64, generator=g) / 8, requires_grad=False,
+                                            quant_type="nf4", module=base)
+            setattr(self, f"base_{name}", base.to("cpu"))
+            setattr(self, f"a_{name}", nn.Parameter(torch.randn(4, 64, generator=g) / 8))
+            setattr(self, f"b_{name}", nn.Parameter(torch.randn(64, 4, generator=g) / 2))
+
+    def forward(self, x):
+        xa = x.to(self.a_q.dtype)
+        q = (F.linear(F.linear(xa, self.a_q), self.b_q) * 2.0 + self.base_q(x)).to(x.dtype)
+        k = (F.linear(F.linear(xa, self.a_k), self.b_k) * 2.0 + self.base_k(x)).to(x.dtype)
+        return q * k
+
+
+def test_four_bit_sites_with_the_adapter_first_and_a_shared_cast():
+    module = _FourBitSites()
+    x = torch.randn(2, 5, 64, generator=seeded(4)).bfloat16()
+    dense = dense_fp64_copy(module)
+    reference = forward_backward(dense, [x.double()], [dense.a_q, dense.b_q, dense.a_k, dense.b_k],
+                                 dy_dtype=torch.bfloat16)
+    params = [module.a_q, module.b_q, module.a_k, module.b_k]
+    eager = forward_backward(module, [x], params)
+    actual = forward_backward(torch.compile(module, backend="sloth", options={"inner": "aot_eager"}), [x], params)
+    report = sloth.report()
+    assert [site.op for site in report.sites if site.family == "lora"] == ["sloth.qlora_linear_shared"] * 2, \
+        str(report)
+    for name, ours, theirs, ref in zip(("y", "dx", "da_q", "db_q", "da_k", "db_k"), actual, eager, reference):
+        assert_close(name, ours, theirs, ref)
