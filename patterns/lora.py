@@ -31,9 +31,9 @@ weight or bias when gradients are on (only the frozen case is implemented), an a
 is not fused), an adapter factor or the base output read by another node too, a sum kept in another dtype
 than x's, adapters of different dtypes on one base, float64, shapes that do not chain, x (or the adapter's
 cast of it) written in place between the base's and the adapter's reads or, when gradients flow, after
-them, a grad-mode or autocast change between the reads, and an adapter
-multiplied by a tensor instead of a constant (DoRA's magnitude / ||W + s B A|| rescaling, a scale kept in
-a tensor): DoRA is not this sum and is not fused.
+them, a grad-mode or autocast change between the reads, and an adapter multiplied by a tensor of one
+factor per output feature instead of a constant (DoRA's magnitude / ||W + s B A|| rescaling, a scale kept
+in a tensor): DoRA is not this sum and is not fused.
 """
 from __future__ import annotations
 
@@ -155,12 +155,12 @@ def _strip_scalars(node: Any, scale: float, steps: list[fx.Node], stop: Any = No
     return node, scale, None
 
 
-def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node], tuple[fx.Node, ...]],
-                                             str, None]:
-    """(x, a, b, scale, chain nodes, nodes between x and the down projection) when ``low`` is
-    ``s * F.linear(F.linear(x, a), b)`` up to casts and constants, walking back from the adapter's input no
-    further than the base's input ``x_base``; a reason for a near-miss (the two projections on x_base, but
-    something else is wrong); None."""
+def _adapter(low: Any, x_base: Any) -> Union[tuple[Any, fx.Node, fx.Node, float, list[fx.Node],
+                                                   tuple[tuple[fx.Node, ...], fx.Node]], str, None]:
+    """(x, a, b, scale, chain nodes, (the nodes between x and the down projection, the node that reads x))
+    when ``low`` is ``s * F.linear(F.linear(x, a), b)`` up to casts and constants, walking back from the
+    adapter's input no further than the base's input ``x_base``; a reason for a near-miss (the two
+    projections on x_base, but something else is wrong); None."""
     steps: list[fx.Node] = []
     node, scale, why = _strip_scalars(low, 1.0, steps)
     up = linear_parts(node)
