@@ -247,8 +247,8 @@ def _lora_grad_kernel(p_u, p_x, p_g, K, stride_um, stride_xm, stride_gk, stride_
 DOWN_CONFIG = dict(block_m=64, block_k=256, num_warps=4, num_stages=3)
 # Tried and not kept: the down kernel splitting the fp32 factor itself (each column group of the [K, 4 R]
 # operand loading the fp32 tile and keeping its part; a join + reshape of the three parts did not compile
-# for sm_90 below 256-long K tiles), which saves the split launch, 2 of the ~15 launches of a LoRA linear's
-# forward and backward. Its fp32 tiles are twice the split launch's bf16 ones in shared memory (the
+# for sm_90 below 256-long K tiles), which saves the split launch, two of a LoRA linear's seven (one each
+# way). Its fp32 tiles are twice the split launch's bf16 ones in shared memory (the
 # 256-long K tile needed 256 KB on the H200; 128 fit), and on one lease the QLoRA step took 338.7 ms
 # against 285.2 with the split launch (benchmarks/results/2026-11-30_000414 and _000856; commit de1fccd).
 UP_CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2)

@@ -18,11 +18,11 @@ N*K*2.5 bytes (2.5-36 us at the H200's 4.2 TB/s), so a fused 4-bit GEMM could wi
 of the op and would have to match cuBLAS's Hopper kernels to win anything. Measured on the H200 at the four
 Llama-3-8B shapes (benchmarks/ops/qlora_gemm.py, results 2026-11-29_233625_qlora_gemm.*): dequantise + cuBLAS
 0.049-0.638 ms, 7-12% above cuBLAS on the dense weight; the fused kernel (lowering/nf4_matmul.py) 30-35x
-slower at its best launch setting. The dequantised weight is a
-temporary of the call: it is freed when the call returns (the caching allocator hands the same block
-to the next layer), and the backward dequantises again rather than keeping N*K*2 bytes per layer alive
-from forward to backward. Saved for backward: x and h (M x r), as in lora_linear; the quantised weight
-and its statistics are parameters and buffers, alive anyway.
+slower at its best launch setting. The dequantised weight is a temporary of the call: it is freed when the
+call returns (the caching allocator hands the same block to the next layer), and the backward dequantises
+again rather than keeping N*K*2 bytes per layer alive from forward to backward. Saved for backward: x and
+h (M x r), as in lora_linear; the quantised weight and its statistics are parameters and buffers, alive
+anyway.
 """
 from __future__ import annotations
 
