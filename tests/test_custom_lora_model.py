@@ -105,8 +105,8 @@ def _loss_and_grads(model: nn.Module, ids: torch.Tensor, run=None) -> tuple[torc
 
 def _model(dtype: torch.dtype) -> nn.Module:
     model = HandWrittenDecoder()
-    for name, p in model.named_parameters():  # adapters stay fp32 under a 16-bit model, as peft keeps them
-        if p.requires_grad is False:
+    for p in model.parameters():  # adapters stay fp32 under a 16-bit model, as peft keeps them
+        if not p.requires_grad:
             p.data = p.data.to(dtype)
     return model
 
