@@ -47,6 +47,13 @@ run() {  # run NAME SECONDS ARGS...: one e2e invocation with a time limit, its l
     grep -E "^\[.*(ms/step|FAILED)" "$out/logs/$name.log" | tail -6
 }
 
+launch_overhead() {  # benchmarks/launch_overhead.py with a time limit, its rows printed, its log kept
+    [ -n "${DRY:-}" ] && { echo "python -m benchmarks.launch_overhead"; return; }
+    timeout 150 python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
+    echo "launch_overhead: rc $?"
+    grep -E "^\{" "$out/logs/launch_overhead.log"
+}
+
 for part in "$@"; do
 case $part in
     lora)
@@ -105,14 +112,12 @@ case $part in
         run lora-sloth-hostprof 150 --all --variants sloth --sloth-options "$SLOTH" --host-profile
         run qlora-sloth-hostprof 170 --all --qlora --variants sloth --sloth-options "$SLOTH" --host-profile ;;
     host)  # host time per Triton launch and per op call (benchmarks/launch_overhead.py), the joined LoRA op alone
-        [ -z "${DRY:-}" ] && { python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
-                               echo "launch_overhead: rc $?"; tail -12 "$out/logs/launch_overhead.log"; }
+        launch_overhead
         [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.lora_shared > "$out/logs/ops-lora-shared.log" 2>&1
                                echo "ops.lora_shared: rc $?"; grep -E "fwd\+bwd" "$out/logs/ops-lora-shared.log" | tail -8; }
         ;;
     launch-overhead)  # host us per Triton launch and per op call only (the first half of host)
-        [ -z "${DRY:-}" ] && { timeout 150 python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
-                               echo "launch_overhead: rc $?"; grep -E "^\{" "$out/logs/launch_overhead.log"; } ;;
+        launch_overhead ;;
     gemm)  # NF4 dequantised inside the matmul's main loop vs into a buffer then cuBLAS (issue 6 asks for both)
         [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.qlora_gemm > "$out/logs/qlora_gemm.log" 2>&1
                                echo "qlora_gemm: rc $?"; tail -30 "$out/logs/qlora_gemm.log"; } ;;

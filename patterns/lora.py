@@ -477,9 +477,13 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     _lowering_glu_lora().register_4bit()
     erased: set[fx.Node] = set()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    writers = [node for node in gm.graph.nodes if written(node)]  # fusing adds none
-    contexts = [node for node in gm.graph.nodes if node.op == "call_function" and node.is_impure(impure_random=False)
-                and not written(node)]
+    # Nodes that write in place, and grad-mode / autocast changes (impure, writing nothing); fusing adds none.
+    writers, contexts = [], []
+    for node in gm.graph.nodes:
+        if written(node):
+            writers.append(node)
+        elif node.op == "call_function" and node.is_impure(impure_random=False):
+            contexts.append(node)
     outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
     fused: list[tuple[fx.Node, int]] = []  # each fused node and its outcome's index
     # Last node first: with several adapters summed onto one base, the outermost add is the site (an

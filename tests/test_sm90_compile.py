@@ -107,22 +107,6 @@ def _llama_launches() -> None:
     half = torch.empty(1, 1, 2048, 64, dtype=bf16)
     rope._rope_fwd(q, k, half, half, interleaved=True)  # GPT-J pairs
     rope._rope_single_fwd(q, torch.empty(1, 1, 2048, 32, dtype=bf16), torch.empty(1, 1, 2048, 32, dtype=bf16))
-    _lora_launches(n, h, inter, r)
-    labels = torch.zeros(n, dtype=torch.int64)
-    head = torch.empty(128256, h, dtype=bf16)
-    lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
-    packed = torch.empty(inter * h // 2, dtype=torch.uint8)
-    nf4.dequantize_4bit(packed, torch.empty(inter * h // 64), 64, "nf4", (inter, h), bf16)
-    nf4.dequantize_absmax(torch.empty(inter * h // 64, dtype=torch.uint8), torch.empty(inter * h // 64 // 256),
-                          torch.empty(256), 0.0, 256)
-    nf4.dequantize_4bit_nested(packed, torch.empty(inter * h // 64, dtype=torch.uint8),
-                               torch.empty(inter * h // 64 // 256), torch.empty(256), 0.0, 64, "nf4", (inter, h), bf16)
-    for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
-        nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
-
-
-def _lora_launches(n: int, h: int, inter: int, r: int) -> None:
-    bf16, f32 = torch.bfloat16, torch.float32
     for adapter, rank in ((f32, r), (bf16, r), (f32, 64)):  # rank 64: the down kernel's K tile shrinks to fit
         for k_in, n_out in ((h, h), (h, inter), (inter, h)):
             xi = torch.empty(n, k_in, dtype=bf16)
@@ -141,6 +125,17 @@ def _lora_launches(n: int, h: int, inter: int, r: int) -> None:
         a = torch.empty(members * rank, h, dtype=f32)
         *_, hh = lora_shared.lora_shared_forward(xs, ws, [None] * members, a, bs, 2.0)
         lora_shared.lora_shared_backward([torch.empty(256, h, dtype=bf16)] * members, xs, ws, a, bs, hh, 2.0, True)
+    labels = torch.zeros(n, dtype=torch.int64)
+    head = torch.empty(128256, h, dtype=bf16)
+    lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
+    packed = torch.empty(inter * h // 2, dtype=torch.uint8)
+    nf4.dequantize_4bit(packed, torch.empty(inter * h // 64), 64, "nf4", (inter, h), bf16)
+    nf4.dequantize_absmax(torch.empty(inter * h // 64, dtype=torch.uint8), torch.empty(inter * h // 64 // 256),
+                          torch.empty(256), 0.0, 256)
+    nf4.dequantize_4bit_nested(packed, torch.empty(inter * h // 64, dtype=torch.uint8),
+                               torch.empty(inter * h // 64 // 256), torch.empty(256), 0.0, 64, "nf4", (inter, h), bf16)
+    for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
+        nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
 
 
 _COMPILE = """
