@@ -20,6 +20,7 @@ import torch.fx as fx
 from .options import PassOptions
 from .pipeline import resolve_families, run_passes
 from .report import Report
+from .runtime_ops import with_runtime_twins
 
 log = logging.getLogger("sloth")
 
@@ -79,7 +80,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        patches = _inductor_config(mode, inductor_options or {})
+        patches = with_runtime_twins(_inductor_config(mode, inductor_options or {}))
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)
     if inductor_options:
         _inductor_config(None, inductor_options)  # a misspelt option is named as unknown first

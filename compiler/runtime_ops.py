@@ -1,0 +1,66 @@
+"""Swap sloth's custom ops for their runtime twins in the graphs Inductor compiles.
+
+AOTAutograd traces each ``torch.ops.sloth.*`` op through its registered autograd into a forward and a
+backward graph; from then on nothing calls that autograd: the compiled forward runs inside AOTAutograd's own
+``autograd.Function`` (grad mode off) and the compiled backward calls the op's ``_backward`` twin directly. Yet
+every call of a ``custom_op`` still runs its Python autograd and backend wrappers. This pass, an Inductor
+post-grad pass, replaces each op node's target with its twin from ``lowering.registration.RUNTIME_TWINS``:
+the same schema, function and fake, without those wrappers (lowering/registration.py has the numbers).
+
+The twin is a pure rename of the node's target: arguments, outputs and node meta stay as they are, so the
+graph computes the same thing. Graphs compiled by ``inner="aot_eager"`` keep the custom ops (the pass is
+Inductor's).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from ..lowering import registration
+
+
+def swap_to_runtime_twins(graph: fx.Graph) -> int:
+    """Retarget every call of a sloth custom op in ``graph`` to its runtime twin; returns how many."""
+    swapped = 0
+    for node in graph.nodes:
+        if node.op == "call_function":
+            twin = registration.RUNTIME_TWINS.get(node.target)
+            if twin is not None:
+                node.target = twin
+                swapped += 1
+    return swapped
+
+
+class RuntimeTwinsPass(CustomGraphPass):
+    """``swap_to_runtime_twins`` as an Inductor post-grad pass, then ``then`` (a user's own pass), if any."""
+
+    def __init__(self, then: Optional[Any] = None):
+        self.then = then
+
+    def __call__(self, graph: fx.Graph) -> None:
+        swap_to_runtime_twins(graph)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Optional[Any]:
+        # Inductor's cache keys compiled graphs by this: the pass's source and the user's pass's uuid (None
+        # when theirs has none, which makes Inductor bypass its cache, as their pass alone would).
+        then = self.then
+        if then is not None:
+            then = then.uuid() if hasattr(then, "uuid") else None
+            if then is None:
+                return None
+        return (get_hash_for_files((__file__,)), then)
+
+
+def with_runtime_twins(patches: dict[str, Any]) -> dict[str, Any]:
+    """Inductor config ``patches`` plus the twin-swapping post-grad pass (chained before a user's pass); as they
+    are when sloth's ops are triton_ops (Inductor launches their kernels itself)."""
+    if registration.TRITON_OP:
+        return patches
+    import torch._inductor.config as inductor_config
+
+    theirs = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+    return {**patches, "post_grad_custom_post_pass": RuntimeTwinsPass(theirs)}
