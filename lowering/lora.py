@@ -116,10 +116,9 @@ def _dot_fp32_exact(b_act, b_fac, acc, MODE: tl.constexpr, FACTOR_LEFT: tl.const
 
 
 @triton.jit
-def _split_factor_kernel(p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """out[K, 4 * BLOCK_R] (bf16) = [hi | mid | lo | 0] of the fp32 factor p[K, R] (``_split_bf16``), the
-    columns past R zero: the down kernel then multiplies by all three parts in one dot."""
-    i_k = tl.program_id(0)
+def _split_tile(i_k, p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[rows of block i_k, 4 * BLOCK_R] (bf16) = [hi | mid | lo | 0] of the fp32 factor p[K, R]
+    (``_split_bf16``), the columns past R zero: the down kernel then multiplies by all three parts in one dot."""
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     o_r = tl.arange(0, BLOCK_R)
     m_k = o_k < K
@@ -134,15 +133,19 @@ def _split_factor_kernel(p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, stride_hm,
-                      MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
-    """h[M, R] (fp32, rows stride_hm apart) = x[M, K] @ p[K, R]: one program per BLOCK_M rows, the whole K
-    looped over. With
-    MODE _SPLIT_BF16, p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel``: one dot against all
-    three parts, whose column groups are summed at the end (p's split is done once per call, not once
-    per program)."""
-    i_m = tl.program_id(0)
+def _split_factor_kernel(p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[K, 4 * BLOCK_R] = the bf16 split of p[K, R] (``_split_tile``), one program per BLOCK_K rows."""
+    _split_tile(tl.program_id(0), p_p, p_out, K, R, stride_pk, stride_pr, BLOCK_K, BLOCK_R)
+
+
+@triton.jit
+def _down_tile(i_m, p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, stride_hm,
+               MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """h[BLOCK_M rows of block i_m, R] (fp32, rows stride_hm apart) = x[rows, K] @ p[K, R], the whole K looped
+    over. With MODE _SPLIT_BF16, p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel`` (its row stride
+    4 * BLOCK_R; stride_pk and stride_pr unused): one dot against all three parts, whose column groups are
+    summed at the end (p's split is done once per call, not once per program)."""
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_r = tl.arange(0, BLOCK_R)
     m_m, m_r = o_m < M, o_r < R
@@ -171,13 +174,21 @@ def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, s
 
 
 @triton.jit
-def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, stride_qr, stride_qn, stride_ym, scale,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y[M, N] = base[M, N] + scale * h[M, R] @ q[R, N], summed in fp32, rounded once to y's dtype.
-    ``y`` may be ``base`` itself (each program reads its tile before writing it). Both factors are fp32
-    (h always, q as the adapter), so the tile product is tf32x3; K = R is tiny, the kernel is bound by
-    reading base and writing y."""
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, stride_hm,
+                      MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """h[M, R] = x[M, K] @ p[K, R] (``_down_tile``): one program per BLOCK_M rows."""
+    _down_tile(tl.program_id(0), p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, stride_hm, MODE, UPCAST,
+               BLOCK_M, BLOCK_K, BLOCK_R)
+
+
+@triton.jit
+def _up_add_tile(i_m, i_n, p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, stride_qr, stride_qn, stride_ym,
+                 scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[tile] = base[tile] + scale * h[rows, R] @ q[R, columns] for the (i_m, i_n) tile of [M, N], summed in
+    fp32, rounded once to y's dtype. ``y`` may be ``base`` itself (the tile is read before it is written).
+    Both factors are fp32 (h always, q as the adapter), so the tile product is tf32x3; K = R is tiny, the
+    tile is bound by reading base and writing y."""
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_r = tl.arange(0, BLOCK_R)
@@ -190,6 +201,14 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, st
     b_base = tl.load(p_base + o_m[:, None] * stride_bm + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_y = b_base + scale * b_low
     tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :], round_to(b_y, p_y.dtype.element_ty), mask=m_mn)
+
+
+@triton.jit
+def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, stride_qr, stride_qn, stride_ym, scale,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[M, N] = base[M, N] + scale * h[M, R] @ q[R, N] (``_up_add_tile``), one program a tile."""
+    _up_add_tile(tl.program_id(0), tl.program_id(1), p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm,
+                 stride_qr, stride_qn, stride_ym, scale, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 @triton.jit

@@ -22,15 +22,20 @@ the same x: as one op they make one call instead of n and share the launches tha
               da       = s * g.T @ x2                          [n r, K]   one grad problem (x read once)
               db_i     = s * dy_i.T @ h_i                                  paired two to a launch
 
-(h_i = h[:, i r:(i + 1) r]; the derivation is lora_linear's, summed over i for dx). The 4-bit op takes each
-member's quantised weight and statistics as lists (the absmax_* lists empty without double quantisation)
-and dequantises w_i where it is used, one weight at a time, forward and backward, as sloth.qlora_linear
-does (lowering/qlora.py).
+(h_i = h[:, i r:(i + 1) r]; the derivation is lora_linear's, summed over i for dx). The adapter kernels that
+run once per member (the forward's up kernel, the backward's split of b_i and its down kernel for g_i) run
+as one launch for up to three members (lowering/lora_members.py: the same tile functions, each program
+choosing its member). The 4-bit op takes each member's quantised weight and statistics as lists (the
+absmax_* lists empty without double quantisation) and dequantises every member's weight in one launch into
+one buffer, forward and backward (lowering/nf4.py, ``dequantize_4bit_members``); the buffer lives for the
+call, which at gate/up holds both weights at once (2 x 112 MiB at Llama-3-8B in bf16) where one at a time
+held one.
 
-Launches for n = 3 (tests/test_lora_shared_op.py counts them): forward 5 (split, down, 3 up) instead of 9;
-backward 10 (3 splits, 3 downs, 1 up, 3 grad kernels: da, then the db two to a launch) instead of 12; and
-one op call each way instead of three. x is read once by the down kernel and once for da, where three ops
-read it three times each.
+Launches for n = 3 (tests/test_lora_shared_op.py counts them): forward 3 (split, down, one up for the
+members) instead of 9 for three ops; backward 7 (one split and one down for the g_i, 1 up, 3 grad kernels:
+da, then the db two to a launch) instead of 12; one op call each way instead of three; over 4-bit bases one
+dequantisation launch each way instead of three. x is read once by the down kernel and once for da, where
+three ops read it three times each.
 
 Numerics: in exact arithmetic the op equals n separate ops. In floating point two things differ: the down
 and grad kernels tile n r adapter columns instead of r (other summation blocks: a few ulps in y, da, db),
@@ -48,10 +53,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from . import nf4
 from .backend_choice import use_triton
 from .layout import rows_2d
 from .lora import _check_inputs, _down, _grads, _up_add_, lora_linear_reference
-from .qlora import dequantized_weight
+from .lora_members import down_members, up_add_members_
+from .qlora import QUANT_TYPES
 from .registration import define, fake
 
 Weight = Callable[[int], torch.Tensor]  # member i's base weight [N_i, K] in x's dtype (dense, or dequantised)
@@ -69,27 +76,32 @@ def _rank(n: int, biases: list[Optional[torch.Tensor]], a: torch.Tensor, bs: lis
 
 def _forward(x: torch.Tensor, weight: Weight, n: int, biases: list[Optional[torch.Tensor]], a: torch.Tensor,
              bs: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
-    """``[y_0, ..., y_{n-1}, h]`` (module docstring); each weight is asked for once and dropped after use."""
+    """``[y_0, ..., y_{n-1}, h]`` (module docstring); each weight is asked for once, in member order."""
     r = _rank(n, biases, a, bs)
     triton_path = use_triton(x)
     x_MK = rows_2d(x)
     w = weight(0)
     _check_inputs(x, w, biases[0], a[:r], bs[0])  # before any launch; a[:r]: every member's slice looks alike
-    h_MR = _down(x_MK, a.t()) if triton_path else None
-    ys, hs = [], []
+    if not triton_path:
+        ys, hs = [], []
+        for i in range(n):
+            if i:
+                w = weight(i)
+                _check_inputs(x, w, biases[i], a[:r], bs[i])
+            y, h = lora_linear_reference(x, w, biases[i], a[i * r:(i + 1) * r], bs[i], scale)
+            ys.append(y)
+            hs.append(h)
+        return ys + [torch.cat(hs, 1)]
+    h_MR = _down(x_MK, a.t())
+    ys = []
     for i in range(n):
         if i:
             w = weight(i)
             _check_inputs(x, w, biases[i], a[:r], bs[i])
-        if triton_path:
-            y = _up_add_(F.linear(x_MK, w, biases[i]), h_MR[:, i * r:(i + 1) * r], bs[i].t(), scale)
-            ys.append(y.view(*x.shape[:-1], w.shape[0]))
-        else:
-            y, h = lora_linear_reference(x, w, biases[i], a[i * r:(i + 1) * r], bs[i], scale)
-            ys.append(y)
-            hs.append(h)
+        ys.append(F.linear(x_MK, w, biases[i]))  # cuBLAS writes each base; one launch adds every adapter term
         del w
-    return ys + [h_MR if triton_path else torch.cat(hs, 1)]
+    up_add_members_(ys, h_MR, [b.t() for b in bs], scale)
+    return [y.view(*x.shape[:-1], y.shape[1]) for y in ys] + [h_MR]
 
 
 def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: torch.Tensor, bs: list[torch.Tensor],
@@ -107,9 +119,7 @@ def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: 
         return [dx, (scale * g.t() @ x2).to(a.dtype), *dbs]
     x_MK = rows_2d(x)
     dys_MN = [rows_2d(dy) for dy in dys]
-    g_MR = torch.empty((x_MK.shape[0], n * r), dtype=torch.float32, device=x.device)
-    for i, (dy_MN, b) in enumerate(zip(dys_MN, bs)):
-        _down(dy_MN, b, out=g_MR[:, i * r:(i + 1) * r])
+    g_MR = down_members(dys_MN, bs, torch.empty((x_MK.shape[0], n * r), dtype=torch.float32, device=x.device))
     if need_dx:
         dx = dys_MN[0] @ weight(0)
         for i in range(1, n):
@@ -149,9 +159,21 @@ def _quantized(packed: list[torch.Tensor], absmax: list[torch.Tensor], absmax_co
                          f"absmax_code, absmax_scale, absmax_offset all empty or one per linear, got {n}, "
                          f"{len(absmax)}, {len(out_features)} and {len(absmax_code)}, {len(absmax_scale)}, "
                          f"{len(absmax_offset)}")
-    return lambda i: dequantized_weight(packed[i], absmax[i], absmax_code[i] if nested else None,
-                                        absmax_scale[i] if nested else None, absmax_offset[i] if nested else None,
-                                        out_features[i], in_features, blocksize, quant_type, dtype)
+    if quant_type not in QUANT_TYPES:
+        raise ValueError(f"sloth.qlora_linear_shared: quant_type must be one of {QUANT_TYPES}, got {quant_type!r}")
+    rows = [0]
+    for n_i in out_features:
+        rows.append(rows[-1] + n_i)
+    weights: list[torch.Tensor] = []
+
+    def weight(i: int) -> torch.Tensor:
+        if not weights:  # every member's weight in one launch (lowering/nf4.py), on the first request
+            states = [(absmax_scale[j], absmax_code[j], absmax_offset[j], 256) for j in range(n)] if nested else None
+            weights.append(nf4.dequantize_4bit_members(packed, absmax, states, blocksize, quant_type,
+                                                       [(n_j, in_features) for n_j in out_features], dtype))
+        return weights[0][rows[i]:rows[i + 1]]
+
+    return weight
 
 
 def qlora_shared_forward(x: torch.Tensor, packed: list[torch.Tensor], absmax: list[torch.Tensor],

@@ -128,17 +128,18 @@ def _scaled_plus_offset(b_code, b_scale, offset, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_4bit_kernel(
-    p_packed, p_absmax, p_code, p_out,
+def _dequantize_4bit_tile(
+    i_b, p_packed, p_absmax, p_code, p_out,
     p_absmax2, p_code2, p_offset,
     n_elements, n_bytes,
     BLOCKSIZE: tl.constexpr, BLOCK_BYTES: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """One program: BLOCK_BYTES packed bytes -> 2*BLOCK_BYTES consecutive output elements. NESTED: ``p_absmax``
-    holds uint8 codes and each block's absmax is dequantised here (``_dequantize_absmax_kernel``'s math, two
-    roundings, ``_scaled_plus_offset``) instead of by a kernel launch of its own."""
-    i_b = tl.program_id(0).to(tl.int64)
+    """Packed bytes [i_b * BLOCK_BYTES, (i_b + 1) * BLOCK_BYTES) -> 2*BLOCK_BYTES consecutive output elements.
+    NESTED: ``p_absmax`` holds uint8 codes and each block's absmax is dequantised here
+    (``_dequantize_absmax_kernel``'s math, two roundings, ``_scaled_plus_offset``) instead of by a kernel
+    launch of its own."""
+    i_b = i_b.to(tl.int64)
     o_byte = i_b * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     m_byte = o_byte < n_bytes
     b_packed = tl.load(p_packed + o_byte, mask=m_byte, other=0).to(tl.int32)
@@ -155,6 +156,45 @@ def _dequantize_4bit_kernel(
     o_out = i_b * (2 * BLOCK_BYTES) + tl.arange(0, 2 * BLOCK_BYTES)
     b_out = _to_output_dtype(tl.interleave(b_hi, b_lo), p_out.dtype.element_ty)
     tl.store(p_out + o_out, b_out, mask=o_out < n_elements)
+
+
+@triton.jit
+def _dequantize_4bit_kernel(
+    p_packed, p_absmax, p_code, p_out,
+    p_absmax2, p_code2, p_offset,
+    n_elements, n_bytes,
+    BLOCKSIZE: tl.constexpr, BLOCK_BYTES: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One program: BLOCK_BYTES packed bytes -> 2*BLOCK_BYTES output elements (``_dequantize_4bit_tile``)."""
+    _dequantize_4bit_tile(tl.program_id(0), p_packed, p_absmax, p_code, p_out, p_absmax2, p_code2, p_offset,
+                          n_elements, n_bytes, BLOCKSIZE, BLOCK_BYTES, NESTED, BLOCKSIZE2, INTERPRETED)
+
+
+@triton.jit
+def _dequantize_4bit_members_kernel(
+    p_code, p_out,
+    p_packed0, p_absmax0, p_absmax20, p_code20, p_offset0, start0, n_elements0, n_bytes0, blocks0,
+    p_packed1, p_absmax1, p_absmax21, p_code21, p_offset1, start1, n_elements1, n_bytes1, blocks1,
+    p_packed2, p_absmax2, p_absmax22, p_code22, p_offset2, start2, n_elements2, n_bytes2,
+    BLOCKSIZE: tl.constexpr, BLOCK_BYTES: tl.constexpr, NESTED: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Up to three weights of one quantisation (block size, quant type, nesting) in one launch, weight i
+    written from element start_i of ``p_out``: programs [0, blocks0) dequantise weight 0, the next blocks1
+    weight 1, the rest weight 2 (``_dequantize_4bit_tile`` on each weight's own tensors)."""
+    i_b = tl.program_id(0)
+    if i_b < blocks0:
+        _dequantize_4bit_tile(i_b, p_packed0, p_absmax0, p_code, p_out + start0, p_absmax20, p_code20, p_offset0,
+                              n_elements0, n_bytes0, BLOCKSIZE, BLOCK_BYTES, NESTED, BLOCKSIZE2, INTERPRETED)
+    elif i_b < blocks0 + blocks1:
+        _dequantize_4bit_tile(i_b - blocks0, p_packed1, p_absmax1, p_code, p_out + start1, p_absmax21, p_code21,
+                              p_offset1, n_elements1, n_bytes1, BLOCKSIZE, BLOCK_BYTES, NESTED, BLOCKSIZE2,
+                              INTERPRETED)
+    else:
+        _dequantize_4bit_tile(i_b - blocks0 - blocks1, p_packed2, p_absmax2, p_code, p_out + start2, p_absmax22,
+                              p_code22, p_offset2, n_elements2, n_bytes2, BLOCKSIZE, BLOCK_BYTES, NESTED,
+                              BLOCKSIZE2, INTERPRETED)
 
 
 @triton.jit
@@ -354,4 +394,65 @@ def dequantize_4bit_nested(packed: torch.Tensor, absmax_u8: torch.Tensor, state2
     out = torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=packed.device)
     _launch_4bit(packed, absmax_u8, (state2_absmax, state2_code, _offset_tensor(offset, absmax_u8.device),
                                      blocksize2), blocksize, quant_type, n, out)
+    return out
+
+
+WEIGHTS_PER_LAUNCH = 3
+
+
+def dequantize_4bit_members(packed: Sequence[torch.Tensor], absmax: Sequence[torch.Tensor],
+                            nested: Optional[Sequence[tuple]], blocksize: int, quant_type: str,
+                            shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Several 4-bit weights [N_i, K] of one block size and quant type, dequantised into one [sum N_i, K]
+    tensor (weight i in rows sum_{j<i} N_j onwards), bit for bit ``dequantize_4bit`` of each (or
+    ``dequantize_4bit_nested`` when ``nested`` gives each weight's (state2_absmax, state2_code, offset,
+    blocksize2); ``absmax`` then holds the uint8 codes), one launch per three weights."""
+    n_members = len(packed)
+    if n_members == 0 or len(absmax) != n_members or len(shapes) != n_members or \
+            (nested is not None and len(nested) != n_members):
+        raise ValueError(f"sloth.nf4: one packed, absmax and shape (and nested state) per weight, got "
+                         f"{n_members}, {len(absmax)}, {len(shapes)}" + (f", {len(nested)}" if nested else ""))
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+        raise ValueError(f"sloth.nf4: the weights must be 2-D with one column count, got {shapes}")
+    blocksizes2 = sorted({m[3] for m in nested}) if nested is not None else [256]
+    if len(blocksizes2) != 1:
+        raise ValueError(f"sloth.nf4: the nested states must share their block size, got {blocksizes2}")
+    if nested is not None:
+        for q, a, (absmax2, code2, _, blocksize2) in zip(packed, absmax, nested):
+            _check_absmax_inputs(a, absmax2, code2, blocksize2)
+    sizes = [_check_4bit_inputs(q, a, blocksize, quant_type, s, dtype, None,
+                                absmax_dtype=torch.uint8 if nested is not None else torch.float32)
+             for q, a, s in zip(packed, absmax, shapes)]
+    device = packed[0].device
+    if not use_triton(packed[0]):
+        parts = [dequantize_4bit_nested(q, a, m[0], m[1], m[2], blocksize, quant_type, s, dtype, m[3])
+                 if nested is not None else dequantize_4bit(q, a, blocksize, quant_type, s, dtype)
+                 for q, a, s, m in zip(packed, absmax, shapes, nested or [None] * n_members)]
+        return torch.cat(parts, 0)
+    out = torch.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=dtype, device=device)
+    members, start = [], 0
+    for i in range(n_members):
+        absmax2, code2, offset, _ = nested[i] if nested is not None else (absmax[i], absmax[i], absmax[i], 256)
+        if nested is not None:
+            absmax2, code2, offset = _flat(absmax2), _flat(code2), _offset_tensor(offset, device)
+        n_bytes = (sizes[i] + 1) // 2
+        members.append((_flat(packed[i]), _flat(absmax[i]), absmax2, code2, offset, start, sizes[i], n_bytes,
+                        cdiv(n_bytes, _BLOCK_BYTES)))
+        start += sizes[i]
+    for i0 in range(0, n_members, WEIGHTS_PER_LAUNCH):
+        group = [m for m in members[i0:i0 + WEIGHTS_PER_LAUNCH] if m[6]]  # an empty weight gets no programs
+        if not group:
+            continue
+        args = []
+        for j, m in enumerate(group + [group[0]] * (WEIGHTS_PER_LAUNCH - len(group))):
+            args += list(m[:8])
+            if j < WEIGHTS_PER_LAUNCH - 1:
+                args.append(m[8] if j < len(group) else 0)
+        launch(_dequantize_4bit_members_kernel)[(sum(m[8] for m in group),)](
+            code_table(quant_type, device), out, *args,
+            BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, NESTED=nested is not None, BLOCKSIZE2=blocksizes2[0],
+            INTERPRETED=triton_interpreter_on(), num_warps=4,
+            enable_fp_fusion=False,
+        )
     return out

@@ -20,7 +20,7 @@ class RecordOps(TorchDispatchMode):
         return out
 
 
-class _NoLaunch:
+class NoLaunch:
     def __getitem__(self, grid):
         raise AssertionError("a Triton kernel was launched on the fallback path")
 
@@ -30,7 +30,7 @@ def force_fallback(mp: pytest.MonkeyPatch, lowering: ModuleType, *kernels: str) 
     ``kernels`` (names of its Triton kernels) now fails the test."""
     mp.setattr(lowering, "use_triton", lambda t: False)
     for name in kernels:
-        mp.setattr(lowering, name, _NoLaunch())
+        mp.setattr(lowering, name, NoLaunch())
 
 
 def record_launches(mp: pytest.MonkeyPatch, lowering: ModuleType, *kernels: str) -> list[tuple[str, tuple, dict]]:

@@ -16,10 +16,11 @@ import sloth.lowering.lora_shared as lowering
 from sloth.lowering.lora_shared import lora_linear_shared
 from sloth.patterns.lora import lora_pattern
 from tolerance import assert_close
-from op_checks import force_fallback, record_launches
+from op_checks import NoLaunch, force_fallback, record_launches
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNELS = ("_split_factor_kernel", "_lora_down_kernel", "_lora_up_add_kernel", "_lora_grad_kernel")
+MEMBER_KERNELS = ("_split_members_kernel", "_down_members_kernel", "_up_add_members_kernel")
 
 
 def make_inputs(x_shape, ns, r: int, biases, seed: int = 0):
@@ -79,6 +80,7 @@ SHAPES = [
     ((257, 16), (33, 33), 5, (True, True), -1.5),
     ((2, 37, 70), (45, 13, 13), 16, (False, True, False), 2.0),
     ((37, 300), (130, 29), 16, (False, False), 0.5),
+    ((19, 40), (21, 8, 8, 33), 4, (False, True, False, False), 1.5),  # four members: two launches per kernel
 ]
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
 
@@ -107,28 +109,36 @@ def test_fallback_and_frozen_input(need_dx, monkeypatch, device):
     masters[0] = masters[0].to(device)
     check(masters, torch.bfloat16, torch.float32, 2.0, need_dx=need_dx)
     import sloth.lowering.lora as lora_lowering
+    import sloth.lowering.lora_members as members_lowering
 
     force_fallback(monkeypatch, lowering)  # the op's own switch to its reference path
-    force_fallback(monkeypatch, lora_lowering, *KERNELS)  # and no kernel of lora.py may launch
+    force_fallback(monkeypatch, lora_lowering, *KERNELS)  # and no kernel of lora.py or lora_members.py may launch
+    for name in MEMBER_KERNELS:
+        monkeypatch.setattr(members_lowering, name, NoLaunch())
     check(masters, torch.bfloat16, torch.float32, 2.0, need_dx=need_dx)
 
 
 def test_one_launch_reads_x_for_every_member(monkeypatch):
     """What the op is for: the members' h comes from one down launch over x, the members' da from one grad
-    problem over x; launches counted by kernel."""
+    problem over x, and the per-member adapter kernels run as one launch for all members; launches counted by
+    kernel."""
     from collections import Counter
 
     import sloth.lowering.lora as lora_lowering
+    import sloth.lowering.lora_members as members_lowering
 
     if not lora_lowering.use_triton(torch.empty(0)):
         pytest.skip("no Triton here")
     launches = record_launches(monkeypatch, lora_lowering, *KERNELS)
+    launches_members = record_launches(monkeypatch, members_lowering, *MEMBER_KERNELS)
     x, ws, biases, a_list, bs, dys = make_inputs((37, 70), (45, 13, 13), 16, (False,) * 3)
     forward_backward(lora_linear_shared, x.bfloat16(), [w.bfloat16() for w in ws], biases, a_list, bs, 2.0,
                      [d.bfloat16() for d in dys])
-    # forward: 1 split + 1 down + 3 up; backward: 3 splits + 3 downs (g_i), 1 up (dx), 1 grad (da) + 2 (db pairs)
-    calls = Counter(name for name, _, _ in launches)
-    assert calls == {"_split_factor_kernel": 4, "_lora_down_kernel": 4, "_lora_up_add_kernel": 4,
+    # forward: 1 split + 1 down (h over x), 1 up for the 3 members; backward: 1 split + 1 down for the 3 g_i,
+    # 1 up (dx), 1 grad (da) + 2 (db pairs)
+    calls = Counter(name for name, _, _ in launches + launches_members)
+    assert calls == {"_split_factor_kernel": 1, "_lora_down_kernel": 1, "_up_add_members_kernel": 1,
+                     "_split_members_kernel": 1, "_down_members_kernel": 1, "_lora_up_add_kernel": 1,
                      "_lora_grad_kernel": 3}, calls
 
 

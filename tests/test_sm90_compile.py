@@ -23,6 +23,7 @@ import triton
 import sloth.lowering.glu as glu
 import sloth.lowering.linear_cross_entropy as lce
 import sloth.lowering.lora as lora
+import sloth.lowering.lora_members as lora_members
 import sloth.lowering.nf4 as nf4
 import sloth.lowering.nf4_matmul as nf4_matmul
 import sloth.lowering.rms_norm as rms_norm
@@ -81,7 +82,7 @@ def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tupl
 
 def _record(monkeypatch) -> list:
     launches: list = []
-    for module in (glu, lce, lora, nf4, nf4_matmul, rms_norm, rope):
+    for module in (glu, lce, lora, lora_members, nf4, nf4_matmul, rms_norm, rope):
         for name, value in list(vars(module).items()):
             if name.endswith("_kernel") and hasattr(value, "arg_names"):
                 monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
@@ -120,11 +121,12 @@ def _llama_launches() -> None:
     from sloth.lowering import lora_shared
 
     xs = torch.empty(256, h, dtype=bf16)
-    for rank, members in ((r, 3), (64, 2)):
-        ws, bs = [torch.empty(h, h, dtype=bf16)] * members, [torch.empty(h, rank, dtype=f32)] * members
-        a = torch.empty(members * rank, h, dtype=f32)
-        *_, hh = lora_shared.lora_shared_forward(xs, ws, [None] * members, a, bs, 2.0)
-        lora_shared.lora_shared_backward([torch.empty(256, h, dtype=bf16)] * members, xs, ws, a, bs, hh, 2.0, True)
+    for rank, outs in ((r, (h, 1024, 1024)), (64, (h, h)), (r, (inter, inter))):  # q/k/v, two at r 64, gate/up
+        ws, bs = [torch.empty(o, h, dtype=bf16) for o in outs], [torch.empty(o, rank, dtype=f32) for o in outs]
+        a = torch.empty(len(outs) * rank, h, dtype=f32)
+        *_, hh = lora_shared.lora_shared_forward(xs, ws, [None] * len(outs), a, bs, 2.0)
+        lora_shared.lora_shared_backward([torch.empty(256, o, dtype=bf16) for o in outs], xs, ws, a, bs, hh, 2.0,
+                                         True)
     labels = torch.zeros(n, dtype=torch.int64)
     head = torch.empty(128256, h, dtype=bf16)
     lce._lce_fwd(x, head, None, labels, -100, "mean", 0.0, 1.0, 0.0, True, False)
@@ -134,11 +136,14 @@ def _llama_launches() -> None:
                           torch.empty(256), 0.0, 256)
     nf4.dequantize_4bit_nested(packed, torch.empty(inter * h // 64, dtype=torch.uint8),
                                torch.empty(inter * h // 64 // 256), torch.empty(256), 0.0, 64, "nf4", (inter, h), bf16)
+    for nested in (None, [(torch.empty(inter * h // 64 // 256), torch.empty(256), torch.zeros(()), 256)] * 2):
+        absmax = torch.empty(inter * h // 64, dtype=torch.uint8 if nested else f32)
+        nf4.dequantize_4bit_members([packed] * 2, [absmax] * 2, nested, 64, "nf4", [(inter, h)] * 2, bf16)
     for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
         nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
 
 
-_COMPILE = """
+_COMPILE = r"""
 import importlib, pickle, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -172,7 +177,8 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
     unique = list({pickle.dumps(launch): launch for launch in launches}.values())
     kernels = {launch[1] for launch in unique}
     assert {"_rms_norm_fwd_kernel", "_glu_fwd_kernel", "_rope_kernel", "_lora_down_kernel", "_lora_up_add_kernel",
-            "_lora_grad_kernel", "_lce_rows_kernel", "_dequantize_4bit_kernel"} <= kernels, kernels
+            "_lora_grad_kernel", "_lce_rows_kernel", "_dequantize_4bit_kernel", "_split_members_kernel",
+            "_down_members_kernel", "_up_add_members_kernel", "_dequantize_4bit_members_kernel"} <= kernels, kernels
     assert sum(launch[1] == "_nf4_matmul_kernel" for launch in unique) == len(nf4_matmul.CONFIGS), unique
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(unique), env=env,
@@ -189,5 +195,6 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
     # user kernel under SLOTH_TRITON_OP=1 (these launches are compiled with Triton's default, fusion on):
     # explicitly rounded PTX multiply and add, no FMA.
     nested = [(name, rounded) for name, constants, _, rounded, _ in results
-              if name == "_dequantize_absmax_kernel" or (name == "_dequantize_4bit_kernel" and constants["NESTED"])]
-    assert len(nested) == 2 and all(fmas == 0 and explicit for _, (fmas, explicit) in nested), nested
+              if name == "_dequantize_absmax_kernel" or
+              (name in ("_dequantize_4bit_kernel", "_dequantize_4bit_members_kernel") and constants["NESTED"])]
+    assert len(nested) == 3 and all(fmas == 0 and explicit for _, (fmas, explicit) in nested), nested
