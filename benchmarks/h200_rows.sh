@@ -14,6 +14,7 @@
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
+#   bash benchmarks/h200_rows.sh twins     # sloth LoRA and QLoRA with the runtime twins off (SLOTH_RUNTIME_TWINS=0)
 #   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
 #   bash benchmarks/h200_rows.sh host      # host us per Triton launch and per sloth op call; ops.lora_shared
 #   bash benchmarks/h200_rows.sh hostprof  # sloth's LoRA and QLoRA steps, two of each under cProfile
@@ -27,7 +28,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|twins|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -83,6 +84,11 @@ case $part in
         run lora-sloth-unshared 130 --all --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}'
         run qlora-sloth 150 --all --qlora --variants sloth --sloth-options "$SLOTH"
         run qlora-sloth-unshared 140 --all --qlora --variants sloth --sloth-options '{"return_logits": false, "share_lora_input": false}' ;;
+    twins)  # the custom ops instead of their runtime twins (compiler/runtime_ops.py), beside a versus on one lease
+        export SLOTH_RUNTIME_TWINS=0
+        run lora-sloth-no-twins 130 --all --variants sloth --sloth-options "$SLOTH"
+        run qlora-sloth-no-twins 150 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        unset SLOTH_RUNTIME_TWINS ;;
     qlora-profile)
         run qlora-sloth 200 --all --qlora --variants sloth --sloth-options "$SLOTH" --profile ;;
     profile)

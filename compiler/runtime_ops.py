@@ -9,10 +9,11 @@ the same schema, function and fake, without those wrappers (lowering/registratio
 
 The twin is a pure rename of the node's target: arguments, outputs and node meta stay as they are, so the
 graph computes the same thing. Graphs compiled by ``inner="aot_eager"`` keep the custom ops (the pass is
-Inductor's).
+Inductor's), as do all graphs when ``SLOTH_RUNTIME_TWINS=0`` is set (for measuring what the twins save).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -57,8 +58,9 @@ class RuntimeTwinsPass(CustomGraphPass):
 
 def with_runtime_twins(patches: dict[str, Any]) -> dict[str, Any]:
     """Inductor config ``patches`` plus the twin-swapping post-grad pass (chained before a user's pass); as they
-    are when sloth's ops are triton_ops (Inductor launches their kernels itself)."""
-    if registration.TRITON_OP:
+    are when sloth's ops are triton_ops (Inductor launches their kernels itself) or the twins are switched off
+    (``SLOTH_RUNTIME_TWINS=0``)."""
+    if registration.TRITON_OP or os.environ.get("SLOTH_RUNTIME_TWINS", "1") == "0":
         return patches
     import torch._inductor.config as inductor_config
 
