@@ -212,11 +212,16 @@ def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, st
 
 
 @triton.jit
-def _grad_tile(p_u, p_x, p_g, M, K, R, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s, rows_per_split,
-               scale, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    """g[i_s] [:, K block i_k] = scale * u[rows, R].T @ x[rows, K block] over split i_s's rows, stored through
-    (stride_gk, stride_gr) so the caller picks [R, K] or [K, R], splits ``stride_gs`` apart."""
+def _grad_tile(p_u, p_x, p_g, p_out, p_count, M, K, R, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s,
+               rows_per_split, n_splits, scale, MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[:, K block i_k] = scale * u[M, R].T @ x[M, K block], stored through (stride_gk, stride_gr) so the caller
+    picks [R, K] or [K, R]. Program i_s forms the sum over split i_s's rows; with one split it is the result.
+    With several, each split's partial goes to the workspace g (splits ``stride_gs`` apart), and the program
+    that finishes the tile last (the ``n_splits``-th to add 1 to its counter ``p_count``) adds the partials in
+    split order, 0 first, and writes the result: the same sum whatever order the programs ran in, in one
+    launch (a separate reduction launch per gradient cost ~10 us of host time each), and sets the counter back
+    to 0."""
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     o_r = tl.arange(0, BLOCK_R)
     m_k, m_r = o_k < K, o_r < R
@@ -229,26 +234,39 @@ def _grad_tile(p_u, p_x, p_g, M, K, R, stride_um, stride_xm, stride_gk, stride_g
         b_ut = tl.load(p_u + o_m[None, :] * stride_um + o_r[:, None], mask=m_r[:, None] & m_m[None, :], other=0.0)
         b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_g = _dot_fp32_exact(b_x, b_ut, b_g, MODE, True, UPCAST)
-    p_out = p_g + i_s * stride_gs + o_r[:, None] * stride_gr + o_k[None, :] * stride_gk
-    tl.store(p_out, b_g * scale, mask=m_r[:, None] & m_k[None, :])
+    o_tile = o_r[:, None] * stride_gr + o_k[None, :] * stride_gk
+    m_tile = m_r[:, None] & m_k[None, :]
+    if n_splits == 1:
+        tl.store(p_out + o_tile, b_g * scale, mask=m_tile)
+    else:
+        tl.store(p_g + i_s * stride_gs + o_tile, b_g * scale, mask=m_tile)
+        tl.debug_barrier()  # every thread's partial is stored before the counter says so (release below)
+        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+            b_sum = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+            for s in range(0, n_splits):  # .cg: read the partials from L2, where the other programs wrote them
+                b_sum += tl.load(p_g + s * stride_gs + o_tile, mask=m_tile, other=0.0, cache_modifier=".cg")
+            tl.store(p_out + o_tile, b_sum, mask=m_tile)
+            tl.atomic_xchg(p_count, 0)
 
 
 @triton.jit
-def _lora_grad_kernel(p_u, p_x, p_g, K, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, k_blocks,
-                      p_u2, p_x2, p_g2, K2, stride_um2, stride_xm2, stride_gk2, stride_gr2, stride_gs2,
-                      M, R, rows_per_split, scale,
+def _lora_grad_kernel(p_u, p_x, p_g, p_out, K, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, k_blocks,
+                      p_u2, p_x2, p_g2, p_out2, K2, stride_um2, stride_xm2, stride_gk2, stride_gr2, stride_gs2,
+                      p_count, M, R, rows_per_split, n_splits, scale,
                       MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_R: tl.constexpr):
     """Up to two weight gradients of one backward in one launch (same rows M, rank R and scale): programs
-    i_k < k_blocks form g = u.T @ x over K, the rest g2 = u2.T @ x2 over K2 (K2 = 0: one gradient only).
-    Grid (k blocks of both, splits); the caller sums the splits (a deterministic reduction, no atomics)."""
+    i_k < k_blocks form out = scale * u.T @ x over K, the rest out2 = scale * u2.T @ x2 over K2 (K2 = 0: one
+    gradient only). Grid (k blocks of both, splits); ``p_count`` holds one zeroed int32 counter per k block
+    of both (``_grad_tile``: the last split of a tile adds the splits' partials, deterministically)."""
     i_k, i_s = tl.program_id(0), tl.program_id(1)
     if i_k < k_blocks:
-        _grad_tile(p_u, p_x, p_g, M, K, R, stride_um, stride_xm, stride_gk, stride_gr, stride_gs, i_k, i_s,
-                   rows_per_split, scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+        _grad_tile(p_u, p_x, p_g, p_out, p_count + i_k, M, K, R, stride_um, stride_xm, stride_gk, stride_gr,
+                   stride_gs, i_k, i_s, rows_per_split, n_splits, scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
     else:
-        _grad_tile(p_u2, p_x2, p_g2, M, K2, R, stride_um2, stride_xm2, stride_gk2, stride_gr2, stride_gs2,
-                   i_k - k_blocks, i_s, rows_per_split, scale, MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+        _grad_tile(p_u2, p_x2, p_g2, p_out2, p_count + i_k, M, K2, R, stride_um2, stride_xm2, stride_gk2, stride_gr2,
+                   stride_gs2, i_k - k_blocks, i_s, rows_per_split, n_splits, scale, MODE, UPCAST, BLOCK_M, BLOCK_K,
+                   BLOCK_R)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,10 +375,26 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
     return base_MN
 
 
-def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float) -> list[torch.Tensor]:
+def _k_blocks(sizes: list[int]) -> list[int]:
+    """The grad kernel's k blocks for problems of these K (one block size for all of one launch)."""
+    block_k = min(GRAD_CONFIG["block_k"], max(16, next_power_of_2(max(sizes))))
+    return [cdiv(k, block_k) for k in sizes]
+
+
+def grad_counters(calls: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Zeroed int32 split counters for several ``_grads`` calls of one op's backward (``calls``: each call's K of
+    its problems), one fill launch for all of them: every launch leaves the counters it used at zero again, so
+    the calls, one after another on a stream, share one buffer as long as the largest needs."""
+    return torch.zeros(max(sum(_k_blocks(sizes)) for sizes in calls), dtype=torch.int32, device=device)
+
+
+def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float,
+           counters: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """``scale * u_MR.T @ x_MK`` in fp32 for each (u_MR, x_MK, transposed) of one or two ``problems`` sharing
     M rows and rank R, in one launch: [R, K], or its transpose [K, R] (contiguous) when ``transposed``. The M
-    rows are split so the grid covers the GPU; the splits' partial sums are added at the end."""
+    rows are split so the grid covers the GPU, and the last split of each tile adds the partials
+    (``_grad_tile``), counting on zeroed ``counters``, at least one per k block of the problems
+    (``grad_counters``; made here when not given); they are zero again after the launch."""
     n_rows, rank = problems[0][0].shape
     sizes = [x.shape[1] for _, x, _ in problems]
     if n_rows == 0 or 0 in sizes:
@@ -368,33 +402,40 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
                 for (_, x, t), k in zip(problems, sizes)]
     c = GRAD_CONFIG
     block_m, block_k = c["block_m"], min(c["block_k"], max(16, next_power_of_2(max(sizes))))
-    k_blocks = [cdiv(k, block_k) for k in sizes]
+    k_blocks = _k_blocks(sizes)
     splits = max(1, min(cdiv(c["programs"], sum(k_blocks)), cdiv(n_rows, 4 * block_m)))
     rows_per_split = cdiv(cdiv(n_rows, splits), block_m) * block_m
     splits = cdiv(n_rows, rows_per_split)
+    device = problems[0][1].device
+    if counters is None:
+        counters = torch.zeros(sum(k_blocks), dtype=torch.int32, device=device) if splits > 1 else problems[0][0]
+    elif splits > 1 and counters.numel() < sum(k_blocks):
+        raise ValueError(f"sloth.lora_linear: {counters.numel()} split counters for {sum(k_blocks)} tiles")
     args, outs = [], []
     for u_MR, x_MK, transposed in problems:
         k = x_MK.shape[1]
-        g = torch.empty((splits, *((k, rank) if transposed else (rank, k))), dtype=torch.float32, device=x_MK.device)
+        shape = (k, rank) if transposed else (rank, k)
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+        g = torch.empty((splits, *shape), dtype=torch.float32, device=device) if splits > 1 else out
         stride_gk, stride_gr = (rank, 1) if transposed else (1, k)
         u_MR = u_MR if u_MR.stride(1) == 1 else u_MR.contiguous()  # rows may be apart, columns adjacent
-        args.append((u_MR, x_MK, g, k, u_MR.stride(0), x_MK.stride(0), stride_gk, stride_gr, g.stride(0)))
-        outs.append(g)
-    (u1, x1, g1, k1, *strides1), (u2, x2, g2, k2, *strides2) = args[0], args[-1]
+        args.append((u_MR, x_MK, g, out, k, u_MR.stride(0), x_MK.stride(0), stride_gk, stride_gr, rank * k))
+        outs.append(out)
+    (u1, x1, *rest1), (u2, x2, g2, out2, k2, *strides2) = args[0], args[-1]
     if _mode(x2, u2) != _mode(x1, u1):  # one MODE constexpr serves both problems
         raise ValueError(f"sloth.lora_linear: the paired gradients need one product mode, got {x1.dtype} x "
                          f"{u1.dtype} and {x2.dtype} x {u2.dtype}")
     if len(problems) == 1:
         k2 = 0  # the second slot gets no programs
     launch(_lora_grad_kernel)[(sum(k_blocks), splits)](
-        u1, x1, g1, k1, *strides1, k_blocks[0],
-        u2, x2, g2, k2, *strides2,
-        n_rows, rank, rows_per_split, float(scale),
+        u1, x1, *rest1, k_blocks[0],
+        u2, x2, g2, out2, k2, *strides2,
+        counters, n_rows, rank, rows_per_split, splits, float(scale),
         MODE=_mode(x1, u1), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=_block_r(rank),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    return [g[0] if splits == 1 else g.sum(0) for g in outs]
+    return outs
 
 
 def _grad(u_MR: torch.Tensor, x_MK: torch.Tensor, scale: float, transposed: bool = False) -> torch.Tensor:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from . import nf4
 from .backend_choice import use_triton
 from .layout import rows_2d
-from .lora import _check_inputs, _down, _grads, _up_add_, lora_linear_reference
+from .lora import _check_inputs, _down, _grads, _up_add_, grad_counters, lora_linear_reference
 from .lora_members import down_members, up_add_members_
 from .qlora import QUANT_TYPES
 from .registration import define, fake
@@ -127,11 +127,13 @@ def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: 
         dx = _up_add_(dx, g_MR, a, scale).view(x.shape)
     else:
         dx = x.new_empty(0)
-    (da,) = _grads([(g_MR, x_MK, False)], scale)
+    pairs = [[(h[:, j * r:(j + 1) * r], dys_MN[j], True) for j in range(i, min(i + 2, n))]
+             for i in range(0, n, 2)]  # the db problems share rank r (da's is n r): two to a launch
+    counters = grad_counters([[x_MK.shape[1]]] + [[d.shape[1] for _, d, _ in pair] for pair in pairs], x.device)
+    (da,) = _grads([(g_MR, x_MK, False)], scale, counters)
     dbs: list[torch.Tensor] = []
-    for i in range(0, n, 2):  # the db problems share rank r (da's is n r): two to a launch
-        pair = [(h[:, j * r:(j + 1) * r], dys_MN[j], True) for j in range(i, min(i + 2, n))]
-        dbs += _grads(pair, scale)
+    for pair in pairs:
+        dbs += _grads(pair, scale, counters)
     return [dx, da.to(a.dtype), *(db.to(b.dtype) for db, b in zip(dbs, bs))]
 
 
