@@ -305,6 +305,41 @@ def _family(kernel: str) -> str:
     return next(f for f, keys in _KERNEL_FAMILIES if any(k in name for k in keys))
 
 
+def _gpu_idle_lines(prof: Any, top: int) -> list[str]:
+    """Where the GPU waits within the profiled step: from the first kernel's start to the last kernel's end, the
+    time no kernel runs, as gaps between kernels (by size, and by the kernel that ends each gap: what the GPU
+    was waiting for the host to launch), plus the host's lead-in before the first kernel. A step bound by its
+    host shows many small gaps; one bound by its GPU, few."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return ["GPU idle: no kernels recorded"]
+    cpu_start = min((e.time_range.start for e in events if e.device_type == DeviceType.CPU), default=kernels[0][0])
+    gaps, busy_end = [], kernels[0][1]
+    for start, end, name in kernels[1:]:
+        if start > busy_end:
+            gaps.append((start - busy_end, busy_end - kernels[0][0], name))
+        busy_end = max(busy_end, end)
+    span, idle = busy_end - kernels[0][0], sum(g[0] for g in gaps)
+    lines = [f"GPU idle: first kernel to last {span / 1e3:.2f} ms, no kernel running for {idle / 1e3:.2f} ms in "
+             f"{len(gaps)} gaps; host lead-in before the first kernel {(kernels[0][0] - cpu_start) / 1e3:.2f} ms",
+             f"{'gap us':>12} {'gaps':>6} {'ms':>8}"]
+    for lo, hi in ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))):
+        sized = [g[0] for g in gaps if lo <= g[0] < hi]
+        lines.append(f"{f'{lo}-{hi}':>12} {len(sized):6d} {sum(sized) / 1e3:8.2f}")
+    by_next: dict[str, list[float]] = {}
+    for size, _, name in gaps:
+        by_next.setdefault(name[:90], []).append(size)
+    lines += ["", "idle before each kernel (what the GPU waited for)", f"{'ms':>8} {'gaps':>6}  kernel"]
+    lines += [f"{sum(v) / 1e3:8.2f} {len(v):6d}  {k}" for k, v in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:top]]
+    lines += ["", "largest gaps", f"{'us':>8} {'at ms':>8}  next kernel"]
+    lines += [f"{size:8.1f} {at / 1e3:8.2f}  {name[:90]}" for size, at, name in sorted(gaps, reverse=True)[:top]]
+    return lines
+
+
 def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 40) -> None:
     """Profile one training step: GPU time per kernel family and the ``top`` kernels by GPU time,
     written as text to $OUT (or benchmarks/results) as profile-<variant>-L<layers>.txt."""
@@ -340,6 +375,7 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
               f"{'ms':>8} {'%':>5} {'calls':>6}  op"]
     lines += [f"{e.self_cpu_time_total / 1e3:8.2f} {100 * e.self_cpu_time_total / cpu_total:5.1f} {e.count:6d}  "
               f"{e.key[:110]}" for e in cpu[:top]]
+    lines += [""] + _gpu_idle_lines(prof, top)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
     path = out_dir / f"profile-{args.variant}{ops}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
