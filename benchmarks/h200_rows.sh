@@ -14,6 +14,7 @@
 #   bash benchmarks/h200_rows.sh versus    # sloth and Unsloth, LoRA and QLoRA, on one lease
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
+#   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
 #   bash benchmarks/h200_rows.sh idle      # kernel tables and GPU idle gaps: sloth LoRA and QLoRA, Unsloth QLoRA
 #   bash benchmarks/h200_rows.sh twins     # sloth LoRA and QLoRA with the runtime twins off (SLOTH_RUNTIME_TWINS=0)
 #   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
@@ -29,7 +30,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -90,6 +91,14 @@ case $part in
         run lora-sloth-no-twins 130 --all --variants sloth --sloth-options "$SLOTH"
         run qlora-sloth-no-twins 150 --all --qlora --variants sloth --sloth-options "$SLOTH"
         unset SLOTH_RUNTIME_TWINS ;;
+    final)  # QLoRA (the row where the host shows) first, so a cut-short call still has a same-lease pair
+        run qlora-sloth 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        run qlora-unsloth 150 --all --qlora --variants unsloth
+        export SLOTH_RUNTIME_TWINS=0
+        run qlora-sloth-no-twins 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        unset SLOTH_RUNTIME_TWINS
+        run lora-sloth 120 --all --variants sloth --sloth-options "$SLOTH"
+        run lora-unsloth 130 --all --variants unsloth ;;
     idle)  # where each step's GPU waits (e2e --profile: the gaps between kernels), sloth beside Unsloth
         run lora-sloth 150 --all --variants sloth --sloth-options "$SLOTH" --profile
         run qlora-sloth 160 --all --qlora --variants sloth --sloth-options "$SLOTH" --profile
