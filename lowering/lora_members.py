@@ -33,6 +33,12 @@ _SPLIT_BLOCK_K = 64  # lora._down's split launch: 64 rows a program
 
 
 @triton.jit
+def _pick(i, v0, v1, v2):
+    """v_i for i in {0, 1, 2}: a select, not a branch, so that the caller compiles one tile for all members."""
+    return tl.where(i == 0, v0, tl.where(i == 1, v1, v2))
+
+
+@triton.jit
 def _split_members_kernel(p_out, R,
                           p_p0, K0, stride_pk0, stride_pr0, blocks0,
                           p_p1, K1, stride_pk1, stride_pr1, blocks1, row1,
@@ -41,14 +47,11 @@ def _split_members_kernel(p_out, R,
     """Member i's factor p_i [K_i, R] split into out's rows row_i .. row_i + K_i (``_split_tile``); programs
     [0, blocks0) serve member 0, the next blocks1 member 1, the rest member 2."""
     i_k = tl.program_id(0)
-    if i_k < blocks0:
-        _split_tile(i_k, p_p0, p_out, K0, R, stride_pk0, stride_pr0, BLOCK_K, BLOCK_R)
-    elif i_k < blocks0 + blocks1:
-        _split_tile(i_k - blocks0, p_p1, p_out + row1 * (4 * BLOCK_R), K1, R, stride_pk1, stride_pr1, BLOCK_K,
-                    BLOCK_R)
-    else:
-        _split_tile(i_k - blocks0 - blocks1, p_p2, p_out + row2 * (4 * BLOCK_R), K2, R, stride_pk2, stride_pr2,
-                    BLOCK_K, BLOCK_R)
+    i = (i_k >= blocks0).to(tl.int32) + (i_k >= blocks0 + blocks1).to(tl.int32)
+    _split_tile(i_k - _pick(i, 0, blocks0, blocks0 + blocks1), _pick(i, p_p0, p_p1, p_p2),
+                p_out + _pick(i, 0, row1, row2) * (4 * BLOCK_R), _pick(i, K0, K1, K2), R,
+                _pick(i, stride_pk0, stride_pk1, stride_pk2), _pick(i, stride_pr0, stride_pr1, stride_pr2), BLOCK_K,
+                BLOCK_R)
 
 
 @triton.jit
@@ -58,17 +61,15 @@ def _down_members_kernel(M, R, stride_hm,
                          p_x2, p_p2, p_h2, K2, stride_xm2, stride_pk2, stride_pr2,
                          MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_R: tl.constexpr):
-    """h_i[M, R] = x_i[M, K_i] @ p_i[K_i, R] (``_down_tile``); grid (row blocks, members)."""
+    """h_i[M, R] = x_i[M, K_i] @ p_i[K_i, R] (``_down_tile``); grid (row blocks, members). The member's tensors
+    are selected, not branched to: a branch per member would compile the pipelined K loop three times, each
+    with its own shared memory (three times the single-member kernel's, past the H200's 227 KB with bf16
+    adapters; seen there). Selected values keep the divisibility the three share."""
     i_m, i = tl.program_id(0), tl.program_id(1)
-    if i == 0:
-        _down_tile(i_m, p_x0, p_p0, p_h0, M, K0, R, stride_xm0, stride_pk0, stride_pr0, stride_hm, MODE, UPCAST,
-                   BLOCK_M, BLOCK_K, BLOCK_R)
-    elif i == 1:
-        _down_tile(i_m, p_x1, p_p1, p_h1, M, K1, R, stride_xm1, stride_pk1, stride_pr1, stride_hm, MODE, UPCAST,
-                   BLOCK_M, BLOCK_K, BLOCK_R)
-    else:
-        _down_tile(i_m, p_x2, p_p2, p_h2, M, K2, R, stride_xm2, stride_pk2, stride_pr2, stride_hm, MODE, UPCAST,
-                   BLOCK_M, BLOCK_K, BLOCK_R)
+    _down_tile(i_m, _pick(i, p_x0, p_x1, p_x2), _pick(i, p_p0, p_p1, p_p2), _pick(i, p_h0, p_h1, p_h2), M,
+               _pick(i, K0, K1, K2), R, _pick(i, stride_xm0, stride_xm1, stride_xm2),
+               _pick(i, stride_pk0, stride_pk1, stride_pk2), _pick(i, stride_pr0, stride_pr1, stride_pr2), stride_hm,
+               MODE, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
 
 
 @triton.jit
@@ -80,15 +81,13 @@ def _up_add_members_kernel(M, R, stride_hm, scale,
     """y_i[M, N_i] += scale * h_i[M, R] @ q_i[R, N_i] in place (``_up_add_tile``); grid (row blocks, column
     blocks of all members: [0, blocks0) member 0's, the next blocks1 member 1's, the rest member 2's)."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
-    if i_n < blocks0:
-        _up_add_tile(i_m, i_n, p_y0, p_h0, p_q0, p_y0, M, N0, R, stride_ym0, stride_hm, stride_qr0, stride_qn0,
-                     stride_ym0, scale, BLOCK_M, BLOCK_N, BLOCK_R)
-    elif i_n < blocks0 + blocks1:
-        _up_add_tile(i_m, i_n - blocks0, p_y1, p_h1, p_q1, p_y1, M, N1, R, stride_ym1, stride_hm, stride_qr1,
-                     stride_qn1, stride_ym1, scale, BLOCK_M, BLOCK_N, BLOCK_R)
-    else:
-        _up_add_tile(i_m, i_n - blocks0 - blocks1, p_y2, p_h2, p_q2, p_y2, M, N2, R, stride_ym2, stride_hm,
-                     stride_qr2, stride_qn2, stride_ym2, scale, BLOCK_M, BLOCK_N, BLOCK_R)
+    i = (i_n >= blocks0).to(tl.int32) + (i_n >= blocks0 + blocks1).to(tl.int32)
+    p_y = _pick(i, p_y0, p_y1, p_y2)
+    stride_ym = _pick(i, stride_ym0, stride_ym1, stride_ym2)
+    _up_add_tile(i_m, i_n - _pick(i, 0, blocks0, blocks0 + blocks1), p_y, _pick(i, p_h0, p_h1, p_h2),
+                 _pick(i, p_q0, p_q1, p_q2), p_y, M, _pick(i, N0, N1, N2), R, stride_ym, stride_hm,
+                 _pick(i, stride_qr0, stride_qr1, stride_qr2), _pick(i, stride_qn0, stride_qn1, stride_qn2), stride_ym,
+                 scale, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 def _chunks(n: int) -> range:

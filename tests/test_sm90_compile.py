@@ -121,9 +121,12 @@ def _llama_launches() -> None:
     from sloth.lowering import lora_shared
 
     xs = torch.empty(256, h, dtype=bf16)
-    for rank, outs in ((r, (h, 1024, 1024)), (64, (h, h)), (r, (inter, inter))):  # q/k/v, two at r 64, gate/up
-        ws, bs = [torch.empty(o, h, dtype=bf16) for o in outs], [torch.empty(o, rank, dtype=f32) for o in outs]
-        a = torch.empty(len(outs) * rank, h, dtype=f32)
+    # q/k/v, two at r 64, gate/up; fp32 and bf16 adapters (the product modes tile differently: a members kernel
+    # that branched per member needed three times the shared memory with bf16 adapters, which the H200 refused)
+    for adapter, rank, outs in ((f32, r, (h, 1024, 1024)), (f32, 64, (h, h)), (f32, r, (inter, inter)),
+                                (bf16, r, (h, 1024, 1024)), (bf16, 64, (h, h))):
+        ws, bs = [torch.empty(o, h, dtype=bf16) for o in outs], [torch.empty(o, rank, dtype=adapter) for o in outs]
+        a = torch.empty(len(outs) * rank, h, dtype=adapter)
         *_, hh = lora_shared.lora_shared_forward(xs, ws, [None] * len(outs), a, bs, 2.0)
         lora_shared.lora_shared_backward([torch.empty(256, o, dtype=bf16) for o in outs], xs, ws, a, bs, hh, 2.0,
                                          True)
