@@ -46,23 +46,31 @@ class RuntimeTwinsPass(CustomGraphPass):
             self.then(graph)
 
     def uuid(self) -> Optional[Any]:
-        # Inductor's cache keys compiled graphs by this: the pass's source and the user's pass's uuid (None
-        # when theirs has none, which makes Inductor bypass its cache, as their pass alone would).
-        then = self.then
-        if then is not None:
-            then = then.uuid() if hasattr(then, "uuid") else None
-            if then is None:
-                return None
-        return (get_hash_for_files((__file__,)), then)
+        # Inductor's cache keys compiled graphs by this: the source of this pass and of the op -> twin mapping,
+        # and the user's pass's uuid (none, or a falsy one, makes Inductor bypass its cache, as theirs alone
+        # would).
+        mine = get_hash_for_files((__file__, registration.__file__))
+        if self.then is None:
+            return mine
+        theirs = self.then.uuid() if hasattr(self.then, "uuid") else None
+        return (mine, theirs) if theirs else None
 
 
 def with_runtime_twins(patches: dict[str, Any]) -> dict[str, Any]:
-    """Inductor config ``patches`` plus the twin-swapping post-grad pass (chained before a user's pass); as they
-    are when sloth's ops are triton_ops (Inductor launches their kernels itself) or the twins are switched off
-    (``SLOTH_RUNTIME_TWINS=0``)."""
+    """Inductor config ``patches`` plus the twin-swapping post-grad pass, which runs before a user's own
+    post-grad passes (they see ``sloth_rt::*`` nodes, not ``sloth::*``); as they are when sloth's ops are
+    triton_ops (Inductor launches their kernels itself) or the twins are switched off
+    (``SLOTH_RUNTIME_TWINS=0``). Where Inductor takes a list of passes (torch 2.13; its own handling of
+    inference-aware passes and cache keys then applies to the user's), the user's passes follow ours in the
+    list; before that, ours calls theirs."""
     if registration.TRITON_OP or os.environ.get("SLOTH_RUNTIME_TWINS", "1") == "0":
         return patches
     import torch._inductor.config as inductor_config
+    from torch._inductor import custom_graph_pass
 
     theirs = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-    return {**patches, "post_grad_custom_post_pass": RuntimeTwinsPass(theirs)}
+    if hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        passes = [RuntimeTwinsPass(), *custom_graph_pass.get_custom_graph_passes(theirs)]
+    else:
+        passes = RuntimeTwinsPass(theirs)
+    return {**patches, "post_grad_custom_post_pass": passes}

@@ -62,6 +62,7 @@ import triton.language as tl
 
 from .backend_choice import use_triton
 from .host_math import next_power_of_2
+from .registration import add_twin, add_twin_fake
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -357,12 +358,14 @@ def _backward(ctx, grad_loss, _gdx, _gdw, _gdb):
 @functools.cache
 def register() -> None:
     """Define ``sloth::linear_cross_entropy`` and ``sloth::linear_cross_entropy_backward`` (idempotent)."""
+    # custom_op also under SLOTH_TRITON_OP (lowering/registration.py's define would make triton_ops there).
     fwd = torch.library.custom_op("sloth::linear_cross_entropy", mutates_args=())(_lce_fwd)
     bwd = torch.library.custom_op("sloth::linear_cross_entropy_backward", mutates_args=())(_lce_bwd)
+    add_twin(fwd, _lce_fwd)
+    add_twin(bwd, _lce_bwd)
 
-    @fwd.register_fake
-    def _(x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, compute_dx,
-          compute_dw):
+    def fwd_fake(x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, compute_dx,
+                 compute_dw):
         loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
         grads = reduction != "none" and (compute_dx or compute_dw)
         dx = x.new_empty(x.shape) if grads and compute_dx else x.new_empty(0)
@@ -370,13 +373,15 @@ def register() -> None:
         db = bias.new_empty(bias.shape) if grads and compute_dw and bias is not None else x.new_empty(0)
         return loss, dx, dw, db
 
-    @bwd.register_fake
-    def _(grad_loss, x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing,
-          compute_dw):
+    def bwd_fake(grad_loss, x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing,
+                 compute_dw):
         dw = w.new_empty(w.shape) if compute_dw else x.new_empty(0)
         db = bias.new_empty(bias.shape) if compute_dw and bias is not None else x.new_empty(0)
         return x.new_empty(x.shape), dw, db
 
+    for op, impl in ((fwd, fwd_fake), (bwd, bwd_fake)):
+        op.register_fake(impl)
+        add_twin_fake(op, impl)
     fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

@@ -381,11 +381,23 @@ def _k_blocks(sizes: list[int]) -> list[int]:
     return [cdiv(k, block_k) for k in sizes]
 
 
-def grad_counters(calls: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Zeroed int32 split counters for several ``_grads`` calls of one op's backward (``calls``: each call's K of
-    its problems), one fill launch for all of them: every launch leaves the counters it used at zero again, so
-    the calls, one after another on a stream, share one buffer as long as the largest needs."""
-    return torch.zeros(max(sum(_k_blocks(sizes)) for sizes in calls), dtype=torch.int32, device=device)
+def _splits(n_rows: int, k_blocks: list[int]) -> tuple[int, int]:
+    """(splits, rows_per_split): the M rows split so that the grad kernel's grid covers the GPU."""
+    c = GRAD_CONFIG
+    splits = max(1, min(cdiv(c["programs"], sum(k_blocks)), cdiv(n_rows, 4 * c["block_m"])))
+    rows_per_split = cdiv(cdiv(n_rows, splits), c["block_m"]) * c["block_m"]
+    return cdiv(n_rows, rows_per_split), rows_per_split
+
+
+def grad_counters(calls: list[list[int]], n_rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 split counters for several ``_grads`` calls of one op's backward over ``n_rows`` rows
+    (``calls``: each call's K of its problems), one fill launch for all of them: every launch leaves the
+    counters it used at zero again, so the calls, one after another on a stream, share one buffer as long as
+    the largest needs. Without row splits in any call, one unused int32 (no fill)."""
+    blocks = [_k_blocks(sizes) for sizes in calls]
+    if all(_splits(n_rows, kb)[0] == 1 for kb in blocks):
+        return torch.empty(1, dtype=torch.int32, device=device)
+    return torch.zeros(max(sum(kb) for kb in blocks), dtype=torch.int32, device=device)
 
 
 def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float,
@@ -403,12 +415,11 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
     c = GRAD_CONFIG
     block_m, block_k = c["block_m"], min(c["block_k"], max(16, next_power_of_2(max(sizes))))
     k_blocks = _k_blocks(sizes)
-    splits = max(1, min(cdiv(c["programs"], sum(k_blocks)), cdiv(n_rows, 4 * block_m)))
-    rows_per_split = cdiv(cdiv(n_rows, splits), block_m) * block_m
-    splits = cdiv(n_rows, rows_per_split)
+    splits, rows_per_split = _splits(n_rows, k_blocks)
     device = problems[0][1].device
-    if counters is None:
-        counters = torch.zeros(sum(k_blocks), dtype=torch.int32, device=device) if splits > 1 else problems[0][0]
+    if counters is None:  # with one split the kernel never touches them: an unused int32, not an input's data
+        counters = torch.zeros(sum(k_blocks), dtype=torch.int32, device=device) if splits > 1 else \
+            torch.empty(1, dtype=torch.int32, device=device)
     elif splits > 1 and counters.numel() < sum(k_blocks):
         raise ValueError(f"sloth.lora_linear: {counters.numel()} split counters for {sum(k_blocks)} tiles")
     args, outs = [], []

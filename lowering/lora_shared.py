@@ -32,8 +32,8 @@ call, which at gate/up holds both weights at once (2 x 112 MiB at Llama-3-8B in 
 held one.
 
 Launches for n = 3 (tests/test_lora_shared_op.py counts them): forward 3 (split, down, one up for the
-members) instead of 9 for three ops; backward 7 (one split and one down for the g_i, 1 up, 3 grad kernels:
-da, then the db two to a launch) instead of 12; one op call each way instead of three; over 4-bit bases one
+members) instead of 9 for three ops; backward 6 (one split and one down for the g_i, 1 up, 3 grad kernels:
+da, then the db two to a launch; the grad kernels add their row splits themselves) instead of 12; one op call each way instead of three; over 4-bit bases one
 dequantisation launch each way instead of three. x is read once by the down kernel and once for da, where
 three ops read it three times each.
 
@@ -99,7 +99,6 @@ def _forward(x: torch.Tensor, weight: Weight, n: int, biases: list[Optional[torc
             w = weight(i)
             _check_inputs(x, w, biases[i], a[:r], bs[i])
         ys.append(F.linear(x_MK, w, biases[i]))  # cuBLAS writes each base; one launch adds every adapter term
-        del w
     up_add_members_(ys, h_MR, [b.t() for b in bs], scale)
     return [y.view(*x.shape[:-1], y.shape[1]) for y in ys] + [h_MR]
 
@@ -129,7 +128,8 @@ def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: 
         dx = x.new_empty(0)
     pairs = [[(h[:, j * r:(j + 1) * r], dys_MN[j], True) for j in range(i, min(i + 2, n))]
              for i in range(0, n, 2)]  # the db problems share rank r (da's is n r): two to a launch
-    counters = grad_counters([[x_MK.shape[1]]] + [[d.shape[1] for _, d, _ in pair] for pair in pairs], x.device)
+    counters = grad_counters([[x_MK.shape[1]]] + [[d.shape[1] for _, d, _ in pair] for pair in pairs],
+                             x_MK.shape[0], x.device)
     (da,) = _grads([(g_MR, x_MK, False)], scale, counters)
     dbs: list[torch.Tensor] = []
     for pair in pairs:

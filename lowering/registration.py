@@ -34,25 +34,37 @@ TRITON_OP: bool = (os.environ.get("SLOTH_TRITON_OP", "0") == "1" and not triton_
 # Runtime twins. A custom op called from a compiled graph goes through custom_op's Python wrappers on every
 # call, also where nothing needs them: its autograd kernel (Python, which finds grad mode off inside
 # AOTAutograd's compiled forward and backward and redispatches) and its backend wrapper (which checks that no
-# output aliases an input). Each op therefore gets a twin, ``sloth_rt::<name>``: the same schema and function,
-# defined with torch.library's low-level API, the function registered for CPU and CUDA and autograd a
-# fallthrough. compiler/runtime_ops.py swaps each op for its twin in the graphs Inductor compiles (after
-# AOTAutograd has traced the op's autograd, so nothing there needs it). CPU, torch 2.13, one call with
-# six arguments: 9.3 us through custom_op (no grad), 3.5 us through the twin. H200 host (a slow lease,
-# benchmarks/results/2026-11-30_015139_launch_overhead.*): rms_norm 88.7 -> 37.3 us a call, lora_linear
-# 147.4 -> 119.3, the joined q/k/v backward (list arguments) 728.9 -> 407.8.
+# output aliases an input). Each op therefore gets a twin, ``sloth_rt::<name>``: the same schema, tags and
+# function, defined with torch.library's low-level API, the function registered for every device
+# (CompositeExplicitAutograd, as custom_op registers it) and autograd a fallthrough. compiler/runtime_ops.py
+# swaps each op for its twin in the graphs Inductor compiles (after AOTAutograd has traced the op's autograd,
+# so nothing there needs it). CPU, torch 2.13, one call with six arguments: 9.3 us through custom_op (no
+# grad), 3.5 us through the twin. H200 host (a slow lease, benchmarks/results/2026-11-30_015139_launch_overhead.*):
+# rms_norm 88.7 -> 37.3 us a call, lora_linear 147.4 -> 119.3, the joined q/k/v backward (list arguments)
+# 728.9 -> 407.8.
 RUNTIME_TWINS: dict[OpOverload, OpOverload] = {}
 _RUNTIME_LIB = None if TRITON_OP else torch.library.Library("sloth_rt", "DEF")
 
 
-def _define_twin(op: Any, fn: Callable) -> None:
-    schema = str(op._opoverload._schema)
+def add_twin(op: Any, fn: Callable) -> None:
+    """Define ``op``'s runtime twin computing ``fn`` (nothing under triton_op: Inductor launches those ops'
+    kernels itself). ``define`` does this; an op made by ``torch.library.custom_op`` directly calls it."""
+    if TRITON_OP:
+        return
+    overload = op._opoverload
+    schema = str(overload._schema)
     name = schema.split("(", 1)[0].split("::", 1)[1]
-    _RUNTIME_LIB.define(name + schema[schema.index("("):])
-    for key in ("CPU", "CUDA"):
-        _RUNTIME_LIB.impl(name, fn, key)
+    _RUNTIME_LIB.define(name + schema[schema.index("("):], tags=tuple(overload.tags))
+    _RUNTIME_LIB.impl(name, fn, "CompositeExplicitAutograd")
     _RUNTIME_LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
-    RUNTIME_TWINS[op._opoverload] = getattr(torch.ops.sloth_rt, name).default
+    RUNTIME_TWINS[overload] = getattr(torch.ops.sloth_rt, name).default
+
+
+def add_twin_fake(op: Any, impl: Callable) -> None:
+    """Register ``impl`` as the fake of ``op``'s twin, if it has one."""
+    twin = RUNTIME_TWINS.get(op._opoverload)
+    if twin is not None:
+        torch.library.register_fake(twin, impl)
 
 
 def define(name: str, fn: Callable) -> Any:
@@ -61,7 +73,7 @@ def define(name: str, fn: Callable) -> Any:
     if TRITON_OP:
         return torch.library.triton_op(name, fn, mutates_args=())
     op = torch.library.custom_op(name, mutates_args=())(fn)
-    _define_twin(op, fn)
+    add_twin(op, fn)
     return op
 
 
@@ -73,9 +85,7 @@ def fake(op: Any) -> Callable[[Callable], Callable]:
 
     def register(impl: Callable) -> Callable:
         op.register_fake(impl)
-        twin = RUNTIME_TWINS.get(op._opoverload)
-        if twin is not None:
-            torch.library.register_fake(twin, impl)
+        add_twin_fake(op, impl)
         return impl
 
     return register

@@ -27,11 +27,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 MODES = [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("ks", [(300, 260, 257), (270, 300, 256, 290)], ids=["3", "4"])
+@pytest.mark.parametrize("ks", [(300, 260, 257), (270, 300, 256, 290), (300, 0, 260, 257, 270, 256, 290)],
+                         ids=["3", "4", "7-one-empty"])
 @pytest.mark.parametrize("x_dtype,p_dtype", MODES, ids=["split", "tf32x3", "native"])
 def test_down_members_bits_and_launches(ks, x_dtype, p_dtype, monkeypatch):
-    """g_i = x_i @ p_i for every member as ``lora._down`` computes it alone (every K_i >= 256, so each member
-    gets the tile size its own launch would; a p_i transposed view, as the forward's a.T is)."""
+    """g_i = x_i @ p_i for every member as ``lora._down`` computes it alone (every K_i >= 256 or empty, so each
+    member gets the tile size its own launch would; a p_i transposed view, as the forward's a.T is)."""
     g, rows, rank = seeded(0), 37, 5
     xs = [torch.randn(rows, k, generator=g).to(x_dtype) for k in ks]
     ps = [torch.randn(k, rank, generator=g).to(p_dtype) for k in ks]
@@ -47,7 +48,8 @@ def test_down_members_bits_and_launches(ks, x_dtype, p_dtype, monkeypatch):
                                                   **({"_split_members_kernel": split} if split else {})}
 
 
-@pytest.mark.parametrize("ns", [(45, 13, 130), (7, 70, 9, 64)], ids=["3", "4"])
+@pytest.mark.parametrize("ns", [(45, 13, 130), (7, 70, 9, 64), (7, 0, 70, 9, 64, 130, 1)],
+                         ids=["3", "4", "7-one-empty"])
 @pytest.mark.parametrize("y_dtype,q_dtype", MODES, ids=["bf16-fp32", "fp32-fp32", "bf16-bf16"])
 def test_up_add_members_bits_and_launches(ns, y_dtype, q_dtype, monkeypatch):
     """y_i += s h_i @ q_i in place for every member as ``lora._up_add_`` does it alone."""

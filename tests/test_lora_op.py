@@ -397,7 +397,7 @@ def test_register_is_idempotent():
     assert hasattr(torch.ops.sloth, "lora_linear") and hasattr(torch.ops.sloth, "lora_linear_backward")
 
 
-def test_grad_splits_are_added_in_the_launch_in_split_order():
+def test_grad_splits_are_added_in_the_launch_in_split_order(monkeypatch):
     """The weight-gradient kernel splits M over programs; the last program of each tile adds the splits'
     partials in split order: the result is the fp64 product to fp32 rounding, the same bits on every run, the
     shared counters are zero again after each launch (so the next launch may reuse them), and too few
@@ -408,8 +408,11 @@ def test_grad_splits_are_added_in_the_launch_in_split_order():
     u, x = torch.randn(1100, 21, generator=g), torch.randn(1100, 300, generator=g).bfloat16()
     u2, x2 = torch.randn(1100, 21, generator=g), torch.randn(1100, 45, generator=g).bfloat16()
     problems = [(u, x, False), (u2, x2, True)]
-    counters = lowering.grad_counters([[300, 45]], u.device)
+    counters = lowering.grad_counters([[300, 45]], 1100, u.device)
+    launches = record_launches(monkeypatch, lowering, "_lora_grad_kernel")
     first = lowering._grads(problems, -0.75, counters)
+    assert launches[0][1][1] > 1, launches  # the grid's second dimension: row splits
+    assert lowering.grad_counters([[300, 45]], 256, u.device).numel() == 1  # no splits: nothing to count
     assert not counters.any()
     again = lowering._grads(problems, -0.75, counters)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(first, again))

@@ -96,17 +96,16 @@ CASES = [pytest.param(*shape, dt, adt, id=f"{_id(*shape)}-{DTYPE_IDS[dt]}-adapte
 
 @pytest.mark.parametrize("x_shape,ns,r,biases,scale,dtype,adapter_dtype", CASES)
 def test_matches_pattern(x_shape, ns, r, biases, scale, dtype, adapter_dtype, device):
-    masters = [t if not isinstance(t, list) else [None if u is None else u.to(device) for u in t]
+    masters = [t.to(device) if isinstance(t, torch.Tensor) else [None if u is None else u.to(device) for u in t]
                for t in make_inputs(x_shape, ns, r, biases)]
-    masters[0] = masters[0].to(device)
     check(masters, dtype, adapter_dtype, scale)
 
 
 @pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
 def test_fallback_and_frozen_input(need_dx, monkeypatch, device):
     """The PyTorch fallback is the same op; without dx (a frozen embedding's output) only da, db are formed."""
-    masters = list(make_inputs((37, 70), (45, 13, 13), 16, (True, False, False)))
-    masters[0] = masters[0].to(device)
+    masters = [t.to(device) if isinstance(t, torch.Tensor) else [None if u is None else u.to(device) for u in t]
+               for t in make_inputs((37, 70), (45, 13, 13), 16, (True, False, False))]
     check(masters, torch.bfloat16, torch.float32, 2.0, need_dx=need_dx)
     import sloth.lowering.lora as lora_lowering
     import sloth.lowering.lora_members as members_lowering

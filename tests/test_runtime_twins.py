@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,35 +62,79 @@ def test_inductor_calls_the_twins_with_the_custom_ops_results() -> None:
 
 
 class _CountingPass(CustomGraphPass):
+    """A user's post-grad pass: counts the graphs it sees and records any ``sloth::`` node still in them (the
+    swap must have run first)."""
+
     def __init__(self) -> None:
         self.graphs = 0
+        self.unswapped: list[str] = []
         self.key = uuid.uuid4().hex  # a new key each run: Inductor's cache would skip a pass it has seen
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.graphs += 1
+        self.unswapped += [str(n.target) for n in graph.nodes
+                           if n.op == "call_function" and str(n.target).startswith("sloth.")]
 
     def uuid(self) -> str:
         return self.key
 
 
+def _only_twins(lines: list[str]) -> bool:
+    calls = [line for line in lines if ".default(" in line]
+    return bool(calls) and all("torch.ops.sloth_rt." in line for line in calls)
+
+
 def test_a_users_post_grad_pass_runs_after_the_swap() -> None:
     theirs = _CountingPass()
     _, lines = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(2)), {"post_grad_custom_post_pass": theirs})
-    assert theirs.graphs == 2  # the forward and the backward graph
-    assert lines and all("torch.ops.sloth." not in line for line in lines if ".default(" in line), lines
+    assert theirs.graphs == 2 and not theirs.unswapped, (theirs.graphs, theirs.unswapped)  # forward, backward
+    assert _only_twins(lines), lines
 
 
-def test_every_twin_has_its_ops_schema() -> None:
-    from sloth.lowering import glu, glu_lora, lora, lora_shared, qlora, rms_norm, rope
+def test_a_list_of_user_passes_runs_where_inductor_takes_lists() -> None:
+    from torch._inductor import custom_graph_pass
 
-    for module in (glu, lora, lora_shared, qlora, rms_norm, rope):
+    if not hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        pytest.skip("this torch takes one post-grad pass, not a list")
+    first, second = _CountingPass(), _CountingPass()
+    _, lines = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(3)),
+                     {"post_grad_custom_post_pass": [first, second]})
+    assert first.graphs == second.graphs == 2 and not first.unswapped and not second.unswapped
+    assert _only_twins(lines), lines
+
+
+def test_inference_graphs_call_the_twins_too() -> None:
+    model, x = NormLoRA(), torch.randn(2, 5, 24, generator=seeded(4))
+    want = model(x)
+    with torch.no_grad():
+        got, codes = run_and_get_code(torch.compile(model, backend="sloth"), x)
+    lines = [line for code in codes for line in code.splitlines() if "torch.ops.sloth" in line]
+    assert _only_twins(lines), lines
+    torch.testing.assert_close(got, want.detach())
+
+
+def test_switched_off_the_custom_ops_stay(monkeypatch) -> None:
+    monkeypatch.setenv("SLOTH_RUNTIME_TWINS", "0")
+    _, lines = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(5)), {})
+    calls = [line for line in lines if ".default(" in line]
+    assert calls and not any("sloth_rt" in line for line in calls), calls
+
+
+def test_every_twin_has_its_ops_schema_tags_kernel_and_no_autograd() -> None:
+    from sloth.lowering import glu, glu_lora, linear_cross_entropy, lora, lora_shared, qlora, rms_norm, rope
+
+    for module in (glu, linear_cross_entropy, lora, lora_shared, qlora, rms_norm, rope):
         module.register()
     glu_lora.register()
     glu_lora.register_4bit()
-    assert len(registration.RUNTIME_TWINS) >= 20
+    names = {op.name() for op in registration.RUNTIME_TWINS}
+    assert {"sloth::linear_cross_entropy", "sloth::lora_linear_shared_backward", "sloth::rope"} <= names
+    assert len(names) >= 22
     for op, twin in registration.RUNTIME_TWINS.items():
         assert str(twin._schema) == str(op._schema).replace("sloth::", "sloth_rt::", 1), (op, twin)
-        assert not torch._C._dispatch_has_kernel_for_dispatch_key(twin.name(), "CompositeImplicitAutograd")
+        assert set(twin.tags) == set(op.tags), (op, twin.tags)
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(twin.name(), "CompositeExplicitAutograd"), twin
+        assert torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(twin.name(), "Autograd"), twin
 
 
 def test_swap_leaves_other_nodes_alone() -> None:
