@@ -14,7 +14,12 @@ import sloth.lowering.nf4 as nf4
 from op_checks import record_launches
 from pattern_checks import seeded
 
-pytestmark = pytest.mark.skipif(not lora.use_triton(torch.empty(0)), reason="no Triton here")
+
+
+@pytest.fixture(autouse=True)
+def _triton_only(device):
+    if not lora.use_triton(torch.empty(0, device=device)):
+        pytest.skip("no Triton here")
 
 MEMBER_KERNELS = ("_split_members_kernel", "_down_members_kernel", "_up_add_members_kernel")
 
@@ -30,16 +35,16 @@ MODES = [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch
 @pytest.mark.parametrize("ks", [(300, 260, 257), (270, 300, 256, 290), (300, 0, 260, 257, 270, 256, 290)],
                          ids=["3", "4", "7-one-empty"])
 @pytest.mark.parametrize("x_dtype,p_dtype", MODES, ids=["split", "tf32x3", "native"])
-def test_down_members_bits_and_launches(ks, x_dtype, p_dtype, monkeypatch):
+def test_down_members_bits_and_launches(ks, x_dtype, p_dtype, monkeypatch, device):
     """g_i = x_i @ p_i for every member as ``lora._down`` computes it alone (every K_i >= 256 or empty, so each
     member gets the tile size its own launch would; a p_i transposed view, as the forward's a.T is)."""
     g, rows, rank = seeded(0), 37, 5
-    xs = [torch.randn(rows, k, generator=g).to(x_dtype) for k in ks]
-    ps = [torch.randn(k, rank, generator=g).to(p_dtype) for k in ks]
-    ps[1] = torch.randn(rank, ks[1], generator=g).to(p_dtype).t()
+    xs = [torch.randn(rows, k, generator=g).to(device, x_dtype) for k in ks]
+    ps = [torch.randn(k, rank, generator=g).to(device, p_dtype) for k in ks]
+    ps[1] = torch.randn(rank, ks[1], generator=g).to(device, p_dtype).t()
     want = [lora._down(x, p) for x, p in zip(xs, ps)]
     launches = record_launches(monkeypatch, members, *MEMBER_KERNELS)
-    h = members.down_members(xs, ps, torch.empty(rows, len(ks) * rank))
+    h = members.down_members(xs, ps, torch.empty(rows, len(ks) * rank, device=device))
     for i, w in enumerate(want):
         assert torch.equal(_bits(h[:, i * rank:(i + 1) * rank].contiguous()), _bits(w)), i
     per_kernel = -(-len(ks) // members.MEMBERS_PER_LAUNCH)
@@ -51,12 +56,12 @@ def test_down_members_bits_and_launches(ks, x_dtype, p_dtype, monkeypatch):
 @pytest.mark.parametrize("ns", [(45, 13, 130), (7, 70, 9, 64), (7, 0, 70, 9, 64, 130, 1)],
                          ids=["3", "4", "7-one-empty"])
 @pytest.mark.parametrize("y_dtype,q_dtype", MODES, ids=["bf16-fp32", "fp32-fp32", "bf16-bf16"])
-def test_up_add_members_bits_and_launches(ns, y_dtype, q_dtype, monkeypatch):
+def test_up_add_members_bits_and_launches(ns, y_dtype, q_dtype, monkeypatch, device):
     """y_i += s h_i @ q_i in place for every member as ``lora._up_add_`` does it alone."""
     g, rows, rank = seeded(1), 67, 6
-    bases = [torch.randn(rows, n, generator=g).to(y_dtype) for n in ns]
-    h = torch.randn(rows, len(ns) * rank, generator=g)
-    qs = [torch.randn(n, rank, generator=g).to(q_dtype).t() for n in ns]  # b.T, as the op passes it
+    bases = [torch.randn(rows, n, generator=g).to(device, y_dtype) for n in ns]
+    h = torch.randn(rows, len(ns) * rank, generator=g).to(device)
+    qs = [torch.randn(n, rank, generator=g).to(device, q_dtype).t() for n in ns]  # b.T, as the op passes it
     want = [lora._up_add_(b.clone(), h[:, i * rank:(i + 1) * rank], q, -1.5) for i, (b, q) in enumerate(zip(bases, qs))]
     launches = record_launches(monkeypatch, members, *MEMBER_KERNELS)
     members.up_add_members_(bases, h, qs, -1.5)
@@ -65,20 +70,20 @@ def test_up_add_members_bits_and_launches(ns, y_dtype, q_dtype, monkeypatch):
     assert Counter(n for n, _, _ in launches) == {"_up_add_members_kernel": -(-len(ns) // members.MEMBERS_PER_LAUNCH)}
 
 
-def _quantised(shape, blocksize, quant_type, nested, seed):
+def _quantised(shape, blocksize, quant_type, nested, seed, device="cpu"):
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
-    w = torch.randn(shape, generator=seeded(seed)) * 2
+    w = (torch.randn(shape, generator=seeded(seed)) * 2).to(device)
     return bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested)
 
 
 @pytest.mark.parametrize("rows", [(9, 3, 17), (5, 1, 8, 3)], ids=["3", "4"])
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 @pytest.mark.parametrize("quant_type,blocksize", [("nf4", 64), ("fp4", 128)])
-def test_dequantize_members_bits_and_launches(rows, nested, quant_type, blocksize, monkeypatch):
+def test_dequantize_members_bits_and_launches(rows, nested, quant_type, blocksize, monkeypatch, device):
     """Each weight's rows of the joined buffer are ``dequantize_4bit`` (or ``_nested``) of that weight alone,
     odd element counts included (K = 77)."""
     k, dtype = 77, torch.bfloat16
-    states = [_quantised((n, k), blocksize, quant_type, nested, seed) for seed, n in enumerate(rows)]
+    states = [_quantised((n, k), blocksize, quant_type, nested, seed, device) for seed, n in enumerate(rows)]
     want = []
     for q, st in states:
         if nested:
@@ -109,8 +114,8 @@ def test_dequantize_members_bad_inputs():
                                     torch.bfloat16)
 
 
-def test_members_of_other_modes_refused():
-    x = [torch.randn(4, 8).bfloat16(), torch.randn(4, 8)]
-    p = [torch.randn(8, 2), torch.randn(8, 2)]
+def test_members_of_other_modes_refused(device):
+    x = [torch.randn(4, 8, device=device).bfloat16(), torch.randn(4, 8, device=device)]
+    p = [torch.randn(8, 2, device=device), torch.randn(8, 2, device=device)]
     with pytest.raises(ValueError, match="share rows, rank and product mode"):
-        members.down_members(x, p, torch.empty(4, 4))
+        members.down_members(x, p, torch.empty(4, 4, device=device))
