@@ -2,7 +2,7 @@
 
 AOTAutograd traces each ``torch.ops.sloth.*`` op through its registered autograd into a forward and a
 backward graph; from then on nothing calls that autograd: the compiled forward runs inside AOTAutograd's own
-``autograd.Function`` (grad mode off) and the compiled backward calls the op's ``_backward`` twin directly. Yet
+``autograd.Function`` (grad mode off) and the compiled backward calls the op's ``_backward`` op directly. Yet
 every call of a ``custom_op`` still runs its Python autograd and backend wrappers. This pass, an Inductor
 post-grad pass, replaces each op node's target with its twin from ``lowering.registration.RUNTIME_TWINS``:
 the same schema, function and fake, without those wrappers (lowering/registration.py has the numbers).
@@ -17,6 +17,7 @@ import os
 from typing import Any, Optional
 
 import torch.fx as fx
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..lowering import registration
@@ -66,7 +67,6 @@ def with_runtime_twins(patches: dict[str, Any]) -> dict[str, Any]:
     if registration.TRITON_OP or os.environ.get("SLOTH_RUNTIME_TWINS", "1") == "0":
         return patches
     import torch._inductor.config as inductor_config
-    from torch._inductor import custom_graph_pass
 
     theirs = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
     if hasattr(custom_graph_pass, "get_custom_graph_passes"):

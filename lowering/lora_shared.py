@@ -33,9 +33,9 @@ held one.
 
 Launches for n = 3 (tests/test_lora_shared_op.py counts them): forward 3 (split, down, one up for the
 members) instead of 9 for three ops; backward 6 (one split and one down for the g_i, 1 up, 3 grad kernels:
-da, then the db two to a launch; the grad kernels add their row splits themselves) instead of 12; one op call each way instead of three; over 4-bit bases one
-dequantisation launch each way instead of three. x is read once by the down kernel and once for da, where
-three ops read it three times each.
+da, then the db two to a launch; the grad kernels add their row splits themselves) instead of 12; one op
+call each way instead of three; over 4-bit bases one dequantisation launch each way instead of three. x is
+read once by the down kernel and once for da, where three ops read it three times each.
 
 Numerics: in exact arithmetic the op equals n separate ops. In floating point two things differ: the down
 and grad kernels tile n r adapter columns instead of r (other summation blocks: a few ulps in y, da, db),
