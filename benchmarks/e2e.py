@@ -307,9 +307,9 @@ def _family(kernel: str) -> str:
 
 def _gpu_idle_lines(prof: Any, top: int) -> list[str]:
     """Where the GPU waits within the profiled step: from the first kernel's start to the last kernel's end, the
-    time no kernel runs, as gaps between kernels (by size, and by the kernel that ends each gap: what the GPU
-    was waiting for the host to launch), plus the host's lead-in before the first kernel. A step bound by its
-    host shows many small gaps; one bound by its GPU, few."""
+    time no kernel runs, as gaps between kernels (by size, by the kernel that ends each gap: what the GPU was
+    waiting for the host to launch, and by the host ops running meanwhile), plus the host's lead-in before the
+    first kernel. A step bound by its host shows many small gaps; one bound by its GPU, few."""
     from torch.autograd import DeviceType
 
     events = prof.events()
@@ -318,10 +318,11 @@ def _gpu_idle_lines(prof: Any, top: int) -> list[str]:
     if not kernels:
         return ["GPU idle: no kernels recorded"]
     cpu_start = min((e.time_range.start for e in events if e.device_type == DeviceType.CPU), default=kernels[0][0])
-    gaps, busy_end = [], kernels[0][1]
+    gaps, spans, busy_end = [], [], kernels[0][1]
     for start, end, name in kernels[1:]:
         if start > busy_end:
             gaps.append((start - busy_end, busy_end - kernels[0][0], name))
+            spans.append((busy_end, start))
         busy_end = max(busy_end, end)
     span, idle = busy_end - kernels[0][0], sum(g[0] for g in gaps)
     lines = [f"GPU idle: first kernel to last {span / 1e3:.2f} ms, no kernel running for {idle / 1e3:.2f} ms in "
@@ -337,7 +338,32 @@ def _gpu_idle_lines(prof: Any, top: int) -> list[str]:
     lines += [f"{sum(v) / 1e3:8.2f} {len(v):6d}  {k}" for k, v in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:top]]
     lines += ["", "largest gaps", f"{'us':>8} {'at ms':>8}  next kernel"]
     lines += [f"{size:8.1f} {at / 1e3:8.2f}  {name[:90]}" for size, at, name in sorted(gaps, reverse=True)[:top]]
+    lines += ["", "host ops running while the GPU waited (idle time inside each op's span; nested ops each count)",
+              f"{'ms':>8}  op"]
+    lines += [f"{ms:8.2f}  {name[:100]}" for name, ms in _idle_by_host_op(events, spans)[:top]]
     return lines
+
+
+def _idle_by_host_op(events: list, spans: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    """(CPU op name, ms of GPU idle time within that op's calls), most first: what the host was doing while the
+    GPU had nothing to run. ``spans`` are the idle intervals, sorted and disjoint, on the events' clock."""
+    import bisect
+
+    from torch.autograd import DeviceType
+
+    ends = [end for _, end in spans]
+    overlap: dict[str, float] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        t0, t1 = e.time_range.start, e.time_range.end
+        i, total = bisect.bisect_right(ends, t0), 0.0
+        while i < len(spans) and spans[i][0] < t1:
+            total += min(t1, spans[i][1]) - max(t0, spans[i][0])
+            i += 1
+        if total > 0:
+            overlap[e.name] = overlap.get(e.name, 0.0) + total
+    return sorted(((name, us / 1e3) for name, us in overlap.items()), key=lambda kv: -kv[1])
 
 
 def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 40) -> None:
