@@ -376,10 +376,10 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
     return base_MN
 
 
-def _k_blocks(sizes: list[int]) -> list[int]:
-    """The grad kernel's k blocks for problems of these K (one block size for all of one launch)."""
+def _k_blocks(sizes: list[int]) -> tuple[int, list[int]]:
+    """(BLOCK_K, k blocks per problem) of the grad kernel for problems of these K (one block size a launch)."""
     block_k = min(GRAD_CONFIG["block_k"], max(16, next_power_of_2(max(sizes))))
-    return [cdiv(k, block_k) for k in sizes]
+    return block_k, [cdiv(k, block_k) for k in sizes]
 
 
 def _splits(n_rows: int, k_blocks: list[int]) -> tuple[int, int]:
@@ -395,7 +395,7 @@ def grad_counters(calls: list[list[int]], n_rows: int, device: torch.device) -> 
     (``calls``: each call's K of its problems), one fill launch for all of them: every launch leaves the
     counters it used at zero again, so the calls, one after another on a stream, share one buffer as long as
     the largest needs. Without row splits in any call, one unused int32 (no fill)."""
-    blocks = [_k_blocks(sizes) for sizes in calls]
+    blocks = [_k_blocks(sizes)[1] for sizes in calls]
     if all(_splits(n_rows, kb)[0] == 1 for kb in blocks):
         return torch.empty(1, dtype=torch.int32, device=device)
     return torch.zeros(max(sum(kb) for kb in blocks), dtype=torch.int32, device=device)
@@ -414,8 +414,7 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
         return [torch.zeros((k, rank) if t else (rank, k), dtype=torch.float32, device=x.device)
                 for (_, x, t), k in zip(problems, sizes)]
     c = GRAD_CONFIG
-    block_m, block_k = c["block_m"], min(c["block_k"], max(16, next_power_of_2(max(sizes))))
-    k_blocks = _k_blocks(sizes)
+    block_k, k_blocks = _k_blocks(sizes)
     splits, rows_per_split = _splits(n_rows, k_blocks)
     device = problems[0][1].device
     if counters is None:  # with one split the kernel never touches them: an unused int32, not an input's data
@@ -443,7 +442,7 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
         u1, x1, *rest1, k_blocks[0],
         u2, x2, g2, out2, k2, *strides2,
         counters, n_rows, rank, rows_per_split, splits, float(scale),
-        MODE=_mode(x1, u1), UPCAST=triton_interpreter_on(), BLOCK_M=block_m, BLOCK_K=block_k,
+        MODE=_mode(x1, u1), UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k,
         BLOCK_R=_block_r(rank),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )

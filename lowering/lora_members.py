@@ -125,7 +125,7 @@ def down_members(xs_MK: Sequence[torch.Tensor], ps_KR: Sequence[torch.Tensor], h
         for i0 in _chunks(n):
             members = [(ps_KR[i], sizes[i], cdiv(sizes[i], _SPLIT_BLOCK_K), rows[i] - rows[i0])
                        for i in range(i0, min(i0 + MEMBERS_PER_LAUNCH, n))]
-            (p0, k0, b0, _), (p1, k1, b1, r1), (p2, k2, b2, r2) = _padded(members)
+            (p0, k0, b0, _), (p1, k1, b1, r1), (p2, k2, _, r2) = _padded(members)
             blocks = sum(m[2] for m in members)
             launch(_split_members_kernel)[(blocks,)](
                 split[rows[i0]:], rank,

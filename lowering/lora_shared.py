@@ -58,7 +58,7 @@ from .backend_choice import use_triton
 from .layout import rows_2d
 from .lora import _check_inputs, _down, _grads, _up_add_, grad_counters, lora_linear_reference
 from .lora_members import down_members, up_add_members_
-from .qlora import QUANT_TYPES
+from .qlora import check_quant_type
 from .registration import define, fake
 
 Weight = Callable[[int], torch.Tensor]  # member i's base weight [N_i, K] in x's dtype (dense, or dequantised)
@@ -161,8 +161,7 @@ def _quantized(packed: list[torch.Tensor], absmax: list[torch.Tensor], absmax_co
                          f"absmax_code, absmax_scale, absmax_offset all empty or one per linear, got {n}, "
                          f"{len(absmax)}, {len(out_features)} and {len(absmax_code)}, {len(absmax_scale)}, "
                          f"{len(absmax_offset)}")
-    if quant_type not in QUANT_TYPES:
-        raise ValueError(f"sloth.qlora_linear_shared: quant_type must be one of {QUANT_TYPES}, got {quant_type!r}")
+    check_quant_type(quant_type, "sloth.qlora_linear_shared")
     rows = [0]
     for n_i in out_features:
         rows.append(rows[-1] + n_i)

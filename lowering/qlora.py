@@ -39,13 +39,18 @@ from .registration import define, fake
 QUANT_TYPES = ("nf4", "fp4")
 
 
+def check_quant_type(quant_type: str, op: str) -> None:
+    """Raise, naming ``op``, for a quant type the 4-bit ops do not dequantise."""
+    if quant_type not in QUANT_TYPES:
+        raise ValueError(f"{op}: quant_type must be one of {QUANT_TYPES}, got {quant_type!r}")
+
+
 def dequantized_weight(packed: torch.Tensor, absmax: torch.Tensor, absmax_code: Optional[torch.Tensor],
                        absmax_scale: Optional[torch.Tensor], absmax_offset: Optional[torch.Tensor],
                        out_features: int, in_features: int, blocksize: int, quant_type: str,
                        dtype: torch.dtype) -> torch.Tensor:
     """The [N, K] base weight in ``dtype``, bit for bit what bitsandbytes' dequantize_4bit returns."""
-    if quant_type not in QUANT_TYPES:
-        raise ValueError(f"sloth.qlora_linear: quant_type must be one of {QUANT_TYPES}, got {quant_type!r}")
+    check_quant_type(quant_type, "sloth.qlora_linear")
     nested = absmax_code is not None
     if nested != (absmax_scale is not None) or nested != (absmax_offset is not None):
         raise ValueError("sloth.qlora_linear: absmax_code, absmax_scale and absmax_offset come together "

@@ -32,8 +32,17 @@ class NormLoRA(nn.Module):
         return F.linear(h, self.w) + 0.5 * (h @ self.a.t()) @ self.b.t()
 
 
+def _sloth_calls(codes: list[str]) -> list[str]:
+    """The lines of Inductor's generated code that call a sloth op (custom op or twin)."""
+    return [line for code in codes for line in code.splitlines() if "torch.ops.sloth" in line and ".default(" in line]
+
+
+def _only_twins(calls: list[str]) -> bool:
+    return bool(calls) and all("torch.ops.sloth_rt." in line for line in calls)
+
+
 def _step(model: nn.Module, x: torch.Tensor, options: dict) -> tuple[list[torch.Tensor], list[str]]:
-    """[loss, dx, every parameter gradient] and the generated code's lines that name a sloth op."""
+    """[loss, dx, every parameter gradient] and the generated code's calls of sloth ops."""
     compiled = torch.compile(model, backend="sloth", options=options)
     x = x.detach().requires_grad_(True)
     model.zero_grad()
@@ -45,16 +54,15 @@ def _step(model: nn.Module, x: torch.Tensor, options: dict) -> tuple[list[torch.
 
     loss, codes = run_and_get_code(run)
     grads = [x.grad] + [p.grad for p in model.parameters()]
-    return [loss, *grads], [line for code in codes for line in code.splitlines() if "torch.ops.sloth" in line]
+    return [loss, *grads], _sloth_calls(codes)
 
 
 def test_inductor_calls_the_twins_with_the_custom_ops_results() -> None:
     model, x = NormLoRA(), torch.randn(3, 5, 24, generator=seeded(1))
     with_ops, _ = _step(model, x, {"inner": "aot_eager"})  # the custom ops themselves
     torch._dynamo.reset()
-    with_twins, lines = _step(model, x, {})
-    calls = [line for line in lines if ".default(" in line]
-    assert calls and all("torch.ops.sloth_rt." in line for line in calls), calls
+    with_twins, calls = _step(model, x, {})
+    assert _only_twins(calls), calls
     for name in ("rms_norm", "rms_norm_backward", "lora_linear", "lora_linear_backward"):
         assert any(f"sloth_rt.{name}.default(" in line for line in calls), (name, calls)
     for got, want in zip(with_twins, with_ops, strict=True):  # Inductor's glue may round its sums otherwise
@@ -79,16 +87,11 @@ class _CountingPass(CustomGraphPass):
         return self.key
 
 
-def _only_twins(lines: list[str]) -> bool:
-    calls = [line for line in lines if ".default(" in line]
-    return bool(calls) and all("torch.ops.sloth_rt." in line for line in calls)
-
-
 def test_a_users_post_grad_pass_runs_after_the_swap() -> None:
     theirs = _CountingPass()
-    _, lines = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(2)), {"post_grad_custom_post_pass": theirs})
+    _, calls = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(2)), {"post_grad_custom_post_pass": theirs})
     assert theirs.graphs == 2 and not theirs.unswapped, (theirs.graphs, theirs.unswapped)  # forward, backward
-    assert _only_twins(lines), lines
+    assert _only_twins(calls), calls
 
 
 def test_a_list_of_user_passes_runs_where_inductor_takes_lists() -> None:
@@ -97,10 +100,10 @@ def test_a_list_of_user_passes_runs_where_inductor_takes_lists() -> None:
     if not hasattr(custom_graph_pass, "get_custom_graph_passes"):
         pytest.skip("this torch takes one post-grad pass, not a list")
     first, second = _CountingPass(), _CountingPass()
-    _, lines = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(3)),
+    _, calls = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(3)),
                      {"post_grad_custom_post_pass": [first, second]})
     assert first.graphs == second.graphs == 2 and not first.unswapped and not second.unswapped
-    assert _only_twins(lines), lines
+    assert _only_twins(calls), calls
 
 
 def test_inference_graphs_call_the_twins_too() -> None:
@@ -108,15 +111,14 @@ def test_inference_graphs_call_the_twins_too() -> None:
     want = model(x)
     with torch.no_grad():
         got, codes = run_and_get_code(torch.compile(model, backend="sloth"), x)
-    lines = [line for code in codes for line in code.splitlines() if "torch.ops.sloth" in line]
-    assert _only_twins(lines), lines
+    calls = _sloth_calls(codes)
+    assert _only_twins(calls), calls
     torch.testing.assert_close(got, want.detach())
 
 
 def test_switched_off_the_custom_ops_stay(monkeypatch) -> None:
     monkeypatch.setenv("SLOTH_RUNTIME_TWINS", "0")
-    _, lines = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(5)), {})
-    calls = [line for line in lines if ".default(" in line]
+    _, calls = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(5)), {})
     assert calls and not any("sloth_rt" in line for line in calls), calls
 
 
