@@ -94,7 +94,7 @@ def main() -> int:
     qkv_h = torch.randn(m, 3 * r, device=dev)
     calls = {
         "one launch (_lora_up_add_kernel)": lambda: lora._lora_up_add_kernel[(1, 64)](
-            base, h, q, base, m, n, r, base.stride(0), h.stride(0), q.stride(0), q.stride(1), base.stride(0), 0.5,
+            base, h, q, m, n, r, base.stride(0), h.stride(0), q.stride(0), q.stride(1), 0.5, 64,
             BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, num_warps=4, num_stages=2),
         "sloth::lora_linear": lambda: torch.ops.sloth.lora_linear(x, w, None, a, b, 2.0),
         "sloth::lora_linear_backward": lambda: torch.ops.sloth.lora_linear_backward(dy, x, w, a, b, h, 2.0, True),

@@ -183,32 +183,37 @@ def _lora_down_kernel(p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, s
 
 
 @triton.jit
-def _up_add_tile(i_m, i_n, p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, stride_qr, stride_qn, stride_ym,
-                 scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y[tile] = base[tile] + scale * h[rows, R] @ q[R, columns] for the (i_m, i_n) tile of [M, N], summed in
-    fp32, rounded once to y's dtype. ``y`` may be ``base`` itself (the tile is read before it is written).
-    Both factors are fp32 (h always, q as the adapter), so the tile product is tf32x3; K = R is tiny, the
-    tile is bound by reading base and writing y."""
+def _up_add_rows(i_m, i_g, p_y, p_h, p_q, M, N, R, stride_ym, stride_hm, stride_qr, stride_qn, scale, cols_per_group,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[rows of block i_m, columns of group i_g] += scale * h[rows, R] @ q[R, columns] in place, summed in fp32
+    and rounded once to y's dtype, one BLOCK_N-column tile at a time (group i_g: columns i_g * cols_per_group
+    to the next group's). h's rows are loaded once for the group, and the loop lets the next tile's loads run
+    while this tile is stored (num_stages). Both factors are fp32 (h always, q as the adapter), so the tile
+    product is tf32x3; K = R is tiny, the tile is bound by reading and writing y."""
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_r = tl.arange(0, BLOCK_R)
-    m_m, m_n, m_r = o_m < M, o_n < N, o_r < R
+    m_m, m_r = o_m < M, o_r < R
     b_h = tl.load(p_h + o_m[:, None] * stride_hm + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)
-    b_q = tl.load(p_q + o_r[:, None] * stride_qr + o_n[None, :] * stride_qn, mask=m_r[:, None] & m_n[None, :],
-                  other=0.0)
-    b_low = tl.dot(b_h, b_q.to(tl.float32), input_precision="tf32x3")
-    m_mn = m_m[:, None] & m_n[None, :]
-    b_base = tl.load(p_base + o_m[:, None] * stride_bm + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
-    b_y = b_base + scale * b_low
-    tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :], round_to(b_y, p_y.dtype.element_ty), mask=m_mn)
+    col_start = i_g * cols_per_group
+    col_stop = tl.minimum(col_start + cols_per_group, N)
+    for n0 in range(col_start, col_stop, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < col_stop
+        b_q = tl.load(p_q + o_r[:, None] * stride_qr + o_n[None, :] * stride_qn, mask=m_r[:, None] & m_n[None, :],
+                      other=0.0)
+        b_low = tl.dot(b_h, b_q.to(tl.float32), input_precision="tf32x3")
+        m_mn = m_m[:, None] & m_n[None, :]
+        p_tile = p_y + o_m[:, None] * stride_ym + o_n[None, :]
+        b_y = tl.load(p_tile, mask=m_mn, other=0.0).to(tl.float32) + scale * b_low
+        tl.store(p_tile, round_to(b_y, p_y.dtype.element_ty), mask=m_mn)
 
 
 @triton.jit
-def _lora_up_add_kernel(p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm, stride_qr, stride_qn, stride_ym, scale,
+def _lora_up_add_kernel(p_y, p_h, p_q, M, N, R, stride_ym, stride_hm, stride_qr, stride_qn, scale, cols_per_group,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y[M, N] = base[M, N] + scale * h[M, R] @ q[R, N] (``_up_add_tile``), one program a tile."""
-    _up_add_tile(tl.program_id(0), tl.program_id(1), p_base, p_h, p_q, p_y, M, N, R, stride_bm, stride_hm,
-                 stride_qr, stride_qn, stride_ym, scale, BLOCK_M, BLOCK_N, BLOCK_R)
+    """y[M, N] += scale * h[M, R] @ q[R, N] in place (``_up_add_rows``); grid (row blocks, column groups)."""
+    _up_add_rows(tl.program_id(0), tl.program_id(1), p_y, p_h, p_q, M, N, R, stride_ym, stride_hm, stride_qr,
+                 stride_qn, scale, cols_per_group, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
@@ -289,7 +294,13 @@ DOWN_CONFIG = dict(block_m=64, block_k=256, num_warps=4, num_stages=3)
 # way). Its fp32 tiles are twice the split launch's bf16 ones in shared memory (the
 # 256-long K tile needed 256 KB on the H200; 128 fit), and on one lease the QLoRA step took 338.7 ms
 # against 285.2 with the split launch (benchmarks/results/2026-11-30_000414 and _000856; commit de1fccd).
-UP_CONFIG = dict(block_m=64, block_n=128, num_warps=4, num_stages=2)
+# up_add: one program per 32 rows and column group, looping over its 128-column tiles (3 stages, 4 warps), the
+# groups chosen so that the grid has ~512 programs (4 for 4096 tokens). At the step's shapes (benchmarks/ops/
+# lora_insitu.py, H200, 4096 tokens; % of copy for the o and down forward, o dx, down dx [N 14336], and the
+# joined dx at r 48 and 32): 67 67 65 71 28 38, against 67 66 42 47 15 26 for the one-tile-a-program kernel it
+# replaced (64 x 128 tiles; its sweep above timed the forward's b.T layout only, where they tie). The dx cases
+# read q = a with columns adjacent, which the one-tile programs loaded once per tile.
+UP_CONFIG = dict(block_m=32, block_n=128, num_warps=4, num_stages=3, programs=512)
 GRAD_CONFIG = dict(block_m=64, block_k=128, num_warps=4, num_stages=3, programs=264)
 # Tried and not kept: writing the adapter term first and letting cuBLAS add the base product in its
 # epilogue (``y.addmm_(x, w.T)``, beta 1) instead of the up kernel's read-add-write pass. H200, 4096
@@ -360,6 +371,19 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = 
     return h_MR
 
 
+def up_add_groups(n_rows: int, n_cols: int) -> tuple[int, int]:
+    """(column groups, columns per group) of the up_add kernels for a [n_rows, n_cols] output: enough groups
+    that the grid has about UP_CONFIG["programs"] programs, each group a whole number of column tiles (no
+    group for no column)."""
+    c = UP_CONFIG
+    tiles = cdiv(n_cols, c["block_n"])
+    if tiles == 0:
+        return 0, c["block_n"]
+    groups = max(1, min(tiles, cdiv(c["programs"], cdiv(n_rows, c["block_m"]))))
+    per_group = cdiv(tiles, groups) * c["block_n"]
+    return cdiv(n_cols, per_group), per_group
+
+
 def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scale: float) -> torch.Tensor:
     """``base_MN += scale * h_MR @ q_RN`` in place (fp32 sum, one rounding); returns base_MN. ``h_MR`` needs a
     unit column stride only (it may be a column block of a wider buffer)."""
@@ -367,9 +391,10 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
     if base_MN.numel() == 0:
         return base_MN
     c = UP_CONFIG
-    launch(_lora_up_add_kernel)[(cdiv(n_rows, c["block_m"]), cdiv(n_cols, c["block_n"]))](
-        base_MN, h_MR, q_RN, base_MN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0), h_MR.stride(0),
-        q_RN.stride(0), q_RN.stride(1), base_MN.stride(0), float(scale),
+    groups, per_group = up_add_groups(n_rows, n_cols)
+    launch(_lora_up_add_kernel)[(cdiv(n_rows, c["block_m"]), groups)](
+        base_MN, h_MR, q_RN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0), h_MR.stride(0), q_RN.stride(0),
+        q_RN.stride(1), float(scale), per_group,
         BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(h_MR.shape[1]), num_warps=c["num_warps"],
         num_stages=c["num_stages"],
     )

@@ -11,7 +11,7 @@ choosing its member by its program id and then running lora.py's tile function o
     up_add_members   y_i                  += s * h[:, i r:(i + 1) r] @ q_i   (the forward's adapter term)
 
 Each member's tile is computed exactly as lora.py's single-member kernel computes it (same tile function,
-same tile sizes when the members share their shapes), so the results are bit for bit the per-member launches'.
+same tile sizes and column groups), so the results are bit for bit the per-member launches'.
 More than three members take one launch per three.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton.language as tl
 from .backend_choice import triton_interpreter_on
 from .host_math import cdiv
 from .lora import (_SPLIT_BF16, _TF32X3, DOWN_CONFIG, UP_CONFIG, _block_r, _down_block_k, _down_tile, _mode,
-                   _split_tile, _up_add_tile)
+                   _split_tile, _up_add_rows, up_add_groups)
 from .registration import launch
 
 MEMBERS_PER_LAUNCH = 3
@@ -74,20 +74,20 @@ def _down_members_kernel(M, R, stride_hm,
 
 @triton.jit
 def _up_add_members_kernel(M, R, stride_hm, scale,
-                           p_y0, p_h0, p_q0, N0, stride_ym0, stride_qr0, stride_qn0, blocks0,
-                           p_y1, p_h1, p_q1, N1, stride_ym1, stride_qr1, stride_qn1, blocks1,
-                           p_y2, p_h2, p_q2, N2, stride_ym2, stride_qr2, stride_qn2,
+                           p_y0, p_h0, p_q0, N0, stride_ym0, stride_qr0, stride_qn0, cols0, groups0,
+                           p_y1, p_h1, p_q1, N1, stride_ym1, stride_qr1, stride_qn1, cols1, groups1,
+                           p_y2, p_h2, p_q2, N2, stride_ym2, stride_qr2, stride_qn2, cols2,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y_i[M, N_i] += scale * h_i[M, R] @ q_i[R, N_i] in place (``_up_add_tile``); grid (row blocks, column
-    blocks of all members: [0, blocks0) member 0's, the next blocks1 member 1's, the rest member 2's)."""
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
-    i = (i_n >= blocks0).to(tl.int32) + (i_n >= blocks0 + blocks1).to(tl.int32)
-    p_y = _pick(i, p_y0, p_y1, p_y2)
-    stride_ym = _pick(i, stride_ym0, stride_ym1, stride_ym2)
-    _up_add_tile(i_m, i_n - _pick(i, 0, blocks0, blocks0 + blocks1), p_y, _pick(i, p_h0, p_h1, p_h2),
-                 _pick(i, p_q0, p_q1, p_q2), p_y, M, _pick(i, N0, N1, N2), R, stride_ym, stride_hm,
-                 _pick(i, stride_qr0, stride_qr1, stride_qr2), _pick(i, stride_qn0, stride_qn1, stride_qn2), stride_ym,
-                 scale, BLOCK_M, BLOCK_N, BLOCK_R)
+    """y_i[M, N_i] += scale * h_i[M, R] @ q_i[R, N_i] in place (``_up_add_rows``, cols_i columns a group); grid
+    (row blocks, column groups of all members: [0, groups0) member 0's, the next groups1 member 1's, the rest
+    member 2's)."""
+    i_m, i_g = tl.program_id(0), tl.program_id(1)
+    i = (i_g >= groups0).to(tl.int32) + (i_g >= groups0 + groups1).to(tl.int32)
+    _up_add_rows(i_m, i_g - _pick(i, 0, groups0, groups0 + groups1), _pick(i, p_y0, p_y1, p_y2),
+                 _pick(i, p_h0, p_h1, p_h2), _pick(i, p_q0, p_q1, p_q2), M, _pick(i, N0, N1, N2), R,
+                 _pick(i, stride_ym0, stride_ym1, stride_ym2), stride_hm, _pick(i, stride_qr0, stride_qr1, stride_qr2),
+                 _pick(i, stride_qn0, stride_qn1, stride_qn2), scale, _pick(i, cols0, cols1, cols2), BLOCK_M, BLOCK_N,
+                 BLOCK_R)
 
 
 def _chunks(n: int) -> range:
@@ -156,13 +156,13 @@ def up_add_members_(ys_MN: Sequence[torch.Tensor], h_MR: torch.Tensor, qs_RN: Se
         return
     c = UP_CONFIG
     for i0 in _chunks(len(ys_MN)):
-        members = [(ys_MN[i], h_MR[:, i * rank:(i + 1) * rank], qs_RN[i], cdiv(ys_MN[i].shape[1], c["block_n"]))
+        members = [(ys_MN[i], h_MR[:, i * rank:(i + 1) * rank], qs_RN[i], *up_add_groups(n_rows, ys_MN[i].shape[1]))
                    for i in range(i0, min(i0 + MEMBERS_PER_LAUNCH, len(ys_MN)))]
         args = []
-        for j, (y, h, q, blocks) in enumerate(_padded(members)):
-            args += [y, h, q, y.shape[1], y.stride(0), q.stride(0), q.stride(1)]
+        for j, (y, h, q, groups, per_group) in enumerate(_padded(members)):
+            args += [y, h, q, y.shape[1], y.stride(0), q.stride(0), q.stride(1), per_group]
             if j < MEMBERS_PER_LAUNCH - 1:
-                args.append(blocks if j < len(members) else 0)
+                args.append(groups if j < len(members) else 0)
         launch(_up_add_members_kernel)[(cdiv(n_rows, c["block_m"]), sum(m[3] for m in members))](
             n_rows, rank, h_MR.stride(0), float(scale), *args,
             BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(rank), num_warps=c["num_warps"],

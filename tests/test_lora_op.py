@@ -133,11 +133,14 @@ def test_forward_and_gradients_match_pattern(x_shape, n, r, bias, scale, dtype, 
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS, ids=lambda t: DTYPE_IDS.get(t, t))
 def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype):
     # With 16-wide tiles the down kernel loops over K, the grad kernel over several K blocks and row splits,
-    # and the up kernel over a grid of row and column blocks, at a size the interpreter runs quickly.
+    # and the up kernel over a grid of row blocks and two column groups, looping over a group's column tiles
+    # (3 tiles of 16 over 45 columns: groups of 2 and 1), at a size the interpreter runs quickly.
     monkeypatch.setitem(lowering.DOWN_CONFIG, "block_m", 16)
     monkeypatch.setitem(lowering.DOWN_CONFIG, "block_k", 16)
     monkeypatch.setitem(lowering.UP_CONFIG, "block_m", 16)
     monkeypatch.setitem(lowering.UP_CONFIG, "block_n", 16)
+    monkeypatch.setitem(lowering.UP_CONFIG, "programs", 14)
+    assert lowering.up_add_groups(100, 45) == (2, 32)
     monkeypatch.setitem(lowering.GRAD_CONFIG, "block_m", 16)
     monkeypatch.setitem(lowering.GRAD_CONFIG, "block_k", 16)
     check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), dtype, adapter_dtype, 2.0)
