@@ -23,6 +23,7 @@
 #   bash benchmarks/h200_rows.sh launch-overhead  # host us per Triton launch and per op call only
 #   bash benchmarks/h200_rows.sh gemm      # NF4 dequantised in the matmul's main loop vs buffer + cuBLAS
 #   bash benchmarks/h200_rows.sh insitu    # the up_add kernel at the step's shapes and strides, candidates beside
+#   bash benchmarks/h200_rows.sh insitu-down  # the down kernel at the step's shapes, split-K candidates beside
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
@@ -31,7 +32,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|insitu|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|insitu|insitu-down|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -145,6 +146,9 @@ case $part in
     insitu)  # the up_add kernel at the step's shapes and strides (benchmarks/ops/lora_insitu.py), candidates beside
         [ -z "${DRY:-}" ] && { timeout 150 python -m benchmarks.ops.lora_insitu --only up_add > "$out/logs/insitu.log" 2>&1
                                echo "lora_insitu: rc $?"; grep -v "^  " "$out/logs/insitu.log" | tail -22; } ;;
+    insitu-down)  # the down kernel at the step's shapes, split-K candidates beside (benchmarks/ops/lora_insitu.py)
+        [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.lora_insitu --only down > "$out/logs/insitu-down.log" 2>&1
+                               echo "lora_insitu down: rc $?"; grep -v "^  " "$out/logs/insitu-down.log" | tail -22; } ;;
     nf4)  # NF4/FP4 dequantisation bits vs bitsandbytes, and its time
         [ -z "${DRY:-}" ] && { timeout 120 python -m benchmarks.ops.nf4 > "$out/logs/nf4.log" 2>&1
                                echo "nf4: rc $?"; tail -4 "$out/logs/nf4.log"; } ;;
