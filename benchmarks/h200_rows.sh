@@ -147,7 +147,7 @@ case $part in
         [ -z "${DRY:-}" ] && { timeout 150 python -m benchmarks.ops.lora_insitu --only up_add > "$out/logs/insitu.log" 2>&1
                                echo "lora_insitu: rc $?"; grep -v "^  " "$out/logs/insitu.log" | tail -22; } ;;
     insitu-down)  # the down kernel at the step's shapes, split-K candidates beside (benchmarks/ops/lora_insitu.py)
-        [ -z "${DRY:-}" ] && { timeout 200 python -m benchmarks.ops.lora_insitu --only down > "$out/logs/insitu-down.log" 2>&1
+        [ -z "${DRY:-}" ] && { timeout 300 python -m benchmarks.ops.lora_insitu --only down > "$out/logs/insitu-down.log" 2>&1
                                echo "lora_insitu down: rc $?"; grep -v "^  " "$out/logs/insitu-down.log" | tail -22; } ;;
     nf4)  # NF4/FP4 dequantisation bits vs bitsandbytes, and its time
         [ -z "${DRY:-}" ] && { timeout 120 python -m benchmarks.ops.nf4 > "$out/logs/nf4.log" 2>&1

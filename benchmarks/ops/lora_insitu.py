@@ -47,44 +47,58 @@ from sloth.lowering.rounding import INTERPRETED, round_to  # noqa: E402
 
 @triton.jit
 def _up_add_rows_kernel(p_base, p_h, p_q, M, N, R, stride_bm, stride_hm, stride_qr, stride_qn, scale, cols_per_group,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK_R: tl.constexpr,
+                        PRECISION: tl.constexpr):
     """base[rows of block pid 0, columns of group pid 1] += scale * h[rows, R] @ q[R, columns], a column tile
-    at a time (h's rows loaded once)."""
+    at a time; the product over R in CHUNK_R-wide dots (CHUNK_R = BLOCK_R: one dot, h's rows loaded once)."""
     i_m, i_g = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
     o_r = tl.arange(0, BLOCK_R)
-    m_m, m_r = o_m < M, o_r < R
-    b_h = tl.load(p_h + o_m[:, None] * stride_hm + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)
+    b_h = tl.load(p_h + o_m[:, None] * stride_hm + o_r[None, :], mask=m_m[:, None] & (o_r < R)[None, :], other=0.0)
     col_start = i_g * cols_per_group
     col_stop = tl.minimum(col_start + cols_per_group, N)
     for n0 in range(col_start, col_stop, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < col_stop
-        b_q = tl.load(p_q + o_r[:, None] * stride_qr + o_n[None, :] * stride_qn, mask=m_r[:, None] & m_n[None, :],
-                      other=0.0)
-        b_low = tl.dot(b_h, b_q.to(tl.float32), input_precision="tf32x3")
+        if CHUNK_R == BLOCK_R:
+            b_q = tl.load(p_q + o_r[:, None] * stride_qr + o_n[None, :] * stride_qn,
+                          mask=(o_r < R)[:, None] & m_n[None, :], other=0.0)
+            b_low = tl.dot(b_h, b_q.to(tl.float32), input_precision=PRECISION)
+        else:
+            b_low = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in tl.static_range(0, BLOCK_R, CHUNK_R):
+                o_c = r0 + tl.arange(0, CHUNK_R)
+                b_hc = tl.load(p_h + o_m[:, None] * stride_hm + o_c[None, :], mask=m_m[:, None] & (o_c < R)[None, :],
+                               other=0.0)
+                b_q = tl.load(p_q + o_c[:, None] * stride_qr + o_n[None, :] * stride_qn,
+                              mask=(o_c < R)[:, None] & m_n[None, :], other=0.0)
+                b_low = tl.dot(b_hc, b_q.to(tl.float32), b_low, input_precision=PRECISION)
         m_mn = m_m[:, None] & m_n[None, :]
         p_tile = p_base + o_m[:, None] * stride_bm + o_n[None, :]
         b_y = tl.load(p_tile, mask=m_mn, other=0.0).to(tl.float32) + scale * b_low
         tl.store(p_tile, round_to(b_y, p_base.dtype.element_ty), mask=m_mn)
 
 
-def up_add_rows_(base, h, q, scale, block_m, block_n, groups, num_warps, num_stages):
+def up_add_rows_(base, h, q, scale, block_m, block_n, groups, num_warps, num_stages, chunk_r=0, precision="tf32x3"):
     n_rows, n_cols = base.shape
     per_group = triton.cdiv(triton.cdiv(n_cols, groups), block_n) * block_n
+    block_r = max(16, triton.next_power_of_2(h.shape[1]))
     _up_add_rows_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, per_group))](
         base, h, q, n_rows, n_cols, h.shape[1], base.stride(0), h.stride(0), q.stride(0), q.stride(1), float(scale),
-        per_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(h.shape[1])),
-        num_warps=num_warps, num_stages=num_stages)
+        per_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, CHUNK_R=min(chunk_r or block_r, block_r),
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     return base
 
 
 @triton.jit
 def _down_splitk_kernel(p_x, p_p, p_h, p_ws, p_count, M, K, R, stride_xm, stride_hm, k_per_split, n_splits,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                        THREE_DOTS: tl.constexpr):
     """h[rows of block pid 0, R] = x[rows, K] @ p[K, R] with p the [K, 4 BLOCK_R] bf16 split of an fp32 factor
     (lora._split_factor_kernel), program pid 1 forming the sum over its K range; the last of a row block's
-    programs adds the partials in split order."""
+    programs adds the partials in split order. THREE_DOTS: the hi, mid and lo parts as three BLOCK_R-wide dots
+    into one accumulator (the split's zero fourth part not loaded) instead of one 4 BLOCK_R-wide dot."""
     i_m, i_s = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_c = tl.arange(0, 4 * BLOCK_R)
@@ -92,14 +106,25 @@ def _down_splitk_kernel(p_x, p_p, p_h, p_ws, p_count, M, K, R, stride_xm, stride
     m_m = o_m < M
     k_start = i_s * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    b_acc = tl.zeros((BLOCK_M, 4 * BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < k_stop
-        b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_p = tl.load(p_p + o_k[:, None] * (4 * BLOCK_R) + o_c[None, :], mask=m_k[:, None], other=0.0)
-        b_acc = _dot16(b_x, b_p, b_acc, INTERPRETED)
-    b_h = tl.sum(tl.reshape(b_acc, (BLOCK_M, 4, BLOCK_R)), axis=1)
+    if THREE_DOTS:
+        b_h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < k_stop
+            b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+            p_row = p_p + o_k[:, None] * (4 * BLOCK_R) + o_r[None, :]
+            b_h = _dot16(b_x, tl.load(p_row, mask=m_k[:, None], other=0.0), b_h, INTERPRETED)
+            b_h = _dot16(b_x, tl.load(p_row + BLOCK_R, mask=m_k[:, None], other=0.0), b_h, INTERPRETED)
+            b_h = _dot16(b_x, tl.load(p_row + 2 * BLOCK_R, mask=m_k[:, None], other=0.0), b_h, INTERPRETED)
+    else:
+        b_acc = tl.zeros((BLOCK_M, 4 * BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < k_stop
+            b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+            b_p = tl.load(p_p + o_k[:, None] * (4 * BLOCK_R) + o_c[None, :], mask=m_k[:, None], other=0.0)
+            b_acc = _dot16(b_x, b_p, b_acc, INTERPRETED)
+        b_h = tl.sum(tl.reshape(b_acc, (BLOCK_M, 4, BLOCK_R)), axis=1)
     m_tile = m_m[:, None] & (o_r < R)[None, :]
     o_tile = o_m[:, None] * BLOCK_R + o_r[None, :]
     if n_splits == 1:
@@ -115,13 +140,14 @@ def _down_splitk_kernel(p_x, p_p, p_h, p_ws, p_count, M, K, R, stride_xm, stride
             tl.atomic_xchg(p_count + i_m, 0)
 
 
-def down_splitk(x, split, rank, block_r, block_m, block_k, splits, num_warps, num_stages, ws, counters):
+def down_splitk(x, split, rank, block_r, block_m, block_k, splits, num_warps, num_stages, ws, counters, three_dots=False):
     n_rows, k = x.shape
     per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     h = torch.empty((n_rows, rank), dtype=torch.float32, device=x.device)
     _down_splitk_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(k, per_split))](
         x, split, h, ws, counters, n_rows, k, rank, x.stride(0), h.stride(0), per_split, triton.cdiv(k, per_split),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, THREE_DOTS=three_dots, num_warps=num_warps,
+        num_stages=num_stages)
     return h
 
 
@@ -153,8 +179,12 @@ def main(argv: list[str] | None = None) -> None:
         up_cases = [(w, 160, r, lay) for w, _, r, lay in up_cases[2:5]]
     up_rows = [dict(block_m=bm, block_n=bn, groups=g, num_warps=nw, num_stages=ns)
                for bm, bn, g, nw, ns in itertools.product((32, 64), (128, 256), (1, 2, 4), (4, 8), (2, 3))]
+    # the product's cost at r 32 and 48: in 16-wide dots, and (not exact enough to ship; to see whether the tile is
+    # bound by tf32x3's three products) one tf32 product
+    up_rows += [dict(block_m=32, block_n=128, groups=4, num_warps=nw, num_stages=3, chunk_r=16) for nw in (4, 8)]
+    up_rows += [dict(block_m=32, block_n=128, groups=4, num_warps=4, num_stages=3, precision="tf32")]
     if smoke:
-        up_rows = up_rows[:3]
+        up_rows = up_rows[:2] + up_rows[-3:]
     if args.only == "down":
         up_cases = []
     print("\nup_add: % of copy (bytes: read and write base)")
@@ -176,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
             name = "rows " + " ".join(f"{k}={v}" for k, v in cfg.items())
             try:
                 got = up_add_rows_(base0.clone(), h, q, 0.5, **cfg)
-                if not torch.equal(got, ref):
+                exact = "chunk_r" not in cfg and "precision" not in cfg  # the shipped tile math: the same bits
+                close = (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+                if not (torch.equal(got, ref) if exact else close):
                     row[name] = float("nan")
                     print(f"  {what} {name}: differs from the shipped kernel "
                           f"({(got.float() - ref.float()).abs().max().item():.3g})", flush=True)
@@ -199,10 +231,12 @@ def main(argv: list[str] | None = None) -> None:
                   ("down bwd dy@b", 4096, 16, "b"), ("qkv-like r48", 4096, 48, "a.T")]
     if smoke:
         down_cases = [(w, 320, r, lay) for w, _, r, lay in down_cases[:2]]
-    down_grid = [dict(block_m=bm, block_k=bk, splits=s, num_warps=nw, num_stages=ns)
-                 for bm, bk, s, nw, ns in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (4, 8), (3, 4))]
+    down_grid = [dict(block_m=bm, block_k=bk, splits=s, num_warps=nw, num_stages=ns, three_dots=t)
+                 for bm, bk, s, nw, ns, t in itertools.product((64, 128), (128, 256), (1, 2, 4), (4, 8), (3,),
+                                                              (False, True))]
     if smoke:
-        down_grid = [dict(block_m=32, block_k=64, splits=s, num_warps=4, num_stages=2) for s in (1, 3)]
+        down_grid = [dict(block_m=32, block_k=64, splits=s, num_warps=4, num_stages=2, three_dots=t)
+                     for s in (1, 3) for t in (False, True)]
     if args.only == "up_add":
         down_cases = []
     print("\ndown: % of copy (bytes: read x)")
@@ -224,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
             row["cuBLAS mm bf16"] = _pct(lambda: x @ p16, nbytes, copy_gbps)
         for cfg in down_grid:
             name = "splitk " + " ".join(f"{kk}={v}" for kk, v in cfg.items())
-            if lora.down_smem_bytes(cfg["block_m"], cfg["block_k"], 4 * block_r, 2, 2, cfg["num_stages"]) > 220_000:
+            cols = (3 if cfg["three_dots"] else 4) * block_r
+            if lora.down_smem_bytes(cfg["block_m"], cfg["block_k"], cols, 2, 2, cfg["num_stages"]) > 220_000:
                 continue
             try:
                 got = down_splitk(x, split, r, block_r, ws=ws, counters=counters, **cfg)
