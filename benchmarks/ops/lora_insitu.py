@@ -159,6 +159,7 @@ def _pct(fn: Callable[[], Any], nbytes: int, copy_gbps: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("up_add", "down"), help="time one kernel's cases only")
+    parser.add_argument("--min-rank", type=int, default=0, help="only the cases of at least this rank")
     args, device = harness.start(__doc__, argv, parser)
     import sloth.lowering.lora as lora
 
@@ -179,12 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         up_cases = [(w, 160, r, lay) for w, _, r, lay in up_cases[2:5]]
     up_rows = [dict(block_m=bm, block_n=bn, groups=g, num_warps=nw, num_stages=ns)
                for bm, bn, g, nw, ns in itertools.product((32, 64), (128, 256), (1, 2, 4), (4, 8), (2, 3))]
+    up_rows += [dict(block_m=bm, block_n=64, groups=g, num_warps=nw, num_stages=ns)
+                for bm, g, nw, ns in itertools.product((64, 128), (2, 4, 8), (4, 8), (2, 3))]
     # the product's cost at r 32 and 48: in 16-wide dots, and (not exact enough to ship; to see whether the tile is
     # bound by tf32x3's three products) one tf32 product
     up_rows += [dict(block_m=32, block_n=128, groups=4, num_warps=nw, num_stages=3, chunk_r=16) for nw in (4, 8)]
     up_rows += [dict(block_m=32, block_n=128, groups=4, num_warps=4, num_stages=3, precision="tf32")]
     if smoke:
         up_rows = up_rows[:2] + up_rows[-3:]
+    up_cases = [case for case in up_cases if case[2] >= args.min_rank]
     if args.only == "down":
         up_cases = []
     print("\nup_add: % of copy (bytes: read and write base)")
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {what} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         print(f"{what} (N {n}, r {r}, q {layout}): " + "  ".join(f"{k} {v:.1f}%" for k, v in row.items()
                                                                   if not k.startswith("rows")), flush=True)
+        best = sorted(((v, k) for k, v in row.items() if k.startswith("rows") and v == v), reverse=True)[:3]
+        print("    best here: " + "; ".join(f"{k[5:]} {v:.1f}%" for v, k in best), flush=True)
         for k, v in row.items():
             scores.setdefault(k, []).append(v)
     ranked = sorted(((sum(v) / len(v), k) for k, v in scores.items() if all(x == x for x in v)), reverse=True)
