@@ -15,6 +15,7 @@
 #   bash benchmarks/h200_rows.sh recheck   # sloth LoRA and QLoRA again, then 4 layers as custom_op and triton_op
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
 #   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
+#   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
 #   bash benchmarks/h200_rows.sh idle      # kernel tables and GPU idle gaps: sloth LoRA and QLoRA, Unsloth QLoRA
 #   bash benchmarks/h200_rows.sh twins     # sloth LoRA and QLoRA with the runtime twins off (SLOTH_RUNTIME_TWINS=0)
 #   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
@@ -32,7 +33,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|gemm|insitu|insitu-down|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|gemm|insitu|insitu-down|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -101,6 +102,12 @@ case $part in
         unset SLOTH_RUNTIME_TWINS
         run lora-sloth 120 --all --variants sloth --sloth-options "$SLOTH"
         run lora-unsloth 130 --all --variants unsloth ;;
+    confirm)  # versus on a second lease, then sloth's LoRA step profiled (its kernel table and idle gaps)
+        run lora-sloth 120 --all --variants sloth --sloth-options "$SLOTH"
+        run lora-unsloth 150 --all --variants unsloth
+        run qlora-sloth 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        run qlora-unsloth 160 --all --qlora --variants unsloth
+        run lora-sloth-profile 150 --all --variants sloth --sloth-options "$SLOTH" --profile ;;
     idle)  # where each step's GPU waits (e2e --profile: the gaps between kernels), sloth beside Unsloth
         run lora-sloth 150 --all --variants sloth --sloth-options "$SLOTH" --profile
         run qlora-sloth 160 --all --qlora --variants sloth --sloth-options "$SLOTH" --profile
