@@ -55,7 +55,7 @@ import triton.language as tl
 from .backend_choice import triton_interpreter_on, use_triton
 from .host_math import cdiv, next_power_of_2
 from .layout import rows_2d
-from .registration import define, fake, launch
+from .registration import TRITON_OP, define, fake, launch
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -415,15 +415,50 @@ def _splits(n_rows: int, k_blocks: list[int]) -> tuple[int, int]:
     return cdiv(n_rows, rows_per_split), rows_per_split
 
 
+# Split counters shared by the weight-gradient launches on a device's default stream. Every launch leaves the
+# counters it used at zero, and launches on one stream run one after another, so they can share one buffer
+# instead of a zeroed allocation and its fill launch per backward (four a Llama layer: 128 launches of a
+# Llama-3-8B step, benchmarks/results/2026-11-30_0342_profile-sloth-Lall.txt, "FillFunctor<int>"). The buffer
+# is made when the LoRA pass places an op (``make_counter_buffer``), never while a step runs: made then, it
+# could come from a CUDA graph's private pool (cudagraph trees warm up in it) and be handed to other tensors
+# under the kernels' feet. Other streams (whose kernels may run beside the default stream's), graph capture,
+# a need past the buffer's size and ops registered with triton_op (whose bodies Inductor traces: the buffer
+# would become a graph constant that the kernel writes) get a fresh zeroed buffer, as every call did before.
+COUNTER_BUFFER_SIZE = 4096
+_COUNTER_BUFFERS: dict[torch.device, torch.Tensor] = {}
+
+
+def make_counter_buffer(device: torch.device) -> None:
+    """Make ``device``'s shared split counters if it is a GPU without them (once; call when compiling)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return  # the interpreter's kernels run one at a time on the host: a fill costs no launch there
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _COUNTER_BUFFERS:
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            _COUNTER_BUFFERS[device] = torch.zeros(COUNTER_BUFFER_SIZE, dtype=torch.int32, device=device)
+
+
+def _zeroed_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least ``n`` zeroed int32 split counters on ``device``: the shared buffer where it may be used."""
+    shared = None if TRITON_OP else _COUNTER_BUFFERS.get(device)
+    if shared is not None and n <= shared.numel() and (device.type != "cuda" or (
+            not torch.cuda.is_current_stream_capturing()
+            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device))):
+        return shared
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
 def grad_counters(calls: list[list[int]], n_rows: int, device: torch.device) -> torch.Tensor:
     """Zeroed int32 split counters for several ``_grads`` calls of one op's backward over ``n_rows`` rows
-    (``calls``: each call's K of its problems), one fill launch for all of them: every launch leaves the
-    counters it used at zero again, so the calls, one after another on a stream, share one buffer as long as
-    the largest needs. Without row splits in any call, one unused int32 (no fill)."""
+    (``calls``: each call's K of its problems): every launch leaves the counters it used at zero again, so the
+    calls, one after another on a stream, share one buffer as long as the largest needs (the device's shared
+    buffer, or one fill launch for all of them). Without row splits in any call, one unused int32 (no fill)."""
     blocks = [_k_blocks(sizes)[1] for sizes in calls]
     if all(_splits(n_rows, kb)[0] == 1 for kb in blocks):
         return torch.empty(1, dtype=torch.int32, device=device)
-    return torch.zeros(max(sum(kb) for kb in blocks), dtype=torch.int32, device=device)
+    return _zeroed_counters(max(sum(kb) for kb in blocks), device)
 
 
 def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float,
@@ -443,7 +478,7 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
     splits, rows_per_split = _splits(n_rows, k_blocks)
     device = problems[0][1].device
     if counters is None:  # with one split the kernel never touches them: an unused int32, not an input's data
-        counters = torch.zeros(sum(k_blocks), dtype=torch.int32, device=device) if splits > 1 else \
+        counters = _zeroed_counters(sum(k_blocks), device) if splits > 1 else \
             torch.empty(1, dtype=torch.int32, device=device)
     elif splits > 1 and counters.numel() < sum(k_blocks):
         raise ValueError(f"sloth.lora_linear: {counters.numel()} split counters for {sum(k_blocks)} tiles")

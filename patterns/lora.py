@@ -447,6 +447,7 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> tuple[set[fx.Node], fx.Node]:
                 q.in_features, q.blocksize, q.quant_type, m.bias, a, b, scale)
         keep = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, m.bias, *factors)
         _lowering_nf4().code_table(q.quant_type, tensor_of(q.packed).device)  # now, not on the first run
+    _lowering().make_counter_buffer(xt.device)  # now, not on the first run (lowering/lora.py says why)
     fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
     y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
     erased = replace_and_erase(m.out, y, keep=keep)

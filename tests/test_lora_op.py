@@ -427,6 +427,57 @@ def test_grad_splits_are_added_in_the_launch_in_split_order(monkeypatch, device)
         lowering._grads(problems, 1.0, counters[:2])
 
 
+
+def test_backward_grad_launches_share_the_devices_counter_buffer(monkeypatch, device):
+    """With a shared counter buffer made for the device (on a GPU, by the LoRA pass when it compiles), every
+    backward's row-split launches count on it instead of a fresh zeroed one: the same bits as without it, the
+    buffer zero again after each backward, and a need past its size served by a fresh buffer."""
+    if not lowering.use_triton(torch.empty(0, device=device)):
+        pytest.skip("no Triton here")
+    monkeypatch.setitem(lowering.GRAD_CONFIG, "block_m", 16)  # row splits at a size the interpreter runs quickly
+    monkeypatch.setitem(lowering.GRAD_CONFIG, "block_k", 16)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    x, w, _, a, b, dy = make_inputs((140, 70), 45, 16)
+    x, w, dy = (t.to(device, torch.bfloat16) for t in (x, w, dy))
+    a, b = a.to(device), b.to(device)
+    h = torch.randn(140, 16, generator=torch.Generator().manual_seed(3)).to(device)
+    fresh = lowering.lora_backward(dy, x, w, a, b, h, 1.5, True)
+
+    shared = torch.zeros(64, dtype=torch.int32, device=dev)
+    monkeypatch.setitem(lowering._COUNTER_BUFFERS, dev, shared)
+    seen = []
+    kernel = lowering._lora_grad_kernel
+
+    class _Seen:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append((grid, any(arg is shared for arg in args)))
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(lowering, "_lora_grad_kernel", _Seen())
+    first = lowering.lora_backward(dy, x, w, a, b, h, 1.5, True)
+    again = lowering.lora_backward(dy, x, w, a, b, h, 1.5, True)
+    assert seen and all(grid[1] > 1 and used for grid, used in seen), seen  # split, and on the shared buffer
+    assert not shared.any()
+    for got in (first, again):
+        assert all(torch.equal(p, q) for p, q in zip(got, fresh))
+    assert lowering._zeroed_counters(65, dev) is not shared and lowering._zeroed_counters(64, dev) is shared
+
+
+def test_counter_buffer_is_made_for_gpus_only_and_once():
+    lowering.make_counter_buffer(torch.device("cpu"))  # the interpreter needs none: a fill is no launch there
+    assert torch.device("cpu") not in lowering._COUNTER_BUFFERS
+    if not torch.cuda.is_available():
+        return
+    lowering.make_counter_buffer(torch.device("cuda"))
+    made = lowering._COUNTER_BUFFERS[torch.device("cuda", torch.cuda.current_device())]
+    lowering.make_counter_buffer(torch.device("cuda", torch.cuda.current_device()))
+    assert lowering._COUNTER_BUFFERS[torch.device("cuda", torch.cuda.current_device())] is made
+    assert made.numel() == lowering.COUNTER_BUFFER_SIZE and not made.any()
+
 # ---------------------------------------------------------------------------------------------------
 # The PyTorch fallback (CPU without the interpreter, other devices)
 # ---------------------------------------------------------------------------------------------------
