@@ -146,16 +146,18 @@ def _down_tile(i_m, p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, str
     over. With MODE _SPLIT_BF16, p is the [K, 4 * BLOCK_R] output of ``_split_factor_kernel`` (its row stride
     4 * BLOCK_R; stride_pk and stride_pr unused): one dot against all three parts, whose column groups are
     summed at the end (p's split is done once per call, not once per program)."""
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_b = tl.arange(0, BLOCK_M)  # rows within the block
+    o_m = i_m * BLOCK_M + o_b
     o_r = tl.arange(0, BLOCK_R)
     m_m, m_r = o_m < M, o_r < R
+    p_x = p_x + (i_m * BLOCK_M).to(tl.int64) * stride_xm  # the block in 64 bits, as _up_add_rows does
     if MODE == _SPLIT_BF16:
         o_c = tl.arange(0, 4 * BLOCK_R)
         b_acc = tl.zeros((BLOCK_M, 4 * BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
-            b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+            b_x = tl.load(p_x + o_b[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                           other=0.0)
             b_p = tl.load(p_p + o_k[:, None] * (4 * BLOCK_R) + o_c[None, :], mask=m_k[:, None], other=0.0)
             b_acc = _dot16(b_x.to(tl.bfloat16), b_p, b_acc, UPCAST)
@@ -165,7 +167,7 @@ def _down_tile(i_m, p_x, p_p, p_h, M, K, R, stride_xm, stride_pk, stride_pr, str
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
-            b_x = tl.load(p_x + o_m[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+            b_x = tl.load(p_x + o_b[:, None] * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                           other=0.0)
             b_p = tl.load(p_p + o_k[:, None] * stride_pk + o_r[None, :] * stride_pr,
                           mask=m_k[:, None] & m_r[None, :], other=0.0)
@@ -190,10 +192,13 @@ def _up_add_rows(i_m, i_g, p_y, p_h, p_q, M, N, R, stride_ym, stride_hm, stride_
     to the next group's). h's rows are loaded once for the group, and the loop lets the next tile's loads run
     while this tile is stored (num_stages). Both factors are fp32 (h always, q as the adapter), so the tile
     product is tf32x3; K = R is tiny, the tile is bound by reading and writing y."""
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_b = tl.arange(0, BLOCK_M)  # rows within the block
+    o_m = i_m * BLOCK_M + o_b
     o_r = tl.arange(0, BLOCK_R)
     m_m, m_r = o_m < M, o_r < R
     b_h = tl.load(p_h + o_m[:, None] * stride_hm + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)
+    # y's block in 64 bits (M * N passes 2^31 past ~150k rows of 14336), the offsets inside it in 32
+    p_y = p_y + (i_m * BLOCK_M).to(tl.int64) * stride_ym
     col_start = i_g * cols_per_group
     col_stop = tl.minimum(col_start + cols_per_group, N)
     for n0 in range(col_start, col_stop, BLOCK_N):
@@ -203,7 +208,7 @@ def _up_add_rows(i_m, i_g, p_y, p_h, p_q, M, N, R, stride_ym, stride_hm, stride_
                       other=0.0)
         b_low = tl.dot(b_h, b_q.to(tl.float32), input_precision="tf32x3")
         m_mn = m_m[:, None] & m_n[None, :]
-        p_tile = p_y + o_m[:, None] * stride_ym + o_n[None, :]
+        p_tile = p_y + o_b[:, None] * stride_ym + o_n[None, :]
         b_y = tl.load(p_tile, mask=m_mn, other=0.0).to(tl.float32) + scale * b_low
         tl.store(p_tile, round_to(b_y, p_y.dtype.element_ty), mask=m_mn)
 
@@ -282,7 +287,8 @@ def _lora_grad_kernel(p_u, p_x, p_g, p_out, K, stride_um, stride_xm, stride_gk, 
 
 # Launch settings, from benchmarks/ops/lora_sweep.py on the H200 (4096 tokens, r 16, bf16 x, fp32 adapter;
 # % of the 4.27 TB/s copy over the bytes each kernel must move, mean of the q/o, gate/up and down shapes):
-# up_add 64 x 128 tiles, 4 warps: 70% (128-row and 256-column tiles and 8 warps were slower); grad
+# up_add (the one-tile-a-program kernel before UP_CONFIG's) 64 x 128 tiles, 4 warps: 70% (128-row and
+# 256-column tiles and 8 warps were slower); grad
 # 64 rows x 128 columns, 4 warps, ~2 programs per SM: 52% (8 warps: 35-45%). The down kernel before the
 # one-dot split (three dots, factor split per program) peaked at 27% with 64-row blocks, falling with
 # smaller blocks as every program re-split the factor; the one-dot form reaches 45% with 64 x 256 tiles
@@ -374,10 +380,10 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = 
 def up_add_groups(n_rows: int, n_cols: int) -> tuple[int, int]:
     """(column groups, columns per group) of the up_add kernels for a [n_rows, n_cols] output: enough groups
     that the grid has about UP_CONFIG["programs"] programs, each group a whole number of column tiles (no
-    group for no column)."""
+    group for an empty output)."""
     c = UP_CONFIG
     tiles = cdiv(n_cols, c["block_n"])
-    if tiles == 0:
+    if tiles == 0 or n_rows == 0:
         return 0, c["block_n"]
     groups = max(1, min(tiles, cdiv(c["programs"], cdiv(n_rows, c["block_m"]))))
     per_group = cdiv(tiles, groups) * c["block_n"]
@@ -429,23 +435,31 @@ _COUNTER_BUFFERS: dict[torch.device, torch.Tensor] = {}
 
 
 def make_counter_buffer(device: torch.device) -> None:
-    """Make ``device``'s shared split counters if it is a GPU without them (once; call when compiling)."""
+    """Make ``device``'s shared split counters if it is a GPU without them (once; call when compiling). Not
+    while a CUDA graph is being captured (the zeros would only be recorded, in the graph's pool); made on the
+    device's default stream, whose kernels will use it, and waited for."""
     device = torch.device(device)
     if device.type != "cuda":
         return  # the interpreter's kernels run one at a time on the host: a fill costs no launch there
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _COUNTER_BUFFERS:
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            _COUNTER_BUFFERS[device] = torch.zeros(COUNTER_BUFFER_SIZE, dtype=torch.int32, device=device)
+    if device in _COUNTER_BUFFERS or torch.cuda.is_current_stream_capturing():
+        return
+    default = torch.cuda.default_stream(device)
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.cuda.device(device), torch.cuda.stream(default):
+        buffer = torch.zeros(COUNTER_BUFFER_SIZE, dtype=torch.int32, device=device)
+    default.synchronize()
+    _COUNTER_BUFFERS[device] = buffer
 
 
 def _zeroed_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least ``n`` zeroed int32 split counters on ``device``: the shared buffer where it may be used."""
+    """At least ``n`` zeroed int32 split counters on ``device``: the shared buffer where it may be used (the
+    launch goes to the current device's current stream, as Triton launches: it must be ``device``'s default
+    stream, not capturing)."""
     shared = None if TRITON_OP else _COUNTER_BUFFERS.get(device)
     if shared is not None and n <= shared.numel() and (device.type != "cuda" or (
-            not torch.cuda.is_current_stream_capturing()
-            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device))):
+            device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+            and torch.cuda.current_stream() == torch.cuda.default_stream())):
         return shared
     return torch.zeros(n, dtype=torch.int32, device=device)
 

@@ -56,8 +56,16 @@ def test_down_members_bits_and_launches(ks, x_dtype, p_dtype, monkeypatch, devic
 @pytest.mark.parametrize("ns", [(45, 13, 130), (7, 70, 9, 64), (7, 0, 70, 9, 64, 130, 1)],
                          ids=["3", "4", "7-one-empty"])
 @pytest.mark.parametrize("y_dtype,q_dtype", MODES, ids=["bf16-fp32", "fp32-fp32", "bf16-bf16"])
-def test_up_add_members_bits_and_launches(ns, y_dtype, q_dtype, monkeypatch, device):
-    """y_i += s h_i @ q_i in place for every member as ``lora._up_add_`` does it alone."""
+@pytest.mark.parametrize("tiles", ["shipped", "small"])
+def test_up_add_members_bits_and_launches(ns, y_dtype, q_dtype, tiles, monkeypatch, device):
+    """y_i += s h_i @ q_i in place for every member as ``lora._up_add_`` does it alone. With small tiles the
+    members' column groups differ in width and span several tiles each (each member's own group width)."""
+    if tiles == "small":
+        monkeypatch.setitem(lora.UP_CONFIG, "block_m", 16)
+        monkeypatch.setitem(lora.UP_CONFIG, "block_n", 16)
+        monkeypatch.setitem(lora.UP_CONFIG, "programs", 6)
+        assert len({lora.up_add_groups(67, n)[1] for n in ns if n}) > 1
+        assert any(lora.up_add_groups(67, n)[1] > 16 for n in ns)
     g, rows, rank = seeded(1), 67, 6
     bases = [torch.randn(rows, n, generator=g).to(device, y_dtype) for n in ns]
     h = torch.randn(rows, len(ns) * rank, generator=g).to(device)

@@ -467,16 +467,59 @@ def test_backward_grad_launches_share_the_devices_counter_buffer(monkeypatch, de
     assert lowering._zeroed_counters(65, dev) is not shared and lowering._zeroed_counters(64, dev) is shared
 
 
-def test_counter_buffer_is_made_for_gpus_only_and_once():
+def test_counter_buffer_is_made_for_gpus_only_and_once(monkeypatch):
+    monkeypatch.setattr(lowering, "_COUNTER_BUFFERS", {})  # whatever earlier tests made stays out of this one
     lowering.make_counter_buffer(torch.device("cpu"))  # the interpreter needs none: a fill is no launch there
-    assert torch.device("cpu") not in lowering._COUNTER_BUFFERS
+    assert not lowering._COUNTER_BUFFERS
     if not torch.cuda.is_available():
         return
+    here = torch.device("cuda", torch.cuda.current_device())
     lowering.make_counter_buffer(torch.device("cuda"))
-    made = lowering._COUNTER_BUFFERS[torch.device("cuda", torch.cuda.current_device())]
-    lowering.make_counter_buffer(torch.device("cuda", torch.cuda.current_device()))
-    assert lowering._COUNTER_BUFFERS[torch.device("cuda", torch.cuda.current_device())] is made
+    made = lowering._COUNTER_BUFFERS[here]
+    lowering.make_counter_buffer(here)
+    assert lowering._COUNTER_BUFFERS[here] is made
     assert made.numel() == lowering.COUNTER_BUFFER_SIZE and not made.any()
+
+
+def test_shared_counters_only_on_the_default_stream_and_not_under_triton_op(monkeypatch):
+    """A side stream (its kernels may run beside the default stream's), graph capture and ops registered with
+    triton_op (whose bodies Inductor traces) get a fresh zeroed buffer, never the shared one."""
+    monkeypatch.setattr(lowering, "_COUNTER_BUFFERS", {})
+    cpu = torch.device("cpu")
+    shared = torch.zeros(64, dtype=torch.int32)
+    lowering._COUNTER_BUFFERS[cpu] = shared
+    assert lowering._zeroed_counters(8, cpu) is shared
+    monkeypatch.setattr(lowering, "TRITON_OP", True)
+    fresh = lowering._zeroed_counters(8, cpu)
+    assert fresh is not shared and fresh.numel() == 8 and not fresh.any()
+    monkeypatch.setattr(lowering, "TRITON_OP", False)
+    if not torch.cuda.is_available():
+        return
+    here = torch.device("cuda", torch.cuda.current_device())
+    lowering.make_counter_buffer(here)
+    gpu_shared = lowering._COUNTER_BUFFERS[here]
+    assert lowering._zeroed_counters(8, here) is gpu_shared
+    with torch.cuda.stream(torch.cuda.Stream()):
+        assert lowering._zeroed_counters(8, here) is not gpu_shared
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lowering._zeroed_counters(8, here)
+    assert captured is not gpu_shared
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 4.3 GB of GPU memory and a GPU's speed")
+def test_up_add_rows_past_two_to_the_31_elements():
+    """y[M, N] with M * N > 2^31 (150,000 rows of 14,336): the last rows' offsets need 64 bits."""
+    rows, cols, rank = 150_000, 14_336, 16
+    y = torch.zeros(rows, cols, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(rows, rank, device="cuda", generator=g)
+    q = torch.randn(rank, cols, device="cuda", generator=g)
+    lowering._up_add_(y, h, q, 0.5)
+    for part in (slice(0, 64), slice(rows - 64, rows)):
+        want = (0.5 * (h[part].double() @ q.double())).to(torch.bfloat16)
+        torch.testing.assert_close(y[part].float(), want.float(), rtol=1e-2, atol=1e-2)
+
 
 # ---------------------------------------------------------------------------------------------------
 # The PyTorch fallback (CPU without the interpreter, other devices)
