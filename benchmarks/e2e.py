@@ -189,14 +189,21 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
             "frozen_matmul_params": float(frozen), "trainable_params": float(trainable)}
 
 
+GUARD_FILTERS = {"none": None, "skip-nn-modules": "skip_guard_on_all_nn_modules_unsafe"}
+
+
 def compile_model(model: torch.nn.Module, variant: str, sloth_options: dict[str, Any],
-                  inductor_options: dict[str, Any] | None = None) -> Callable[..., Any]:
+                  inductor_options: dict[str, Any] | None = None, guard_filter: str = "none") -> Callable[..., Any]:
+    """``model`` as ``variant`` runs it; ``guard_filter`` names one of torch.compiler's guard filters
+    (GUARD_FILTERS), handed to Dynamo as ``options["guard_filter_fn"]`` (benchmarks/guard_cost.py)."""
     if variant in ("eager", "liger", "unsloth"):  # Unsloth compiles its own regions
         return model
+    extra = {} if GUARD_FILTERS[guard_filter] is None else \
+        {"guard_filter_fn": getattr(torch.compiler, GUARD_FILTERS[guard_filter])}
     if variant == "inductor":
-        return torch.compile(model, options=inductor_options or None)
+        return torch.compile(model, options={**(inductor_options or {}), **extra} or None)
     if variant == "sloth":
-        return torch.compile(model, backend="sloth", options=sloth_options or None)
+        return torch.compile(model, backend="sloth", options={**(sloth_options or {}), **extra} or None)
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -218,7 +225,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     flops = step_flops(model, cfg, args.batch, args.seq)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
-    compiled = compile_model(model, args.variant, json.loads(args.sloth_options), json.loads(args.inductor_options))
+    compiled = compile_model(model, args.variant, json.loads(args.sloth_options), json.loads(args.inductor_options),
+                             args.guard_filter)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))
 
@@ -454,7 +462,7 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--variant", variant, "--json-out", str(json_out),
            "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--sloth-options", args.sloth_options,
-           "--inductor-options", args.inductor_options]
+           "--inductor-options", args.inductor_options, "--guard-filter", args.guard_filter]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     if args.grad_ckpt:
@@ -554,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sloth-options", default="{}", help='JSON, e.g. \'{"inner": "aot_eager"}\'')
     parser.add_argument("--inductor-options", default="{}",
                         help='JSON Inductor config for the inductor variant, e.g. \'{"triton.cudagraphs": true}\'')
+    parser.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default="none",
+                        help="a torch.compiler guard filter for the compiled variants (skip-nn-modules: "
+                             "skip_guard_on_all_nn_modules_unsafe; benchmarks/guard_cost.py)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU toy: the tiny model of --model's architecture, batch 2 x 32, 2 + 2 steps")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per variant under --all")

@@ -126,3 +126,22 @@ def test_hand_written_decoder_every_adapter_fused_and_within_the_rule(dtype):
     assert not [r for r in report.rejections if r.family == "lora"], str(report)
     assert actual[1].keys() == eager[1].keys() and len(actual[1]) == 7 * 2 * LAYERS
     assert_model_close(actual, eager, reference, dtype)
+
+
+def test_dynamo_guard_filter_passes_through_sloths_options():
+    """``guard_filter_fn`` beside sloth's options (README: skipping the module guards a step evaluates) goes
+    to Dynamo, not to sloth or Inductor: the adapters are fused and the loss and gradients are unchanged."""
+    model = _model(torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=seeded(12))
+    eager = _loss_and_grads(model, ids)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="sloth",
+                        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    actual = _loss_and_grads(model, ids, run=run)
+    assert sloth.report().counts.get("lora", 0) == 7 * LAYERS, str(sloth.report())
+    again = _loss_and_grads(model, ids, run=run)  # the second call runs the compiled graph under the filter
+    for got in (actual, again):
+        torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-5)
+        assert got[1].keys() == eager[1].keys()
+        for name in eager[1]:
+            torch.testing.assert_close(got[1][name], eager[1][name], rtol=1e-4, atol=1e-5)
