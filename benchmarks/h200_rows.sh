@@ -17,6 +17,7 @@
 #   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
 #   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
 #   bash benchmarks/h200_rows.sh guards    # sloth LoRA and QLoRA with Dynamo's module guards skipped
+#   bash benchmarks/h200_rows.sh nosplit   # the down kernels in tf32x3 without the factor split launch, beside the default
 #   bash benchmarks/h200_rows.sh cg        # sloth LoRA and QLoRA under CUDA graphs
 #   bash benchmarks/h200_rows.sh idle      # kernel tables and GPU idle gaps: sloth LoRA and QLoRA, Unsloth QLoRA
 #   bash benchmarks/h200_rows.sh twins     # sloth LoRA and QLoRA with the runtime twins off (SLOTH_RUNTIME_TWINS=0)
@@ -35,7 +36,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|guards|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|guards|nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -113,6 +114,14 @@ case $part in
     guards)  # sloth LoRA and QLoRA with Dynamo's module guards skipped (e2e --guard-filter; benchmarks/guard_cost.py)
         run lora-sloth-guards 130 --all --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules
         run qlora-sloth-guards 150 --all --qlora --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules ;;
+    nosplit)  # the down kernels in tf32x3 instead of a factor split launch (SLOTH_LORA_DOWN_SPLIT=0), beside the default
+        run lora-sloth 120 --all --variants sloth --sloth-options "$SLOTH"
+        export SLOTH_LORA_DOWN_SPLIT=0
+        run lora-sloth-nosplit 120 --all --variants sloth --sloth-options "$SLOTH"
+        run qlora-sloth-nosplit 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
+        [ -z "${DRY:-}" ] && { timeout 150 python -m benchmarks.ops.lora_insitu --only down > "$out/logs/insitu-down-nosplit.log" 2>&1
+                               echo "lora_insitu down, tf32x3: rc $?"; grep -E "shipped" "$out/logs/insitu-down-nosplit.log"; }
+        unset SLOTH_LORA_DOWN_SPLIT ;;
     cg)  # sloth LoRA and QLoRA under CUDA graphs: the step without the host (bound by the host otherwise)
         run lora-sloth-cg 150 --all --variants sloth --sloth-options "$SLOTH_CG"
         run qlora-sloth-cg 160 --all --qlora --variants sloth --sloth-options "$SLOTH_CG" ;;

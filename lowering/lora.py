@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -325,6 +326,20 @@ def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
     return _TF32X3.value
 
 
+# The down kernels' product for bf16 activations and an fp32 factor: the factor split into three bf16 parts
+# by a launch of its own (the default), or, with SLOTH_LORA_DOWN_SPLIT=0, tf32x3 on the fp32 factor as fp16
+# and fp32 activations have it (a bf16 value is exact in tf32, so each product keeps 22 of the factor's 24
+# significand bits), which saves the split launch: one per down call, 256 a Llama-3-8B step, host time on a
+# step bound by the host. Not timed on the H200 yet; the switch is for that measurement.
+DOWN_SPLIT_LAUNCH: bool = os.environ.get("SLOTH_LORA_DOWN_SPLIT", "1") != "0"
+
+
+def _down_mode(act: torch.Tensor, factor: torch.Tensor) -> int:
+    """The down kernels' MODE: ``_mode``, except tf32x3 for the bf16 split when DOWN_SPLIT_LAUNCH is off."""
+    mode = _mode(act, factor)
+    return _TF32X3.value if mode == _SPLIT_BF16.value and not DOWN_SPLIT_LAUNCH else mode
+
+
 def _block_r(rank: int) -> int:
     return max(16, next_power_of_2(rank))  # tl.dot needs every dimension >= 16
 
@@ -362,7 +377,7 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = 
         return h_MR
     if k == 0:
         return h_MR.zero_()
-    c, mode, block_r = DOWN_CONFIG, _mode(x_MK, p_KR), _block_r(rank)
+    c, mode, block_r = DOWN_CONFIG, _down_mode(x_MK, p_KR), _block_r(rank)
     block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
     if mode == _SPLIT_BF16.value:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)

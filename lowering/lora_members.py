@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .backend_choice import triton_interpreter_on
 from .host_math import cdiv
-from .lora import (_SPLIT_BF16, _TF32X3, DOWN_CONFIG, UP_CONFIG, _block_r, _down_block_k, _down_tile, _mode,
+from .lora import (_SPLIT_BF16, _TF32X3, DOWN_CONFIG, UP_CONFIG, _block_r, _down_block_k, _down_mode, _down_tile,
                    _split_tile, _up_add_rows, up_add_groups)
 from .registration import launch
 
@@ -102,13 +102,16 @@ def _padded(slots: list[tuple]) -> list[tuple]:
 def down_members(xs_MK: Sequence[torch.Tensor], ps_KR: Sequence[torch.Tensor], h_MR: torch.Tensor) -> torch.Tensor:
     """``h_MR[:, i r:(i + 1) r] = xs_MK[i] @ ps_KR[i]`` in fp32 for every member i (lora._down's math: one split
     launch and one down launch per three members). The x_i share rows M, dtype and (with the p_i) the product
-    mode; the p_i share rank r and may be any strided views; ``h_MR`` is fp32 [M, n r] with unit column
+    mode; the p_i share rank r and dtype and may be any strided views; ``h_MR`` is fp32 [M, n r] with unit column
     stride."""
     n = len(xs_MK)
     n_rows, rank = xs_MK[0].shape[0], ps_KR[0].shape[1]
-    modes = {_mode(x, p) for x, p in zip(xs_MK, ps_KR)}
-    if len(modes) != 1 or any(x.shape[0] != n_rows for x in xs_MK) or any(p.shape[1] != rank for p in ps_KR):
-        raise ValueError("sloth.lora_members: the members must share rows, rank and product mode, got x "
+    modes = {_down_mode(x, p) for x, p in zip(xs_MK, ps_KR)}
+    # One dtype each for the x_i and the p_i too: the kernel selects its member's pointers, and a select needs
+    # one pointer type (tf32x3 takes fp32 and bf16 activations alike, with SLOTH_LORA_DOWN_SPLIT=0 as well).
+    if len(modes) != 1 or len({x.dtype for x in xs_MK}) != 1 or len({p.dtype for p in ps_KR}) != 1 or \
+            any(x.shape[0] != n_rows for x in xs_MK) or any(p.shape[1] != rank for p in ps_KR):
+        raise ValueError("sloth.lora_members: the members must share rows, rank, dtypes and product mode, got x "
                          f"{[tuple(x.shape) for x in xs_MK]} ({[x.dtype for x in xs_MK]}), p "
                          f"{[tuple(p.shape) for p in ps_KR]} ({[p.dtype for p in ps_KR]})")
     if n_rows == 0:

@@ -122,8 +122,15 @@ def test_dequantize_members_bad_inputs():
                                     torch.bfloat16)
 
 
-def test_members_of_other_modes_refused(device):
+@pytest.mark.parametrize("split_launch", [True, False], ids=["split", "tf32x3"])
+def test_members_of_other_modes_refused(device, split_launch, monkeypatch):
+    """Members whose x (or p) dtypes differ are refused with the reason, also where both take one product mode
+    (tf32x3 for fp32 and, with SLOTH_LORA_DOWN_SPLIT=0, bf16 activations): the kernel cannot select between
+    pointers of two types."""
+    monkeypatch.setattr(lora, "DOWN_SPLIT_LAUNCH", split_launch)
     x = [torch.randn(4, 8, device=device).bfloat16(), torch.randn(4, 8, device=device)]
     p = [torch.randn(8, 2, device=device), torch.randn(8, 2, device=device)]
-    with pytest.raises(ValueError, match="share rows, rank and product mode"):
+    with pytest.raises(ValueError, match="share rows, rank, dtypes and product mode"):
         members.down_members(x, p, torch.empty(4, 4, device=device))
+    with pytest.raises(ValueError, match="share rows, rank, dtypes and product mode"):
+        members.down_members(x[1:] * 2, [p[0], p[1].double()], torch.empty(4, 4, device=device))

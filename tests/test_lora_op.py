@@ -146,6 +146,19 @@ def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype):
     check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), dtype, adapter_dtype, 2.0)
 
 
+def test_down_kernel_in_tf32x3_without_the_split_launch(monkeypatch):
+    """SLOTH_LORA_DOWN_SPLIT=0 (DOWN_SPLIT_LAUNCH off): bf16 activations with an fp32 adapter take the down
+    products in tf32x3 instead of a factor split launch, within the tolerance rule, forward and every gradient."""
+    if not lowering.use_triton(torch.empty(0)):
+        pytest.skip("no Triton here")
+    monkeypatch.setattr(lowering, "DOWN_SPLIT_LAUNCH", False)
+    launches = record_launches(monkeypatch, lowering, *KERNELS)
+    check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), torch.bfloat16, torch.float32, 2.0)
+    names = {name for name, _, _ in launches}
+    assert "_lora_down_kernel" in names and "_split_factor_kernel" not in names, names
+    assert {kw["MODE"] for name, _, kw in launches if name == "_lora_down_kernel"} == {lowering._TF32X3.value}
+
+
 def test_backward_forms_both_adapter_gradients_in_one_launch(monkeypatch):
     """da and db come from one grad-kernel launch (programs of both problems in one grid)."""
     if not lowering.use_triton(torch.empty(0)):

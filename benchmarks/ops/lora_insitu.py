@@ -140,7 +140,8 @@ def _down_splitk_kernel(p_x, p_p, p_h, p_ws, p_count, M, K, R, stride_xm, stride
             tl.atomic_xchg(p_count + i_m, 0)
 
 
-def down_splitk(x, split, rank, block_r, block_m, block_k, splits, num_warps, num_stages, ws, counters, three_dots=False):
+def down_splitk(x, split, rank, block_r, block_m, block_k, splits, num_warps, num_stages, ws, counters,
+                three_dots=False):
     n_rows, k = x.shape
     per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     h = torch.empty((n_rows, rank), dtype=torch.float32, device=x.device)
