@@ -8,7 +8,8 @@ a LoRA step and 7.6 ms a QLoRA step (benchmarks/results/2026-11-30_0206_*, _0342
 ``--layers`` tiny layers with peft LoRA on every linear (as many parameter tensors as the 8B model at 32
 layers; nothing to compute), compiled with backend="eager" so that the call is guards plus the model's
 Python, timed with the default guards and with ``torch.compiler``'s guard filters passed as
-``options={"guard_filter_fn": ...}`` (sloth passes that key on to Dynamo). Host-only: runs on a CPU.
+``options={"guard_filter_fn": ...}`` (``torch.compile`` takes that key for Dynamo, beside any backend's
+options). Host-only: runs on a CPU.
 """
 from __future__ import annotations
 
