@@ -152,6 +152,15 @@ def down_splitk(x, split, rank, block_r, block_m, block_k, splits, num_warps, nu
     return h
 
 
+def _print_ranked(scores: dict[str, list[float]], title: str) -> None:
+    """The 12 settings (or references) of the highest mean % of copy over the cases, each with its per-case %;
+    one that failed in any case (NaN) is left out."""
+    ranked = sorted(((sum(v) / len(v), k) for k, v in scores.items() if all(x == x for x in v)), reverse=True)
+    print(f"{title}, mean % of copy over the cases (best 12):")
+    for score, name in ranked[:12]:
+        print(f"  {score:5.1f}%  {name}  [" + " ".join(f"{v:.0f}" for v in scores[name]) + "]")
+
+
 def _pct(fn: Callable[[], Any], nbytes: int, copy_gbps: float) -> float:
     ms = common.kernel_ms(fn)
     return float("nan") if ms is None else 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
@@ -228,10 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         print("    best here: " + "; ".join(f"{k[5:]} {v:.1f}%" for v, k in best), flush=True)
         for k, v in row.items():
             scores.setdefault(k, []).append(v)
-    ranked = sorted(((sum(v) / len(v), k) for k, v in scores.items() if all(x == x for x in v)), reverse=True)
-    print("up_add, mean % of copy over the cases (best 12):")
-    for score, name in ranked[:12]:
-        print(f"  {score:5.1f}%  {name}  [" + " ".join(f"{v:.0f}" for v in scores[name]) + "]")
+    _print_ranked(scores, "up_add")
 
     # (what, K, R, factor): the step's single-member down calls per layer (bf16 x, fp32 factor: split mode)
     down_cases = [("o fwd x@a.T", 4096, 16, "a.T"), ("down fwd", 14336, 16, "a.T"), ("o bwd dy@b", 4096, 16, "b"),
@@ -285,10 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                   if not kk.startswith("splitk")), flush=True)
         for kk, v in row.items():
             scores.setdefault(kk, []).append(v)
-    ranked = sorted(((sum(v) / len(v), kk) for kk, v in scores.items() if all(x == x for x in v)), reverse=True)
-    print("down, mean % of copy over the cases (best 12; splitk excludes the factor split launch):")
-    for score, name in ranked[:12]:
-        print(f"  {score:5.1f}%  {name}  [" + " ".join(f"{v:.0f}" for v in scores[name]) + "]")
+    _print_ranked(scores, "down (splitk excludes the factor split launch)")
 
 
 if __name__ == "__main__":
