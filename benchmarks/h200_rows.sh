@@ -18,6 +18,7 @@
 #   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
 #   bash benchmarks/h200_rows.sh guards    # sloth LoRA and QLoRA with Dynamo's module guards skipped
 #   bash benchmarks/h200_rows.sh nosplit   # the down kernels in tf32x3 without the factor split launch, beside the default
+#   bash benchmarks/h200_rows.sh lora-nosplit qlora-nosplit  # one nosplit row each (to follow a versus)
 #   bash benchmarks/h200_rows.sh cg        # sloth LoRA and QLoRA under CUDA graphs
 #   bash benchmarks/h200_rows.sh idle      # kernel tables and GPU idle gaps: sloth LoRA and QLoRA, Unsloth QLoRA
 #   bash benchmarks/h200_rows.sh twins     # sloth LoRA and QLoRA with the runtime twins off (SLOTH_RUNTIME_TWINS=0)
@@ -36,7 +37,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|guards|nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -122,6 +123,10 @@ case $part in
         [ -z "${DRY:-}" ] && { timeout 150 python -m benchmarks.ops.lora_insitu --only down > "$out/logs/insitu-down-nosplit.log" 2>&1
                                echo "lora_insitu down, tf32x3: rc $?"; grep -E "shipped" "$out/logs/insitu-down-nosplit.log"; }
         unset SLOTH_LORA_DOWN_SPLIT ;;
+    lora-nosplit)  # one row of nosplit each, to pair with a versus on one lease within the 10-minute limit
+        SLOTH_LORA_DOWN_SPLIT=0 run lora-sloth-nosplit 120 --all --variants sloth --sloth-options "$SLOTH" ;;
+    qlora-nosplit)
+        SLOTH_LORA_DOWN_SPLIT=0 run qlora-sloth-nosplit 140 --all --qlora --variants sloth --sloth-options "$SLOTH" ;;
     cg)  # sloth LoRA and QLoRA under CUDA graphs: the step without the host (bound by the host otherwise)
         run lora-sloth-cg 150 --all --variants sloth --sloth-options "$SLOTH_CG"
         run qlora-sloth-cg 160 --all --qlora --variants sloth --sloth-options "$SLOTH_CG" ;;
