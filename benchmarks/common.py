@@ -120,6 +120,64 @@ def environment() -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- GPU telemetry
+
+_TELEMETRY_FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+class GpuTelemetry:
+    """``nvidia-smi`` sampling the GPU's SM clock (MHz), board power (W), temperature and active throttle
+    reasons every ``period_ms`` while the ``with`` block runs: whether a timed loop ran at a capped clock (a
+    step bound by power moves with the clock, one bound by the host does not). ``summary()`` is None where
+    there is no nvidia-smi (the CPU)."""
+
+    def __init__(self, period_ms: int = 100) -> None:
+        self.period_ms = period_ms
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+
+    def __enter__(self) -> "GpuTelemetry":
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={_TELEMETRY_FIELDS}", "--format=csv,noheader,nounits",
+                 f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        self.lines = [ln for ln in out.splitlines() if ln.strip()]
+
+    def summary(self) -> dict[str, Any] | None:
+        """Median and min SM clock, median and max power, max temperature, and how often each throttle-reason
+        bit mask was active (nvidia-smi's hex mask: 0x4 software power cap, 0x20/0x40 thermal slowdown)."""
+        clocks, power, temp, reasons = [], [], [], {}
+        for ln in self.lines:
+            parts = [p.strip() for p in ln.split(",")]
+            if len(parts) != 4:
+                continue
+            try:
+                clocks.append(float(parts[0]))
+                power.append(float(parts[1]))
+                temp.append(float(parts[2]))
+            except ValueError:
+                continue
+            reasons[parts[3]] = reasons.get(parts[3], 0) + 1
+        if not clocks:
+            return None
+        return {"samples": len(clocks), "sm MHz median": statistics.median(clocks), "sm MHz min": min(clocks),
+                "power W median": statistics.median(power), "power W max": max(power), "temp C max": max(temp),
+                "throttle reasons": reasons}
+
+
 # ----------------------------------------------------------------------------- timing and memory
 
 

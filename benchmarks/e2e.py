@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -249,13 +250,17 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(args.steps):
-            loss = step()
-        end.record()
-        torch.cuda.synchronize()
-        step_ms = begin.elapsed_time(end) / args.steps
+        # An event between steps (no sync): each step's own time, so one slow step shows as such.
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+        with common.GpuTelemetry() as telemetry:
+            marks[0].record()
+            for i in range(args.steps):
+                loss = step()
+                marks[i + 1].record()
+            torch.cuda.synchronize()
+        step_ms = marks[0].elapsed_time(marks[-1]) / args.steps
+        steps_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        gpu = telemetry.summary()
         peak_gib = torch.cuda.max_memory_allocated() / common.GiB
         # What the allocator holds, private pools included: under CUDA graphs the activations live in a graph's
         # pool, allocated once while recording, and max_memory_allocated over the replays misses them.
@@ -266,6 +271,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             loss = step()
         step_ms = (time.perf_counter() - start) * 1e3 / args.steps
         peak_gib = reserved_gib = None
+        steps_ms, gpu = [], None
 
     if args.profile and cuda:
         profile_step(step, args)
@@ -294,6 +300,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "sloth ops": _sloth_ops() if sloth is not None else None,
         "sloth report": str(report) if report is not None else None,
         "warm-up walls s": warmup_walls,
+        "steps ms": steps_ms,
+        "step ms median": statistics.median(steps_ms) if steps_ms else None,
+        "gpu telemetry": gpu,
         "flops": flops,
         "peak_tflops": peak_tflops,
     }
@@ -510,6 +519,9 @@ def run_all(args: argparse.Namespace) -> int:
                       f"first loss {row['first loss']:.5f}, loss {row['loss']:.4f}, graphs {row['graphs']}, "
                       f"sloth {row['sloth counts']} ({wall:.0f} s)",
                       flush=True)
+                if row.get("steps ms"):
+                    print(f"    steps ms {' '.join(f'{t:.1f}' for t in row['steps ms'])}; GPU {row.get('gpu telemetry')}",
+                          flush=True)
             else:
                 tail = log.read_text().splitlines()[-25:]
                 error = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), f"exit {rc}")

@@ -16,6 +16,7 @@
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
 #   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
 #   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
+#   bash benchmarks/h200_rows.sh robust    # versus with 20 steps, per-step times and GPU clock/power, then CUDA graphs
 #   bash benchmarks/h200_rows.sh guards    # sloth LoRA and QLoRA with Dynamo's module guards skipped
 #   bash benchmarks/h200_rows.sh nosplit   # the down kernels in tf32x3 without the factor split launch, beside the default
 #   bash benchmarks/h200_rows.sh lora-nosplit qlora-nosplit  # one nosplit row each (to follow a versus)
@@ -37,7 +38,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -54,7 +55,7 @@ run() {  # run NAME SECONDS ARGS...: one e2e invocation with a time limit, its l
     if [ -n "${DRY:-}" ]; then echo "python -m benchmarks.e2e $*"; return; fi
     timeout "$limit" python -m benchmarks.e2e --peak-tflops 790 "$@" > "$out/logs/$name.log" 2>&1
     echo "$name: rc $?"
-    grep -E "^\[.*(ms/step|FAILED)" "$out/logs/$name.log" | tail -6
+    grep -E "^\[.*(ms/step|FAILED)|^    steps ms" "$out/logs/$name.log" | tail -6
 }
 
 launch_overhead() {  # benchmarks/launch_overhead.py with a time limit, its rows printed, its log kept
@@ -112,6 +113,22 @@ case $part in
         run qlora-sloth 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
         run qlora-unsloth 160 --all --qlora --variants unsloth
         run lora-sloth-profile 150 --all --variants sloth --sloth-options "$SLOTH" --profile ;;
+    robust)  # versus with 20 timed steps each (per-step times, the GPU's clock, power and throttle reasons in
+        # every record), after a 20 s matmul burn so the first run meets a GPU as warm as the later ones, and
+        # sloth's LoRA step under CUDA graphs last (the step without its host: bound by the GPU alone)
+        [ -z "${DRY:-}" ] && timeout 60 python -c "
+import time, torch
+a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)
+end = time.time() + 20
+while time.time() < end:
+    for _ in range(20): a @ a
+    torch.cuda.synchronize()
+print('burn done')"
+        run qlora-sloth 140 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
+        run qlora-unsloth 150 --all --qlora --steps 20 --variants unsloth
+        run lora-sloth 120 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
+        run lora-unsloth 130 --all --steps 20 --variants unsloth
+        run lora-sloth-cg 150 --all --steps 20 --variants sloth --sloth-options "$SLOTH_CG" ;;
     guards)  # sloth LoRA and QLoRA with Dynamo's module guards skipped (e2e --guard-filter; benchmarks/guard_cost.py)
         run lora-sloth-guards 130 --all --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules
         run qlora-sloth-guards 150 --all --qlora --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules ;;
