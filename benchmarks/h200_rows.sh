@@ -17,6 +17,7 @@
 #   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
 #   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
 #   bash benchmarks/h200_rows.sh robust    # versus with 20 steps, per-step times and GPU clock/power, then CUDA graphs
+#   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits, op time, steps
 #   bash benchmarks/h200_rows.sh guards    # sloth LoRA and QLoRA with Dynamo's module guards skipped
 #   bash benchmarks/h200_rows.sh nosplit   # the down kernels in tf32x3 without the factor split launch, beside the default
 #   bash benchmarks/h200_rows.sh lora-nosplit qlora-nosplit  # one nosplit row each (to follow a versus)
@@ -38,7 +39,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|glu-hidden|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -48,6 +49,16 @@ if [ -z "${DRY:-}" ] && [ -n "$wheels" ]; then
 fi
 SLOTH='{"return_logits": false}'
 SLOTH_CG='{"return_logits": false, "triton.cudagraphs": true}'
+# 20 s of bf16 matmuls: the first timed run of a part meets a GPU at the power cap, as the later ones do (every
+# run of 2026-11-30's records ran with the SW power cap throttle active in all samples, ~690 W of 700)
+BURN="
+import time, torch
+a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)
+end = time.time() + 20
+while time.time() < end:
+    for _ in range(20): a @ a
+    torch.cuda.synchronize()
+print('burn done')"
 
 run() {  # run NAME SECONDS ARGS...: one e2e invocation with a time limit, its log kept
     local name=$1 limit=$2
@@ -116,19 +127,23 @@ case $part in
     robust)  # versus with 20 timed steps each (per-step times, the GPU's clock, power and throttle reasons in
         # every record), after a 20 s matmul burn so the first run meets a GPU as warm as the later ones, and
         # sloth's LoRA step under CUDA graphs last (the step without its host: bound by the GPU alone)
-        [ -z "${DRY:-}" ] && timeout 60 python -c "
-import time, torch
-a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)
-end = time.time() + 20
-while time.time() < end:
-    for _ in range(20): a @ a
-    torch.cuda.synchronize()
-print('burn done')"
+        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
         run qlora-sloth 140 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
         run qlora-unsloth 150 --all --qlora --steps 20 --variants unsloth
         run lora-sloth 120 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
         run lora-unsloth 130 --all --steps 20 --variants unsloth
         run lora-sloth-cg 150 --all --steps 20 --variants sloth --sloth-options "$SLOTH_CG" ;;
+    glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed, bits and time at
+        # the 8B shape, then the steps both ways beside Unsloth's, 20 steps each after a matmul burn
+        [ -z "${DRY:-}" ] && { timeout 90 python -m benchmarks.ops.glu_lora_backward > "$out/logs/glu_lora_backward.log" 2>&1
+                               echo "glu_lora_backward: rc $?"; cat "$out/logs/glu_lora_backward.log" | grep -v Warn; }
+        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+        run qlora-sloth 140 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
+        SLOTH_GLU_LORA_FUSED_HIDDEN=0 run qlora-sloth-recompute 110 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
+        run qlora-unsloth 120 --all --qlora --steps 20 --variants unsloth
+        run lora-sloth 100 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
+        SLOTH_GLU_LORA_FUSED_HIDDEN=0 run lora-sloth-recompute 90 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
+        run lora-unsloth 100 --all --steps 20 --variants unsloth ;;
     guards)  # sloth LoRA and QLoRA with Dynamo's module guards skipped (e2e --guard-filter; benchmarks/guard_cost.py)
         run lora-sloth-guards 130 --all --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules
         run qlora-sloth-guards 150 --all --qlora --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules ;;

@@ -134,8 +134,10 @@ def _glu_fwd_kernel(
 def _glu_bwd_kernel(
     p_dy, p_g, p_u, p_dg, p_du,
     n_rows, n_cols, stride_dy, stride_g, stride_u, stride_dg, stride_du,
-    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_Y: tl.constexpr = False,
 ):
+    """dg, du; with STORE_Y also the forward's y = a(g) * u, bit for bit _glu_fwd_kernel's, written over dy
+    (each element's dy is read by the thread that writes its y, before it does)."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -147,6 +149,9 @@ def _glu_bwd_kernel(
     tl.store(p_dg + o_m[:, None] * stride_dg + o_n[None, :], round_to(b_dy * b_u * b_da, p_dg.dtype.element_ty),
              mask=m_mn)
     tl.store(p_du + o_m[:, None] * stride_du + o_n[None, :], round_to(b_dy * b_a, p_du.dtype.element_ty), mask=m_mn)
+    if STORE_Y:
+        tl.store(p_dy + o_m[:, None] * stride_dy + o_n[None, :],
+                 round_to(_activation(b_g, ACTIVATION) * b_u, p_dy.dtype.element_ty), mask=m_mn)
 
 
 def _block_sizes(n_rows: int, n_cols: int) -> tuple[int, int, int]:
@@ -244,11 +249,20 @@ def glu_forward(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) ->
     return y_Nn.view(*x.shape[:-1], n_cols)
 
 
-def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tensor], activation: str
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tensor], activation: str,
+                      y_over_dy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dup). With ``y_over_dy`` the forward's output ``glu(x, up)`` is written over ``dy`` too (which must
+    then be a contiguous tensor the caller owns, in x's dtype): one pass gives the backward both, where a
+    caller that needs the output again (glu_lora.py) would otherwise recompute it by a pass of its own."""
     _check_inputs(x, up, activation)
+    if y_over_dy and (dy.dtype != x.dtype or dy.shape[:-1] != x.shape[:-1] or not dy.is_contiguous()):
+        raise ValueError(f"sloth.glu_backward: y_over_dy needs dy contiguous in x's dtype and rows, got "
+                         f"{dy.dtype} {tuple(dy.shape)} against {x.dtype} {tuple(x.shape)}")
     if not use_triton(x):
-        return glu_backward_reference(dy, x, up, activation)
+        dx, dup = glu_backward_reference(dy, x, up, activation)
+        if y_over_dy:
+            dy.copy_(glu_reference(x, up, activation))
+        return dx, dup
     x_2d = rows_2d(x)
     g_Nn, u_Nn = _split(x_2d, rows_2d(up) if up is not None else None)
     dy_Nn = rows_2d(dy)
@@ -262,7 +276,8 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
         launch(_glu_bwd_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             dy_Nn, g_Nn, u_Nn, dg_Nn, du_Nn,
             n_rows, n_cols, dy_Nn.stride(0), g_Nn.stride(0), u_Nn.stride(0), dg_Nn.stride(0), du_Nn.stride(0),
-            ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STORE_Y=y_over_dy,
+            num_warps=num_warps,
         )
     if up is None:
         return dx_2d.view(x.shape), x.new_empty(0)

@@ -596,14 +596,29 @@ def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.T
         dx = ((dy2 @ w.float()).to(x.dtype).float() + scale * (g @ a.float())).to(x.dtype).view(x.shape) \
             if need_dx else x.new_empty(0)
         return dx, (scale * g.t() @ x2).to(a.dtype), (scale * dy2.t() @ h).to(b.dtype)
-    dy_MN, x_MK = rows_2d(dy), rows_2d(x)
+    dy_MN = rows_2d(dy)
     g_MR = _down(dy_MN, b)
     dx = _up_add_(dy_MN @ w, g_MR, a, scale).view(x.shape) if need_dx else x.new_empty(0)
-    # da and db in one launch: they share M, r and the scale, and their mode (x and dy share a dtype; g and h
-    # are fp32).
-    da, db = _grads([(g_MR, x_MK, False), (h, dy_MN, True)], scale)
-    da, db = da.to(a.dtype), db.to(b.dtype)
+    da, db = lora_adapter_grads(g_MR, rows_2d(x), h, dy_MN, a, b, scale)
     return dx, da, db
+
+
+def lora_backward_dx(dy_MN: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """lora_backward's first half on the GPU path: (dx_MK = dy @ w + s * g @ a, g_MR = dy @ b in fp32), dx a
+    fresh contiguous tensor the caller owns. With lora_adapter_grads after it, a caller can put work between
+    the two that needs dx and produces the x the gradients read (glu_lora.py: the GLU's backward writes
+    the recomputed hidden over its own gradient)."""
+    g_MR = _down(dy_MN, b)
+    return _up_add_(dy_MN @ w, g_MR, a, scale), g_MR
+
+
+def lora_adapter_grads(g_MR: torch.Tensor, x_MK: torch.Tensor, h_MR: torch.Tensor, dy_MN: torch.Tensor,
+                       a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da = s * g.T @ x, db = s * dy.T @ h) in a's and b's dtypes, in one launch: they share M, r and the
+    scale, and their mode (x and dy share a dtype; g and h are fp32)."""
+    da, db = _grads([(g_MR, x_MK, False), (h_MR, dy_MN, True)], scale)
+    return da.to(a.dtype), db.to(b.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from sloth.lowering.glu_lora import glu_lora_linear
 from sloth.patterns.glu import PATTERNS
 from sloth.patterns.lora import lora_pattern
+from op_checks import record_launches
 from pattern_checks import forward_backward, seeded
 from tolerance import assert_close
 
@@ -92,3 +93,35 @@ def test_4bit_base_matches_the_composed_patterns(dtype, nested):
         return lora_pattern(PATTERNS["silu"](gate, up), w_dq.to(gate.dtype), None, a, b, 2.0)
 
     check_against_composed(fused, composed, [gate.to(dtype), up.to(dtype), a, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+def test_the_backward_takes_hidden_from_the_glu_backward(monkeypatch, dtype, activation, merged):
+    # The backward's hidden comes from the GLU backward's pass (written over d_hidden), not from a GLU forward
+    # launch of its own, and every gradient is bit for bit the recomputing backward's
+    # (SLOTH_GLU_LORA_FUSED_HIDDEN=0).
+    from sloth.lowering import glu as glu_lowering
+    from sloth.lowering import glu_lora as glu_lora_lowering
+
+    gate, up, w, a, b = make_inputs(37, 70, 33, 4)
+    gate, up, w = gate.to(dtype), up.to(dtype), w.to(dtype)
+    x = torch.cat([gate, up], -1) if merged else gate
+    dy = torch.randn(37, 33, generator=seeded(5)).to(dtype)
+
+    def grads(fused_hidden: bool):
+        monkeypatch.setattr(glu_lora_lowering, "FUSED_HIDDEN", fused_hidden)
+        xs = [t.clone().requires_grad_() for t in ((x, a, b) if merged else (x, up, a, b))]
+        y = glu_lora_linear(xs[0], None if merged else xs[1], activation, w, None, xs[-2], xs[-1], 2.0)
+        with monkeypatch.context() as mp:
+            launches = record_launches(mp, glu_lowering, "_glu_fwd_kernel", "_glu_bwd_kernel")
+            y.backward(dy)
+        return [t.grad for t in xs], [(name, kwargs.get("STORE_Y")) for name, _, kwargs in launches]
+
+    fused, fused_launches = grads(True)
+    recomputed, recomputed_launches = grads(False)
+    assert fused_launches == [("_glu_bwd_kernel", True)], fused_launches
+    assert recomputed_launches == [("_glu_fwd_kernel", None), ("_glu_bwd_kernel", False)], recomputed_launches
+    for ours, theirs in zip(fused, recomputed):
+        assert torch.equal(ours, theirs)

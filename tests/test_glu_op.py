@@ -300,3 +300,26 @@ def test_fallback_output_layout_matches_fake(monkeypatch):
     assert d_gate.is_contiguous() and d_up.is_contiguous()
     d_m, _ = torch.ops.sloth.glu_backward(torch.randn(4, 64), m, None, "silu")
     assert d_m.is_contiguous() and d_m.shape == (4, 128)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["triton", "fallback"])
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_backward_writes_the_output_over_dy(monkeypatch, fallback, merged, activation):
+    # glu_backward_impl(y_over_dy=True), which glu_lora.py's backward uses: the same gradients, and dy now
+    # holding the forward's output bit for bit (the kernel reads each dy before writing its y there).
+    if fallback:
+        force_fallback(monkeypatch, lowering, "_glu_fwd_kernel", "_glu_bwd_kernel")
+    gen = torch.Generator().manual_seed(4)
+    gate, up = (torch.randn(13, 70, generator=gen).to(torch.bfloat16) for _ in range(2))
+    x, up_arg = (torch.cat([gate, up], -1), None) if merged else (gate, up)
+    dy = torch.randn(13, 70, generator=gen).to(torch.bfloat16)
+    dx, dup = lowering.glu_backward_impl(dy, x, up_arg, activation)
+    dy_out = dy.clone()
+    dx_y, dup_y = lowering.glu_backward_impl(dy_out, x, up_arg, activation, y_over_dy=True)
+    assert torch.equal(dx_y, dx) and torch.equal(dup_y, dup)
+    assert torch.equal(dy_out, lowering.glu_forward(x, up_arg, activation))
+    with pytest.raises(ValueError, match="y_over_dy needs dy contiguous"):
+        lowering.glu_backward_impl(dy.t().contiguous().t(), x, up_arg, activation, y_over_dy=True)
+    with pytest.raises(ValueError, match="y_over_dy needs dy contiguous"):
+        lowering.glu_backward_impl(dy.float(), x, up_arg, activation, y_over_dy=True)

@@ -101,6 +101,7 @@ def _llama_launches() -> None:
     for activation in ("silu", "gelu_tanh"):
         glu.glu_forward(gate, gate, activation)
         glu.glu_backward_impl(gate, gate, gate, activation)
+        glu.glu_backward_impl(torch.empty(n, inter, dtype=bf16), gate, gate, activation, y_over_dy=True)
     q, k = torch.empty(2, 32, 2048, 128, dtype=bf16), torch.empty(2, 8, 2048, 128, dtype=bf16)
     cos = torch.empty(1, 1, 2048, 128, dtype=bf16)
     rope._rope_fwd(q, k, cos, cos)
