@@ -16,8 +16,10 @@
 #   bash benchmarks/h200_rows.sh share     # sloth LoRA and QLoRA with and without share_lora_input, one lease
 #   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
 #   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
-#   bash benchmarks/h200_rows.sh robust    # versus with 20 steps, per-step times and GPU clock/power, then CUDA graphs
-#   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits, op time, steps
+#   bash benchmarks/h200_rows.sh versus20  # versus with 20 steps after a matmul burn; per-step times, GPU clock/power
+#   bash benchmarks/h200_rows.sh robust    # versus20, then sloth LoRA under CUDA graphs
+#   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
+#   bash benchmarks/h200_rows.sh glu-hidden-steps  # the LoRA and QLoRA steps both ways
 #   bash benchmarks/h200_rows.sh guards    # sloth LoRA and QLoRA with Dynamo's module guards skipped
 #   bash benchmarks/h200_rows.sh nosplit   # the down kernels in tf32x3 without the factor split launch, beside the default
 #   bash benchmarks/h200_rows.sh lora-nosplit qlora-nosplit  # one nosplit row each (to follow a versus)
@@ -39,7 +41,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|glu-hidden|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -74,6 +76,15 @@ launch_overhead() {  # benchmarks/launch_overhead.py with a time limit, its rows
     timeout 150 python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
     echo "launch_overhead: rc $?"
     grep -E "^\{" "$out/logs/launch_overhead.log"
+}
+
+versus20() {  # versus with 20 timed steps each (per-step times, the GPU's clock, power and throttle reasons in
+    # every record), after a 20 s matmul burn so the first run meets a GPU as warm as the later ones
+    [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+    run qlora-sloth 140 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
+    run qlora-unsloth 150 --all --qlora --steps 20 --variants unsloth
+    run lora-sloth 120 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
+    run lora-unsloth 130 --all --steps 20 --variants unsloth
 }
 
 for part in "$@"; do
@@ -124,26 +135,20 @@ case $part in
         run qlora-sloth 140 --all --qlora --variants sloth --sloth-options "$SLOTH"
         run qlora-unsloth 160 --all --qlora --variants unsloth
         run lora-sloth-profile 150 --all --variants sloth --sloth-options "$SLOTH" --profile ;;
-    robust)  # versus with 20 timed steps each (per-step times, the GPU's clock, power and throttle reasons in
-        # every record), after a 20 s matmul burn so the first run meets a GPU as warm as the later ones, and
-        # sloth's LoRA step under CUDA graphs last (the step without its host: bound by the GPU alone)
-        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
-        run qlora-sloth 140 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
-        run qlora-unsloth 150 --all --qlora --steps 20 --variants unsloth
-        run lora-sloth 120 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
-        run lora-unsloth 130 --all --steps 20 --variants unsloth
+    robust)  # versus20, then sloth's LoRA step under CUDA graphs (the step without its host: bound by the GPU alone)
+        versus20
         run lora-sloth-cg 150 --all --steps 20 --variants sloth --sloth-options "$SLOTH_CG" ;;
-    glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed, bits and time at
-        # the 8B shape, then the steps both ways beside Unsloth's, 20 steps each after a matmul burn
+    versus20)
+        versus20 ;;
+    glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed: bits and op time at
+        # the 8B shape (benchmarks/ops/glu_lora_backward.py)
         [ -z "${DRY:-}" ] && { timeout 90 python -m benchmarks.ops.glu_lora_backward > "$out/logs/glu_lora_backward.log" 2>&1
-                               echo "glu_lora_backward: rc $?"; cat "$out/logs/glu_lora_backward.log" | grep -v Warn; }
-        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+                               echo "glu_lora_backward: rc $?"; grep -v Warn "$out/logs/glu_lora_backward.log"; } ;;
+    glu-hidden-steps)  # the steps both ways on one lease (SLOTH_GLU_LORA_FUSED_HIDDEN=0: recomputed)
         run qlora-sloth 140 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
         SLOTH_GLU_LORA_FUSED_HIDDEN=0 run qlora-sloth-recompute 110 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH"
-        run qlora-unsloth 120 --all --qlora --steps 20 --variants unsloth
         run lora-sloth 100 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
-        SLOTH_GLU_LORA_FUSED_HIDDEN=0 run lora-sloth-recompute 90 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
-        run lora-unsloth 100 --all --steps 20 --variants unsloth ;;
+        SLOTH_GLU_LORA_FUSED_HIDDEN=0 run lora-sloth-recompute 90 --all --steps 20 --variants sloth --sloth-options "$SLOTH" ;;
     guards)  # sloth LoRA and QLoRA with Dynamo's module guards skipped (e2e --guard-filter; benchmarks/guard_cost.py)
         run lora-sloth-guards 130 --all --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules
         run qlora-sloth-guards 150 --all --qlora --variants sloth --sloth-options "$SLOTH" --guard-filter skip-nn-modules ;;
