@@ -329,8 +329,10 @@ def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
 # The down kernels' product for bf16 activations and an fp32 factor: the factor split into three bf16 parts
 # by a launch of its own (the default), or, with SLOTH_LORA_DOWN_SPLIT=0, tf32x3 on the fp32 factor as fp16
 # and fp32 activations have it (a bf16 value is exact in tf32, so each product keeps 22 of the factor's 24
-# significand bits), which saves the split launch: one per down call, 256 a Llama-3-8B step, host time on a
-# step bound by the host. Not timed on the H200 yet; the switch is for that measurement.
+# significand bits), which saves the split launch: one per down call, 256 a Llama-3-8B step. Measured on the
+# H200 (2026-11-30, one lease) and not kept: QLoRA step 301.3 and 302.4 ms against the default's 273.1, LoRA
+# 290.6; the step is bound by the GPU's power cap, not the host, and three tf32 products cost more than the
+# launches save (benchmarks/results/2026-11-30_052355_*, _052510_*, _052842_*). The switch stays, off.
 DOWN_SPLIT_LAUNCH: bool = os.environ.get("SLOTH_LORA_DOWN_SPLIT", "1") != "0"
 
 
