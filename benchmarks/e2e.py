@@ -249,9 +249,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         sync()
         warmup_walls.append(time.perf_counter() - start)
 
-    # A full collection now, so none falls inside the timed steps. Compiling leaves ~350k more Python objects
-    # (900k in all for a 32-layer model, 550k for the eager one) and a generation-2 collection walks them all:
-    # 0.46-0.6 s on the CPU here, seen on the H200 as one 848 ms step among 252-267 ms ones (2026-11-30). It
+    # A full collection now, so none falls inside the timed steps. Compiling leaves 275-350k more Python objects
+    # (830-900k in all for a 32-layer model, 550k for the eager one) and a generation-2 collection walks them all:
+    # 0.46-0.63 s on the CPU here (benchmarks/gc_cost.py); the likeliest reading of one 848 ms step among 248-267 ms
+    # ones on the H200 (2026-11-30, GPU idle meanwhile). It
     # comes once after compiling, when the objects compiling made move to the oldest generation, and then
     # only after a quarter as many again have survived (thousands of steps): a start-up cost, which the
     # timed window should not sample by luck. Every variant gets the same; the timed steps' collections are
@@ -532,8 +533,9 @@ def run_all(args: argparse.Namespace) -> int:
                       f"sloth {row['sloth counts']} ({wall:.0f} s)",
                       flush=True)
                 if row.get("steps ms"):
-                    print(f"    steps ms {' '.join(f'{t:.1f}' for t in row['steps ms'])}; GPU {row.get('gpu telemetry')}; "
-                          f"gc {row.get('gc in timed steps')}", flush=True)
+                    steps = " ".join(f"{t:.1f}" for t in row["steps ms"])
+                    print(f"    steps ms {steps}; GPU {row.get('gpu telemetry')}; gc {row.get('gc in timed steps')}",
+                          flush=True)
             else:
                 tail = log.read_text().splitlines()[-25:]
                 error = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), f"exit {rc}")

@@ -17,7 +17,7 @@
 #   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
 #   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
 #   bash benchmarks/h200_rows.sh versus20  # versus with 20 steps after a matmul burn; per-step times, GPU clock/power
-#   bash benchmarks/h200_rows.sh robust    # versus20, then sloth LoRA under CUDA graphs
+#   bash benchmarks/h200_rows.sh robust    # versus20, then sloth LoRA under CUDA graphs (~6 min; limits add to more)
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
 #   bash benchmarks/h200_rows.sh glu-hidden-steps  # the LoRA and QLoRA steps both ways
 #   bash benchmarks/h200_rows.sh guards    # sloth LoRA and QLoRA with Dynamo's module guards skipped
@@ -65,7 +65,7 @@ print('burn done')"
 run() {  # run NAME SECONDS ARGS...: one e2e invocation with a time limit, its log kept
     local name=$1 limit=$2
     shift 2
-    if [ -n "${DRY:-}" ]; then echo "python -m benchmarks.e2e $*"; return; fi
+    if [ -n "${DRY:-}" ]; then echo "$(env | grep '^SLOTH_' | tr '\n' ' ')python -m benchmarks.e2e $*"; return; fi
     timeout "$limit" python -m benchmarks.e2e --peak-tflops 790 "$@" > "$out/logs/$name.log" 2>&1
     echo "$name: rc $?"
     grep -E "^\[.*(ms/step|FAILED)|^    steps ms" "$out/logs/$name.log" | tail -6

@@ -136,8 +136,13 @@ def _glu_bwd_kernel(
     n_rows, n_cols, stride_dy, stride_g, stride_u, stride_dg, stride_du,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_Y: tl.constexpr = False,
 ):
-    """dg, du; with STORE_Y also the forward's y = a(g) * u, bit for bit _glu_fwd_kernel's, written over dy
-    (each element's dy is read by the thread that writes its y, before it does)."""
+    """dg, du; with STORE_Y also the forward's y = a(g) * u, bit for bit _glu_fwd_kernel's, written over dy.
+
+    Programs own disjoint tiles, but within one the thread that stores an element's y need not be the one
+    that loaded its dy: where the strides' alignment differs (dy's stride n with n % 16 == 8 against a merged
+    gate/up's 2n, seen compiled for sm_90), Triton gives the load and the store different layouts. So a
+    barrier stands before the y stores: by then every thread's dy values have been consumed by the dg and du
+    stores, so its loads are done."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,6 +155,7 @@ def _glu_bwd_kernel(
              mask=m_mn)
     tl.store(p_du + o_m[:, None] * stride_du + o_n[None, :], round_to(b_dy * b_a, p_du.dtype.element_ty), mask=m_mn)
     if STORE_Y:
+        tl.debug_barrier()
         tl.store(p_dy + o_m[:, None] * stride_dy + o_n[None, :],
                  round_to(_activation(b_g, ACTIVATION) * b_u, p_dy.dtype.element_ty), mask=m_mn)
 
@@ -284,6 +290,12 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
     return dx_2d.view(x.shape), du_Nn.view(up.shape)
 
 
+def glu_backward(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tensor], activation: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's function: glu_backward_impl without ``y_over_dy``, which mutates dy (the op is functional)."""
+    return glu_backward_impl(dy, x, up, activation)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Registration with torch.library: a graph citizen with a fake implementation and its own backward.
 # ---------------------------------------------------------------------------------------------------
@@ -306,7 +318,7 @@ def _backward(ctx, dy):
 def register() -> None:
     """Define ``sloth::glu`` and ``sloth::glu_backward`` (idempotent)."""
     fwd = define("sloth::glu", glu_forward)
-    bwd = define("sloth::glu_backward", glu_backward_impl)
+    bwd = define("sloth::glu_backward", glu_backward)
 
     @fake(fwd)
     def _(x, up, activation):

@@ -323,3 +323,10 @@ def test_backward_writes_the_output_over_dy(monkeypatch, fallback, merged, activ
         lowering.glu_backward_impl(dy.t().contiguous().t(), x, up_arg, activation, y_over_dy=True)
     with pytest.raises(ValueError, match="y_over_dy needs dy contiguous"):
         lowering.glu_backward_impl(dy.float(), x, up_arg, activation, y_over_dy=True)
+
+
+def test_the_backward_op_does_not_take_y_over_dy():
+    # The registered op is functional (mutates_args=()): y_over_dy, which writes over dy, stays off its schema.
+    register()
+    args = [a.name for a in torch.ops.sloth.glu_backward.default._schema.arguments]
+    assert args == ["dy", "x", "up", "activation"], args

@@ -5,10 +5,11 @@ the GLU's backward over d_hidden (lowering/glu_lora.py, the default) against the
     python -m benchmarks.ops.glu_lora_backward        (CUDA; on the CPU a smoke run at small shapes)
 
 At Llama-3-8B's MLP shape (4096 tokens, intermediate 14336, hidden 4096, r 16, bf16, SwiGLU, separate and
-merged gate/up): first the bits (every gradient of the two forms must be equal; on the GPU each form is its
-own compiled kernel, so this is what the CPU tests cannot see), then each form's time (median ms, L2
-flushed, common.bench_ms). The recompute reads gate and up (2 x 112 MiB) and writes hidden (112 MiB) in a
-pass of its own; the fused form writes hidden (112 MiB) from the GLU backward's pass instead.
+merged gate/up, and merged at 14344 for the misaligned layout): first the bits (every gradient of the two
+forms must be equal; on the GPU each form is its own compiled kernel, so this is what the CPU tests cannot
+see), then each form's time (median ms, L2 flushed, common.bench_ms). The recompute reads gate and up
+(2 x 112 MiB) and writes hidden (112 MiB) in a pass of its own; the fused form writes hidden (112 MiB) from
+the GLU backward's pass instead.
 """
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def main() -> int:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    rows, inter, out, rank = (4096, 14336, 4096, 16) if cuda else (64, 96, 48, 4)
+    rows, out, rank = (4096, 4096, 16) if cuda else (64, 48, 4)
+    # (merged, intermediate): separate and merged at the 8B shape, and merged at 14344, where dy's stride
+    # (14344, 8 mod 16) and gate's (28688) differ in alignment and the kernel's y stores take another layout
+    # than its dy loads (the case its barrier is for)
+    cases = [(False, 14336), (True, 14336), (True, 14344)] if cuda else [(False, 96), (True, 96), (True, 40)]
     gen = torch.Generator(device=device).manual_seed(0)
     bf16 = torch.bfloat16
 
@@ -33,7 +38,7 @@ def main() -> int:
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
     failures = 0
-    for merged in (False, True):
+    for merged, inter in cases:
         gate = randn(rows, 2 * inter if merged else inter)
         up = None if merged else randn(rows, inter)
         w = randn(out, inter, scale=inter ** -0.5)
