@@ -135,26 +135,31 @@ class GpuTelemetry:
         self.period_ms = period_ms
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
+        self.out: Any = None
 
     def __enter__(self) -> "GpuTelemetry":
+        import tempfile
+
+        self.out = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a long loop never fills it and stalls
         try:
             self.proc = subprocess.Popen(
                 ["nvidia-smi", f"--query-gpu={_TELEMETRY_FIELDS}", "--format=csv,noheader,nounits",
-                 f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 f"-lms={self.period_ms}"], stdout=self.out, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self.proc = None
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            out, _ = self.proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        self.lines = [ln for ln in out.splitlines() if ln.strip()]
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.out.seek(0)
+            self.lines = [ln for ln in self.out.read().splitlines() if ln.strip()]
+        self.out.close()
 
     def summary(self) -> dict[str, Any] | None:
         """Median and min SM clock, median and max power, max temperature, and how often each throttle-reason

@@ -599,8 +599,11 @@ def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.T
             if need_dx else x.new_empty(0)
         return dx, (scale * g.t() @ x2).to(a.dtype), (scale * dy2.t() @ h).to(b.dtype)
     dy_MN = rows_2d(dy)
-    g_MR = _down(dy_MN, b)
-    dx = _up_add_(dy_MN @ w, g_MR, a, scale).view(x.shape) if need_dx else x.new_empty(0)
+    if need_dx:
+        dx_MK, g_MR = lora_backward_dx(dy_MN, w, a, b, scale)
+        dx = dx_MK.view(x.shape)
+    else:
+        g_MR, dx = _down(dy_MN, b), x.new_empty(0)
     da, db = lora_adapter_grads(g_MR, rows_2d(x), h, dy_MN, a, b, scale)
     return dx, da, db
 
