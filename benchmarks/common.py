@@ -13,6 +13,7 @@ rep, warm-up included); on CPU a wall-clock median, good only for proving a code
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import importlib
 import importlib.metadata
 import importlib.util
@@ -120,6 +121,25 @@ def environment() -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- host-only models
+
+
+def tiny_lora_llama(layers: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """(model, input ids): a Llama of ``layers`` tiny layers (hidden 32) with peft LoRA r 4 on every linear, on
+    the CPU, seed 0. At 32 layers it has the 8B model's parameter tensors (739) and op count with nothing to
+    compute: for measuring host costs that scale with those (guard_cost.py, gc_cost.py)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                            num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                            max_position_embeddings=64)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(transformers.AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=targets))
+    return model, torch.randint(0, 64, (1, 8))
+
+
 # ----------------------------------------------------------------------------- GPU telemetry
 
 _TELEMETRY_FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
@@ -199,14 +219,10 @@ class GcPauses:
             self.pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
 
     def __enter__(self) -> "GcPauses":
-        import gc
-
         gc.callbacks.append(self._callback)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import gc
-
         gc.callbacks.remove(self._callback)
 
     def summary(self) -> dict[str, dict[str, float]]:

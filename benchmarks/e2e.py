@@ -251,12 +251,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     # A full collection now, so none falls inside the timed steps. Compiling leaves 275-350k more Python objects
     # (830-900k in all for a 32-layer model, 550k for the eager one) and a generation-2 collection walks them all:
-    # 0.46-0.63 s on the CPU here (benchmarks/gc_cost.py); the likeliest reading of one 848 ms step among 248-267 ms
-    # ones on the H200 (2026-11-30, GPU idle meanwhile). It
-    # comes once after compiling, when the objects compiling made move to the oldest generation, and then
-    # only after a quarter as many again have survived (thousands of steps): a start-up cost, which the
-    # timed window should not sample by luck. Every variant gets the same; the timed steps' collections are
-    # in the record ("gc in timed steps").
+    # 0.46-0.63 s on the CPU here (benchmarks/gc_cost.py); the likeliest reading of one 848 ms step among
+    # 248-267 ms ones on the H200 (2026-11-30, GPU idle meanwhile). It comes once after compiling, when the
+    # objects compiling made move to the oldest generation, and then only after a quarter as many again have
+    # survived (thousands of steps): a start-up cost, which the timed window should not sample by luck. Every
+    # variant gets the same; the timed steps' collections are in the record ("gc in timed steps").
     gc.collect()
     gc_pauses = common.GcPauses()
     if cuda:

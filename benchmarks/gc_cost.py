@@ -23,16 +23,7 @@ from benchmarks import common
 
 
 def run(backend: str, layers: int, steps: int) -> str:
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                            num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                            max_position_embeddings=64)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(transformers.AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=targets))
-    ids = torch.randint(0, 64, (1, 8))
+    model, ids = common.tiny_lora_llama(layers)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     call = model if backend == "eager" else torch.compile(model, backend=backend)
 

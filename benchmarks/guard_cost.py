@@ -19,22 +19,15 @@ import warnings
 
 import torch
 
+from benchmarks import common
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=args.layers, num_attention_heads=2,
-                                            num_key_value_heads=1, vocab_size=64, max_position_embeddings=64)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(transformers.AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=targets))
-    ids = torch.randint(0, 64, (1, 8))
+    model, ids = common.tiny_lora_llama(args.layers)
     print(f"torch {torch.__version__}, {args.layers} layers, {sum(1 for _ in model.parameters())} parameter tensors")
     filters = {"default guards": None,
                "skip_guard_on_all_nn_modules_unsafe": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
