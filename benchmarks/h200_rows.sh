@@ -17,6 +17,7 @@
 #   bash benchmarks/h200_rows.sh final     # versus and the QLoRA twins ablation on one lease, QLoRA first (~7 min)
 #   bash benchmarks/h200_rows.sh confirm   # versus again, then sloth's LoRA step profiled
 #   bash benchmarks/h200_rows.sh versus20  # versus with 20 steps after a matmul burn; per-step times, GPU clock/power
+#   bash benchmarks/h200_rows.sh default default-2  # sloth's default options beside return_logits=False and Unsloth
 #   bash benchmarks/h200_rows.sh robust    # versus20, then sloth LoRA under CUDA graphs (~6 min; limits add to more)
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
 #   bash benchmarks/h200_rows.sh glu-hidden-steps  # the LoRA and QLoRA steps both ways
@@ -37,7 +38,8 @@
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
 #
-# sloth runs with return_logits=False (Unsloth and Liger do not return the logits while training either);
+# Most parts run sloth with return_logits=False (Unsloth and Liger do not return the logits while training either);
+# since issue 17 the headline is sloth's default options (parts default, default-2), that option an extra row;
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +49,11 @@ mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 wheels=$(ls .whl/*.whl .whl/unsloth/*.whl 2>/dev/null)  # whichever of the two folders were carried
 if [ -z "${DRY:-}" ] && [ -n "$wheels" ]; then
-    pip install -q --no-index --no-deps --target /tmp/wheels $wheels 2>/dev/null && export PYTHONPATH=/tmp/wheels
+    # --upgrade: a call chained onto a warm machine adds its wheels beside those an earlier call installed there
+    pip install -q --no-index --no-deps --upgrade --target /tmp/wheels $wheels 2>/dev/null
+fi
+if [ -z "${DRY:-}" ] && [ -d /tmp/wheels ]; then
+    export PYTHONPATH=/tmp/wheels
 fi
 SLOTH='{"return_logits": false}'
 SLOTH_CG='{"return_logits": false, "triton.cudagraphs": true}'
@@ -140,6 +146,20 @@ case $part in
         run lora-sloth-cg 150 --all --steps 20 --variants sloth --sloth-options "$SLOTH_CG" ;;
     versus20)
         versus20 ;;
+    default)  # issue 17: sloth as a user runs it (no options: the loss reads the returned logits) beside
+        # return_logits=False, LoRA and QLoRA, after a burn (~7 min; carry the bitsandbytes wheel alone: with
+        # Unsloth's set beside it the call passes the 64 MiB carry limit)
+        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+        run lora-sloth-default 150 --all --steps 20 --variants sloth
+        run lora-sloth-rlf 130 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
+        run qlora-sloth-default 150 --all --qlora --steps 20 --variants sloth
+        run qlora-sloth-rlf 140 --all --qlora --steps 20 --variants sloth --sloth-options "$SLOTH" ;;
+    default-2)  # its second half, chained at once onto the same machine (bitsandbytes stays installed in
+        # /tmp/wheels; carry .whl/unsloth): Unsloth's LoRA, 1 x 16384 with checkpointing both ways, Unsloth's QLoRA
+        run lora-unsloth 150 --all --steps 20 --variants unsloth
+        run long-sloth-default 150 --all --batch 1 --seq 16384 --grad-ckpt --steps 6 --variants sloth
+        run long-sloth-rlf 150 --all --batch 1 --seq 16384 --grad-ckpt --steps 6 --variants sloth --sloth-options "$SLOTH"
+        run qlora-unsloth 160 --all --qlora --steps 20 --variants unsloth ;;
     glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed: bits and op time at
         # the 8B shape (benchmarks/ops/glu_lora_backward.py)
         [ -z "${DRY:-}" ] && { timeout 90 python -m benchmarks.ops.glu_lora_backward > "$out/logs/glu_lora_backward.log" 2>&1

@@ -16,6 +16,7 @@ evaluates whatever ops build the mask).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
@@ -26,12 +27,14 @@ from ..patterns.glu import fuse_glu_pass
 from ..patterns.lora import fuse_lora_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
+from .anchors import UNMATCHED, anchors, unexplained
 from .canonicalize import canonicalize_pass
 from .options import PassOptions
 from .recompute import recompute_pass
 from .report import Report
 
 GraphPass = Callable[..., fx.GraphModule]
+log = logging.getLogger("sloth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +94,14 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
         for family_pass in FAMILY_PASSES:
             if family_pass.family in families and (graph_module is gm or not family_pass.whole_module):
                 family_pass.run(graph_module, example_inputs, report=report, options=graph_options)
+    # Every anchor a family looks for and left in the graph gets a reason in the report (compiler/anchors.py).
+    left = anchors([gm, *_subgraphs(gm)], families)
+    report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
+    for family, node in unexplained(left, report.rejected_nodes):
+        report.reject(family, node, UNMATCHED)
+        report.unexplained.setdefault(family, []).append(report.rejections[-1].module or "(top level)")
+        log.warning("sloth: %s: a site at %s matched none of the family's patterns and its pass gave no reason",
+                    family, report.rejections[-1].source or node.name)
     # Top level only: subgraph bodies keep their own policy (a checkpointed layer is recomputed whole already).
     recompute_pass(gm, example_inputs, report=report, options=options)
     return gm

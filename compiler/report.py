@@ -44,6 +44,13 @@ class Report:
     # op name -> outputs tagged to be recomputed in the backward rather than saved where a backward reads them
     # (compiler/recompute.py; the partitioner acts on the tags, so inner="eager" ignores them)
     recomputed: Counter = dataclasses.field(default_factory=Counter)
+    # family -> where its anchors were left with no reason from the family's pass (compiler/anchors.py): they
+    # are in ``rejections`` too, with a generic reason; a matcher gap for sloth to close, never silent.
+    unexplained: dict = dataclasses.field(default_factory=dict)
+    # family -> anchors left in the graphs after the passes (each with one reason in ``rejections``)
+    anchors_left: Counter = dataclasses.field(default_factory=Counter)
+    # (family, node) of each rejection of this graph, for compiler/anchors.py; not merged (nodes are per graph)
+    rejected_nodes: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -55,6 +62,7 @@ class Report:
 
     def reject(self, family: str, anchor: "fx.Node", reason: str) -> None:
         """Record that ``family`` left the site at ``anchor`` as it was, and why."""
+        self.rejected_nodes.append((family, anchor))
         self.rejected(Rejection(family, module_path(anchor), source_location(anchor), reason))
 
     def rejected(self, rejection: Rejection) -> None:
@@ -68,6 +76,9 @@ class Report:
         self.disabled = sorted(set(self.disabled) | set(other.disabled))
         self.graphs += other.graphs
         self.recomputed += other.recomputed
+        self.anchors_left += other.anchors_left
+        for family, where in other.unexplained.items():
+            self.unexplained[family] = self.unexplained.get(family, []) + where
 
     def __str__(self) -> str:
         out = [f"sloth report: {self.graphs} graph(s), "

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .layout import rows_2d
 from .registration import define, fake, launch
@@ -88,7 +89,10 @@ def _activation(b_g, ACTIVATION: tl.constexpr):
         b_s, _ = _sigmoid_pair(b_g)
         b_a = b_g * b_s
     elif ACTIVATION == _GELU_TANH:
-        b_s, _ = _sigmoid_pair(2.0 * _SQRT_2_OVER_PI * b_g * (1.0 + _GELU_TANH_C * b_g * b_g))
+        # 2z bound to a name before the call: Triton 3.9's interpreter fails to convert a call argument
+        # computed from a module-level constexpr ("cannot convert ... tensor to tensor"); 3.6 accepts both.
+        b_2z = 2.0 * _SQRT_2_OVER_PI * b_g * (1.0 + _GELU_TANH_C * b_g * b_g)
+        b_s, _ = _sigmoid_pair(b_2z)
         b_a = b_g * b_s
     else:
         b_a = b_g * 0.5 * (1.0 + tl.math.erf(b_g * _SQRT_HALF))
@@ -104,7 +108,8 @@ def _activation_and_derivative(b_g, ACTIVATION: tl.constexpr):
         b_da = b_s * (1.0 + b_g * b_1ms)
     elif ACTIVATION == _GELU_TANH:
         b_g2 = b_g * b_g
-        b_s, b_1ms = _sigmoid_pair(2.0 * _SQRT_2_OVER_PI * b_g * (1.0 + _GELU_TANH_C * b_g2))
+        b_2z = 2.0 * _SQRT_2_OVER_PI * b_g * (1.0 + _GELU_TANH_C * b_g2)  # named: see _activation
+        b_s, b_1ms = _sigmoid_pair(b_2z)
         b_a = b_g * b_s
         b_da = b_s + b_a * b_1ms * (2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * _GELU_TANH_C * b_g2)
     else:
@@ -188,8 +193,7 @@ def _check_inputs(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) 
         raise TypeError(f"sloth.glu: up must have gate's dtype {x.dtype}, got {up.dtype}")
     if up.shape != x.shape:
         raise ValueError(f"sloth.glu: up must have gate's shape {tuple(x.shape)}, got {tuple(up.shape)}")
-    if up.device != x.device:
-        raise ValueError(f"sloth.glu: up is on {up.device} but gate is on {x.device}")
+    check_one_device("sloth.glu", ("gate", x), ("up", up))
 
 
 def _split(x: torch.Tensor, up: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,6 +326,7 @@ def register() -> None:
 
     @fake(fwd)
     def _(x, up, activation):
+        check_one_device("sloth.glu", ("gate", x), ("up", up))  # meta inputs land here (lowering/devices.py)
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2) if up is None else x.shape)
 
     @fake(bwd)

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from .backend_choice import use_triton
+from .devices import check_one_device
 from .glu import glu_backward_impl, glu_forward
 from .layout import rows_2d
 from .lora import lora_adapter_grads, lora_backward, lora_backward_dx, lora_forward
@@ -115,6 +116,9 @@ def register() -> None:
 
     @fake(fwd)
     def _(gate, up, activation, w, bias, a, b, scale):
+        # A call with a meta input runs this, not the op and its checks (lowering/devices.py).
+        check_one_device("sloth.glu_lora_linear", ("gate", gate), ("up", up), ("w", w), ("bias", bias), ("a", a),
+                         ("b", b))
         rows = math.prod(gate.shape[:-1])
         return gate.new_empty((*gate.shape[:-1], w.shape[0])), gate.new_empty((rows, a.shape[0]), dtype=torch.float32)
 

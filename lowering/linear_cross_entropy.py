@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .devices import check_one_device
 from .host_math import next_power_of_2
 from .registration import add_twin, add_twin_fake
 from .rounding import round_to
@@ -99,16 +100,18 @@ def _tanh(b_u):
 
 @triton.jit
 def _lce_rows_kernel(
-    p_logits, p_labels, p_loss, p_scale,
-    n_cols, stride_l, ignore_index,
+    p_logits, p_g, p_labels, p_loss, p_scale,
+    n_cols, stride_l, stride_g, ignore_index,
     softcap, logit_scale, label_smoothing,
     HAS_SOFTCAP: tl.constexpr, COMPUTE_GRAD: tl.constexpr, PER_ROW_SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # One program per row of the chunk: pass 1 reads the row once for the online log-sum-exp, the sum
-    # of z (label smoothing) and z_y; pass 2 (gradients) reads it again and overwrites it with g.
+    # of z (label smoothing) and z_y; pass 2 (gradients) reads it again and writes g over it (p_g is
+    # p_logits for a tile the launcher computed) or into a tile of its own (logits the graph returns).
     i_m = tl.program_id(0).to(tl.int64)
     p_row = p_logits + i_m * stride_l
+    p_g_row = p_g + i_m * stride_g
     b_y = tl.load(p_labels + i_m)
     b_valid = b_y != ignore_index
     b_m = tl.full([], float("-inf"), tl.float32)
@@ -149,7 +152,7 @@ def _lce_rows_kernel(
             b_g = b_dz * b_a
             if HAS_SOFTCAP:
                 b_g = b_g * (1.0 - b_t * b_t)
-            tl.store(p_row + o_v, round_to(b_g, p_logits.dtype.element_ty), mask=m_v)
+            tl.store(p_g_row + o_v, round_to(b_g, p_g.dtype.element_ty), mask=m_v)
 
 
 def chunk_rows(n_rows: int, vocab: int, hidden: int, weight_grad: bool = False) -> int:
@@ -186,7 +189,7 @@ def _accumulate_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 
 def _check_inputs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-                  reduction: str) -> None:
+                  reduction: str, logits: Optional[torch.Tensor] = None) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"sloth.linear_cross_entropy: x must be [N, H] and w [V, H], got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
@@ -200,6 +203,17 @@ def _check_inputs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
                          f"got {labels.dtype} {tuple(labels.shape)}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"sloth.linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_devices(x, w, bias, labels, logits)
+    if logits is not None and (logits.shape != (x.shape[0], w.shape[0]) or logits.dtype != x.dtype):
+        raise ValueError(f"sloth.linear_cross_entropy: logits must be [{x.shape[0]}, {w.shape[0]}] of {x.dtype} "
+                         f"(x @ w.T + bias), got {logits.dtype} {tuple(logits.shape)}")
+
+
+def _check_devices(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                   logits: Optional[torch.Tensor] = None) -> None:
+    """One device for every input (the forward's fake runs this too: lowering/devices.py says why)."""
+    check_one_device("sloth.linear_cross_entropy", ("x", x), ("w", w), ("bias", bias), ("labels", labels),
+                     ("logits", logits))
 
 
 def _row_loss_and_grad_reference(l: torch.Tensor, y: torch.Tensor, a: Optional[torch.Tensor], ignore_index: int,
@@ -227,11 +241,14 @@ def _row_loss_and_grad_reference(l: torch.Tensor, y: torch.Tensor, a: Optional[t
 
 def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
              row_scale: Optional[torch.Tensor], ignore_index: int, softcap: float, logit_scale: float,
-             label_smoothing: float, compute_dx: bool, compute_dw: bool
+             label_smoothing: float, compute_dx: bool, compute_dw: bool, logits: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row losses (fp32 [N]) and, when ``row_scale`` is given, dx, dw, db of ``sum_i a_i * loss_i``.
 
-    ``row_scale`` is a 0-dim tensor (one ``a`` for every row) or an [N] tensor (one per row).
+    ``row_scale`` is a 0-dim tensor (one ``a`` for every row) or an [N] tensor (one per row). ``logits``, when
+    given, is ``x @ w.T + bias`` as the graph computed it: its tiles are read instead of recomputed (no matmul
+    for them) and the gradient tiles go to one reused buffer, since the logits themselves are not ours to
+    overwrite.
     """
     n_rows, hidden = x.shape
     vocab = w.shape[0]
@@ -246,21 +263,29 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     triton_ok = use_triton(x)
     block_v = min(next_power_of_2(max(vocab, 1)), 4096)
     rows = chunk_rows(n_rows, vocab, hidden, compute_dw)
+    if logits is not None and logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    g_buffer = (logits.new_empty((min(rows, n_rows), vocab)) if logits is not None and grads and triton_ok
+                else None)
     for start in range(0, n_rows, rows):
         stop = min(start + rows, n_rows)
         x_c, y_c = x[start:stop], labels[start:stop]
-        l_CV = torch.addmm(bias, x_c, w.t()) if bias is not None else x_c @ w.t()
+        if logits is not None:
+            l_CV = logits[start:stop]
+        else:
+            l_CV = torch.addmm(bias, x_c, w.t()) if bias is not None else x_c @ w.t()
         a_c = None if not grads else (row_scale if row_scale.dim() == 0 else row_scale[start:stop])
         if triton_ok:
-            l_CV = l_CV.contiguous()
+            if logits is None:
+                l_CV = l_CV.contiguous()
+            g_CV = l_CV if g_buffer is None else g_buffer[:stop - start]
             _lce_rows_kernel[(stop - start,)](
-                l_CV, y_c.contiguous(), loss[start:stop], a_c if grads else loss,
-                vocab, l_CV.stride(0), int(ignore_index),
+                l_CV, g_CV, y_c.contiguous(), loss[start:stop], a_c if grads else loss,
+                vocab, l_CV.stride(0), g_CV.stride(0), int(ignore_index),
                 float(softcap), float(logit_scale), float(label_smoothing),
                 HAS_SOFTCAP=bool(softcap), COMPUTE_GRAD=grads, PER_ROW_SCALE=grads and row_scale.dim() == 1,
                 BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
             )
-            g_CV = l_CV
         else:
             a_rows = None if not grads else a_c.float().expand(stop - start)
             loss[start:stop], g_CV = _row_loss_and_grad_reference(l_CV, y_c, a_rows, ignore_index, softcap,
@@ -285,9 +310,9 @@ def _valid_count(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 def _lce_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
              ignore_index: int, reduction: str, softcap: float, logit_scale: float, label_smoothing: float,
-             compute_dx: bool, compute_dw: bool
+             compute_dx: bool, compute_dw: bool, logits: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_inputs(x, w, bias, labels, reduction)
+    _check_inputs(x, w, bias, labels, reduction, logits)
     count = _valid_count(labels, ignore_index) if reduction == "mean" else None
     if reduction == "none" or not (compute_dx or compute_dw):
         row_scale = None  # 'none' recomputes in the backward; no gradient wanted: loss only
@@ -296,7 +321,7 @@ def _lce_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     else:
         row_scale = torch.ones((), dtype=torch.float32, device=x.device)
     loss, dx, dw, db = _chunked(x, w, bias, labels, row_scale, ignore_index, softcap, logit_scale,
-                                label_smoothing, compute_dx, compute_dw)
+                                label_smoothing, compute_dx, compute_dw, logits)
     if reduction == "mean":
         loss = loss.sum() / count
     elif reduction == "sum":
@@ -306,14 +331,16 @@ def _lce_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
 
 def _lce_bwd(grad_loss: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
              labels: torch.Tensor, ignore_index: int, reduction: str, softcap: float, logit_scale: float,
-             label_smoothing: float, compute_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, dw, db recomputed chunk by chunk, for any reduction (``grad_loss`` scalar, or [N] for 'none')."""
-    _check_inputs(x, w, bias, labels, reduction)
+             label_smoothing: float, compute_dw: bool, logits: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dw, db recomputed chunk by chunk, for any reduction (``grad_loss`` scalar, or [N] for 'none');
+    from ``logits`` when the forward had them."""
+    _check_inputs(x, w, bias, labels, reduction, logits)
     row_scale = grad_loss.float().contiguous()  # autograd hands 'none' a stride-0 expand of one value
     if reduction == "mean":
         row_scale = row_scale / _valid_count(labels, ignore_index)
     _, dx, dw, db = _chunked(x, w, bias, labels, row_scale, ignore_index, softcap, logit_scale,
-                             label_smoothing, True, compute_dw)
+                             label_smoothing, True, compute_dw, logits)
     return dx, dw, db
 
 
@@ -322,7 +349,8 @@ def _lce_bwd(grad_loss: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: Op
 # ---------------------------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, compute_dx, compute_dw = inputs
+    (x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, compute_dx, compute_dw,
+     logits) = inputs
     _, dx, dw, db = output
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
@@ -335,7 +363,7 @@ def _setup_context(ctx, inputs, output) -> None:
     if ctx.precomputed:
         ctx.save_for_backward(dx if need_dx else None, dw if need_dw else None, db if need_db else None)
     else:
-        ctx.save_for_backward(x, w, bias, labels)
+        ctx.save_for_backward(x, w, bias, labels, logits)
     ctx.args = (ignore_index, reduction, softcap, logit_scale, label_smoothing)
     ctx.mark_non_differentiable(dx, dw, db)
 
@@ -346,13 +374,15 @@ def _backward(ctx, grad_loss, _gdx, _gdw, _gdb):
         dx, dw, db = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         return ((grad_loss * dx).to(x_dtype) if need_dx else None, (grad_loss * dw).to(w_dtype) if need_dw else None,
-                (grad_loss * db).to(b_dtype) if need_db else None, *([None] * 8))
-    x, w, bias, labels = ctx.saved_tensors
+                (grad_loss * db).to(b_dtype) if need_db else None, *([None] * 9))
+    x, w, bias, labels, logits = ctx.saved_tensors
     ignore_index, reduction, softcap, logit_scale, label_smoothing = ctx.args
     dx, dw, db = torch.ops.sloth.linear_cross_entropy_backward(
         grad_loss, x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing,
-        need_dw or need_db)
-    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 8)
+        need_dw or need_db, logits)
+    # No gradient for ``logits``: they are x @ w.T + bias, whose gradient the op already routes to x, w and bias
+    # (a gradient through the graph's own lm_head as well would count the loss twice).
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 9)
 
 
 @functools.cache
@@ -365,7 +395,8 @@ def register() -> None:
     add_twin(bwd, _lce_bwd)
 
     def fwd_fake(x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, compute_dx,
-                 compute_dw):
+                 compute_dw, logits=None):
+        _check_devices(x, w, bias, labels, logits)
         loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
         grads = reduction != "none" and (compute_dx or compute_dw)
         dx = x.new_empty(x.shape) if grads and compute_dx else x.new_empty(0)
@@ -374,7 +405,7 @@ def register() -> None:
         return loss, dx, dw, db
 
     def bwd_fake(grad_loss, x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing,
-                 compute_dw):
+                 compute_dw, logits=None):
         dw = w.new_empty(w.shape) if compute_dw else x.new_empty(0)
         db = bias.new_empty(bias.shape) if compute_dw and bias is not None else x.new_empty(0)
         return x.new_empty(x.shape), dw, db
@@ -387,13 +418,17 @@ def register() -> None:
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                          ignore_index: int = -100, reduction: str = "mean", softcap: float = 0.0,
-                         logit_scale: float = 1.0, label_smoothing: float = 0.0) -> torch.Tensor:
+                         logit_scale: float = 1.0, label_smoothing: float = 0.0,
+                         logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Cross-entropy of ``x @ w.T + bias`` against ``labels`` without the [N, V] logits; see the module
-    docstring for the exact math. The loss is fp32 (scalar, or [N] for ``reduction='none'``)."""
+    docstring for the exact math. The loss is fp32 (scalar, or [N] for ``reduction='none'``).
+
+    ``logits``: ``x @ w.T + bias`` when the caller has computed it anyway (to return it): the loss and the
+    gradients are then read from it, with no matmul for the logits; it gets no gradient from the loss."""
     register()
     grad_on = torch.is_grad_enabled()
     compute_dw = grad_on and (w.requires_grad or (bias is not None and bias.requires_grad))
     loss, _, _, _ = torch.ops.sloth.linear_cross_entropy(
         x, w, bias, labels, int(ignore_index), reduction, float(softcap), float(logit_scale),
-        float(label_smoothing), grad_on and x.requires_grad, compute_dw)
+        float(label_smoothing), grad_on and x.requires_grad, compute_dw, logits)
     return loss

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import triton_interpreter_on, use_triton
+from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .layout import rows_2d
 from .registration import TRITON_OP, define, fake, launch
@@ -485,9 +486,10 @@ def grad_counters(calls: list[list[int]], n_rows: int, device: torch.device) -> 
     """Zeroed int32 split counters for several ``_grads`` calls of one op's backward over ``n_rows`` rows
     (``calls``: each call's K of its problems): every launch leaves the counters it used at zero again, so the
     calls, one after another on a stream, share one buffer as long as the largest needs (the device's shared
-    buffer, or one fill launch for all of them). Without row splits in any call, one unused int32 (no fill)."""
+    buffer, or one fill launch for all of them). Without row splits in any call, one unused int32 (no fill);
+    so also for no rows, where ``_grads`` launches nothing (and ``_splits`` would divide by zero)."""
     blocks = [_k_blocks(sizes)[1] for sizes in calls]
-    if all(_splits(n_rows, kb)[0] == 1 for kb in blocks):
+    if n_rows == 0 or all(_splits(n_rows, kb)[0] == 1 for kb in blocks):
         return torch.empty(1, dtype=torch.int32, device=device)
     return _zeroed_counters(max(sum(kb) for kb in blocks), device)
 
@@ -566,6 +568,13 @@ def _check_inputs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
                         f"{a.dtype} and {b.dtype}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"sloth.lora_linear: bias must be [{n}], got {tuple(bias.shape)}")
+    _check_devices(x, w, bias, a, b)
+
+
+def _check_devices(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
+                   b: torch.Tensor) -> None:
+    """x, the base and the adapter on one device (the fake runs this too: lowering/devices.py says why)."""
+    check_one_device("sloth.lora_linear", ("x", x), ("w", w), ("bias", bias), ("a", a), ("b", b))
 
 
 def lora_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor,
@@ -656,6 +665,7 @@ def register() -> None:
 
     @fake(fwd)
     def _(x, w, bias, a, b, scale):
+        _check_devices(x, w, bias, a, b)
         rows = math.prod(x.shape[:-1])
         return x.new_empty((*x.shape[:-1], w.shape[0])), x.new_empty((rows, a.shape[0]), dtype=torch.float32)
 

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from . import nf4
 from .backend_choice import use_triton
+from .devices import check_one_device
 from .layout import rows_2d
 from .lora import _check_inputs, _down, _grads, _up_add_, grad_counters, lora_linear_reference
 from .lora_members import down_members, up_add_members_
@@ -295,6 +296,11 @@ def register() -> None:
 
     @fake(fwd)
     def _(x, ws, biases, a, bs, scale):
+        # A call with a meta input runs this, not the op and its checks (lowering/devices.py).
+        check_one_device("sloth.lora_linear_shared", ("x", x), ("a", a),
+                         *((f"ws[{i}]", w) for i, w in enumerate(ws)),
+                         *((f"biases[{i}]", t) for i, t in enumerate(biases)),
+                         *((f"bs[{i}]", b) for i, b in enumerate(bs)))
         return _outputs(x, [w.shape[0] for w in ws], a)
 
     @fake(bwd)

@@ -33,10 +33,12 @@ from typing import Optional
 import torch
 
 from . import nf4
+from .devices import check_one_device
 from .lora import lora_backward, lora_forward
 from .registration import define, fake
 
 QUANT_TYPES = ("nf4", "fp4")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_quant_type(quant_type: str, op: str) -> None:
@@ -61,10 +63,22 @@ def dequantized_weight(packed: torch.Tensor, absmax: torch.Tensor, absmax_code: 
     return nf4.dequantize_4bit(packed, absmax, blocksize, quant_type, (out_features, in_features), dtype)
 
 
+def _check_x_and_devices(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                         absmax_code: Optional[torch.Tensor], absmax_scale: Optional[torch.Tensor],
+                         bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> None:
+    """What the dequantisation would otherwise report under another name: x's dtype (the weight's dtype there)
+    and x's device (the dequantised weight's). ``absmax_offset`` may be anywhere: nf4 moves it (a scalar)."""
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"sloth.qlora_linear: x must be float32, bfloat16 or float16, got {x.dtype}")
+    check_one_device("sloth.qlora_linear", ("x", x), ("packed", packed), ("absmax", absmax),
+                     ("absmax_code", absmax_code), ("absmax_scale", absmax_scale), ("bias", bias), ("a", a), ("b", b))
+
+
 def _qlora_fwd(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absmax_code: Optional[torch.Tensor],
                absmax_scale: Optional[torch.Tensor], absmax_offset: Optional[torch.Tensor], out_features: int,
                in_features: int, blocksize: int, quant_type: str, bias: Optional[torch.Tensor], a: torch.Tensor,
                b: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_x_and_devices(x, packed, absmax, absmax_code, absmax_scale, bias, a, b)
     w = dequantized_weight(packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features,
                            blocksize, quant_type, x.dtype)
     return lora_forward(x, w, bias, a, b, scale)
@@ -119,6 +133,7 @@ def register() -> None:
     @fake(fwd)
     def _(x, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features, blocksize,
           quant_type, bias, a, b, scale):
+        _check_x_and_devices(x, packed, absmax, absmax_code, absmax_scale, bias, a, b)  # meta inputs: devices.py
         rows = math.prod(x.shape[:-1])
         return x.new_empty((*x.shape[:-1], out_features)), x.new_empty((rows, a.shape[0]), dtype=torch.float32)
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .registration import define, fake, launch
 from .rounding import round_to
@@ -130,8 +131,13 @@ def _check_inputs(x: torch.Tensor, weight: Optional[torch.Tensor]) -> None:
                 f"got {tuple(weight.shape)}")
         if weight.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"sloth.rms_norm: weight must be float32, bfloat16 or float16, got {weight.dtype}")
-        if weight.device != x.device:
-            raise ValueError(f"sloth.rms_norm: weight is on {weight.device} but x is on {x.device}")
+    check_one_device("sloth.rms_norm", ("x", x), ("weight", weight))
+
+
+def _unit_stride(weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The weight as the kernels read it, element d at data_ptr + d: a copy when its stride is not 1 (an
+    expanded ``w.expand(D)`` has stride 0, a slice ``w[::2]`` stride 2; both were read wrongly before)."""
+    return weight if weight is None or weight.stride(0) == 1 else weight.contiguous()
 
 
 def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float,
@@ -172,6 +178,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, o
     if x_ND.stride(-1) != 1:
         x_ND = x_ND.contiguous()
     n_rows = x_ND.shape[0]
+    weight = _unit_stride(weight)
     y_ND = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0:
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
@@ -233,6 +240,7 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     if dy_ND.stride(-1) != 1:
         dy_ND = dy_ND.contiguous()
     n_rows = x_ND.shape[0]
+    weight = _unit_stride(weight)
     dx_ND = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows == 0:
         dw = torch.zeros_like(weight) if compute_dw else x.new_empty(0)
@@ -278,6 +286,7 @@ def register() -> None:
 
     @fake(fwd)
     def _(x, weight, eps, offset, out_dtype):
+        check_one_device("sloth.rms_norm", ("x", x), ("weight", weight))  # meta inputs land here (devices.py)
         return x.new_empty(x.shape, dtype=out_dtype)
 
     @fake(bwd)

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .registration import define, fake, launch
 from .rounding import round_to
@@ -151,12 +152,15 @@ def _out_dtype(x_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.promote_types(torch.promote_types(x_dtype, cos.dtype), sin.dtype)
 
 
+def _check_devices(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> None:
+    check_one_device("sloth.rope", ("x", xs[0]), *(("x", x) for x in xs[1:]), ("cos", cos), ("sin", sin))
+
+
 def _check_inputs(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> None:
     for t, name in [*((x, "x") for x in xs), (cos, "cos"), (sin, "sin")]:
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"sloth.rope: {name} must be float32, bfloat16 or float16, got {t.dtype}")
-        if t.device != cos.device:
-            raise ValueError(f"sloth.rope: {name} is on {t.device} but cos is on {cos.device}")
+    _check_devices(xs, cos, sin)
     if cos.shape != sin.shape:
         raise ValueError(f"sloth.rope: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     rot = cos.shape[-1] if cos.dim() else 0
@@ -342,8 +346,10 @@ def register() -> None:
     fwd1 = define("sloth::rope_single", _rope_single_fwd)
     bwd1 = define("sloth::rope_single_backward", _rope_single_bwd)
 
+    # The forward fakes check devices: a call with a meta input runs the fake, not the op (lowering/devices.py).
     @fake(fwd)
     def _(q, k, cos, sin, interleaved=False):
+        _check_devices((q, k), cos, sin)
         return q.new_empty(q.shape, dtype=_out_dtype(q.dtype, cos, sin)), \
             k.new_empty(k.shape, dtype=_out_dtype(k.dtype, cos, sin))
 
@@ -353,6 +359,7 @@ def register() -> None:
 
     @fake(fwd1)
     def _(x, cos, sin, interleaved=False):
+        _check_devices((x,), cos, sin)
         return x.new_empty(x.shape, dtype=_out_dtype(x.dtype, cos, sin))
 
     @fake(bwd1)

@@ -26,15 +26,19 @@ dtype than float32 is cast back. What follows the loss (``/ num_items_in_batch``
 
 Logits with another user (returned to the caller, as every transformers ``*ForCausalLM`` does, or logged)
 still fuse: the loss becomes the sloth op and the chain nodes the other user reads stay, in the model's
-dtype, so the outputs are exact ("logits also returned (kept)"); autograd adds the graph's own linear's
-gradient to the op's when the returned logits are differentiated too. ``options={"return_logits": False}``
+dtype, so the outputs are exact ("logits also returned (kept)"). The op then reads the projection the graph
+computes anyway (``logits=``) instead of recomputing it chunk by chunk, so the step pays one lm_head matmul
+and one for dx, as ``return_logits=False`` does, not three; autograd adds the graph's own linear's gradient to
+the op's when the returned logits are differentiated too. ``options={"return_logits": False}``
 returns an empty tensor in their place when being returned is their only other use, so they are never
 computed ("return_logits=False: logits not returned").
 
 Left as it was, with the reason: logits read elsewhere after a widening cast (an fp32 copy), class weights (``weight=``), the legacy ``size_average``/``reduce``,
 float64, soft (probability) targets, a cast to a narrower dtype or a second tanh in the logits' chain, a
-non-constant ignore_index or smoothing, a log_softmax over another dim or with other users. Not matched at all (no near-miss): the
-manual ``-log_softmax(z).gather(-1, y)`` form (its ignore_index is a mask written by hand).
+non-constant ignore_index or smoothing, a log_softmax over another dim or with other users, and any loss
+that does not read a linear's logits (every F.cross_entropy / F.nll_loss is an anchor: compiler/anchors.py).
+Not matched at all (no near-miss): the manual ``-log_softmax(z).gather(-1, y)`` form (its ignore_index is a
+mask written by hand).
 """
 from __future__ import annotations
 
@@ -108,6 +112,7 @@ class CrossEntropyMatch:
     logit_scale: float
     label_smoothing: float
     out: fx.Node
+    linear: fx.Node  # the projection, x @ w.T + bias in the model's dtype
     shared: list[fx.Node]  # chain nodes that other users also read: they stay (see _shared_logits)
     loss_path: set[fx.Node]  # the nodes from the linear to the loss, the loss included
 
@@ -280,7 +285,7 @@ def _match(ce: fx.Node) -> Union[CrossEntropyMatch, str, None]:
         return shared
     softcap, logit_scale = scaled
     return CrossEntropyMatch(x, w, bias, params["target"], params["ignore_index"], params["reduction"], softcap,
-                             logit_scale, float(params["label_smoothing"]), ce, shared,
+                             logit_scale, float(params["label_smoothing"]), ce, linear, shared,
                              {linear, *steps, *ce.all_input_nodes, ce})
 
 
@@ -299,8 +304,9 @@ def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
     return True
 
 
-def _replace(gm: fx.GraphModule, m: CrossEntropyMatch) -> set[fx.Node]:
-    """Insert the fused node for ``m``; returns the nodes erased."""
+def _replace(gm: fx.GraphModule, m: CrossEntropyMatch, read_logits: bool) -> set[fx.Node]:
+    """Insert the fused node for ``m``; returns the nodes erased. ``read_logits``: the graph computes the
+    projection anyway (its logits stay for another user), so the op reads its tiles instead of recomputing them."""
     graph = gm.graph
     xt, wt, bt = tensor_of(m.x), tensor_of(m.w), tensor_of(m.bias)
     # flatten, not reshape(-1, H): no size in the arguments, so a symbolic H needs no size node in the graph
@@ -317,14 +323,18 @@ def _replace(gm: fx.GraphModule, m: CrossEntropyMatch) -> set[fx.Node]:
              x2t.new_empty(x2t.shape) if grads and compute_dx else empty,
              wt.new_empty(wt.shape) if grads and compute_dw else empty,
              bt.new_empty(bt.shape) if grads and compute_dw and bt is not None else empty)
+    logits = None
+    if read_logits:
+        logits = m.linear if tensor_of(m.linear).dim() == 2 else insert_call(
+            graph, m.out, torch.flatten, (m.linear, 0, -2), meta_from=m.out)
     fused = insert_call(graph, m.out, torch.ops.sloth.linear_cross_entropy.default,
                         (x2, m.w, m.bias, m.labels, m.ignore_index, m.reduction, m.softcap, m.logit_scale,
-                         m.label_smoothing, compute_dx, compute_dw), meta_from=m.out, value=value)
+                         m.label_smoothing, compute_dx, compute_dw, logits), meta_from=m.out, value=value)
     loss = insert_call(graph, m.out, operator.getitem, (fused, 0), meta_from=m.out)
     out_dtype = tensor_of(m.out).dtype
     if out_dtype != torch.float32:
         loss = insert_call(graph, m.out, cast, (loss, out_dtype), meta_from=m.out)
-    return replace_and_erase(m.out, loss, keep=(m.x, m.w, m.bias, m.labels))
+    return replace_and_erase(m.out, loss, keep=(m.x, m.w, m.bias, m.labels, m.linear))
 
 
 def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
@@ -340,8 +350,9 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
         if node in erased or node.op != "call_function" or node.target not in (*_CROSS_ENTROPY, *_NLL_LOSS):
             continue
         found = _match(node)
-        if found is None:
-            continue
+        if found is None:  # a loss this family has no kernel for; reported all the same (compiler/anchors.py)
+            found = ("the loss does not read the logits of a linear projection (x @ w.T + b, then only casts, "
+                     "views, constant scales and a softcap; nll_loss over their log_softmax): nothing to fuse")
         if isinstance(found, str):
             report.reject(FAMILY, node, found)
             continue
@@ -351,15 +362,18 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
                   + (f", label_smoothing={found.label_smoothing:g}" if found.label_smoothing else "")
                   + ("" if found.bias is None else ", bias")
                   + f", V={tensor_of(found.w).shape[0]}, {tensor_of(found.x).dtype}".replace("torch.", ""))
+        read_logits = False
         if found.shared:
             dropped = not options.return_logits and _drop_returned_logits(gm, found)
+            read_logits = not dropped
             if dropped:
                 detail += ", return_logits=False: logits not returned"
             elif not options.return_logits:
-                detail += ", logits kept: read by more than the graph's output, so return_logits=False cannot apply"
+                detail += (", logits kept: read by more than the graph's output, so return_logits=False cannot "
+                           "apply; the loss reads them")
             else:
-                detail += ", logits also returned (kept)"
-        erased |= _replace(gm, found)
+                detail += ", logits also returned (kept); the loss reads them"
+        erased |= _replace(gm, found, read_logits)
         report.replaced(Site(FAMILY, "sloth.linear_cross_entropy", module_path(node), source_location(node), detail))
     gm.graph.lint()
     gm.recompile()

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..compiler.anchors import ANCHORS, near
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, linear_parts, module_path,
                                  replace_and_erase, source_location, tensor_of)
@@ -259,6 +260,25 @@ def _sum_onto_base(gm: fx.GraphModule, node: Any, depth: int = 0
         return (parts, base, adapters + [Adapter(a, b, scale, reads, x_reader)],
                 chain + steps + ([node] if depth else []))
     return None
+
+
+def _unmatched_adapter(chain: fx.Node) -> tuple[fx.Node, str]:
+    """(the add, why) for a low-rank chain ``B(A(x))`` added to something that is not a LoRA sum onto a base."""
+    node = chain
+    while not is_call(node, torch.add):
+        node = next(iter(node.users))
+    other = node.args[1] if _strip_scalars(node.args[0], 1.0, [])[0] is chain else node.args[0]
+    x_adapter = _strip_scalars(linear_parts(_strip_scalars(linear_parts(chain)[0], 1.0, [])[0])[0], 1.0, [])[0]
+    base = linear_parts(_strip_scalars(other, 1.0, [])[0])
+    if base is not None:
+        return node, ("the low-rank product B(A(.)) reads another input than the linear it is added to (base(x) + "
+                      "B(A(y))): not a LoRA of that linear")
+    if is_call(other, torch.add) and any((parts := linear_parts(_strip_scalars(a, 1.0, [])[0])) is not None
+                                         and parts[0] is x_adapter for a in other.args):
+        return node, ("the adapter is added to a sum that holds its base, (r + base(x)) + s * B(A(x)), not to base(x) "
+                      "itself; write base(x) + s * B(A(x)) first (the fused op returns that sum)")
+    return node, ("the low-rank product B(A(x)) is added to a tensor that is not a linear of x (a residual or "
+                  "bottleneck adapter, not LoRA): nothing to fuse it with")
 
 
 def _match(gm: fx.GraphModule, add: fx.Node) -> Union[LoraMatch, str, None]:
@@ -511,6 +531,13 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         why = _tensor_scaled_adapter(node)
         if why:
             outcomes.append((position[node], (node, why)))
+    # Every low-rank chain added to something is an adapter site (compiler/anchors.py): one the loops above
+    # neither fused nor explained gets the reason its add shows.
+    explained = [outcome[0] for _, outcome in outcomes if not isinstance(outcome, Site)]
+    for node in list(gm.graph.nodes):
+        if node not in erased and ANCHORS[FAMILY](node) and not any(near(node, r) for r in explained):
+            add, why = _unmatched_adapter(node)
+            outcomes.append((position.get(add, len(position)), (add, why)))
     if options.share_lora_input:
         notes = share_lora_inputs(gm, [f for f, _ in fused])
         for node, index in fused:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from types import ModuleType
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -18,6 +20,22 @@ class RecordOps(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.calls.append((func, args, out))
         return out
+
+
+class StayFloat64(TorchFunctionMode):
+    """Make a pattern's fp32 upcasts (``.float()``, ``.to(torch.float32)``) no-ops on float64 tensors, so that the
+    pattern run on float64 inputs stays float64 end to end: the reference of the tolerance rule."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.float, torch.Tensor.to) and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.float64:
+            if func is torch.Tensor.float:
+                return args[0]
+            target = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+            if target is torch.float32 and len(args) <= 2 and set(kwargs) <= {"dtype"}:
+                return args[0]
+        return func(*args, **kwargs)
 
 
 class NoLaunch:

@@ -17,8 +17,9 @@ from torch.overrides import TorchFunctionMode
 
 import sloth
 from sloth.patterns.cross_entropy import causal_lm_loss_pattern, linear_cross_entropy_pattern
+from sloth.compiler.fx_utils import linear_parts
 from tolerance import assert_close
-from pattern_checks import counting_backend, seeded
+from pattern_checks import counting_backend, graph_of, seeded
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 H, V = 24, 40
@@ -300,6 +301,20 @@ def test_returned_logits_fuse(fn, dtype, return_logits):
         assert_close(f"grad {name}", g, e, r, atol=0.5 * torch.finfo(dtype).eps * r.pow(2).mean().sqrt().item())
 
 
+@pytest.mark.parametrize("fn", [returns_logits, softcapped_logits_returned], ids=lambda f: f.__name__)
+def test_returned_logits_are_what_the_loss_reads(fn):
+    # The projection the graph computes for the caller is the op's logits argument (flattened to [N, V]), so
+    # the op computes no logits of its own: one lm_head matmul a step instead of two.
+    x, w, b, y = make_inputs(torch.float32, False)
+    graph = graph_of(fn, x, w, b, y)
+    (fused,) = [n for n in graph.graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
+    logits = fused.args[11]
+    assert isinstance(logits, torch.fx.Node), fused.format_node()
+    source = logits.args[0] if logits.target is torch.flatten else logits
+    assert linear_parts(source) is not None, source.format_node()
+    assert "the loss reads them" in sloth.last_report().sites[0].detail
+
+
 def test_return_logits_must_be_a_bool():
     x, w, b, y = make_inputs(torch.float32, False)
     with pytest.raises(Exception, match="return_logits must be True or False"):
@@ -315,12 +330,24 @@ def log_softmax_gather(x, w, b, y):
     return -logp.gather(-1, y.view(-1, 1).clamp(min=0)).mean()  # the gather form: not matched
 
 
-@pytest.mark.parametrize("fn", [not_from_a_linear, k_dim_loss, log_softmax_gather], ids=lambda f: f.__name__)
-def test_unmatched_spellings_are_silent(fn):
-    """Not this family's shape at all (a matmul by something other than a weight's transpose, a transpose
-    between the logits and the loss, the log_softmax + gather form): no site and no near-miss."""
+@pytest.mark.parametrize("fn", [not_from_a_linear, k_dim_loss], ids=lambda f: f.__name__)
+def test_a_loss_not_on_a_linear_is_reported(fn):
+    """A cross-entropy this family has no kernel for (a matmul by something other than a weight's transpose, a
+    transpose between the logits and the loss) is still an anchor: left as it was, and the report says so."""
     x, w, b, y = make_inputs(torch.float32, False)
-    torch.compile(fn, backend="sloth", options={"inner": "aot_eager"})(x, w, b, y)
+    got = torch.compile(fn, backend="sloth", options={"inner": "aot_eager"})(x, w, b, y)
+    report = sloth.last_report()
+    assert report.counts.get("cross_entropy", 0) == 0, str(report)
+    (rejection,) = [r for r in report.rejections if r.family == "cross_entropy"]
+    assert "does not read the logits of a linear" in rejection.reason, str(report)
+    torch.testing.assert_close(got, fn(x, w, b, y))
+
+
+def test_the_gather_form_is_not_an_anchor():
+    """``-log_softmax(z).gather(-1, y)`` calls no cross-entropy (its ignore_index is a mask written by hand):
+    no site, no near-miss."""
+    x, w, b, y = make_inputs(torch.float32, False)
+    torch.compile(log_softmax_gather, backend="sloth", options={"inner": "aot_eager"})(x, w, b, y)
     report = sloth.last_report()
     assert report.counts.get("cross_entropy", 0) == 0, str(report)
     assert not [r for r in report.rejections if r.family == "cross_entropy"], str(report)
@@ -355,7 +382,7 @@ def test_loss_after_a_fused_norm_forms_its_gradient_in_the_forward():
     loss = torch.compile(norm_then_loss, backend=counting_backend(graphs, "eager"), fullgraph=True)(h, g, w, labels)
     assert sloth.last_report().counts == {"rms_norm": 1, "cross_entropy": 1}
     (fused,) = [n for n in graphs[0].graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
-    assert fused.args[-2:] == (True, False)  # compute_dx, compute_dw (the head is frozen)
+    assert fused.args[9:11] == (True, False)  # compute_dx, compute_dw (the head is frozen)
     loss.backward()
     h2 = h.detach().requires_grad_(True)
     norm_then_loss(h2, g, w, labels).backward()
@@ -375,7 +402,7 @@ def test_under_no_grad_no_gradient_is_formed_in_the_forward():
         loss = torch.compile(lambda x, y: F.cross_entropy(head(x).float(), y),
                              backend=counting_backend(graphs, "eager"))(x, labels)
     (fused,) = [n for n in graphs[0].graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
-    assert fused.args[-2:] == (False, False)
+    assert fused.args[9:11] == (False, False)
     torch.testing.assert_close(loss, F.cross_entropy(head(x).float(), labels))
 
 

@@ -61,10 +61,19 @@ def forward_backward(fn, x, w, b, dy_seed: int = 1, weight_grad: bool = True):
     return loss.detach(), dx, dw, db
 
 
-def check_against_pattern(x32, w32, b32, labels, dtype, **opts):
+def fused(labels, logits_given: bool = False, **opts):
+    """The op as a function of (x, w, b); with ``logits_given`` it also receives ``F.linear(x, w, b)``, computed
+    in the graph beside it as a model that returns its logits does (they get no gradient from the loss)."""
+    def fn(a, c, d):
+        logits = torch.nn.functional.linear(a, c, d) if logits_given else None
+        return linear_cross_entropy(a, c, d, labels, logits=logits, **opts)
+    return fn
+
+
+def check_against_pattern(x32, w32, b32, labels, dtype, logits_given: bool = False, **opts):
     x, w = x32.to(dtype), w32.to(dtype)
     b = b32.to(dtype) if b32 is not None else None
-    actual = forward_backward(lambda a, c, d: linear_cross_entropy(a, c, d, labels, **opts), x, w, b)
+    actual = forward_backward(fused(labels, logits_given, **opts), x, w, b)
     eager = forward_backward(lambda a, c, d: linear_cross_entropy_pattern(a, c, d, labels, **opts), x, w, b)
     with _StayFloat64():
         reference = forward_backward(lambda a, c, d: linear_cross_entropy_pattern(a, c, d, labels, **opts),
@@ -145,6 +154,47 @@ def test_all_rows_ignored_matches_pytorch(dtype, reduction):
     for name, a, e in zip(("dx", "dw"), ours[1:3], eager[1:3]):
         assert not a.any(), f"{name} should be zero"
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("option", ["plain", "everything"])
+def test_given_logits_match_pattern(option, dtype, reduction):
+    """The loss read from the logits the graph returns anyway: the same values and gradients as recomputing."""
+    spec = dict(OPTIONS.get(option, {}))
+    bias, ignored = spec.pop("bias", False), spec.pop("ignored", "none")
+    x, w, b, labels = make_inputs(37, 24, 100, bias=bias, ignored=ignored)
+    check_against_pattern(x, w, b, labels, dtype, logits_given=True, reduction=reduction, **spec)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_given_logits_are_read_not_recomputed_nor_written(reduction):
+    # Several chunks, so the gradient buffer is reused; the logits must come back unchanged (they are the
+    # model's output) and no matmul may produce a logits tile, in the forward or in the backward.
+    x, w, b, labels = make_inputs(67, 16, 300, bias=True, ignored="some")
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x, w, b)
+    before = logits.clone()
+    with pytest.MonkeyPatch.context() as mp, RecordOps() as rec:
+        mp.setattr(lowering, "_TILE_ELEMENTS", 300 * 2)
+        mp.setattr(lowering, "_TILE_ELEMENTS_WITH_DW", 300 * 2)
+        loss = linear_cross_entropy(x, w, b, labels, reduction=reduction, logits=logits)
+        loss.backward(torch.ones_like(loss))
+    matmuls = [f for f, _, out in rec.calls if f in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+               and out.shape[-1] == 300]
+    assert not matmuls, f"{len(matmuls)} matmul(s) recomputed logits tiles"
+    torch.testing.assert_close(logits, before, rtol=0, atol=0)
+    expect = torch.autograd.grad(linear_cross_entropy_pattern(x, w, b, labels, reduction=reduction).sum(), (x, w))
+    torch.testing.assert_close(x.grad, expect[0])
+    torch.testing.assert_close(w.grad, expect[1])
+
+
+def test_given_logits_of_the_wrong_shape_raise():
+    x, w, _, labels = make_inputs(5, 8, 13)
+    with pytest.raises(ValueError, match=r"logits must be \[5, 13\]"):
+        linear_cross_entropy(x, w, None, labels, logits=torch.zeros(5, 12))
 
 
 def test_chunking_splits_the_tokens():
@@ -233,13 +283,15 @@ def test_no_grad_computes_the_loss_only():
 # Registration
 # ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("logits_given", [False, True], ids=["recomputed", "logits-given"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_opcheck_forward(reduction):
+def test_opcheck_forward(reduction, logits_given):
     register()
     x, w, b, labels = make_inputs(5, 8, 13, bias=True, ignored="some")
+    logits = torch.nn.functional.linear(x, w, b) if logits_given else None
     torch.library.opcheck(torch.ops.sloth.linear_cross_entropy.default,
                           (x.requires_grad_(True), w.requires_grad_(True), b.requires_grad_(True), labels, -100,
-                           reduction, 2.0, 0.5, 0.1, True, True))
+                           reduction, 2.0, 0.5, 0.1, True, True, logits))
 
 
 def test_opcheck_backward():
@@ -283,10 +335,11 @@ def test_fallback_matches_triton(dtype, reduction):
                                    msg=lambda m: f"{name}: {m}")
 
 
-def test_fallback_is_used_when_triton_cannot_run(monkeypatch):
+@pytest.mark.parametrize("logits_given", [False, True], ids=["recomputed", "logits-given"])
+def test_fallback_is_used_when_triton_cannot_run(monkeypatch, logits_given):
     force_fallback(monkeypatch, lowering, "_lce_rows_kernel")
     x, w, b, labels = make_inputs(7, 16, 50, bias=True, ignored="some")
-    check_against_pattern(x, w, b, labels, torch.bfloat16, softcap=3.0, label_smoothing=0.1)
+    check_against_pattern(x, w, b, labels, torch.bfloat16, logits_given, softcap=3.0, label_smoothing=0.1)
 
 
 @pytest.mark.parametrize("reduction,weight_grad,keeps_inputs", [

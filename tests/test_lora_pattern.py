@@ -291,7 +291,7 @@ NEAR_MISSES = [
          module_kwargs=dict(bias=True, trainable_bias=True)),
     Case("adapter-intermediate-reused", adapter_intermediate_reused, 0, reason="intermediate of the adapter"),
     Case("base-output-reused", base_output_reused, 0, reason="base projection's output"),
-    Case("adapter-reads-another-input", adapter_reads_another_input, 0),  # not a LoRA of this linear: no reason
+    Case("adapter-reads-another-input", adapter_reads_another_input, 0, reason="reads another input"),
     Case("written-between-reads", written_between_reads, 0, reason="written in place by mul_"),
     Case("dora", dora_form, 0, reason="multiplied by a tensor of shape"),  # not base + constant * low
 ]

@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import sloth
-from tolerance import assert_close
+from tolerance import assert_close, rms_err
 
 VOCAB = 96
 
@@ -90,14 +90,30 @@ def assert_model_close(actual: tuple, eager: tuple, reference: tuple, dtype: tor
                        loss_units: float = 4) -> None:
     """The whole-model tolerance rule (see check_against_eager): each of (loss, {name: grad}) from sloth
     against eager's and the float64 model's. The loss within ``loss_units`` units of ``dtype``'s precision
-    of the reference; each gradient 2x eager's error plus half a unit of roundoff (in its own dtype) of its
-    RMS."""
+    of the reference. The gradients, all together, 2x eager's error (each tensor's error relative to its RMS,
+    pooled over every element of every gradient); each tensor alone 3x eager's error plus half a unit of
+    roundoff (in its own dtype) of its RMS.
+
+    Why two bounds: each fused op is held to 2x by its own tests, but a model compounds several, and one
+    small tensor's ratio is noisy. Measured on correct kernels (transformers 5.24, 2026-12-01): Qwen3's
+    16-element q_norm weight gradient at 2.66x with every family on (1.0-1.5x with any one family alone),
+    Gemma3 bf16's q_proj LoRA A at 2.05x (2.00x with the norms alone, whose forward is bit-exact with eager's);
+    pooled, both models are within 2x. A wrong op is orders of magnitude off (a 1% error in one norm's dx:
+    44,000x in fp32), which either bound catches."""
     (loss, grads), (eager_loss, eager_grads), (ref_loss, ref_grads) = actual, eager, reference
     assert_close("loss", loss, eager_loss, ref_loss, atol=loss_units * torch.finfo(dtype).eps * ref_loss.abs().item())
+    pooled_ours = pooled_eager = 0.0
     for name, grad in grads.items():
         ref = ref_grads[name]
         scale = ref.pow(2).mean().sqrt().item()
-        assert_close(f"grad {name}", grad, eager_grads[name], ref, atol=0.5 * torch.finfo(grad.dtype).eps * scale)
+        assert_close(f"grad {name}", grad, eager_grads[name], ref, atol=0.5 * torch.finfo(grad.dtype).eps * scale,
+                     factor=3.0)
+        if scale:
+            pooled_ours += rms_err(grad, ref) ** 2 * ref.numel() / scale**2
+            pooled_eager += rms_err(eager_grads[name], ref) ** 2 * ref.numel() / scale**2
+    assert pooled_ours**0.5 <= 2 * pooled_eager**0.5 + 1e-12, (
+        f"gradients pooled: relative RMS error {pooled_ours**0.5:.3e} is "
+        f"{pooled_ours**0.5 / max(pooled_eager**0.5, 1e-300):.2f}x eager's {pooled_eager**0.5:.3e} (allowed 2x)")
 
 
 def check_against_eager(model_type: str, dtype: torch.dtype, inner: str) -> None:

@@ -1,0 +1,175 @@
+"""Anchors: the nodes each family looks for, counted independently of its matcher, so no site goes unexplained.
+
+The rule (issue 17): every anchor a family looks for is either replaced or listed under "left as they were"
+with a reason. The matchers decide whether a site fuses; this module only says where a site *is*, with
+definitions deliberately broader than any pattern, on the canonical graph (compiler/canonicalize.py):
+
+    family          anchor (one per site a user would expect to be handled)
+    rms_norm        rsqrt(mean(square(x)) [+ eps]), and torch.rms_norm
+    rope            rotate-half: cat([neg(narrow(x)), narrow(x)]); an interleaved pair: stack([neg(a), b]);
+                    a complex rotation: view_as_real(view_as_complex(x) * f)
+    glu             an activation (F.silu, gelu) whose one user is a product: act(gate) * up
+    cross_entropy   F.cross_entropy, F.nll_loss
+    lora            a low-rank chain B(A(x)) added to something: a linear reading (through casts and
+                    constant scales) a linear of rank r below both the chain's input and output widths, whose
+                    value (through casts and constant scales) is an operand of an add
+    causal_mask     scaled_dot_product_attention with an attn_mask node and is_causal False
+
+A replaced site no longer holds its anchor (the pass erased it, or, for the causal mask, dropped the mask),
+so after the passes every anchor left must have a reason: a rejection of its family at the anchor or a few
+nodes downstream of it (where that family's matcher starts). An anchor with none is reported with a generic
+reason (``UNMATCHED``) and listed in ``Report.unexplained``: never silent for the user, and a failing test for
+sloth (tests/conftest.py).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .canonicalize import cast, gelu
+from .fx_utils import is_call, is_number, linear_parts, tensor_of
+
+
+def _strip(node: object, *targets: object) -> object:
+    """Follow single steps of ``targets`` (casts, constant scales) back to their input."""
+    while isinstance(node, fx.Node):
+        if is_call(node, cast):
+            node = node.args[0]
+        elif is_call(node, torch.mul, torch.div) and len(node.args) == 2 and is_number(node.args[1]):
+            node = node.args[0]
+        elif is_call(node, torch.mul) and len(node.args) == 2 and is_number(node.args[0]):
+            node = node.args[1]
+        else:
+            return node
+    return node
+
+
+def _is_rms_norm(node: fx.Node) -> bool:
+    if is_call(node, torch.rms_norm):
+        return True
+    if not is_call(node, torch.rsqrt):
+        return False
+    inner = node.args[0]
+    if is_call(inner, torch.add) and len(inner.args) == 2:
+        a, b = inner.args
+        inner = a if is_call(a, torch.mean) else b
+    return is_call(inner, torch.mean) and is_call(inner.args[0], torch.square)
+
+
+def _is_rope(node: fx.Node) -> bool:
+    if is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
+        first, second = node.args[0]
+        return (is_call(first, torch.neg) and is_call(first.args[0], torch.narrow) and is_call(second, torch.narrow)
+                and first.args[0].args[0] is second.args[0])
+    if is_call(node, torch.stack) and node.args and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
+        return is_call(node.args[0][0], torch.neg)
+    if is_call(node, torch.view_as_real):
+        product = node.args[0]
+        return is_call(product, torch.mul) and any(is_call(a, torch.view_as_complex) for a in product.args)
+    return False
+
+
+def _is_glu(node: fx.Node) -> bool:
+    if not (is_call(node, F.silu) or is_call(node, gelu)) or len(node.users) != 1:
+        return False
+    product = next(iter(node.users))
+    if not (is_call(product, torch.mul) and len(product.args) == 2):
+        return False
+    other = product.args[1] if product.args[0] is node else product.args[0]
+    act_t, other_t = tensor_of(node), tensor_of(other)  # a gate times an up of its shape; not a scale or a mask
+    return act_t is not None and other_t is not None and tuple(act_t.shape) == tuple(other_t.shape)
+
+
+def _is_cross_entropy(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
+
+
+def _width(node: object, dim: int) -> object:
+    t = tensor_of(node)
+    return None if t is None or t.dim() != 2 else t.shape[dim]
+
+
+def _low_rank(node: fx.Node) -> bool:
+    outer = linear_parts(node)
+    if outer is None:
+        return False
+    inner = linear_parts(_strip(outer[0]))
+    if inner is None:
+        return False
+    rank, width_in, width_out = _width(inner[1], 0), _width(inner[1], 1), _width(outer[1], 0)
+    if not all(isinstance(n, int) for n in (rank, width_in, width_out)):
+        return False  # symbolic or unknown widths: no claim either way
+    return rank < width_in and rank < width_out and _width(outer[1], 1) == rank
+
+
+def _is_lora(node: fx.Node) -> bool:
+    """A low-rank chain whose value, through casts and constant scales, is added to something: an adapter on
+    whatever it is added to (a bare factorised projection, or one times a mask, is no adapter)."""
+    if not _low_rank(node):
+        return False
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if is_call(user, torch.add):
+            return True
+        if not (is_call(user, cast) or (is_call(user, torch.mul, torch.div) and len(user.args) == 2
+                                         and any(is_number(a) for a in user.args))):
+            return False
+        node = user
+    return False
+
+
+def _is_masked_attention(node: fx.Node) -> bool:
+    if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
+        return False
+    params = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args), **node.kwargs)
+    return isinstance(params.get("attn_mask"), fx.Node) and params.get("is_causal", False) is False
+
+
+ANCHORS = {
+    "rms_norm": _is_rms_norm,
+    "rope": _is_rope,
+    "glu": _is_glu,
+    "cross_entropy": _is_cross_entropy,
+    "lora": _is_lora,
+    "causal_mask": _is_masked_attention,
+}
+
+
+def anchors(graph_modules: Iterable[fx.GraphModule], families: Iterable[str]) -> dict[str, list[fx.Node]]:
+    """The anchor nodes of each of ``families`` in the graphs, in graph order."""
+    found: dict[str, list[fx.Node]] = {family: [] for family in families if family in ANCHORS}
+    for graph_module in graph_modules:
+        for node in graph_module.graph.nodes:
+            for family, is_anchor in ANCHORS.items():
+                if family in found and is_anchor(node):
+                    found[family].append(node)
+    return found
+
+
+UNMATCHED = ("sloth recognised this as the family's site, but none of its patterns matched this form and the pass "
+             "gave no reason (a gap in sloth's matching: please report it)")
+
+# How far upstream of a pass's rejection its anchor may lie: the rejection is recorded at the node where the
+# match starts (LoRA: the add after the adapter's scale; RoPE: the add of the two products; GLU: the product).
+_REACH = 4
+
+
+def near(anchor: fx.Node, rejected: fx.Node) -> bool:
+    """Whether ``anchor`` is ``rejected`` or at most ``_REACH`` nodes upstream of it."""
+    frontier, seen = [rejected], {rejected}
+    for _ in range(_REACH + 1):
+        if anchor in frontier:
+            return True
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
+        seen.update(frontier)
+    return False
+
+
+def unexplained(left: dict[str, list[fx.Node]], rejected: list[tuple[str, fx.Node]]) -> list[tuple[str, fx.Node]]:
+    """(family, anchor) for each anchor left in the graph that no rejection of its family is at or just
+    downstream of: a site the family's pass neither replaced nor explained."""
+    return [(family, node) for family, nodes in left.items() for node in nodes
+            if not any(f == family and near(node, r) for f, r in rejected)]
