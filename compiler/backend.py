@@ -17,6 +17,7 @@ import torch
 import torch._functorch.config  # enable_autograd_cache, patched per compile
 import torch.fx as fx
 
+from . import returned_logits
 from .options import PassOptions
 from .pipeline import resolve_families, run_passes
 from .report import Report
@@ -146,6 +147,9 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     with sdpa_priority(attention), torch._functorch.config.patch(
             enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
         compiled = compile_inner(gm, example_inputs, inner, mode, options)
+    slots = gm.meta.get(returned_logits.META_KEY)
+    if slots:  # logits returned detached by the cross-entropy pass: back into autograd, the extra outputs dropped
+        compiled = returned_logits.reattach(compiled, slots)
     if inner != "eager" or attention is None:
         return compiled
 

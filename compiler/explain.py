@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from . import backend as _backend
+from . import returned_logits
 from .pipeline import FAMILIES, run_passes
 from .report import Report
 
@@ -26,7 +27,8 @@ def explain(model_or_fn: Callable, *args: Any, **kwargs: Any) -> Report:
         gm = run_passes(gm, example_inputs, FAMILIES, report)
         merged.merge(report)
         _backend._publish(report)
-        return gm.forward
+        slots = gm.meta.get(returned_logits.META_KEY)
+        return returned_logits.reattach(gm.forward, slots) if slots else gm.forward
 
     with torch.no_grad():
         torch.compile(model_or_fn, backend=capture)(*args, **kwargs)

@@ -23,6 +23,9 @@ class PassOptions:
     return_logits: bool = True
     recompute: bool = True
     share_lora_input: bool = True
+    # Not a user option: whether the pass may change the graph's outputs (the top-level graph, whose outputs
+    # the backend's wrapper sees; compiler/returned_logits.py), False in subgraph bodies.
+    top_level: bool = True
 
     @classmethod
     def from_user(cls, options: dict[str, Any]) -> "PassOptions":

@@ -89,7 +89,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
     for graph_module in [gm, *_subgraphs(gm)]:
         # A subgraph's outputs feed its caller, so it must keep returning the logits; every other option is
         # the user's there too (a checkpointed layer must honour share_lora_input=False).
-        graph_options = options if graph_module is gm else dataclasses.replace(options, return_logits=True)
+        graph_options = options if graph_module is gm else dataclasses.replace(options, return_logits=True,
+                                                                               top_level=False)
         canonicalize_pass(graph_module, example_inputs, report=report, options=graph_options)
         for family_pass in FAMILY_PASSES:
             if family_pass.family in families and (graph_module is gm or not family_pass.whole_module):

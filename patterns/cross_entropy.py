@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, is_call, is_number, linear_parts, module_path, replace_and_erase,
                                  same_size, set_value, source_location, tensor_of)
+from ..compiler import returned_logits
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 
@@ -304,6 +305,32 @@ def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
     return True
 
 
+def _detach_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
+    """Return the projection detached, with x as one more output, for the backend to put back into autograd on
+    a node that costs nothing when the logits are not differentiated (compiler/returned_logits.py). Only where
+    the projection itself is an output and read by nothing but the output and the loss, and w (and the bias)
+    are graph inputs; False, changing nothing, otherwise."""
+    output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+    outs = output.args[0] if len(output.args) == 1 else None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not isinstance(outs, (tuple, list)) or m.linear not in outs or not isinstance(m.x, fx.Node):
+        return False
+    if any(user is not output and user not in m.loss_path for user in m.linear.users):
+        return False
+    if m.w not in placeholders or (m.bias is not None and m.bias not in placeholders):
+        return False
+    with gm.graph.inserting_after(m.linear):
+        detached = gm.graph.call_method("detach", (m.linear,))
+    set_value(detached, tensor_of(m.linear).detach())
+    position = list(outs).index(m.linear)
+    new_outs = [detached if node is m.linear else node for node in outs] + [m.x]
+    output.args = (type(outs)(new_outs),)
+    gm.meta.setdefault(returned_logits.META_KEY, []).append(returned_logits.ReturnedLogitsSlot(
+        position, len(new_outs) - 1, placeholders.index(m.w),
+        None if m.bias is None else placeholders.index(m.bias)))
+    return True
+
+
 def _replace(gm: fx.GraphModule, m: CrossEntropyMatch, read_logits: bool) -> set[fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased. ``read_logits``: the graph computes the
     projection anyway (its logits stay for another user), so the op reads its tiles instead of recomputing them."""
@@ -373,6 +400,8 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
                            "apply; the loss reads them")
             else:
                 detail += ", logits also returned (kept); the loss reads them"
+        if read_logits and options.top_level and _detach_returned_logits(gm, found):
+            detail += "; their gradient only when one arrives"
         erased |= _replace(gm, found, read_logits)
         report.replaced(Site(FAMILY, "sloth.linear_cross_entropy", module_path(node), source_location(node), detail))
     gm.graph.lint()

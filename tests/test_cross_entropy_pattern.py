@@ -315,6 +315,29 @@ def test_returned_logits_are_what_the_loss_reads(fn):
     assert "the loss reads them" in sloth.last_report().sites[0].detail
 
 
+def test_returned_logits_not_differentiated_cost_no_backward_matmul():
+    # A compiled graph materialises a zero gradient for each differentiable output the caller leaves alone;
+    # the returned logits are put back into autograd outside it (compiler/returned_logits.py), so a backward
+    # of the loss alone runs no matmul over the vocabulary, and one through the logits gets their gradient.
+    from op_checks import RecordOps
+
+    x, w, b, y = make_inputs(torch.float32, False)
+    x.requires_grad_(True)
+    compiled = torch.compile(returns_logits, backend="sloth", options={"inner": "aot_eager"})
+    loss, logits = compiled(x, w, b, y)
+    assert "their gradient only when one arrives" in sloth.last_report().sites[0].detail, str(sloth.last_report())
+    with RecordOps() as rec:
+        loss.backward()
+    over_vocab = [f for f, args, _ in rec.calls if f in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+                  and any(isinstance(a, torch.Tensor) and V in a.shape for a in args)]
+    assert not over_vocab, over_vocab
+    torch.testing.assert_close(x.grad, torch.autograd.grad(returns_logits(x, w, b, y)[0], x)[0])
+    x.grad = None
+    loss, logits = compiled(x, w, b, y)
+    logits.sum().backward()  # the logits alone: x @ w.T's gradient, ones @ w
+    torch.testing.assert_close(x.grad, torch.ones(2, 9, V) @ w)
+
+
 def test_return_logits_must_be_a_bool():
     x, w, b, y = make_inputs(torch.float32, False)
     with pytest.raises(Exception, match="return_logits must be True or False"):

@@ -71,12 +71,14 @@ def test_lora_model_recomputes_the_norms_the_adapters_read(dtype):
         # 2 layers x (input norm, post-attention norm) + the final norm
         assert sloth.report().counts["rms_norm"] == 5
         assert sloth.report().recomputed == ({"rms_norm": 5} if recompute else {}), str(sloth.report())
-    # Saving: each layer's two norm outputs are kept for the adapters' weight gradients (the final norm's
-    # feeds the fused loss, which forms its gradient in the forward and keeps nothing of it).
-    assert _saved_norm_outputs(graphs[False]["forward"]) == 4
+    # Saving: each layer's two norm outputs are kept for the adapters' weight gradients. The final norm's feeds
+    # the fused loss, which forms its gradient in the forward and keeps nothing of it, and it is one output more:
+    # the input of the returned logits, for their gradient should one arrive (compiler/returned_logits.py).
+    assert _saved_norm_outputs(graphs[False]["forward"]) == 4 + 1
     assert _norm_calls(graphs[False]["backward"]) == 0
-    # Recomputing: none kept, all four recomputed in the backward from the residual stream it keeps anyway.
-    assert _saved_norm_outputs(graphs[True]["forward"]) == 0
+    # Recomputing: none of the layers' kept, all four recomputed in the backward from the residual stream it
+    # keeps anyway; the final norm's output is still returned.
+    assert _saved_norm_outputs(graphs[True]["forward"]) == 0 + 1
     assert _norm_calls(graphs[True]["backward"]) == 4
     # ... each just before the backward op that reads it (the partitioner's autograd-order pass), not all at
     # the start of the backward, which would hold them all at once again.
