@@ -308,6 +308,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "graphs": dynamo["stats"]["unique_graphs"] if args.variant != "eager" else None,
         "graph breaks": sum(dynamo["graph_break"].values()) if args.variant != "eager" else None,
         "sloth counts": counts,
+        # sloth's own share of the warm-up (compile) time, per pass (compiler/pipeline.py run_passes)
+        "sloth pass s": dict(report.pass_seconds) if report is not None else None,
         "sloth ops": _sloth_ops() if sloth is not None else None,
         "sloth report": str(report) if report is not None else None,
         "warm-up walls s": warmup_walls,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
@@ -83,20 +84,32 @@ def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequence[str],
                report: Report, options: PassOptions = PassOptions()) -> fx.GraphModule:
-    """Canonicalise, then run each enabled family's pass in order, on the graph and on every subgraph."""
+    """Canonicalise, then run each enabled family's pass in order, on the graph and on every subgraph.
+
+    Each pass's wall time is added to ``report.pass_seconds`` under its name ("canonicalize", a family's name,
+    "anchors", "recompute"), summed over the graph and its subgraphs."""
     report.graphs += 1
     report.disabled = sorted(set(report.disabled) | (set(FAMILIES) - set(families)))
+
+    def timed(name: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            report.pass_seconds[name] += time.perf_counter() - start
+
     for graph_module in [gm, *_subgraphs(gm)]:
         # A subgraph's outputs feed its caller, so it must keep returning the logits; every other option is
         # the user's there too (a checkpointed layer must honour share_lora_input=False).
         graph_options = options if graph_module is gm else dataclasses.replace(options, return_logits=True,
                                                                                top_level=False)
-        canonicalize_pass(graph_module, example_inputs, report=report, options=graph_options)
+        timed("canonicalize", canonicalize_pass, graph_module, example_inputs, report=report, options=graph_options)
         for family_pass in FAMILY_PASSES:
             if family_pass.family in families and (graph_module is gm or not family_pass.whole_module):
-                family_pass.run(graph_module, example_inputs, report=report, options=graph_options)
+                timed(family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
+                      options=graph_options)
     # Every anchor a family looks for and left in the graph gets a reason in the report (compiler/anchors.py).
-    left = anchors([gm, *_subgraphs(gm)], families)
+    left = timed("anchors", anchors, [gm, *_subgraphs(gm)], families)
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
     for family, node in unexplained(left, report.rejected_nodes):
         report.reject(family, node, UNMATCHED)
@@ -104,5 +117,5 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
         log.warning("sloth: %s: a site at %s matched none of the family's patterns and its pass gave no reason",
                     family, report.rejections[-1].source or node.name)
     # Top level only: subgraph bodies keep their own policy (a checkpointed layer is recomputed whole already).
-    recompute_pass(gm, example_inputs, report=report, options=options)
+    timed("recompute", recompute_pass, gm, example_inputs, report=report, options=options)
     return gm

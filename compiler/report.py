@@ -49,6 +49,8 @@ class Report:
     unexplained: dict = dataclasses.field(default_factory=dict)
     # family -> anchors left in the graphs after the passes (each with one reason in ``rejections``)
     anchors_left: Counter = dataclasses.field(default_factory=Counter)
+    # pass name -> seconds spent in it (compiler/pipeline.py run_passes), summed over graphs and subgraphs
+    pass_seconds: Counter = dataclasses.field(default_factory=Counter)
     # (family, node) of each rejection of this graph, for compiler/anchors.py; not merged (nodes are per graph)
     rejected_nodes: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
@@ -77,6 +79,7 @@ class Report:
         self.graphs += other.graphs
         self.recomputed += other.recomputed
         self.anchors_left += other.anchors_left
+        self.pass_seconds.update(other.pass_seconds)  # update, not +=: keeps a pass that took 0.0 s
         for family, where in other.unexplained.items():
             self.unexplained[family] = self.unexplained.get(family, []) + where
 
@@ -85,6 +88,9 @@ class Report:
                + (", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "nothing replaced")]
         if self.disabled:
             out.append(f"  disabled passes: {', '.join(self.disabled)}")
+        if self.pass_seconds:
+            out.append(f"  sloth's passes took {sum(self.pass_seconds.values()):.3f} s: "
+                       + ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.pass_seconds.items()))
         if self.recomputed:
             out.append("  marked to be recomputed in backward, not saved: "
                        + ", ".join(f"{n} sloth.{op} outputs" for op, n in sorted(self.recomputed.items())))

@@ -85,3 +85,17 @@ def test_aot_cache_cannot_hand_back_a_graph_compiled_with_other_settings(monkeyp
     counters.clear()
     torch.compile(attention, backend="sloth")(q, k, v).sum().backward()
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+
+
+def test_the_report_times_every_pass_that_ran():
+    # Compile-time accounting: each enabled family's pass, canonicalisation, the anchor check and the recompute
+    # tagging have a non-negative time in the report; a disabled family has none.
+    import sloth
+    from test_completeness import EveryFamily, every_family_inputs
+
+    torch.compile(EveryFamily(), backend="sloth", options={"inner": "eager", "patterns": ["rms_norm", "glu"]})(
+        *every_family_inputs())
+    report = sloth.report()
+    assert set(report.pass_seconds) == {"canonicalize", "rms_norm", "glu", "anchors", "recompute"}, report.pass_seconds
+    assert all(seconds >= 0.0 for seconds in report.pass_seconds.values())
+    assert "sloth's passes took" in str(report) and "rms_norm" in str(report)
