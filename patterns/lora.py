@@ -270,9 +270,11 @@ def _unmatched_adapter(chain: fx.Node) -> tuple[fx.Node, str]:
     other = node.args[1] if _strip_scalars(node.args[0], 1.0, [])[0] is chain else node.args[0]
     x_adapter = _strip_scalars(linear_parts(_strip_scalars(linear_parts(chain)[0], 1.0, [])[0])[0], 1.0, [])[0]
     base = linear_parts(_strip_scalars(other, 1.0, [])[0])
-    if base is not None:
+    if base is not None and base[0] is not x_adapter:
         return node, ("the low-rank product B(A(.)) reads another input than the linear it is added to (base(x) + "
                       "B(A(y))): not a LoRA of that linear")
+    if base is not None:
+        return node, "base(x) + B(A(x)) in a form none of the LoRA patterns matched (please report it)"
     if is_call(other, torch.add) and any((parts := linear_parts(_strip_scalars(a, 1.0, [])[0])) is not None
                                          and parts[0] is x_adapter for a in other.args):
         return node, ("the adapter is added to a sum that holds its base, (r + base(x)) + s * B(A(x)), not to base(x) "
