@@ -98,7 +98,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
         finally:
             report.pass_seconds[name] += time.perf_counter() - start
 
-    for graph_module in [gm, *_subgraphs(gm)]:
+    graph_modules = [gm, *_subgraphs(gm)]
+    for graph_module in graph_modules:
         # A subgraph's outputs feed its caller, so it must keep returning the logits; every other option is
         # the user's there too (a checkpointed layer must honour share_lora_input=False).
         graph_options = options if graph_module is gm else dataclasses.replace(options, return_logits=True,
@@ -109,7 +110,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
                 timed(family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
                       options=graph_options)
     # Every anchor a family looks for and left in the graph gets a reason in the report (compiler/anchors.py).
-    left = timed("anchors", anchors, [gm, *_subgraphs(gm)], families)
+    left = timed("anchors", anchors, graph_modules, families)
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
     for family, node in unexplained(left, report.rejected_nodes):
         report.reject(family, node, UNMATCHED)

@@ -3,7 +3,7 @@ refuse and why, and that the compiled loss and every gradient equal eager under 
 
 Every case compiles with ``torch.compile(fn, backend="sloth", options={"inner": "aot_eager"})`` and reads
 ``sloth.last_report()``. "eager" is the same function uncompiled at the tested dtype; the reference is the
-same function in float64 (``_StayFloat64`` keeps ``.float()`` upcasts from dropping back to fp32).
+same function in float64 (``StayFloat64`` keeps ``.float()`` upcasts from dropping back to fp32).
 """
 from __future__ import annotations
 
@@ -13,23 +13,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import sloth
 from sloth.patterns.cross_entropy import causal_lm_loss_pattern, linear_cross_entropy_pattern
 from sloth.compiler.fx_utils import linear_parts
 from tolerance import assert_close
+from op_checks import StayFloat64
 from pattern_checks import counting_backend, graph_of, seeded
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 H, V = 24, 40
-
-
-class _StayFloat64(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.float and args[0].dtype == torch.float64:
-            return args[0]
-        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,7 +161,7 @@ def test_match_and_equal_eager(fn, dtype):
     assert all(fragment in s.detail for s in report.sites), str(report)
     assert not report.rejections, str(report)
     eager = run(fn, make_inputs(dtype, False), compiled=False)
-    with _StayFloat64():
+    with StayFloat64():
         reference = run(fn, make_inputs(dtype, True), compiled=False)
     for name, a, e, r in zip(("loss", "dx", "dw", "db"), actual, eager, reference):
         atol = None
@@ -286,7 +279,7 @@ def test_returned_logits_fuse(fn, dtype, return_logits):
     detail = "logits also returned (kept)" if return_logits else "return_logits=False: logits not returned"
     assert detail in report.sites[0].detail, str(report)
     want, want_logits, want_grads = loss_and_grads(fn, x, w, b, return_logits)
-    with _StayFloat64():
+    with StayFloat64():
         ref, _, ref_grads = loss_and_grads(fn, xr, wr, br, return_logits)
     if return_logits:
         assert got_logits.dtype == dtype

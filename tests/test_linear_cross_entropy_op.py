@@ -1,7 +1,7 @@
 """The fused op ``sloth.lowering.linear_cross_entropy``: loss, dx, dw and dbias against the pattern function.
 
 Oracle (STYLE.md, habit 5): ``patterns/cross_entropy.py``'s ``linear_cross_entropy_pattern`` run eagerly at
-the tested dtype is "eager"; the same function in float64 end to end is the reference (``_StayFloat64``
+the tested dtype is "eager"; the same function in float64 end to end is the reference (``StayFloat64``
 turns its ``.float()`` upcast into a no-op on float64 tensors, as in tests/test_rms_norm_op.py).
 """
 from __future__ import annotations
@@ -10,26 +10,16 @@ import math
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import sloth.lowering.linear_cross_entropy as lowering
 from sloth.lowering.linear_cross_entropy import chunk_rows, linear_cross_entropy, register
 from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
 from tolerance import assert_close
-from op_checks import force_fallback, RecordOps
+from op_checks import force_fallback, RecordOps, StayFloat64
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 REDUCTIONS = ["mean", "sum", "none"]
-
-
-class _StayFloat64(TorchFunctionMode):
-    """Make the pattern's ``.float()`` upcast a no-op on float64 tensors, so it runs in float64 throughout."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.float and args[0].dtype == torch.float64:
-            return args[0]
-        return func(*args, **(kwargs or {}))
 
 
 def make_inputs(n: int, h: int, v: int, *, bias: bool = False, ignored: str = "none", seed: int = 0):
@@ -75,7 +65,7 @@ def check_against_pattern(x32, w32, b32, labels, dtype, logits_given: bool = Fal
     b = b32.to(dtype) if b32 is not None else None
     actual = forward_backward(fused(labels, logits_given, **opts), x, w, b)
     eager = forward_backward(lambda a, c, d: linear_cross_entropy_pattern(a, c, d, labels, **opts), x, w, b)
-    with _StayFloat64():
+    with StayFloat64():
         reference = forward_backward(lambda a, c, d: linear_cross_entropy_pattern(a, c, d, labels, **opts),
                                      x.double(), w.double(), None if b is None else b.double())
     assert reference[0].dtype == torch.float64
@@ -264,7 +254,7 @@ def test_frozen_weight_skips_dw(dtype):
                                         x32.to(dtype), w, None, weight_grad=False)
     _, dx_e, _, _ = forward_backward(lambda a, c, d: linear_cross_entropy_pattern(a, c, d, labels),
                                      x32.to(dtype), w, None, weight_grad=False)
-    with _StayFloat64():
+    with StayFloat64():
         _, dx_r, _, _ = forward_backward(lambda a, c, d: linear_cross_entropy_pattern(a, c, d, labels),
                                          x32.to(dtype).double(), w.double(), None, weight_grad=False)
     assert_close("dx", dx_ours, dx_e, dx_r)

@@ -3,8 +3,8 @@
 Oracle (STYLE.md, habit 5): ``patterns/rms_norm.py``'s functions run eagerly at the tested dtype are
 "eager"; the same functions run in float64 end to end are the reference. The patterns upcast with
 ``.float()`` / ``.to(torch.float32)``, which would silently drop a float64 input back to fp32, so the
-reference runs under ``_StayFloat64``, a TorchFunctionMode that turns exactly those upcasts into no-ops on
-float64 tensors (``test_reference_really_is_float64`` checks that it does).
+reference runs under ``StayFloat64`` (tests/op_checks.py), a TorchFunctionMode that turns exactly those
+upcasts into no-ops on float64 tensors (``test_reference_really_is_float64`` checks that it does).
 
 Styles: ``llama`` (offset 0, ``rms_norm_pattern``), ``gemma`` (offset 1, ``gemma_rms_norm_pattern``),
 ``none`` (no weight, ``weightless_rms_norm_pattern``).
@@ -15,31 +15,15 @@ from typing import Optional
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import sloth.lowering.rms_norm as lowering
 from sloth.lowering.rms_norm import MAX_HIDDEN, register, rms_norm
 from sloth.patterns.rms_norm import gemma_rms_norm_pattern, rms_norm_pattern, weightless_rms_norm_pattern
 from tolerance import assert_close
-from op_checks import force_fallback, RecordOps
+from op_checks import force_fallback, RecordOps, StayFloat64
 
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 OFFSET = {"llama": 0.0, "gemma": 1.0, "none": 0.0}
-
-
-class _StayFloat64(TorchFunctionMode):
-    """Make a pattern's fp32 upcasts no-ops on float64 tensors, so the whole pattern runs in float64."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.float, torch.Tensor.to) and isinstance(args[0], torch.Tensor) \
-                and args[0].dtype == torch.float64:
-            if func is torch.Tensor.float:
-                return args[0]
-            target = kwargs.get("dtype", args[1] if len(args) > 1 else None)
-            if target is torch.float32 and len(args) <= 2 and set(kwargs) <= {"dtype"}:
-                return args[0]
-        return func(*args, **kwargs)
 
 
 def pattern(style: str, x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -86,7 +70,7 @@ def check_against_pattern(style, x32, w32, dy32, dtype, eps=1e-6, weight_dtype=N
 
     actual = forward_backward(ours, x, w, dy)
     eager = forward_backward(lambda x_, w_: pattern(style, x_, w_, eps), x, w, dy)
-    with _StayFloat64():
+    with StayFloat64():
         reference = forward_backward(lambda x_, w_: pattern(style, x_, w_, eps), x.double(),
                                      None if w is None else w.double(), dy.double())
     assert reference[0].dtype == torch.float64
@@ -106,7 +90,7 @@ def check_against_pattern(style, x32, w32, dy32, dtype, eps=1e-6, weight_dtype=N
 def test_reference_really_is_float64(style):
     x, w, _ = make_inputs((4, 64), style)
     x, w = x.double(), w.double()
-    with _StayFloat64():
+    with StayFloat64():
         ref = pattern(style, x, w, 1e-6)
     upcast_to_fp32 = pattern(style, x, w, 1e-6)  # the patterns as written round through fp32
     assert ref.dtype == torch.float64
@@ -165,7 +149,7 @@ def test_frozen_weight_skips_dw(frozen, dtype):
 
     _, dx_eager, _ = forward_backward(lambda a, b: rms_norm_pattern(a, b, 1e-6), x32.to(dtype), w32.to(dtype),
                                       dy32.to(dtype), weight_grad=False)
-    with _StayFloat64():
+    with StayFloat64():
         _, dx_ref, _ = forward_backward(lambda a, b: rms_norm_pattern(a, b, 1e-6), x32.to(dtype).double(),
                                         w32.to(dtype).double(), dy32.to(dtype).double(), weight_grad=False)
     assert_close("dx", x.grad, dx_eager, dx_ref)
@@ -190,7 +174,7 @@ def test_non_contiguous_input(layout, dtype):
 
     y, dx, dw = forward_backward(lambda a, b: rms_norm(a, b, 1e-6), x, w, dy)
     y_e, dx_e, dw_e = forward_backward(lambda a, b: rms_norm_pattern(a, b, 1e-6), x, w, dy)
-    with _StayFloat64():
+    with StayFloat64():
         y_r, dx_r, dw_r = forward_backward(lambda a, b: rms_norm_pattern(a, b, 1e-6), x.double(), w.double(),
                                            dy.double())
     assert_close("y", y, y_e, y_r)
