@@ -3,6 +3,7 @@
     model = torch.compile(model, backend="sloth")          # found through its entry point
     print(sloth.explain(model, input_ids))                 # what it would replace, and why not
     print(sloth.report())                                  # what it replaced in everything compiled
+    sloth.register_family("mine", my_pass, after="glu")    # a pattern family of your own (compiler/families.py)
 
 See README.md. Importing sloth defines functions and registers one thing: the name "sloth" with
 accelerate, when it is installed, so that ``TrainingArguments(torch_compile_backend="sloth")`` passes
@@ -11,11 +12,13 @@ them.
 """
 from .compiler.backend import last_report, report, reset_report, sloth_backend
 from .compiler.explain import explain
+from .compiler.families import families, register_family, unregister_family
 from .compiler.pipeline import FAMILIES
 from .compiler.report import Rejection, Report, Site
 from .compiler.accelerate_name import register_with_accelerate
 
 register_with_accelerate()
 
-__all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "Report", "Site", "Rejection"]
+__all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "families", "register_family",
+           "unregister_family", "Report", "Site", "Rejection"]
 __version__ = "0.1.0"

@@ -37,6 +37,7 @@ Qwen3-MoE shape 1.63e13 + 2.5e12 = 1.88e13.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -50,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, copy_overlap
 
 VARIANTS = ["eager", "inductor", "liger", "sloth", "unsloth"]  # unsloth: not in --all's default (wheels)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -284,6 +285,26 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         peak_gib = reserved_gib = None
         steps_ms, gpu = [], None
 
+    # One more step each, after the timed ones: the host syncs in it (none expected in a steady step), what
+    # sloth's offload moved in it, and with --copy-overlap how much of those copies compute hid.
+    syncs = copy_overlap.count_syncs(step) if cuda else None
+    offload_step = None
+    if sloth is not None and "offload" in json.loads(args.sloth_options):
+        from sloth.runtime import offload as offload_runtime
+
+        offload_runtime.reset_stats()
+        step()
+        offload_step = dataclasses.asdict(offload_runtime.stats)
+        offload_step["pinned pool GiB"] = offload_runtime.pool.nbytes / common.GiB
+    overlap = None
+    if args.copy_overlap and cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            step()
+            torch.cuda.synchronize()
+        overlap = copy_overlap.copy_overlap(prof)
+        print(f"copy overlap: {overlap}", flush=True)
     if args.profile and cuda:
         profile_step(step, args)
     if args.host_profile:
@@ -312,6 +333,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "sloth pass s": dict(report.pass_seconds) if report is not None else None,
         "sloth ops": _sloth_ops() if sloth is not None else None,
         "sloth report": str(report) if report is not None else None,
+        "syncs per step": syncs,
+        "offload per step": offload_step,
+        "copy overlap": overlap,
         "warm-up walls s": warmup_walls,
         "steps ms": steps_ms,
         "step ms median": statistics.median(steps_ms) if steps_ms else None,
@@ -496,6 +520,8 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
         cmd.append("--profile")
     if args.host_profile:
         cmd.append("--host-profile")
+    if args.copy_overlap:
+        cmd.append("--copy-overlap")
     if args.smoke:
         cmd.append("--smoke")
     if args.peak_tflops:
@@ -583,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="after timing, profile one step and write its kernel table (see profile_step)")
     parser.add_argument("--host-profile", action="store_true",
                         help="after timing, run two steps under cProfile and write where the host's time goes")
+    parser.add_argument("--copy-overlap", action="store_true",
+                        help="profile one more step: how much of the host<->device copies compute hid")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="MFU denominator; measured if 0")

@@ -19,6 +19,9 @@
 #   bash benchmarks/h200_rows.sh versus20  # versus with 20 steps after a matmul burn; per-step times, GPU clock/power
 #   bash benchmarks/h200_rows.sh default default-2  # sloth's default options beside return_logits=False and Unsloth
 #   bash benchmarks/h200_rows.sh robust    # versus20, then sloth LoRA under CUDA graphs (~6 min; limits add to more)
+#   bash benchmarks/h200_rows.sh offload offload-2  # issue 19: 16k and 64k with checkpointing, offload on and off, Unsloth
+#   bash benchmarks/h200_rows.sh compile-share  # issue 24: sloth's share of the 8B LoRA step's compile, beside Inductor's
+#   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
 #   bash benchmarks/h200_rows.sh glu-hidden-steps  # the LoRA and QLoRA steps both ways
 #   bash benchmarks/h200_rows.sh guards    # sloth LoRA and QLoRA with Dynamo's module guards skipped
@@ -160,6 +163,29 @@ case $part in
         run long-sloth-default 150 --all --batch 1 --seq 16384 --grad-ckpt --steps 6 --variants sloth
         run long-sloth-rlf 150 --all --batch 1 --seq 16384 --grad-ckpt --steps 6 --variants sloth --sloth-options "$SLOTH"
         run qlora-unsloth 160 --all --qlora --steps 20 --variants unsloth ;;
+    offload)  # issue 19, first call (carry the bitsandbytes wheel): Llama-3-8B LoRA at 1 x 16384 with gradient
+        # checkpointing: sloth default, sloth with offload (copies profiled, syncs counted), Inductor (~10 min)
+        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+        run long16-sloth 170 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 6 --variants sloth
+        run long16-offload 170 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 6 --variants sloth \
+            --copy-overlap --sloth-options '{"offload": true}'
+        run long16-inductor 230 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 6 --variants inductor ;;
+    offload-2)  # its second call, chained at once (carry .whl/unsloth): Unsloth at 16k, then 64k tokens for sloth
+        # default, sloth with offload and Unsloth
+        run long16-unsloth 130 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 6 --variants unsloth
+        run long64-sloth 150 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 3 --variants sloth
+        run long64-offload 150 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 3 --variants sloth \
+            --copy-overlap --sloth-options '{"offload": true}'
+        run long64-unsloth 150 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 3 --variants unsloth ;;
+    compile-share)  # issue 24: the 8B LoRA step's compile (first warm-up step) with sloth's pass times, and Inductor's
+        run compile-sloth 150 --all --warmup 3 --steps 4 --variants sloth
+        run compile-inductor 220 --all --warmup 3 --steps 4 --variants inductor ;;
+    longest)  # issue 19: the longest context each trains, one step each (sloth with offload, Unsloth)
+        for seq in 131072 196608; do
+            run "long$((seq / 1024))-offload" 200 --all --batch 1 --seq $seq --grad-ckpt --warmup 1 --steps 1 \
+                --variants sloth --sloth-options '{"offload": true, "return_logits": false}'
+            run "long$((seq / 1024))-unsloth" 200 --all --batch 1 --seq $seq --grad-ckpt --warmup 1 --steps 1 --variants unsloth
+        done ;;
     glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed: bits and op time at
         # the 8B shape (benchmarks/ops/glu_lora_backward.py)
         [ -z "${DRY:-}" ] && { timeout 90 python -m benchmarks.ops.glu_lora_backward > "$out/logs/glu_lora_backward.log" 2>&1

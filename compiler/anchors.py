@@ -23,7 +23,7 @@ sloth (tests/conftest.py).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -138,13 +138,16 @@ ANCHORS = {
 }
 
 
-def anchors(graph_modules: Iterable[fx.GraphModule], families: Iterable[str]) -> dict[str, list[fx.Node]]:
-    """The anchor nodes of each of ``families`` in the graphs, in graph order."""
-    found: dict[str, list[fx.Node]] = {family: [] for family in families if family in ANCHORS}
+def anchors(graph_modules: Iterable[fx.GraphModule],
+            finders: Iterable[tuple[str, Callable[[fx.Node], bool]]]) -> dict[str, list[fx.Node]]:
+    """The anchor nodes of each (family, predicate) of ``finders`` in the graphs, in graph order (the pipeline
+    passes the enabled families' anchors: ``ANCHORS`` for the built-in ones, a user's from register_family)."""
+    finders = list(finders)
+    found: dict[str, list[fx.Node]] = {family: [] for family, _ in finders}
     for graph_module in graph_modules:
         for node in graph_module.graph.nodes:
-            for family, is_anchor in ANCHORS.items():
-                if family in found and is_anchor(node):
+            for family, is_anchor in finders:
+                if is_anchor(node):
                     found[family].append(node)
     return found
 

@@ -18,6 +18,8 @@ import torch._functorch.config  # enable_autograd_cache, patched per compile
 import torch.fx as fx
 
 from . import returned_logits
+from .dump import dump_root
+from .offload_partition import OffloadPartitioner, OffloadPolicy
 from .options import PassOptions
 from .pipeline import resolve_families, run_passes
 from .report import Report
@@ -26,7 +28,8 @@ from .runtime_ops import with_runtime_twins
 log = logging.getLogger("sloth")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "recompute", "attention")
+_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "recompute", "share_lora_input", "attention",
+                  "dump", "offload")
 # Names for the ``attention`` option: PyTorch's SDPA backends.
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
@@ -76,21 +79,38 @@ def _inductor_config(mode: Optional[str], extra: dict[str, Any]) -> dict[str, An
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, mode: Optional[str] = None,
-                  inductor_options: Optional[dict[str, Any]] = None) -> Callable:
-    """Compile the rewritten graph with ``inner``: Inductor, AOTAutograd without codegen, or plain eager."""
+                  inductor_options: Optional[dict[str, Any]] = None,
+                  partitioner: Optional[OffloadPartitioner] = None) -> Callable:
+    """Compile the rewritten graph with ``inner``: Inductor, AOTAutograd without codegen, or plain eager.
+
+    ``partitioner`` (the offload option) replaces the partitioner of Inductor or of AOTAutograd."""
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         patches = with_runtime_twins(_inductor_config(mode, inductor_options or {}))
+        if partitioner is not None:
+            if patches.get("custom_partitioner_fn") is not None:
+                raise ValueError("sloth: offload replaces Inductor's partitioner; it cannot be combined with "
+                                 "custom_partitioner_fn")
+            patches["custom_partitioner_fn"] = partitioner
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)
     if inductor_options:
         _inductor_config(None, inductor_options)  # a misspelt option is named as unknown first
         raise ValueError(f"sloth: options {list(inductor_options)} are Inductor settings, but inner={inner!r}")
     if inner == "aot_eager":
+        if partitioner is not None:
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._functorch.aot_autograd import make_boxed_compiler
+
+            nop = make_boxed_compiler(lambda graph, _inputs: graph)
+            return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partitioner)(gm, list(example_inputs))
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend("aot_eager")(gm, list(example_inputs))
     if inner == "eager":
+        if partitioner is not None:
+            raise ValueError("sloth: offload acts on AOTAutograd's forward/backward partition, which inner='eager' "
+                             "does not make; use inner='inductor' (default) or 'aot_eager'")
         return gm.forward
     raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
 
@@ -120,8 +140,9 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     default all), ``report`` (print the report after compiling), ``return_logits`` (True default; False
     returns an empty tensor in place of logits that only a fused loss needs), ``recompute`` (True default:
     RMSNorm outputs recomputed in the backward instead of saved), ``attention`` (SDPA backends
-    in priority order, e.g. ["flash", "cudnn"]; default PyTorch's own choice); other keys go to Inductor's
-    config.
+    in priority order, e.g. ["flash", "cudnn"]; default PyTorch's own choice), ``dump`` (a folder for the
+    graph before and after each pass, compiler/dump.py; default ``$SLOTH_DUMP_DIR``, else none); other keys
+    go to Inductor's config.
     """
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
@@ -131,22 +152,31 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     show_report = bool(options.pop("report", False))
     attention = options.pop("attention", None)
     sdpa_priority(attention)  # a bad value fails here, before any work
+    dump_folder = dump_root(options.pop("dump", None))
+    offload = OffloadPolicy.from_user(options.pop("offload", False))
+    if offload is not None and inner == "eager":
+        compile_inner(gm, example_inputs, inner, partitioner=OffloadPartitioner(offload, []))  # its error, now
     pass_options = PassOptions.from_user(options)
 
     graph_report = Report()
-    gm = run_passes(gm, example_inputs, families, graph_report, pass_options)
-    _publish(graph_report)
-    if show_report:
-        print(graph_report)
+    gm = run_passes(gm, example_inputs, families, graph_report, pass_options, dump_folder)
     log.debug("sloth: rewritten graph\n%s", gm.graph)
     # AOTAutograd's cache keys a compiled graph by the graph's code, which shows neither the recompute tags
     # (node meta) nor the SDPA priority (global state): a graph compiled earlier with other settings, in this
     # process or an earlier one, would be returned as is. Seen on the H200: a run asking for flash attention
     # got the previous run's cuDNN graph. Inductor's own cache, keyed on the partitioned graphs, still works.
-    uncacheable = attention is not None or bool(graph_report.recomputed)
-    with sdpa_priority(attention), torch._functorch.config.patch(
-            enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
-        compiled = compile_inner(gm, example_inputs, inner, mode, options)
+    uncacheable = attention is not None or bool(graph_report.recomputed) or offload is not None
+    partitioner = OffloadPartitioner(offload, graph_report.offload) if offload is not None else None
+    # The report is published (and printed) once the inner compiler is done: the offload partitioner writes
+    # into it while AOTAutograd partitions the graph. A compile that fails publishes what the passes did.
+    try:
+        with sdpa_priority(attention), torch._functorch.config.patch(
+                enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
+            compiled = compile_inner(gm, example_inputs, inner, mode, options, partitioner=partitioner)
+    finally:
+        _publish(graph_report)
+    if show_report:
+        print(graph_report)
     slots = gm.meta.get(returned_logits.META_KEY)
     if slots:  # logits returned detached by the cross-entropy pass: back into autograd, the extra outputs dropped
         compiled = returned_logits.reattach(compiled, slots)

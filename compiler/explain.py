@@ -8,7 +8,8 @@ import torch.fx as fx
 
 from . import backend as _backend
 from . import returned_logits
-from .pipeline import FAMILIES, run_passes
+from .dump import dump_root
+from .pipeline import families, run_passes
 from .report import Report
 
 
@@ -16,7 +17,8 @@ def explain(model_or_fn: Callable, *args: Any, **kwargs: Any) -> Report:
     """Capture ``model_or_fn(*args, **kwargs)`` with Dynamo, run every pass, and return the merged Report.
 
     The call runs once under ``torch.no_grad()`` (through the rewritten graphs, eagerly), so the model
-    must accept these inputs; nothing is compiled by Inductor and no gradient is taken.
+    must accept these inputs; nothing is compiled by Inductor and no gradient is taken. Every registered family
+    runs (a user's too); ``$SLOTH_DUMP_DIR`` dumps the graphs as the backend's ``dump`` option does.
     """
     if not callable(model_or_fn):
         raise TypeError(f"sloth.explain: expected a model or function, got {type(model_or_fn).__name__}")
@@ -24,7 +26,7 @@ def explain(model_or_fn: Callable, *args: Any, **kwargs: Any) -> Report:
 
     def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         report = Report()
-        gm = run_passes(gm, example_inputs, FAMILIES, report)
+        gm = run_passes(gm, example_inputs, families(), report, dump_root=dump_root(None))
         merged.merge(report)
         _backend._publish(report)
         slots = gm.meta.get(returned_logits.META_KEY)

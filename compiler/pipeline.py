@@ -1,17 +1,21 @@
-"""The pass pipeline: a plain ordered list, one pass per pattern family, every pass the same signature.
+"""The pass pipeline: canonicalisation, the registered family passes in order, the anchor check, recompute.
+
+Every pass has one signature:
 
     pass(gm, example_inputs, *, report, options) -> gm
 
-``options`` (a PassOptions) carries the switches a pass may read; subgraphs get the defaults, since their
-outputs feed the graph that calls them rather than the user.
+``options`` (a PassOptions) carries the switches a pass may read; a subgraph body gets the user's options
+except those that would change what it returns to its caller (``return_logits``, ``top_level``).
 
-``canonicalize`` always runs first (every pattern assumes canonical spellings); the family passes
-follow in roadmap order and each can be switched off by name through ``options={"patterns": [...]}``;
-``recompute`` runs last and marks what the backward should recompute rather than keep. A family pass runs
-on the graph and on each subgraph body, except a ``whole_module`` one, which runs once on the top-level
-graph and reaches into the bodies itself (the causal mask: a body receives it from its caller); it sees
-the bodies before their canonicalisation, so it must not rely on canonical spellings (the causal mask
-evaluates whatever ops build the mask).
+``canonicalize`` runs first, on the graph and every subgraph body (every pattern assumes canonical
+spellings); then each family registered in compiler/families.py (sloth's own, registered below in roadmap
+order, and a user's) runs in registry order, unless switched off by name through
+``options={"patterns": [...]}``. A family pass runs on the graph and on each subgraph body, except a
+``whole_module`` one, which runs once on the top-level graph and reaches into the bodies itself (the causal
+mask: a body receives it from its caller). Then every enabled family's anchors left in the graphs are
+checked for a reason (compiler/anchors.py), and ``recompute`` marks what the backward should recompute
+rather than keep. One pass finishes on every graph before the next starts, so the graph dumps
+(compiler/dump.py) show the whole graph after each pass.
 """
 from __future__ import annotations
 
@@ -28,46 +32,38 @@ from ..patterns.glu import fuse_glu_pass
 from ..patterns.lora import fuse_lora_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
-from .anchors import UNMATCHED, anchors, unexplained
+from .anchors import ANCHORS, UNMATCHED, anchors, unexplained
 from .canonicalize import canonicalize_pass
+from .dump import GraphDump
+from .families import family_passes, families, register_family
 from .options import PassOptions
 from .recompute import recompute_pass
 from .report import Report
 
-GraphPass = Callable[..., fx.GraphModule]
 log = logging.getLogger("sloth")
 
-
-@dataclasses.dataclass(frozen=True)
-class FamilyPass:
-    family: str
-    run: GraphPass
-    whole_module: bool = False  # run once on the top-level graph, which reaches into its bodies itself
-
-
-# Roadmap order (DESIGN.md). A family's pass may rely on the passes before it having run.
-FAMILY_PASSES: tuple[FamilyPass, ...] = (
-    FamilyPass("rms_norm", fuse_rms_norm_pass),
-    FamilyPass("rope", fuse_rope_pass),
-    FamilyPass("glu", fuse_glu_pass),
-    FamilyPass("cross_entropy", fuse_cross_entropy_pass),
-    FamilyPass("lora", fuse_lora_pass),
-    FamilyPass("causal_mask", fuse_causal_mask_pass, whole_module=True),
-)
-FAMILIES: tuple[str, ...] = tuple(p.family for p in FAMILY_PASSES)
+# sloth's own families, registered in roadmap order (DESIGN.md) through the same call a user's family uses
+# (compiler/families.py). A family's pass may rely on the passes before it having run.
+for _name, _run, _whole_module in (("rms_norm", fuse_rms_norm_pass, False), ("rope", fuse_rope_pass, False),
+                                   ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
+                                   ("lora", fuse_lora_pass, False), ("causal_mask", fuse_causal_mask_pass, True)):
+    register_family(_name, _run, anchor=ANCHORS[_name], whole_module=_whole_module, _builtin=True)
+# The built-in families' names (``families()`` lists a user's too).
+FAMILIES: tuple[str, ...] = families()
 
 
 def resolve_families(patterns: Optional[Iterable[str]]) -> list[str]:
     """The families to run: all by default; a clear error for a name that is not a family."""
+    registered = families()
     if patterns is None:
-        return list(FAMILIES)
+        return list(registered)
     if isinstance(patterns, str):
         patterns = [patterns]
     chosen = list(patterns)
-    unknown = [p for p in chosen if p not in FAMILIES]
+    unknown = [p for p in chosen if p not in registered]
     if unknown:
         raise ValueError(f"sloth: unknown pattern famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; "
-                         f"known: {list(FAMILIES)}")
+                         f"known: {list(registered)}")
     return chosen
 
 
@@ -83,13 +79,19 @@ def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequence[str],
-               report: Report, options: PassOptions = PassOptions()) -> fx.GraphModule:
-    """Canonicalise, then run each enabled family's pass in order, on the graph and on every subgraph.
+               report: Report, options: PassOptions = PassOptions(), dump_root: Optional[str] = None) -> fx.GraphModule:
+    """Canonicalise, then run each enabled family's pass in registry order, on the graph and on every subgraph.
 
     Each pass's wall time is added to ``report.pass_seconds`` under its name ("canonicalize", a family's name,
-    "anchors", "recompute"), summed over the graph and its subgraphs."""
+    "anchors", "recompute"), summed over the graph and its subgraphs. With ``dump_root`` the graph is written
+    there before the passes and after each pass that changed it (compiler/dump.py)."""
     report.graphs += 1
-    report.disabled = sorted(set(report.disabled) | (set(FAMILIES) - set(families)))
+    registered = family_passes()
+    report.disabled = sorted(set(report.disabled) | ({p.family for p in registered} - set(families)))
+    dump = GraphDump(dump_root, gm) if dump_root else None
+    if dump:
+        report.dumps.append(dump.folder)
+        dump.snapshot("before", gm)
 
     def timed(name: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -99,18 +101,27 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
             report.pass_seconds[name] += time.perf_counter() - start
 
     graph_modules = [gm, *_subgraphs(gm)]
+    # A subgraph's outputs feed its caller, so it must keep returning the logits; every other option is
+    # the user's there too (a checkpointed layer must honour share_lora_input=False).
+    subgraph_options = dataclasses.replace(options, return_logits=True, top_level=False)
     for graph_module in graph_modules:
-        # A subgraph's outputs feed its caller, so it must keep returning the logits; every other option is
-        # the user's there too (a checkpointed layer must honour share_lora_input=False).
-        graph_options = options if graph_module is gm else dataclasses.replace(options, return_logits=True,
-                                                                               top_level=False)
-        timed("canonicalize", canonicalize_pass, graph_module, example_inputs, report=report, options=graph_options)
-        for family_pass in FAMILY_PASSES:
-            if family_pass.family in families and (graph_module is gm or not family_pass.whole_module):
-                timed(family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
-                      options=graph_options)
+        timed("canonicalize", canonicalize_pass, graph_module, example_inputs, report=report,
+              options=options if graph_module is gm else subgraph_options)
+    if dump:
+        dump.snapshot("canonicalize", gm)
+    enabled = [p for p in registered if p.family in families]
+    for family_pass in enabled:
+        for graph_module in graph_modules:
+            if graph_module is gm or not family_pass.whole_module:
+                result = timed(family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
+                               options=options if graph_module is gm else subgraph_options)
+                if result is not graph_module:
+                    raise TypeError(f"sloth: the {family_pass.family!r} pass returned {type(result).__name__}; "
+                                    "a pass rewrites the graph module it is given in place and returns it")
+        if dump:
+            dump.snapshot(family_pass.family, gm)
     # Every anchor a family looks for and left in the graph gets a reason in the report (compiler/anchors.py).
-    left = timed("anchors", anchors, graph_modules, families)
+    left = timed("anchors", anchors, graph_modules, [(p.family, p.anchor) for p in enabled if p.anchor is not None])
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
     for family, node in unexplained(left, report.rejected_nodes):
         report.reject(family, node, UNMATCHED)

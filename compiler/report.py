@@ -51,6 +51,11 @@ class Report:
     anchors_left: Counter = dataclasses.field(default_factory=Counter)
     # pass name -> seconds spent in it (compiler/pipeline.py run_passes), summed over graphs and subgraphs
     pass_seconds: Counter = dataclasses.field(default_factory=Counter)
+    # what the offload option moved to host memory, one OffloadRecord per partitioned graph
+    # (compiler/offload_partition.py; empty without the option or for an inference graph)
+    offload: list = dataclasses.field(default_factory=list)
+    # folders the graphs were dumped into (the ``dump`` option, compiler/dump.py)
+    dumps: list = dataclasses.field(default_factory=list)
     # (family, node) of each rejection of this graph, for compiler/anchors.py; not merged (nodes are per graph)
     rejected_nodes: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
@@ -61,6 +66,11 @@ class Report:
     def replaced(self, site: Site) -> None:
         self.sites.append(site)
         log.info("sloth: %s -> %s at %s %s", site.family, site.op, site.module or "?", site.source)
+
+    def replaced_at(self, family: str, node: "fx.Node", op: str, detail: str = "") -> None:
+        """Record that ``family`` replaced a site with ``op``; ``node`` (the new node, or the site's old root)
+        gives the module path and source line."""
+        self.replaced(Site(family, op, module_path(node), source_location(node), detail))
 
     def reject(self, family: str, anchor: "fx.Node", reason: str) -> None:
         """Record that ``family`` left the site at ``anchor`` as it was, and why."""
@@ -79,6 +89,8 @@ class Report:
         self.graphs += other.graphs
         self.recomputed += other.recomputed
         self.anchors_left += other.anchors_left
+        self.dumps += other.dumps
+        self.offload += other.offload
         self.pass_seconds.update(other.pass_seconds)  # update, not +=: keeps a pass that took 0.0 s
         for family, where in other.unexplained.items():
             self.unexplained[family] = self.unexplained.get(family, []) + where
@@ -91,6 +103,13 @@ class Report:
         if self.pass_seconds:
             out.append(f"  sloth's passes took {sum(self.pass_seconds.values()):.3f} s: "
                        + ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.pass_seconds.items()))
+        if self.offload:
+            tensors, nbytes = sum(r.tensors for r in self.offload), sum(r.nbytes for r in self.offload)
+            kept, small = sum(r.kept for r in self.offload), sum(r.skipped_small for r in self.offload)
+            out.append(f"  offloaded to host memory: {tensors} saved activation(s), {nbytes / 2**20:.1f} MiB a step "
+                       f"each way; {kept} kept on the device (read first by the backward), {small} below min_bytes")
+        if self.dumps:
+            out.append(f"  graphs dumped to: {', '.join(self.dumps)}")
         if self.recomputed:
             out.append("  marked to be recomputed in backward, not saved: "
                        + ", ".join(f"{n} sloth.{op} outputs" for op, n in sorted(self.recomputed.items())))

@@ -1,4 +1,3 @@
-"""State that outlives one graph call (packed-sequence metadata cache, activation offload streams).
-
-Empty until the runtime issue lands; listed here so the package layout is the one DESIGN.md fixes.
-"""
+"""State that outlives one graph call: activation offload (offload.py: side streams, the pinned host pool, the
+reloads in flight between the ops the offload option puts into compiled graphs); packed-sequence metadata is
+planned."""

@@ -40,9 +40,9 @@ def test_option_is_in_force_while_compiling_and_for_eager_while_running(monkeypa
     seen = []
     original = backend.compile_inner
 
-    def recording(gm, example_inputs, inner, mode=None, inductor_options=None):
+    def recording(gm, example_inputs, inner, mode=None, inductor_options=None, **kwargs):
         seen.append(("compile", torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
-        compiled = original(gm, example_inputs, inner, mode, inductor_options)
+        compiled = original(gm, example_inputs, inner, mode, inductor_options, **kwargs)
 
         def run(*args):
             seen.append(("run", torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))

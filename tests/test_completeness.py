@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sloth
-from sloth.compiler import pipeline
+from sloth.compiler import families
 from pattern_checks import seeded
 
 
@@ -79,9 +79,9 @@ def test_every_family_replaces_its_hand_written_site():
 def test_a_family_that_says_nothing_is_caught(monkeypatch, family):
     # The family's pass replaced by one that neither replaces nor reports: its site must show as unexplained,
     # the other families' as replaced.
-    passes = tuple(dataclasses.replace(p, run=lambda gm, *_, **__: gm) if p.family == family else p
-                   for p in pipeline.FAMILY_PASSES)
-    monkeypatch.setattr(pipeline, "FAMILY_PASSES", passes)
+    passes = [dataclasses.replace(p, run=lambda gm, *_, **__: gm) if p.family == family else p
+              for p in families.family_passes()]
+    monkeypatch.setattr(families, "_registry", passes)
     torch.compile(EveryFamily(), backend="sloth", options={"inner": "eager"})(*every_family_inputs())
     report = sloth.report()
     assert list(report.unexplained) == [family], str(report)

@@ -1,0 +1,182 @@
+"""The ``offload`` option: the partitioner's saved activations moved to host memory and back (runtime/offload.py).
+
+AOTAutograd's partitioner splits the joint graph into a forward that returns the tensors the backward needs
+("saved") and a backward that takes them. With gradient checkpointing those are each checkpointed layer's
+inputs: T x H per layer, 4 GiB at Llama-3-8B 16k over 32 layers. This wraps the partitioner Inductor uses
+(``min_cut_rematerialization_partition``, as ``config.custom_partitioner_fn``) and rewrites the pair it
+returns:
+
+    forward:  h = ...; ...; output(..., h)              becomes  h = ...; h_host = sloth.offload(h); ...;
+                                                                 output(..., h_host)
+    backward: placeholder h; ... first use of h ...     becomes  h_dev = sloth.reload(h_host, next_host, token)
+                                                                 ... first use of h_dev ...
+
+for every saved tensor that is an intermediate of the forward (not a graph input: a parameter or a batch stays
+alive anyway), contiguous (a view too: its values are copied, and its base is freed unless something else
+keeps it), and at least ``min_bytes``; the ``keep_last`` of them that the backward reads first stay
+on the device, since their reload could not hide behind anything (in a decoder with a fused loss: the final
+norm's input, read by the loss's backward; the last layer's input is then reloaded during that backward). Reloads run
+in the order the backward first reads them; each names the next one's host tensor, and a prefetch at the top
+of the backward starts the first, so every copy overlaps the backward of the layer before.
+
+Why here and not saved-tensor hooks: the compiled backward is one autograd node for the whole graph and reads
+all its saved tensors when it starts, so hooks would bring every offloaded tensor back at once, at the peak.
+Why not torch's own ``enable_activation_offloading``: on torch 2.11 it is marked for testing, copies into
+pageable memory, and acts only on forward nodes marked ``should_offload`` in the joint graph; this works the
+same on 2.11 and 2.13, with pinned memory and an explicit look-ahead.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+from ..runtime import offload as offload_runtime
+
+DEFAULT_MIN_BYTES = 64 * 2**20  # below this (8k tokens of a 4096-wide model in bf16) a copy costs more than it frees
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """Which saved activations go to host memory: those of at least ``min_bytes``, except the ``keep_last``
+    the backward reads first."""
+    min_bytes: int = DEFAULT_MIN_BYTES
+    keep_last: int = 1
+
+    @classmethod
+    def from_user(cls, value: Any) -> Optional["OffloadPolicy"]:
+        """The policy for ``options={"offload": value}``: False/None off, True the defaults, or a dict with
+        ``min_bytes`` and/or ``keep_last``; a clear error for anything else."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, dict):
+            unknown = set(value) - {"min_bytes", "keep_last"}
+            if unknown:
+                raise ValueError(f"sloth: offload takes min_bytes and keep_last, not {sorted(unknown)}")
+            policy = cls(**value)
+            for name in ("min_bytes", "keep_last"):
+                got = getattr(policy, name)
+                if not isinstance(got, int) or isinstance(got, bool) or got < 0:
+                    raise ValueError(f"sloth: offload's {name} must be an integer >= 0, got {got!r}")
+            return policy
+        raise ValueError(f"sloth: offload must be True, False or a dict of min_bytes / keep_last, got {value!r}")
+
+
+@dataclasses.dataclass
+class OffloadRecord:
+    """What the offload rewrite did to one partitioned graph (kept in ``Report.offload``)."""
+    tensors: int
+    nbytes: int  # bytes per step moved each way (at the shapes the graph was compiled for)
+    kept: int  # saved activations of at least min_bytes left on the device (keep_last)
+    skipped_small: int
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    numel = value.numel()
+    if not isinstance(numel, int):  # symbolic: the size this graph was traced at
+        numel = numel.node.hint if getattr(numel.node, "hint", None) is not None else 0
+    return int(numel) * value.element_size()
+
+
+def _fake(value: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The fake mode ``value`` belongs to, so new metadata tensors are fake (and symbolic shapes stay so)."""
+    mode = getattr(value, "fake_mode", None)
+    return mode if mode is not None else contextlib.nullcontext()
+
+
+def _contiguous(value: torch.Tensor) -> bool:
+    try:
+        return bool(value.is_contiguous())
+    except Exception:  # a data-dependent answer under symbolic shapes: not offloaded
+        return False
+
+
+def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, policy: OffloadPolicy) -> OffloadRecord:
+    """Rewrite a partitioned (forward, backward) pair so the chosen saved activations live on the host."""
+    output = fw.graph.find_nodes(op="output")[0]
+    outputs = list(output.args[0])
+    bw_inputs = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
+    bw_order = {node: i for i, node in enumerate(bw.graph.nodes)}
+    candidates, small = [], 0
+    for position in range(num_fwd_outputs, len(outputs)):
+        saved = outputs[position]
+        value = saved.meta.get("val") if isinstance(saved, fx.Node) else None
+        # The host copy and the reload are contiguous, so only a contiguous tensor keeps its layout through them.
+        if (not isinstance(value, torch.Tensor) or saved.op != "call_function"
+                or saved.name not in bw_inputs or not bw_inputs[saved.name].users or value.device.type == "meta"
+                or not _contiguous(value)):
+            continue
+        if _nbytes(value) < policy.min_bytes:
+            small += 1
+            continue
+        placeholder = bw_inputs[saved.name]
+        first_use = min(placeholder.users, key=bw_order.__getitem__)
+        candidates.append((bw_order[first_use], position, saved, placeholder, first_use))
+    candidates.sort(key=lambda c: c[0])
+    kept, chosen = candidates[:policy.keep_last], candidates[policy.keep_last:]
+    if not chosen:
+        return OffloadRecord(0, 0, len(kept), small)
+
+    for _, position, saved, _, _ in chosen:
+        # Right after the tensor is computed: its copy starts at once and hides behind the rest of the forward,
+        # and nothing holds it to the end of the forward (Inductor frees it after its last use there).
+        with fw.graph.inserting_after(saved):
+            host = fw.graph.call_function(torch.ops.sloth.offload.default, (saved,))
+        with _fake(saved.meta["val"]):
+            host.meta["val"] = offload_runtime._offload_fake(saved.meta["val"])
+        outputs[position] = host
+    output.args = (tuple(outputs),) + tuple(output.args[1:])
+
+    host_values = []
+    for _, _, saved, placeholder, _ in chosen:
+        value = placeholder.meta["val"]
+        with _fake(value):
+            placeholder.meta["val"] = offload_runtime._offload_fake(value)
+        host_values.append(value)
+    first_placeholder, device = chosen[0][3], host_values[0].device
+    with bw.graph.inserting_after(list(bw_inputs.values())[-1]):
+        token = bw.graph.call_function(torch.ops.sloth.offload_prefetch.default, (first_placeholder, device))
+    with _fake(host_values[0]):
+        token.meta["val"] = torch.empty(0, device=device)
+    ours = {token}  # the prefetch and the reloads read host tensors; every other user gets the reloaded one
+    for i, (_, _, saved, placeholder, first_use) in enumerate(chosen):
+        following = chosen[i + 1][3] if i + 1 < len(chosen) else None
+        users = [u for u in placeholder.users if u not in ours]
+        with bw.graph.inserting_before(first_use):
+            reloaded = bw.graph.call_function(torch.ops.sloth.reload.default,
+                                              (placeholder, following, token if i == 0 else None,
+                                               host_values[i].device))
+        reloaded.meta["val"] = host_values[i]
+        ours.add(reloaded)
+        for user in users:
+            user.replace_input_with(placeholder, reloaded)
+    fw.graph.lint()
+    bw.graph.lint()
+    fw.recompile()
+    bw.recompile()
+    nbytes = sum(_nbytes(c[2].meta["val"]) for c in chosen)
+    return OffloadRecord(len(chosen), nbytes, len(kept), small)
+
+
+class OffloadPartitioner(CustomPartitionerFn):
+    """Inductor's default partitioner, then ``offload_saved`` on its result; records what it did."""
+
+    def __init__(self, policy: OffloadPolicy, records: list):
+        self.policy = policy
+        self.records = records
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        self.records.append(offload_saved(fw, bw, kwargs["num_fwd_outputs"], self.policy))
+        return fw, bw
+
+    def uuid(self) -> Optional[Any]:
+        return (get_hash_for_files((__file__, offload_runtime.__file__)), self.policy.min_bytes, self.policy.keep_last)

@@ -1,0 +1,191 @@
+"""Activation offload at run time: the ops the offload partition (compiler/offload_partition.py) puts into the
+compiled forward and backward graphs, and the state they share across one training step.
+
+    forward:   h_cpu = sloth::offload(h)                      copy h to pinned host memory on a side stream
+    backward:  token = sloth::offload_prefetch(h0_cpu)         start the first reload at the top of the backward
+               h0 = sloth::reload(h0_cpu, h1_cpu, token)       wait for h0's copy; start h1's
+               ...
+               h1 = sloth::reload(h1_cpu, h2_cpu, None)        wait for h1's copy (issued above); start h2's
+
+One side stream per device carries every copy, device-to-host in the forward and host-to-device in the
+backward, so the copies queue behind one another and never behind compute. Each copy waits for an event
+recorded on the compute stream when it is issued (its source is ready there) and records its own event; the
+compute stream waits on that event only where the reloaded tensor is first used. The look-ahead is explicit
+in the graph: reload i names the tensor reload i + 1 needs, and starts its copy as soon as its own has
+arrived, so that copy runs while layer i's backward computes. At most two reloaded tensors are alive at a
+time (the one in use and the one arriving): a double buffer, taken from PyTorch's caching allocator rather
+than held by sloth, because a buffer sloth kept and rewrote could alias memory Inductor has since reused.
+
+Host memory comes from a pinned pool (``PinnedPool``): each offload takes a free pinned buffer of its size,
+allocating one only when none is free (the first step; allocating pinned memory synchronises the device, so
+the steady state must not), and a buffer is free again once nothing holds the tensor handed out (autograd
+released the step's saved tensors). A second forward before the backward therefore takes other buffers; it
+never overwrites saved values. Nothing here synchronises the host with the device.
+
+On the CPU (tests, and a CPU model) the same ops run with plain copies: the graph rewrite and the look-ahead
+bookkeeping are the same, the copies synchronous.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Optional
+
+import torch
+
+# The ops live in sloth's namespace, defined with torch.library's low-level API: they are inserted after
+# AOTAutograd partitioned the graph, so they need a kernel and a fake, never an autograd formula, and skip
+# custom_op's per-call Python wrappers (~30 us a call on the H200).
+_LIB = torch.library.Library("sloth", "FRAGMENT")
+_LIB.define("offload(Tensor x) -> Tensor")
+_LIB.define("offload_prefetch(Tensor x_host, Device device) -> Tensor")
+_LIB.define("reload(Tensor x_host, Tensor? next_host, Tensor? after, Device device) -> Tensor")
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """What the offload ops moved since ``reset_stats()``: tensors and bytes each way, pinned bytes held."""
+    offloaded: int = 0
+    offloaded_bytes: int = 0
+    reloaded: int = 0
+    reloaded_bytes: int = 0
+    prefetch_hits: int = 0  # reloads whose copy had been started by the reload before them (or the prefetch)
+
+
+stats = OffloadStats()
+
+
+def reset_stats() -> None:
+    global stats
+    stats = OffloadStats()
+
+
+class PinnedPool:
+    """Pinned host buffers by size, lent as tensors; a buffer is free when no tensor lent from it is alive."""
+
+    def __init__(self) -> None:
+        # nbytes -> [(buffer, its storage, the storage's use count when nothing is lent)]
+        self._buffers: dict[int, list[tuple[torch.Tensor, torch.UntypedStorage, int]]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _uses(storage: torch.UntypedStorage) -> int:
+        return torch._C._storage_Use_Count(storage._cdata)
+
+    def take(self, like: torch.Tensor, pin: bool) -> torch.Tensor:
+        """A host tensor of ``like``'s shape and dtype (contiguous), from a free buffer of its size."""
+        nbytes = like.numel() * like.element_size()
+        with self._lock:
+            same_size = self._buffers.setdefault(nbytes, [])
+            # Free: no lent view alive anywhere (autograd's saved tensors, a reload in flight) adds a use.
+            buffer = next((b for b, storage, idle in same_size if self._uses(storage) == idle), None)
+            if buffer is None:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                storage = buffer.untyped_storage()
+                same_size.append((buffer, storage, self._uses(storage)))
+            return buffer.view(like.dtype).view(like.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for same in self._buffers.values() for b, _, _ in same)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+pool = PinnedPool()
+_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+# host data_ptr -> (device tensor being filled, event recorded after its copy): reloads started ahead of use
+_in_flight: dict[int, tuple[torch.Tensor, Optional["torch.cuda.Event"]]] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def _offload(x: torch.Tensor) -> torch.Tensor:
+    host = pool.take(x, pin=x.is_cuda)
+    _in_flight.pop(host.data_ptr(), None)  # a stale reload of this buffer's earlier contents must not be used
+    stats.offloaded += 1
+    stats.offloaded_bytes += x.numel() * x.element_size()
+    if not x.is_cuda:
+        host.copy_(x)
+        return host
+    # The side stream copies from a staging copy that this op owns, not from x: Inductor reuses a dead buffer's
+    # memory for a later kernel's output without freeing it (no allocator call that record_stream could
+    # guard), so x's memory may be rewritten as soon as this op returns. The device-to-device copy costs
+    # ~0.03 ms per 128 MiB on an H200, on the compute stream.
+    staging = x.clone(memory_format=torch.contiguous_format)
+    side = _side_stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))  # the staging copy is made on the compute stream
+    with torch.cuda.stream(side):
+        host.copy_(staging, non_blocking=True)
+    staging.record_stream(side)  # freed here, its memory kept from reuse until the side stream's copy is done
+    return host
+
+
+def _start_reload(host: torch.Tensor, device: torch.device) -> None:
+    """Start copying ``host`` back to ``device`` (no wait), unless that copy is already under way."""
+    key = host.data_ptr()
+    if key in _in_flight:
+        return
+    if device.type != "cuda":
+        _in_flight[key] = (host.to(device, copy=True), None)
+        return
+    compute = torch.cuda.current_stream(device)
+    # Allocated on the compute stream, where it is used and freed; the side stream writes it after every
+    # compute already queued (so no earlier use of this memory is overwritten).
+    target = torch.empty_like(host, device=device)
+    side = _side_stream(device)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        target.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    _in_flight[key] = (target, done)
+
+
+def _prefetch(x_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    _start_reload(x_host, device)
+    return torch.empty(0, device=device)
+
+
+def _reload(x_host: torch.Tensor, next_host: Optional[torch.Tensor], after: Optional[torch.Tensor],
+            device: torch.device) -> torch.Tensor:
+    key = x_host.data_ptr()
+    stats.prefetch_hits += key in _in_flight
+    _start_reload(x_host, device)
+    target, done = _in_flight.pop(key)
+    if done is not None:
+        torch.cuda.current_stream(device).wait_event(done)
+    if next_host is not None:
+        _start_reload(next_host, device)  # runs on the side stream while this tensor's layer computes
+    stats.reloaded += 1
+    stats.reloaded_bytes += target.numel() * target.element_size()
+    return target
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("offload", _offload, _key)
+    _LIB.impl("offload_prefetch", _prefetch, _key)
+    _LIB.impl("reload", _reload, _key)
+
+
+@torch.library.register_fake("sloth::offload", lib=_LIB)
+def _offload_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+@torch.library.register_fake("sloth::offload_prefetch", lib=_LIB)
+def _prefetch_fake(x_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, device=device)
+
+
+@torch.library.register_fake("sloth::reload", lib=_LIB)
+def _reload_fake(x_host: torch.Tensor, next_host: Optional[torch.Tensor], after: Optional[torch.Tensor],
+                 device: torch.device) -> torch.Tensor:
+    return torch.empty(x_host.shape, dtype=x_host.dtype, device=device)

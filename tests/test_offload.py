@@ -1,0 +1,162 @@
+"""Activation offload (options={"offload": ...}; compiler/offload_partition.py, runtime/offload.py) on the CPU.
+
+The copies are synchronous here, but the graph rewrite, the order of the reloads and their look-ahead, and the
+pinned pool's bookkeeping are the GPU's: the gradients must be bit-identical with and without offload, since
+moving a tensor and back changes no bit.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+
+import sloth
+from sloth.runtime import offload as runtime
+from test_models import VOCAB, build_lora, loss_and_grads
+
+
+class Layer(nn.Module):
+    """A pre-norm residual block: RMSNorm and SwiGLU written by hand, so sloth's ops run inside the body."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(d) + 0.5)
+        self.gate_up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, d: int = 24, layers: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(d, d)
+        self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
+
+    def forward(self, x):
+        x = self.proj(x)  # so the first layer's input is an activation, not a graph input
+        for layer in self.layers:
+            x = checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return x.square().mean()
+
+
+def _step(model, run, x):
+    model.zero_grad(set_to_none=True)
+    loss = run(x)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _identical(a, b):
+    assert torch.equal(a[0], b[0])
+    assert all(torch.equal(g, h) for g, h in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_offload_gives_identical_gradients_and_says_what_it_moved(inner):
+    model = Checkpointed()
+    x = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(1))
+    plain = _step(model, torch.compile(model, backend="sloth", options={"inner": inner}), x)
+    assert sloth.report().offload == []
+    torch._dynamo.reset()
+    sloth.reset_report()
+    runtime.reset_stats()
+    run = torch.compile(model, backend="sloth", options={"inner": inner, "offload": {"min_bytes": 0}})
+    _identical(_step(model, run, x), plain)
+    report = sloth.report()
+    [record] = report.offload
+    # Four checkpointed layers save their inputs, and the loss saves the last layer's output: that one, read
+    # first by the backward, stays; the layers' inputs go.
+    assert (record.tensors, record.kept) == (4, 1), str(report)
+    assert record.nbytes == 4 * x.numel() * 4
+    assert "offloaded to host memory: 4 saved activation(s)" in str(report)
+    assert report.counts.get("rms_norm") == 4 and report.counts.get("glu") == 4, str(report)
+    stats = runtime.stats
+    assert stats.offloaded == stats.reloaded == 4 and stats.offloaded_bytes == stats.reloaded_bytes == record.nbytes
+    assert stats.prefetch_hits == 4  # each reload's copy was started ahead of it (the first by the prefetch)
+    _identical(_step(model, run, x), plain)  # a second step, reusing the pool's buffers
+
+
+def test_pool_reused_in_steady_state_and_two_forwards_before_backward():
+    model = Checkpointed()
+    xs = [torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    options = {"inner": "aot_eager"}
+    plain = torch.compile(model, backend="sloth", options=options)
+
+    def two_forwards(run):
+        model.zero_grad(set_to_none=True)
+        losses = [run(x) for x in xs]  # both graphs' saved tensors alive at once
+        (losses[0] + 2 * losses[1]).backward()
+        return torch.stack(losses).detach(), [p.grad.clone() for p in model.parameters()]
+
+    expected = two_forwards(plain)
+    torch._dynamo.reset()
+    runtime.pool.clear()
+    run = torch.compile(model, backend="sloth", options={**options, "offload": {"min_bytes": 0}})
+    _identical(two_forwards(run), expected)
+    held = runtime.pool.nbytes
+    assert held == 2 * 4 * xs[0].numel() * 4  # one buffer per offloaded tensor per forward alive
+    _identical(two_forwards(run), expected)
+    assert runtime.pool.nbytes == held  # the second step took the first's buffers again
+
+
+def test_no_grad_forward_offloads_nothing():
+    model = Checkpointed()
+    x = torch.randn(2, 7, 24)
+    run = torch.compile(model, backend="sloth", options={"inner": "aot_eager", "offload": {"min_bytes": 0}})
+    runtime.reset_stats()
+    with torch.no_grad():
+        got = run(x)
+    torch.testing.assert_close(got, model(x))
+    assert runtime.stats.offloaded == 0 and sloth.report().offload == []
+
+
+def test_small_tensors_stay_by_default():
+    model = Checkpointed()
+    run = torch.compile(model, backend="sloth", options={"inner": "aot_eager", "offload": True})
+    _step(model, run, torch.randn(2, 7, 24))
+    [record] = sloth.report().offload
+    assert record.tensors == 0 and record.skipped_small == 5, record  # every layer input is under 64 MiB
+
+
+def test_transformers_checkpointing_with_peft_lora():
+    model = build_lora("llama", torch.float32)
+    model.config.num_hidden_layers = 2
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    plain = loss_and_grads(model, ids, run=torch.compile(model, backend="sloth", options={"inner": "aot_eager"}))
+    torch._dynamo.reset()
+    sloth.reset_report()
+    run = torch.compile(model, backend="sloth", options={"inner": "aot_eager", "offload": {"min_bytes": 0}})
+    got = loss_and_grads(model, ids, run=run)
+    assert torch.equal(got[0], plain[0])
+    assert got[1].keys() == plain[1].keys() and all(torch.equal(got[1][n], plain[1][n]) for n in got[1])
+    report = sloth.report()
+    assert sum(r.tensors for r in report.offload) >= 1, str(report)
+    assert report.counts.get("lora", 0) > 0, str(report)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("yes", "offload must be True, False or a dict"),
+    ({"min_bytes": -1}, "min_bytes must be an integer >= 0"),
+    ({"keep_last": 1.5}, "keep_last must be an integer >= 0"),
+    ({"layers": 3}, "offload takes min_bytes and keep_last"),
+])
+def test_bad_offload_option(value, message):
+    with pytest.raises(Exception, match=message):
+        torch.compile(Checkpointed(), backend="sloth", options={"inner": "aot_eager", "offload": value})(
+            torch.randn(2, 3, 24))
+
+
+def test_offload_needs_a_partition():
+    with pytest.raises(Exception, match="inner='eager'"):
+        torch.compile(Checkpointed(), backend="sloth", options={"inner": "eager", "offload": True})(torch.randn(2, 3, 24))
