@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
+from benchmarks import common
 from benchmarks.copy_overlap import count_syncs
 
 
@@ -47,7 +48,7 @@ class Model(nn.Module):
 
 
 def main() -> int:
-    import sloth
+    sloth = common.import_sloth()
     from sloth.runtime import offload
 
     torch.manual_seed(0)
