@@ -23,7 +23,9 @@ How it is proven, not guessed: the mask's producers must be a closed computation
 symbolic size. Such a mask is the same tensor on every call of the compiled graph, so sloth evaluates it
 once, at compile time, and compares it with the causal mask element by element. A mask that reads the
 user's ``attention_mask`` (transformers when one is passed, even all ones), a sliding window, a prefix-LM
-mask, a shifted diagonal, a float bias or a mask of symbolic size says no, with the reason in the report.
+mask, a shifted diagonal, a float bias or a mask of symbolic size says no, with the reason in the report, as
+does a mask whose evaluation would hold more than ``evaluation_budget`` (a quarter of the device's free memory,
+4 GiB on a CPU; at 64k tokens the mask alone is 4 GiB of bools).
 
 A checkpointed layer (``tag_activation_checkpoint`` / ``wrap`` bodies) receives the mask as an input: the
 body's SDPA is rewritten when every call site passes a proven causal mask in that position (the operand
@@ -44,8 +46,15 @@ from ..compiler.report import Report, Site
 FAMILY = "causal_mask"
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-# A compile-time evaluation of a larger mask is refused (4096 x 4096 x 32 heads still fits).
-MAX_MASK_ELEMENTS = 1 << 31
+# What a compile-time evaluation may hold at once: the bytes of every value its producers make (an upper bound:
+# the evaluated graph frees each value after its last use). On the CPU a fixed 4 GiB (a 46k x 46k bool mask
+# and its intermediates); on a GPU a quarter of the memory free when the graph compiles (a 64k x 64k bool
+# mask is 4 GiB: at Llama-3-8B the model's weights leave ~120 GiB of an H200 free, so up to ~30 GiB of
+# producers). A mask beyond that stays, and attention runs masked: the report says so.
+CPU_EVALUATION_BYTES = 4 << 30
+DEVICE_EVALUATION_SHARE = 0.25
+# Rows of the mask compared with the causal one at a time, so the check holds no full-size reference.
+_ROWS_PER_BLOCK = 1024
 
 
 def causal_mask_pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -174,11 +183,29 @@ def causal_reason(mask_value: Any, q_len: int, kv_len: int) -> Optional[str]:
             return "it is an additive bias (values other than 0 and -inf), not a mask"
     else:
         return f"its dtype {mask_value.dtype} is neither bool nor floating point"
-    reference = causal_reference(q_len, kv_len, allowed.device)
-    shape = torch.broadcast_shapes(allowed.shape, reference.shape)
-    if not torch.equal(allowed.expand(shape), reference.expand(shape)):
-        return "it is not the causal mask (a window, a prefix, a shifted diagonal or padding)"
+    shape = torch.broadcast_shapes(allowed.shape, (q_len, kv_len))
+    allowed = allowed.expand(shape)
+    keys = torch.arange(kv_len, device=allowed.device)
+    for start in range(0, q_len, _ROWS_PER_BLOCK):  # block by block: no [L, S] reference in memory
+        rows = torch.arange(start, min(start + _ROWS_PER_BLOCK, q_len), device=allowed.device)
+        if not torch.equal(allowed[..., start:start + len(rows), :],
+                           (keys[None, :] <= rows[:, None]).expand(allowed[..., start:start + len(rows), :].shape)):
+            return "it is not the causal mask (a window, a prefix, a shifted diagonal or padding)"
     return None
+
+
+def _value_bytes(node: fx.Node) -> int:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def evaluation_budget(device: torch.device) -> int:
+    """Bytes a compile-time mask evaluation on ``device`` may hold (see CPU_EVALUATION_BYTES)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEVICE_EVALUATION_SHARE)
+    return CPU_EVALUATION_BYTES
 
 
 class _Prover:
@@ -198,17 +225,27 @@ class _Prover:
 
     @staticmethod
     def _check(gm: fx.GraphModule, mask: fx.Node, q_len: int, kv_len: int) -> tuple[Optional[str], list[fx.Node]]:
-        example = tensor_of(mask)
-        if example is not None and example.numel() > MAX_MASK_ELEMENTS:
-            return f"it has {example.numel()} elements, too many to evaluate at compile time", []
         producers, why_not = _closed_producers(mask)
         if why_not:
             return why_not, []
+        example = tensor_of(mask)
+        device = example.device if example is not None else torch.device("cpu")
+        # The producers' values, and the check's two bool masks of the mask's size (allowed, blocked).
+        needed = sum(_value_bytes(n) for n in producers) + 2 * (example.numel() if example is not None else 0)
+        budget = evaluation_budget(device)
+        if needed > budget:
+            where = ": a quarter of the free memory" if device.type == "cuda" else ""
+            return (f"evaluating it at compile time would hold up to {needed / 2**30:.1f} GiB on {device}, more "
+                    f"than sloth allows itself ({budget / 2**30:.1f} GiB{where})"), []
         try:
             value = _evaluate(gm, producers, mask)
-        except Exception as error:  # an op that cannot run outside the graph: leave it as it was
+            why_not = causal_reason(value, q_len, kv_len)
+        except Exception as error:  # an op that cannot run outside the graph (or out of memory): leave it as it was
             return f"evaluating it at compile time failed ({type(error).__name__}: {error})", []
-        why_not = causal_reason(value, q_len, kv_len)
+        finally:
+            value = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the evaluation's memory back to the device before training starts
         return why_not, [] if why_not else producers
 
 

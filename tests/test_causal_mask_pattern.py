@@ -10,6 +10,7 @@ import transformers.masking_utils
 from torch import nn
 
 import sloth
+from sloth.patterns import causal_mask
 from sloth.patterns.causal_mask import causal_mask_pattern, causal_reason, causal_reference
 from tests.pattern_checks import forward_backward, graph_of, seeded
 from tests.test_models import VOCAB, assert_model_close, build, loss_and_grads, tiny_config
@@ -290,6 +291,31 @@ def test_causal_reason_checks_every_broadcast_slice() -> None:
     assert "not the causal mask" in causal_reason(mask, L, L)
     assert "does not end in" in causal_reason(causal_reference(L, L), L, L + 1)
     assert "neither bool nor" in causal_reason(causal_reference(L, L).int(), L, L)
+
+
+def test_causal_reason_block_by_block(monkeypatch) -> None:
+    # The check compares rows a block at a time (no full-size reference); blocks of 3 over 7 rows, last one short.
+    monkeypatch.setattr(causal_mask, "_ROWS_PER_BLOCK", 3)
+    assert causal_reason(causal_reference(L, L).expand(B, 1, L, L), L, L) is None
+    assert causal_reason(causal_reference(L, L)[None, None, :, :], L, L) is None
+    for row in range(L - 1):  # a future key seen in any block
+        mask = causal_reference(L, L).clone()
+        mask[row, row + 1] = True
+        assert "not the causal mask" in causal_reason(mask, L, L), row
+    mask = causal_reference(L, L).clone()
+    mask[L - 1, 0] = False  # a past key hidden in the short last block
+    assert "not the causal mask" in causal_reason(mask, L, L)
+
+
+def test_mask_too_large_to_evaluate_stays_with_reason(monkeypatch) -> None:
+    # A 7 x 7 bool mask and its producers take a few hundred bytes: a 64-byte budget refuses it, as a 64k x 64k
+    # mask would be refused where its producers outgrow a quarter of the device's free memory.
+    monkeypatch.setattr(causal_mask, "CPU_EVALUATION_BYTES", 64)
+    torch.compile(tril_bool, backend="sloth", options={"inner": "eager"})(*_qkv(torch.float32))
+    report = sloth.report()
+    assert report.counts.get("causal_mask", 0) == 0, str(report)
+    [rejection] = [r for r in report.rejections if r.family == "causal_mask"]
+    assert "would hold up to" in rejection.reason and "more than sloth allows itself" in rejection.reason
 
 
 # transformers up to 5.17 builds the causal mask whenever Dynamo traces (its _ignore_causal_mask_sdpa says no
