@@ -13,8 +13,8 @@ any value the graph computes:
     x / torch.sqrt(v)                               torch.mul(x, torch.rsqrt(v))
     operator.mul / call_method mul / torch.mul      torch.mul                      (add, sub, div alike)
     x.float(), .to(torch.float32), .type_as(y)      cast(x, torch.float32)         (dtype from the graph)
-    a cast, view, reshape or .contiguous() that     removed
-    changes nothing
+    a cast, view, reshape or .contiguous() that     removed (a .contiguous() read by a .view stays: a
+    changes nothing                                 later pass may change its input's layout)
     F.rms_norm(x, s, weight=w, eps=e)               torch.rms_norm(x, s, w, e)
     x[..., a:b], x[:, :, a:b], x.narrow(d, a, n)    torch.narrow(x, d, a, n)       (d negative; unit step,
     getitem(x.chunk(n, d) / x.split(s, d), i)       torch.narrow(x, d, a_i, n_i)    static bounds, one dim)
@@ -161,6 +161,11 @@ def _cast(node: fx.Node) -> bool:
     return True
 
 
+def _reads_layout(node: fx.Node) -> bool:
+    """Whether ``node`` is a view whose success depends on its input's strides."""
+    return (node.op == "call_method" and node.target == "view") or is_call(node, torch.Tensor.view)
+
+
 def _no_op_removed(node: fx.Node) -> bool:
     """Drop views and ``.contiguous()`` that return their input's shape and layout unchanged."""
     if not node.args or not isinstance(node.args[0], fx.Node):
@@ -170,7 +175,10 @@ def _no_op_removed(node: fx.Node) -> bool:
     if xt is None or out is None:
         return False
     if node.op == "call_method" and node.target == "contiguous":
-        ok = not node.kwargs and _is_contiguous(xt)
+        # Kept before a view, which needs the layout: a family pass may change the layout of what it reads
+        # (afmoe: sloth.rope's contiguous q changes SDPA's output layout, and its transpose(1, 2) is then no
+        # longer contiguous when .view(B, L, -1) reads it). Anywhere else a no-op .contiguous() is layout only.
+        ok = not node.kwargs and _is_contiguous(xt) and not any(_reads_layout(u) for u in node.users)
     elif (node.op == "call_method" and node.target in _VIEW_METHODS) or is_call(node, *_VIEW_FUNCTIONS):
         ok = same_shape(xt, out) and xt.dtype == out.dtype  # x.view(torch.int32) reinterprets
     else:

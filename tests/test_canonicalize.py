@@ -246,6 +246,9 @@ KEPT = {
     "contiguous-of-transpose": (lambda x: x.t().contiguous() + 1, "contiguous"),
     "view-changing-shape": (lambda x: x.view(-1) + 1, "view"),
     "to-with-copy": (lambda x: x.to(torch.float32, copy=True) + 1, "to"),
+    # A no-op here (x is contiguous), but a view reads its layout, which a later pass may change upstream
+    # (afmoe: sloth.rope changed SDPA's output layout, and the view of its transpose failed).
+    "contiguous-read-by-view": (lambda x: x.contiguous().view(15) + 1, "contiguous"),
 }
 
 

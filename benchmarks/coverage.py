@@ -1,0 +1,304 @@
+"""Coverage over transformers: every decoder-only causal LM, one training step eagerly and through sloth.
+
+    python -m benchmarks.coverage                       # every model type, writes docs/coverage.md and a JSON
+    python -m benchmarks.coverage llama qwen3 gpt2      # some of them
+    python -m benchmarks.coverage --one llama           # one, in this process (what each subprocess runs)
+
+For each model type in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (each in its own subprocess, with a
+time limit): a tiny config with random weights (``tiny_config``: widths shrunk, at most four layers, the
+first of each kind a ``layer_types`` list names), fp32 on the CPU; one forward and backward of
+``model(input_ids, labels)`` eagerly, in float64, and through ``torch.compile(backend="sloth",
+options={"inner": "aot_eager"})`` with sloth's ops on their CPU references (no Triton interpreter: the kernels
+have their own tests; this measures the graph side). The row says, per family, the sites replaced, the anchors
+left in the graphs and the reasons given for them (compiler/anchors.py: a site neither replaced nor explained
+is "unexplained"), the graphs and graph breaks, and whether loss and gradients meet the whole-model tolerance
+rule of tests/test_models.py (``assert_model_close``) against eager and float64.
+
+A model that fails to build from the shrunk config, or fails eagerly, is listed with the error: those are the
+shrinking's or transformers' limits, not sloth's, and are outside the denominator of "trains".
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 128
+SEQ = 9
+# Config fields shrunk wherever a config has them (names differ between families; each is set only if present).
+_SHRINK = {
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "model_dim": 64,
+    "intermediate_size": 96, "n_inner": 96, "ffn_dim": 96, "ffn_hidden_size": 96, "mlp_dim": 96,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4,
+    "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2,
+    "head_dim": 16, "kv_channels": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "q_lora_rank": 32, "kv_lora_rank": 16,
+    "moe_intermediate_size": 32, "expert_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k": 2, "n_group": 1,
+    "topk_group": 1, "n_shared_experts": 1, "num_shared_experts": 1,
+    "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "max_seq_len": 64,
+    "sliding_window": 4, "attention_chunk_size": 4, "first_k_dense_replace": 1,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "ssm_state_size": 8,
+    "conv_kernel": 4, "mamba_d_conv": 4, "num_hidden_layers_per_block": 1,
+}
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+MAX_LAYERS = 4
+
+
+def decoder_model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str) -> Any:
+    """The model type's default config with its widths shrunk and at most MAX_LAYERS layers (keeping the
+    first layer of each kind a ``layer_types`` list names, in order)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    text = getattr(cfg, "text_config", None) or cfg
+    for target in {id(cfg): cfg, id(text): text}.values():
+        for name, value in _SHRINK.items():
+            if isinstance(getattr(target, name, None), int) and not isinstance(getattr(target, name), bool):
+                setattr(target, name, value)
+        # Multi-latent attention rotates a qk_rope_head_dim part of each head, and its rotary embedding reads
+        # head_dim (deepseek_v3 sets head_dim = qk_rope_head_dim): keep the two equal.
+        if isinstance(getattr(target, "qk_rope_head_dim", None), int) and hasattr(target, "head_dim"):
+            target.head_dim = target.qk_rope_head_dim
+        layer_types = getattr(target, "layer_types", None)
+        if isinstance(layer_types, (list, tuple)) and layer_types:
+            kinds = list(dict.fromkeys(layer_types))[:MAX_LAYERS]
+            kept = [layer_types[layer_types.index(kind)] for kind in kinds]
+            kept = (kept * 2)[:max(2, len(kept))]  # two layers at least, so a layer's output feeds a layer
+            target.layer_types = kept
+            layers = len(kept)
+        else:
+            layers = 2
+        for name in _LAYERS:
+            if isinstance(getattr(target, name, None), int):
+                setattr(target, name, layers)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if getattr(target, name, None) is not None and not isinstance(getattr(target, name), (list, tuple)):
+                setattr(target, name, min(int(getattr(target, name)), VOCAB - 1))
+    return cfg
+
+
+def _loss_and_grads(model: Any, ids: Any, run: Any = None) -> tuple[Any, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = (model if run is None else run)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_one(model_type: str) -> dict[str, Any]:
+    """One model type's row (see the module docstring); never raises: errors go into the row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from benchmarks import common
+
+    sloth = common.import_sloth()
+    from test_models import assert_model_close
+
+    row: dict[str, Any] = {"model": model_type, "status": "ok"}
+    stage = "build"
+    try:
+        torch.manual_seed(0)
+        cfg = tiny_config(model_type)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        except (ValueError, TypeError):  # no SDPA path: eager attention is the same math
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        model = model.float().train()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:  # random, not unit, norm weights: an ignored weight would pass unnoticed
+                    p.normal_(0.0, 0.5)
+        ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        stage = "eager"
+        reference = copy.deepcopy(model).double()
+        for module in reference.modules():  # grouped_mm experts take no float64: the per-expert loop, same math
+            config = getattr(module, "config", None)
+            if config is not None and getattr(config, "_experts_implementation", None) not in (None, "eager"):
+                config._experts_implementation = "eager"
+        ref = _loss_and_grads(reference, ids)
+        eager = _loss_and_grads(model, ids)
+        if not torch.isfinite(eager[0]):
+            raise RuntimeError(f"eager loss is {eager[0].item()}")
+        stage = "sloth"
+        torch._dynamo.reset()
+        sloth.reset_report()
+        start = time.perf_counter()
+        compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
+        ours = _loss_and_grads(model, ids, run=compiled)
+        row["compile+step s"] = round(time.perf_counter() - start, 2)
+        report = sloth.report()
+        families: dict[str, dict[str, Any]] = {}
+        for family in sloth.FAMILIES:
+            reasons = sorted({r.reason for r in report.rejections if r.family == family})
+            families[family] = {"replaced": report.counts.get(family, 0), "left": report.anchors_left.get(family, 0),
+                                "unexplained": len(report.unexplained.get(family, [])), "reasons": reasons}
+        row["families"] = families
+        counters = torch._dynamo.utils.counters
+        row["graphs"] = report.graphs
+        row["graph breaks"] = sum(counters["graph_break"].values())
+        row["break reasons"] = sorted(str(k)[:160] for k in counters["graph_break"])[:3]
+        stage = "parity"
+        try:
+            assert ours[1].keys() == eager[1].keys(), "sloth's gradients are for other parameters than eager's"
+            assert_model_close(ours, eager, ref, torch.float32)
+            row["parity"] = "pass"
+        except AssertionError as error:
+            row["parity"] = "fail: " + str(error).splitlines()[0][:300]
+    except Exception as error:  # the row records it; the sweep goes on
+        row["status"] = f"{stage} error"
+        inner = getattr(error, "inner_exception", None) or error  # Dynamo wraps the backend's own error
+        row["error"] = f"{type(inner).__name__}: {str(inner).splitlines()[0][:300] if str(inner) else ''}"
+        row["traceback"] = "".join(traceback.format_exception(inner))[-3000:]
+    return row
+
+
+def sweep(model_types: list[str], timeout: float, jobs: int, done: Any = None) -> list[dict[str, Any]]:
+    """Each model type in its own subprocess, ``jobs`` at a time, each within ``timeout`` seconds; ``done(rows)``
+    after each one finishes (the rows so far, in ``model_types`` order), so an interrupted sweep leaves a table."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    pending, running, rows = list(model_types), [], {}
+    tmp = Path(tempfile.mkdtemp(prefix="sloth-coverage-"))
+    while pending or running:
+        while pending and len(running) < jobs:
+            model_type = pending.pop(0)
+            out = tmp / f"{model_type}.json"
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.coverage", "--one", model_type,
+                                     "--json-out", str(out)], cwd=REPO_ROOT, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            running.append((model_type, proc, out, time.monotonic()))
+        time.sleep(0.2)
+        for entry in list(running):
+            model_type, proc, out, started = entry
+            if proc.poll() is None and time.monotonic() - started < timeout:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                rows[model_type] = {"model": model_type, "status": "timeout", "error": f"over {timeout:.0f} s"}
+            elif out.exists():
+                rows[model_type] = json.loads(out.read_text())
+            else:
+                rows[model_type] = {"model": model_type, "status": "crash", "error": f"exit code {proc.returncode}"}
+            running.remove(entry)
+            row = rows[model_type]
+            print(f"{model_type:<28} {row['status']:<12} {row.get('parity', row.get('error', ''))[:90]}", flush=True)
+            if done is not None:
+                done([rows[m] for m in model_types if m in rows])
+    return [rows[m] for m in model_types]
+
+
+FAMILY_COLUMNS = ("rms_norm", "rope", "glu", "cross_entropy", "causal_mask")
+
+
+def complete(row: dict[str, Any]) -> bool:
+    """Every site of every family replaced or reported with a reason, and parity with eager."""
+    families = row.get("families", {})
+    return (row.get("status") == "ok" and row.get("parity") == "pass"
+            and not any(f["unexplained"] for f in families.values()))
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    trained = [r for r in rows if r.get("status") in ("ok", "sloth error", "timeout", "crash")]
+    lines = [header, "",
+             f"{len(rows)} decoder-only causal LMs; {sum(r['status'] == 'ok' for r in rows)} compiled and stepped through "
+             f"sloth; {sum(r.get('parity') == 'pass' for r in rows)} with loss and gradients within the tolerance rule; "
+             f"{sum(complete(r) for r in rows)} of {len(trained)} that train eagerly with every site replaced or "
+             "reported and parity (the bar). Cells: replaced / anchors left with a reason (! = left without one).", "",
+             "| model | status | " + " | ".join(FAMILY_COLUMNS) + " | lora* | graphs (breaks) | parity | reasons left |",
+             "|---|---|" + "---|" * len(FAMILY_COLUMNS) + "---|---|---|---|"]
+    for r in rows:
+        families = r.get("families")
+        if not families:
+            lines.append(f"| {r['model']} | {r['status']} | " + " | ".join("" for _ in FAMILY_COLUMNS)
+                         + f" | | | | {r.get('error', '')[:140].replace('|', '/')} |")
+            continue
+        cells = []
+        for f in FAMILY_COLUMNS:
+            c = families[f]
+            cells.append(f"{c['replaced']} / {c['left']}" + ("!" if c["unexplained"] else "") if c["replaced"] or c["left"] else "")
+        reasons = "; ".join(f"{f}: {reason}" for f, c in families.items() for reason in c["reasons"])
+        parity = r.get("parity", "")
+        lines.append(f"| {r['model']} | {r['status']} | " + " | ".join(cells) + f" | {families['lora']['replaced']} | "
+                     f"{r['graphs']} ({r['graph breaks']}) | {parity[:80].replace('|', '/')} | "
+                     f"{reasons[:300].replace('|', '/')} |")
+    lines += ["", "*lora: no adapters in these models (plain fine-tuning); the peft LoRA models are in tests/test_models.py."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("models", nargs="*", help="model types (default: every decoder-only causal LM)")
+    parser.add_argument("--one", help="run one model type in this process")
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "coverage.md")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the existing table's rows (its .json) for model types not run now; without model "
+                             "types, run only those it has no row for (resume an interrupted sweep)")
+    args = parser.parse_args()
+    if args.one:
+        row = run_one(args.one)
+        text = json.dumps(row)
+        if args.json_out:
+            args.json_out.write_text(text)
+        print(text)
+        return
+    import torch
+    import transformers
+
+    model_types = args.models or decoder_model_types()
+    previous_path = args.out.with_suffix(".json")
+    previous = json.loads(previous_path.read_text()) if args.merge and previous_path.exists() else []
+    if args.merge and not args.models:  # resume: the model types the table has no row for yet
+        model_types = [m for m in model_types if m not in {r["model"] for r in previous}]
+    header = (f"# sloth over transformers' causal LMs\n\nGenerated by `python -m benchmarks.coverage` "
+              f"({time.strftime('%Y-%m-%d')}, CPU, torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"commit {common_commit()}): one fp32 training step of a tiny random model per type, eager vs sloth "
+              "(inner aot_eager, CPU references), tolerance rule of tests/test_models.py.")
+    everything = decoder_model_types()
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        fresh = {r["model"]: r for r in rows}
+        merged = {r["model"]: r for r in previous}
+        merged.update(fresh)
+        ordered = [merged[m] for m in everything if m in merged] + [r for m, r in merged.items() if m not in everything]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        missing = len([m for m in everything if m not in merged])
+        note = f"\n\n**Partial: {missing} of {len(everything)} model types not run yet.**" if missing else ""
+        args.out.write_text(markdown(ordered, header + note))
+        previous_path.write_text(json.dumps(ordered, indent=1))
+
+    write(sweep(model_types, args.timeout, args.jobs, done=write))
+    print(f"wrote {args.out}", flush=True)
+
+
+def common_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
