@@ -30,6 +30,8 @@ log = logging.getLogger("sloth")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 _SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "recompute", "share_lora_input", "attention",
                   "dump", "offload")
+_OFFLOAD_NEEDS_PARTITION = ("sloth: offload acts on AOTAutograd's forward/backward partition, which inner='eager' "
+                            "does not make; use inner='inductor' (default) or 'aot_eager'")
 # Names for the ``attention`` option: PyTorch's SDPA backends.
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
@@ -109,8 +111,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
         return lookup_backend("aot_eager")(gm, list(example_inputs))
     if inner == "eager":
         if partitioner is not None:
-            raise ValueError("sloth: offload acts on AOTAutograd's forward/backward partition, which inner='eager' "
-                             "does not make; use inner='inductor' (default) or 'aot_eager'")
+            raise ValueError(_OFFLOAD_NEEDS_PARTITION)
         return gm.forward
     raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
 
@@ -141,8 +142,9 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     returns an empty tensor in place of logits that only a fused loss needs), ``recompute`` (True default:
     RMSNorm outputs recomputed in the backward instead of saved), ``attention`` (SDPA backends
     in priority order, e.g. ["flash", "cudnn"]; default PyTorch's own choice), ``dump`` (a folder for the
-    graph before and after each pass, compiler/dump.py; default ``$SLOTH_DUMP_DIR``, else none); other keys
-    go to Inductor's config.
+    graph before and after each pass, compiler/dump.py; default ``$SLOTH_DUMP_DIR``, else none), ``offload``
+    (False default; True, or a dict of min_bytes / keep_last, moves saved activations to host memory and back:
+    compiler/offload_partition.py); other keys go to Inductor's config.
     """
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
@@ -155,7 +157,7 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     dump_folder = dump_root(options.pop("dump", None))
     offload = OffloadPolicy.from_user(options.pop("offload", False))
     if offload is not None and inner == "eager":
-        compile_inner(gm, example_inputs, inner, partitioner=OffloadPartitioner(offload, []))  # its error, now
+        raise ValueError(_OFFLOAD_NEEDS_PARTITION)  # before any work
     pass_options = PassOptions.from_user(options)
 
     graph_report = Report()

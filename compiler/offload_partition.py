@@ -104,11 +104,12 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
     bw_inputs = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
     bw_order = {node: i for i, node in enumerate(bw.graph.nodes)}
     candidates, small = [], 0
+    returned = set(outputs[:num_fwd_outputs])  # a tensor the forward also returns stays alive on the device anyway
     for position in range(num_fwd_outputs, len(outputs)):
         saved = outputs[position]
         value = saved.meta.get("val") if isinstance(saved, fx.Node) else None
         # The host copy and the reload are contiguous, so only a contiguous tensor keeps its layout through them.
-        if (not isinstance(value, torch.Tensor) or saved.op != "call_function"
+        if (not isinstance(value, torch.Tensor) or saved.op != "call_function" or saved in returned
                 or saved.name not in bw_inputs or not bw_inputs[saved.name].users or value.device.type == "meta"
                 or not _contiguous(value)):
             continue
