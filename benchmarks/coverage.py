@@ -86,6 +86,8 @@ def tiny_config(model_type: str) -> Any:
         # head_dim (deepseek_v3 sets head_dim = qk_rope_head_dim): keep the two equal.
         if isinstance(getattr(target, "qk_rope_head_dim", None), int) and hasattr(target, "head_dim"):
             _set(target, "head_dim", target.qk_rope_head_dim)
+            if isinstance(getattr(target, "num_key_value_heads", None), int):  # MLA expands k and v to every head
+                _set(target, "num_key_value_heads", target.num_attention_heads)
         layer_types = getattr(target, "layer_types", None)
         if isinstance(layer_types, (list, tuple)) and layer_types:
             kinds = list(dict.fromkeys(layer_types))[:MAX_LAYERS]

@@ -7,7 +7,8 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
     family          anchor (one per site a user would expect to be handled)
     rms_norm        rsqrt(mean(square(x)) [+ eps]), and torch.rms_norm
     rope            rotate-half: cat([neg(narrow(x)), narrow(x)]); an interleaved pair: stack([neg(a), b]);
-                    a complex rotation: view_as_real(view_as_complex(x) * f)
+                    a complex rotation: view_as_real(view_as_complex(x) * f); even/odd slices rotated and
+                    concatenated: cat([x0 * c - x1 * s, x1 * c + x0 * s]) (DeepSeek's interleaved form)
     glu             an activation (F.silu, gelu) whose one user is a product: act(gate) * up
     cross_entropy   F.cross_entropy, F.nll_loss
     lora            a low-rank chain B(A(x)) added to something: a linear reading (through casts and
@@ -23,6 +24,7 @@ sloth (tests/conftest.py).
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Iterable
 
 import torch
@@ -59,7 +61,33 @@ def _is_rms_norm(node: fx.Node) -> bool:
     return is_call(inner, torch.mean) and is_call(inner.args[0], torch.square)
 
 
+def _is_even_odd_slice(node: object, start: int) -> bool:
+    """``x[..., start::2]``: the even (0) or odd (1) elements of the last dimension."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return False
+    index = node.args[1]
+    last = index[-1] if isinstance(index, tuple) and index else index
+    return isinstance(last, slice) and last.step == 2 and (last.start or 0) == start and last.stop is None
+
+
+def is_deinterleaving_rotation(node: fx.Node) -> bool:
+    """RoPE on interleaved pairs written on even/odd slices, its output de-interleaved (DeepSeek's
+    ``apply_rotary_pos_emb_interleave``): cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1), x0 = x[..., 0::2],
+    x1 = x[..., 1::2]. The products may come in either order."""
+    if not (is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple))
+            and len(node.args[0]) == 2):
+        return False
+    first, second = node.args[0]
+    if not (is_call(first, torch.sub) and is_call(second, torch.add)):
+        return False
+    operands = [a for term in (*first.args, *second.args) if is_call(term, torch.mul) for a in term.args]
+    return (len(operands) == 8 and any(_is_even_odd_slice(a, 0) for a in operands)
+            and any(_is_even_odd_slice(a, 1) for a in operands))
+
+
 def _is_rope(node: fx.Node) -> bool:
+    if is_deinterleaving_rotation(node):
+        return True
     if is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
         first, second = node.args[0]
         return (is_call(first, torch.neg) and is_call(first.args[0], torch.narrow) and is_call(second, torch.narrow)

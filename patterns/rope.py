@@ -57,6 +57,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
+from ..compiler.anchors import is_deinterleaving_rotation
 from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, module_path, replace_and_erase,
                                  same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
@@ -517,6 +518,10 @@ def _detail(ms: Sequence[RopeMatch]) -> str:
     return f"{which}, head_dim {xt.shape[-1]}{rot}, {xt.dtype} -> {tensor_of(ms[0].out).dtype}".replace("torch.", "")
 
 
+_DEINTERLEAVING = ("interleaved pairs rotated on even/odd slices and concatenated de-interleaved (DeepSeek's "
+                   "apply_rotary_pos_emb_interleave): a RoPE form sloth does not fuse yet; it runs as written")
+
+
 def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                    options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every rotate-half RoPE in the canonical graph with ``torch.ops.sloth.rope`` (q and k together).
@@ -543,6 +548,8 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
             found = found if found is None else _guard_interleaved(found)
         elif is_call(node, torch.add):
             found = _match_add(node)
+        elif is_deinterleaving_rotation(node):
+            found = _DEINTERLEAVING
         else:
             continue
         if found is None:

@@ -516,6 +516,15 @@ def interleaved_stacked_over_pairs(qp, kp, inv_freq, pos):
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2).flatten(-2)
 
 
+def even_odd_concatenated(qp, kp, inv_freq, pos):
+    # DeepSeek's apply_rotary_pos_emb_interleave: pairs rotated on even/odd slices, the halves concatenated.
+    # Not fused yet: reported with its own reason, never left unexplained.
+    q = heads(qp, HQ)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    x1, x2 = q[..., 0::2], q[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def make_single(rh):
     def fn(qp, kp, inv_freq, pos):
         q = heads(qp, HQ)
@@ -541,6 +550,7 @@ NEAR_MISSES = [
     Case("interleaved-sign-flipped", interleaved_sign_flipped, 0),
     Case("interleaved-parity-swapped", interleaved_parity_swapped, 0),
     Case("interleaved-stacked-over-pairs", interleaved_stacked_over_pairs, 0),
+    Case("even-odd-concatenated", even_odd_concatenated, 0, reason="de-interleaved"),
 ]
 
 
