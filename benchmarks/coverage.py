@@ -6,7 +6,8 @@
 
 For each model type in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (each in its own subprocess, with a
 time limit): a tiny config with random weights (``tiny_config``: widths shrunk, at most four layers, the
-first of each kind a ``layer_types`` list names), fp32 on the CPU; one forward and backward of
+first of each kind a ``layer_types`` list names), fp32 on the CPU, in eval mode (dropout off, so the three
+runs compute one function; gradients flow as in training); one forward and backward of
 ``model(input_ids, labels)`` eagerly, in float64, and through ``torch.compile(backend="sloth",
 options={"inner": "aot_eager"})`` with sloth's ops on their CPU references (no Triton interpreter: the kernels
 have their own tests; this measures the graph side). The row says, per family, the sites replaced, the anchors
@@ -133,7 +134,7 @@ def run_one(model_type: str) -> dict[str, Any]:
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
         except (ValueError, TypeError):  # no SDPA path: eager attention is the same math
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-        model = model.float().train()
+        model = model.float().eval()  # no dropout draws: eager, float64 and sloth must see one function
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:  # random, not unit, norm weights: an ignored weight would pass unnoticed
