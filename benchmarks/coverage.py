@@ -125,7 +125,7 @@ def run_one(model_type: str) -> dict[str, Any]:
     sloth = common.import_sloth()
     from test_models import assert_model_close
 
-    row: dict[str, Any] = {"model": model_type, "status": "ok"}
+    row: dict[str, Any] = {"model": model_type, "status": "ok", "commit": common_commit()}
     stage = "build"
     try:
         torch.manual_seed(0)
@@ -170,6 +170,12 @@ def run_one(model_type: str) -> dict[str, Any]:
         row["break reasons"] = sorted(str(k)[:160] for k in counters["graph_break"])[:3]
         stage = "parity"
         try:
+            # A parameter whose every path to the loss is empty (deepseek_v4's compressor at 9 tokens) has no
+            # gradient eagerly and a zero one from a compiled graph (as plain torch.compile gives it): the same value.
+            extra = set(ours[1]) - set(eager[1])
+            if extra and all(not ours[1][n].any() for n in extra):
+                row["zero grads where eager has none"] = len(extra)
+                ours = (ours[0], {n: g for n, g in ours[1].items() if n not in extra})
             assert ours[1].keys() == eager[1].keys(), "sloth's gradients are for other parameters than eager's"
             assert_model_close(ours, eager, ref, torch.float32)
             row["parity"] = "pass"
@@ -242,9 +248,9 @@ def complete(row: dict[str, Any]) -> bool:
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    trained = [r for r in rows if r.get("status") in ("ok", "sloth error", "timeout", "crash")]
+    trained = [r for r in rows if r.get("status") in ("ok", "sloth error", "torch error", "timeout", "crash")]
     lines = [header, "",
-             f"{len(rows)} decoder-only causal LMs; {sum(r['status'] == 'ok' for r in rows)} compiled and stepped through "
+             f"{len(rows)} causal-LM model types; {sum(r['status'] == 'ok' for r in rows)} compiled and stepped through "
              f"sloth; {sum(r.get('parity') == 'pass' for r in rows)} with loss and gradients within the tolerance rule; "
              f"{sum(complete(r) for r in rows)} of {len(trained)} that train eagerly with every site replaced or "
              "reported and parity (the bar). Cells: replaced / anchors left with a reason (! = left without one).", "",
@@ -310,6 +316,9 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         missing = len([m for m in everything if m not in merged])
         note = f"\n\n**Partial: {missing} of {len(everything)} model types not run yet.**" if missing else ""
+        commits = sorted({r.get("commit", "before d9abdef") for r in ordered})
+        if len(commits) > 1:
+            note += f" Rows come from commits {', '.join(commits)} (each row's `commit` in the .json)."
         args.out.write_text(markdown(ordered, header + note))
         previous_path.write_text(json.dumps(ordered, indent=1))
 
