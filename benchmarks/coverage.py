@@ -107,13 +107,6 @@ def tiny_config(model_type: str) -> Any:
     return cfg
 
 
-def _loss_and_grads(model: Any, ids: Any, run: Any = None) -> tuple[Any, dict]:
-    model.zero_grad(set_to_none=True)
-    loss = (model if run is None else run)(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def run_one(model_type: str) -> dict[str, Any]:
     """One model type's row (see the module docstring); never raises: errors go into the row."""
     import torch
@@ -123,7 +116,7 @@ def run_one(model_type: str) -> dict[str, Any]:
     from benchmarks import common
 
     sloth = common.import_sloth()
-    from test_models import assert_model_close
+    from test_models import assert_model_close, loss_and_grads
 
     row: dict[str, Any] = {"model": model_type, "status": "ok", "commit": common_commit()}
     stage = "build"
@@ -146,8 +139,8 @@ def run_one(model_type: str) -> dict[str, Any]:
             config = getattr(module, "config", None)
             if config is not None and getattr(config, "_experts_implementation", None) not in (None, "eager"):
                 config._experts_implementation = "eager"
-        ref = _loss_and_grads(reference, ids)
-        eager = _loss_and_grads(model, ids)
+        ref = loss_and_grads(reference, ids)
+        eager = loss_and_grads(model, ids)
         if not torch.isfinite(eager[0]):
             raise RuntimeError(f"eager loss is {eager[0].item()}")
         stage = "sloth"
@@ -155,7 +148,7 @@ def run_one(model_type: str) -> dict[str, Any]:
         sloth.reset_report()
         start = time.perf_counter()
         compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
-        ours = _loss_and_grads(model, ids, run=compiled)
+        ours = loss_and_grads(model, ids, run=compiled)
         row["compile+step s"] = round(time.perf_counter() - start, 2)
         report = sloth.report()
         families: dict[str, dict[str, Any]] = {}
@@ -193,10 +186,11 @@ def run_one(model_type: str) -> dict[str, Any]:
 
 def _fails_without_sloth(model: Any, ids: Any) -> bool:
     import torch
+    from test_models import loss_and_grads  # run_one put tests/ on the path
 
     torch._dynamo.reset()
     try:
-        _loss_and_grads(model, ids, run=torch.compile(model, backend="aot_eager"))
+        loss_and_grads(model, ids, run=torch.compile(model, backend="aot_eager"))
         return False
     except Exception:
         return True
@@ -327,11 +321,9 @@ def main() -> None:
 
 
 def common_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
+    from benchmarks import common
+
+    return common._run(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
 
 
 if __name__ == "__main__":
