@@ -15,6 +15,7 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
                     constant scales) a linear of rank r below both the chain's input and output widths, whose
                     value (through casts and constant scales) is an operand of an add
     causal_mask     scaled_dot_product_attention with an attn_mask node and is_causal False
+    packed_attention  the same, its mask computed from an integer graph input (position ids, document ids)
 
 A replaced site no longer holds its anchor (the pass erased it, or, for the causal mask, dropped the mask),
 so after the passes every anchor left must have a reason: a rejection of its family at the anchor or a few
@@ -156,12 +157,37 @@ def _is_masked_attention(node: fx.Node) -> bool:
     return isinstance(params.get("attn_mask"), fx.Node) and params.get("is_causal", False) is False
 
 
+def _reads_integer_input(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from an integer graph input (position ids, document ids, a padding mask)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            value = n.meta.get("example_value", n.meta.get("val"))
+            if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+                    and value.dtype != torch.bool:
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _is_packed_attention(node: fx.Node) -> bool:
+    if not _is_masked_attention(node):
+        return False
+    params = dict(zip(("query", "key", "value", "attn_mask"), node.args), **node.kwargs)
+    return _reads_integer_input(params["attn_mask"])
+
+
 ANCHORS = {
     "rms_norm": _is_rms_norm,
     "rope": _is_rope,
     "glu": _is_glu,
     "cross_entropy": _is_cross_entropy,
     "lora": _is_lora,
+    "packed_attention": _is_packed_attention,
     "causal_mask": _is_masked_attention,
 }
 

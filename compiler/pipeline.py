@@ -30,6 +30,7 @@ from ..patterns.causal_mask import fuse_causal_mask_pass
 from ..patterns.cross_entropy import fuse_cross_entropy_pass
 from ..patterns.glu import fuse_glu_pass
 from ..patterns.lora import fuse_lora_pass
+from ..patterns.packed_attention import fuse_packed_attention_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
 from .anchors import ANCHORS, UNMATCHED, anchors, unexplained
@@ -46,7 +47,8 @@ log = logging.getLogger("sloth")
 # (compiler/families.py). A family's pass may rely on the passes before it having run.
 for _name, _run, _whole_module in (("rms_norm", fuse_rms_norm_pass, False), ("rope", fuse_rope_pass, False),
                                    ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
-                                   ("lora", fuse_lora_pass, False), ("causal_mask", fuse_causal_mask_pass, True)):
+                                   ("lora", fuse_lora_pass, False), ("packed_attention", fuse_packed_attention_pass, True),
+                                   ("causal_mask", fuse_causal_mask_pass, True)):
     register_family(_name, _run, anchor=ANCHORS[_name], whole_module=_whole_module, _builtin=True)
 # The built-in families' names (``families()`` lists a user's too).
 FAMILIES: tuple[str, ...] = families()

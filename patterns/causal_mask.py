@@ -168,21 +168,29 @@ def _evaluate(gm: fx.GraphModule, producers: list[fx.Node], mask: fx.Node) -> An
         return fx.GraphModule(gm, graph)()
 
 
+def allowed_of(mask_value: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """(the bool mask of what may be attended, None) for a bool mask or an additive float mask of 0 and -inf
+    (or the dtype's lowest value), else (None, why it is not a mask)."""
+    if mask_value.dtype == torch.bool:
+        return mask_value, None
+    if mask_value.is_floating_point():
+        blocked = (mask_value == float("-inf")) | (mask_value <= torch.finfo(mask_value.dtype).min)
+        allowed = mask_value == 0
+        if not bool((allowed | blocked).all()):
+            return None, "it is an additive bias (values other than 0 and -inf), not a mask"
+        return allowed, None
+    return None, f"its dtype {mask_value.dtype} is neither bool nor floating point"
+
+
 def causal_reason(mask_value: Any, q_len: int, kv_len: int) -> Optional[str]:
     """None when ``mask_value`` broadcast to [..., q_len, kv_len] is the causal mask, else why it is not."""
     if not isinstance(mask_value, torch.Tensor):
         return f"the mask is a {type(mask_value).__name__}, not a tensor"
     if mask_value.dim() < 2 or mask_value.shape[-2] not in (1, q_len) or mask_value.shape[-1] not in (1, kv_len):
         return f"its shape {tuple(mask_value.shape)} does not end in [{q_len}, {kv_len}]"
-    if mask_value.dtype == torch.bool:
-        allowed = mask_value
-    elif mask_value.is_floating_point():
-        blocked = (mask_value == float("-inf")) | (mask_value <= torch.finfo(mask_value.dtype).min)
-        allowed = mask_value == 0
-        if not bool((allowed | blocked).all()):
-            return "it is an additive bias (values other than 0 and -inf), not a mask"
-    else:
-        return f"its dtype {mask_value.dtype} is neither bool nor floating point"
+    allowed, why_not = allowed_of(mask_value)
+    if why_not:
+        return why_not
     shape = torch.broadcast_shapes(allowed.shape, (q_len, kv_len))
     allowed = allowed.expand(shape)
     keys = torch.arange(kv_len, device=allowed.device)
