@@ -157,7 +157,7 @@ def _is_masked_attention(node: fx.Node) -> bool:
     return isinstance(params.get("attn_mask"), fx.Node) and params.get("is_causal", False) is False
 
 
-def _reads_integer_input(node: fx.Node) -> bool:
+def reads_integer_input(node: fx.Node) -> bool:
     """Whether ``node`` is computed from an integer graph input (position ids, document ids, a padding mask)."""
     seen, stack = set(), [node]
     while stack:
@@ -178,7 +178,7 @@ def _is_packed_attention(node: fx.Node) -> bool:
     if not _is_masked_attention(node):
         return False
     params = dict(zip(("query", "key", "value", "attn_mask"), node.args), **node.kwargs)
-    return _reads_integer_input(params["attn_mask"])
+    return reads_integer_input(params["attn_mask"])
 
 
 ANCHORS = {

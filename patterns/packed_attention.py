@@ -41,6 +41,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from ..compiler.anchors import reads_integer_input
 from ..compiler.fx_utils import insert_call, module_path, set_value, source_location, tensor_of, value_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
@@ -307,19 +308,11 @@ def _erase_unused(nodes: Sequence[fx.Node]) -> None:
             node.graph.erase_node(node)
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and not value.dtype.is_complex \
-        and value.dtype != torch.bool
-
-
 def _reads_inputs(mask: Any) -> bool:
     """Whether ``mask`` is computed from an integer graph input (position ids, document ids, or a padding mask,
-    which the check then refuses): this family's sites. A fixed mask is the causal-mask family's; a bool or
-    float mask passed in whole, or one that reads a buffer or a parameter, neither family takes."""
-    if not isinstance(mask, fx.Node):
-        return False
-    _, inputs, _ = _open_producers(mask)
-    return any(_is_ids(tensor_of(n)) for n in inputs)
+    which the check then refuses): this family's sites, its anchors (compiler/anchors.py). A fixed mask is the
+    causal-mask family's; a bool or float mask passed in whole, or one that reads a buffer, neither takes."""
+    return isinstance(mask, fx.Node) and reads_integer_input(mask)
 
 
 def fuse_packed_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
