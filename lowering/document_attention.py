@@ -310,13 +310,20 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel on a GPU; benchmarks/ops/document_attention.py times
+# candidates by setting TILES_OVERRIDE.
+GPU_TILES = dict(fwd=(128, 64, 8, 3), dkdv=(64, 64, 4, 2), dq=(64, 64, 4, 2))
+TILES_OVERRIDE: dict | None = None
+
+
 def _blocks(device: torch.device, head_dim: int) -> dict:
     """Tile sizes: small under the interpreter (numpy time grows with the tile), FlashAttention-2's on a GPU."""
     block_d = max(16, next_power_of_2(head_dim))
+    if TILES_OVERRIDE is not None:
+        return dict(TILES_OVERRIDE, block_d=block_d)
     if device.type != "cuda":
         return dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1), block_d=block_d)
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-    return dict(fwd=(128, 64, 8, 3), dkdv=(64, 64, 4, 2), dq=(64, 64, 4, 2), block_d=block_d)
+    return dict(GPU_TILES, block_d=block_d)
 
 
 def _ieee(dtype: torch.dtype) -> bool:
