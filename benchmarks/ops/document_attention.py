@@ -49,7 +49,7 @@ def _lengths(tokens: int, seed: int = 0) -> list[int]:
     return out + [1] * (tokens - sum(out))  # the tail: pads, each its own document
 
 
-def _providers(lengths: list[int], tokens: int, device: str) -> dict[str, Callable]:
+def _providers(lengths: list[int], tokens: int, device: str, skip: set[str]) -> dict[str, Callable]:
     from sloth.lowering.document_attention import allowed_from_bounds, document_attention
     from sloth.runtime.packing import document_bounds
 
@@ -86,6 +86,8 @@ def _providers(lengths: list[int], tokens: int, device: str) -> dict[str, Callab
     except Exception as exc:  # noqa: BLE001 - an older torch: a row saying so
         print(f"varlen_attn unavailable: {exc}")
     try:
+        if "flex" in skip:
+            raise RuntimeError("skipped (--skip)")
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
@@ -104,7 +106,11 @@ def _providers(lengths: list[int], tokens: int, device: str) -> dict[str, Callab
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, device = harness.start(__doc__, argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip", default="", help="providers to leave out, comma-separated (e.g. flex,flex-mask)")
+    args, device = harness.start(__doc__, argv, parser)
     from sloth.lowering import document_attention as lowering
 
     shapes = [(256, 4, 2, 16)] if args.smoke else [(16384, 32, 8, 128), (65536, 32, 8, 128)]
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for tokens, heads, kv_heads, dim in shapes:
         torch._dynamo.reset()
         lengths = _lengths(tokens)
-        providers = _providers(lengths, tokens, device)
+        providers = _providers(lengths, tokens, device, set(args.skip.split(",")))
         if tokens > 16384:
             providers.pop("sdpa-mask")  # its [T, T] mask and scores: 4 GiB of bools, 32 x 8 GiB of scores
         gen = torch.Generator().manual_seed(0)
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape} {mode:<7} {name:<10} kernel {kernel or float('nan'):8.3f} ms "
                       f"{row['TFLOP/s'] or float('nan'):6.0f} TFLOP/s err {row.get('max rel err', float('nan')):.2e}",
                       flush=True)
-    print(common.render_text(COLUMNS, rows))
+    print(common.render_text(COLUMNS, rows), flush=True)
     if not args.smoke:
         record = common.result_record("document_attention", {"dtype": "bfloat16", "lengths": "log-normal median 300",
                                                              "default tiles": lowering.GPU_TILES, "tiles": TILES},
