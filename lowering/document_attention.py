@@ -311,8 +311,16 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel on a GPU; benchmarks/ops/document_attention.py times
-# candidates by setting TILES_OVERRIDE.
-GPU_TILES = dict(fwd=(128, 64, 8, 3), dkdv=(64, 64, 4, 2), dq=(64, 64, 4, 2))
+# candidates by setting TILES_OVERRIDE. H200, bf16, 32/8 heads of 128, log-normal documents (median 300), kernel
+# ms (benchmarks/results/2026-12-01_171057_document_attention.*), forward / forward+backward:
+#   T = 16384: fwd (128, 64, 8, 3) + bwd (64, 64, 4, 2) x 2: 0.517 / 2.636; fwd (64, 64, 4, 3): 0.416 (bwd
+#              (32, 128, 4, 3) and (128, 32, 4, 3): 4.875); all (128, 128 / 64, 8, 2): 0.607 / 2.877;
+#              varlen_attn with max_seqlen read on the host 0.689 / 3.298, with max_seqlen = T 1.326 / 7.714;
+#              SDPA under the dense mask 13.99 / 50.13
+#   T = 65536: 2.615 / 12.436; fwd (64, 64, 4, 3): 2.292; varlen_attn 6.661 / 34.564 (max_seqlen = T: 46.98 /
+#              287.7)
+# Kept: the (64, 64, 4, 3) forward and the (64, 64, 4, 2) backward kernels.
+GPU_TILES = dict(fwd=(64, 64, 4, 3), dkdv=(64, 64, 4, 2), dq=(64, 64, 4, 2))
 TILES_OVERRIDE: dict | None = None
 
 
