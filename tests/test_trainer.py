@@ -47,3 +47,32 @@ def test_training_arguments_torch_compile_backend_sloth(tmp_path) -> None:
     # The Trainer compiles with backend "sloth" itself (Inductor inside).
     sloth_loss = _train(build("llama", torch.float32), tmp_path / "sloth", torch_compile_backend="sloth")
     _assert_sloth_trained_like_eager(sloth_loss, eager_loss)
+
+
+def test_trainer_with_the_flattening_collator_packs(tmp_path) -> None:
+    """``DataCollatorWithFlattening`` packs each step's documents into one row (position ids restarting per
+    document, no attention mask). Its rows differ in length from step to step; with automatic dynamic shapes off
+    each length compiles as its own static graph, and in each every layer's attention is the packed op, with
+    eager's losses under the same collator."""
+    g = torch.Generator().manual_seed(5)
+    data = [{"input_ids": torch.randint(3, VOCAB, (n,), generator=g).tolist()} for n in (5, 9, 3, 7, 6, 4, 8, 2)]
+
+    def train(model: torch.nn.Module, output_dir) -> float:
+        model.config.use_cache = False  # transformers looks for packed positions only without a cache
+        args = transformers.TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=2,
+                                              report_to=[], use_cpu=True, save_strategy="no", seed=0, data_seed=0)
+        collator = transformers.DataCollatorWithFlattening()
+        return transformers.Trainer(model=model, args=args, train_dataset=data,
+                                    data_collator=collator).train().training_loss
+
+    eager_loss = train(build("llama", torch.float32), tmp_path / "eager")
+    model = build("llama", torch.float32)
+    model.forward = torch.compile(model.forward, backend="sloth", options={"inner": "aot_eager"})
+    # (torch's config.patch, not pytest's monkeypatch: undoing a setattr on torch's config module deletes the
+    # option, which broke every later compile in the worker)
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        sloth_loss = train(model, tmp_path / "sloth")
+    report = sloth.report()
+    assert report.graphs == 2 and report.counts.get("packed_attention") == 4, str(report)
+    assert not [r for r in report.rejections if r.family in ("packed_attention", "causal_mask")], str(report)
+    assert sloth_loss == pytest.approx(eager_loss, rel=1e-4), (sloth_loss, eager_loss)

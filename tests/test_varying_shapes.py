@@ -16,8 +16,9 @@ from sloth.compiler.backend import last_report, sloth_backend
 from pattern_checks import seeded
 from test_models import assert_model_close, build, loss_and_grads
 
-# 20 batches of 7 distinct lengths, some repeating, in no order.
-LENGTHS = [5, 9, 5, 12, 7, 9, 16, 5, 21, 12, 7, 16, 9, 21, 26, 5, 12, 26, 7, 16]
+# 10 batches of 5 distinct lengths, some repeating, in no order (20 of 7 before: the same paths, twice the
+# CI time).
+LENGTHS = [5, 9, 5, 12, 7, 9, 16, 5, 12, 7]
 EXPECTED = {"rms_norm": 5, "rope": 2, "glu": 2, "cross_entropy": 1, "lora": 14}  # 2 layers, LoRA on every linear
 
 
@@ -39,7 +40,7 @@ def recording_backend(reports: list):
     return backend
 
 
-def test_twenty_batches_of_seven_lengths_compile_twice_and_match_eager():
+def test_ten_batches_of_five_lengths_compile_twice_and_match_eager():
     model = lora_llama()
     reference = copy.deepcopy(model).double()
     reports: list = []
