@@ -276,6 +276,10 @@ def _match(ce: fx.Node) -> Union[CrossEntropyMatch, str, None]:
     if xt.dtype not in _KERNEL_DTYPES or wt.dtype != xt.dtype or (bt is not None and bt.dtype != xt.dtype):
         return (f"the linear computes in {xt.dtype} x {wt.dtype}; the fused kernel supports float32, bfloat16 "
                 "and float16 with one dtype for input, weight and bias")
+    if tensor_of(linear) is not None and tensor_of(linear).dtype != xt.dtype:
+        # autocast: the projection runs in its dtype, which the fused op (no autocast casts) would not follow
+        return (f"the linear's result is {tensor_of(linear).dtype} from {xt.dtype} inputs (autocast), and the fused "
+                "kernel computes in its inputs' dtype")
     if tensor_of(ce) is None or tensor_of(ce).dtype not in _KERNEL_DTYPES:
         return "the loss is not float32, bfloat16 or float16"
     scaled = _scale_and_softcap(linear, steps, wt.shape[0])

@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.anchors import reads_integer_input
+from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import insert_call, module_path, set_value, source_location, tensor_of, value_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
@@ -51,6 +52,7 @@ from ..runtime.packing import RULES, document_bounds
 from .causal_mask import _SDPA, _is_random, _is_symbolic, _value_bytes, allowed_of, evaluation_budget
 
 FAMILY = "packed_attention"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Probes per kind of random packing (each row drawn separately, one fixed seed).
 _RANDOM_PACKINGS = 4
@@ -235,7 +237,7 @@ class _Checker:
         return ids, rule, None, [n for n in producers if n is not ids]
 
 
-def _refusal(args: dict[str, Any]) -> Optional[str]:
+def _refusal(node: fx.Node, args: dict[str, Any]) -> Optional[str]:
     """Why this SDPA call cannot become the op whatever its mask, or None."""
     q, k, v = (tensor_of(args[name]) for name in ("query", "key", "value"))
     if q is None or k is None or v is None or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -248,8 +250,12 @@ def _refusal(args: dict[str, Any]) -> Optional[str]:
         return f"k {tuple(k.shape)} and v {tuple(v.shape)} do not pair with q {tuple(q.shape)}"
     if q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the op takes one of fp32, bf16, fp16)"
+    # The op computes in the dtype SDPA's result has: the inputs' one, or autocast's (which casts all three to it;
+    # the replacement casts them explicitly, as custom ops get no autocast casts).
+    out = tensor_of(node)
+    if out is None or out.dtype not in _DTYPES or any(t.dtype not in _DTYPES for t in (q, k, v)):
+        return (f"dtypes {q.dtype}, {k.dtype}, {v.dtype} -> {out.dtype if out is not None else '?'} (the op takes "
+                "fp32, bf16 and fp16)")
     if q.shape[-1] > document_attention_op.MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} is above the kernel's {document_attention_op.MAX_HEAD_DIM}"
     if not (isinstance(args["dropout_p"], (int, float)) and args["dropout_p"] == 0):
@@ -289,7 +295,10 @@ def _replace(node: fx.Node, args: dict[str, Any], bounds: fx.Node) -> fx.Node:
     scale = float(args["scale"]) if args["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     op = torch.ops.sloth.document_attention.default
     graph = node.graph
-    pair = insert_call(graph, node, op, (args["query"], args["key"], args["value"], bounds, scale), meta_from=node)
+    dtype = tensor_of(node).dtype
+    qkv = [a if tensor_of(a).dtype == dtype else insert_call(graph, node, cast, (a, dtype), meta_from=node)
+           for a in (args["query"], args["key"], args["value"])]
+    pair = insert_call(graph, node, op, (*qkv, bounds, scale), meta_from=node)
     out = insert_call(graph, node, operator.getitem, (pair, 0), meta_from=node)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -338,7 +347,7 @@ def fuse_packed_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]
                     continue
             elif not _reads_inputs(mask):
                 continue
-            why_not = _refusal(args)
+            why_not = _refusal(node, args)
             q_len = tensor_of(args["query"]).shape[2] if why_not is None else 0
             if why_not is None and in_body:
                 why_not = _rewrite_body_input(graph_module, node, args, mask, position, call_sites,
@@ -378,7 +387,7 @@ def _rewrite_body_input(body: fx.GraphModule, node: fx.Node, args: dict[str, Any
         reader_args = _sdpa_arguments(reader)
         if reader_args is None or reader_args["attn_mask"] is not mask:
             return f"the checkpointed layer reads its mask in {reader.name}, not only in attention"
-        refusal = _refusal(reader_args)
+        refusal = _refusal(reader, reader_args)
         if refusal:
             return refusal
     found = []

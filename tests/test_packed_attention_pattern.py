@@ -199,3 +199,20 @@ def test_probes_tell_the_rules_apart():
             if other != rule:
                 assert any(not torch.equal(allowed_from_bounds(document_bounds(p, rule)),
                                            allowed_from_bounds(document_bounds(p, other))) for p in probes)
+
+
+def test_under_autocast_the_op_runs_in_autocasts_dtype():
+    """Under bf16 autocast (TRL's default ``bf16=True`` with an fp32 model) SDPA casts q, k and v to bf16; the
+    replacement casts them explicitly (custom ops get no autocast casts) and returns bf16, as SDPA does."""
+    model = tiny("llama")
+    batch = flattened_batch([6, 9, 4], seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model(**batch).loss
+        sloth.reset_report()
+        ours = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})(**batch).loss
+    report = sloth.report()
+    assert report.counts.get("packed_attention") == 2, str(report)
+    # The loss's projection runs in bf16 from fp32 inputs there: the fused loss (which would compute in fp32,
+    # and used to fail its logits check) says why it stays.
+    assert any("autocast" in r.reason for r in report.rejections if r.family == "cross_entropy"), str(report)
+    torch.testing.assert_close(ours, eager, rtol=2e-2, atol=2e-2)
