@@ -404,7 +404,6 @@ def _rewrite_body_input(body: fx.GraphModule, node: fx.Node, args: dict[str, Any
     document_attention_op.register()
     batch = tensor_of(args["query"]).shape[0]
     for caller, call, ids, rule, producers in found:
-        operand = call.args[1 + position]
         bound = bounds.get(caller.graph, ids, rule, batch, before=call)
         call.args = tuple(bound if i == 1 + position else a for i, a in enumerate(call.args))
         _erase_unused(producers)
