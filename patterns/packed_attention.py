@@ -24,10 +24,10 @@ same ids, element by element. A rule that matches on every probe is taken; none 
 it was with the reason. The probes are chosen to tell the rules and their usual variants apart: one
 document per row (a sliding window or a prefix shows), continued positions (``arange + 5``), all zeros
 (length-1 documents, TRL's padding), random packings with and without a padded tail, positions that jump
-without resetting to 0, decreasing positions, random small ids with repeats, nondecreasing ids. This is a
-test of the mask's function, not a proof: a mask that follows a rule on these inputs and not on some other
-(say, a window wider than every probe's documents but narrower than T: no such probe is possible only if the
-window is T or more, and then it changes nothing) would be taken.
+without resetting to 0, decreasing positions, random small ids with repeats, nondecreasing ids. The first
+probe is one document of all T tokens, so a window narrower than T shows there (one of T or more changes
+nothing). This is a test of the mask's function, not a proof: a mask that follows a rule on these inputs and
+not on some other (one that treats a position value no probe holds specially, say) would be taken.
 
 A checkpointed layer receives the mask as an input: the caller then passes the bounds in its place, when
 every call site passes a document-causal mask there and the body reads it only in the SDPA calls rewritten.
