@@ -116,6 +116,31 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _head(p, b, h, stride_b, stride_h):
+    """Pointer to head ``h`` of batch row ``b`` of a [B, H, T, D] tensor (int64: B * H * T * D may pass 2^31)."""
+    return p + b.to(tl.int64) * stride_b + h * stride_h
+
+
+@triton.jit
+def _rows(p_head, rows, stride_t, o_d):
+    """Pointers of the [rows, head_dim] tile of one head: token r at p_head + r * stride_t, element d at + d."""
+    return p_head + rows[:, None].to(tl.int64) * stride_t + o_d[None, :]
+
+
+@triton.jit
+def _kv_block(p_kb, p_vb, o_n, sk_t, sv_t, o_d, mask):
+    """The key and value tiles of tokens ``o_n`` of one key head (0 where ``mask`` is off)."""
+    return (tl.load(_rows(p_kb, o_n, sk_t, o_d), mask=mask, other=0.0),
+            tl.load(_rows(p_vb, o_n, sv_t, o_d), mask=mask, other=0.0))
+
+
+@triton.jit
+def _allowed(o_m, o_n, start):
+    """The document-causal mask of query rows ``o_m`` against keys ``o_n``: start[i] <= j <= i."""
+    return (o_n[None, :] >= start[:, None]) & (o_n[None, :] <= o_m[:, None])
+
+
+@triton.jit
 def _fwd_kernel(
     p_q, p_k, p_v, p_o, p_lse, p_bounds,
     n_tok, n_heads, group, head_dim,
@@ -133,24 +158,20 @@ def _fwd_kernel(
     m_m = o_m < n_tok
     m_d = o_d < head_dim
     start = tl.load(p_bounds + b * n_tok + o_m, mask=m_m, other=n_tok)
-    b_q = tl.load(p_q + b.to(tl.int64) * sq_b + h * sq_h + o_m[:, None].to(tl.int64) * sq_t + o_d[None, :],
-                  mask=m_m[:, None] & m_d[None, :], other=0.0)
+    b_q = tl.load(_rows(_head(p_q, b, h, sq_b, sq_h), o_m, sq_t, o_d), mask=m_m[:, None] & m_d[None, :], other=0.0)
     lo = tl.min(start, axis=0)  # start[m0]: start never decreases along a row
     hi = tl.minimum((i_m + 1) * BLOCK_M, n_tok)
-    p_kb = p_k + b.to(tl.int64) * sk_b + hk * sk_h
-    p_vb = p_v + b.to(tl.int64) * sv_b + hk * sv_h
+    p_kb = _head(p_k, b, hk, sk_b, sk_h)
+    p_vb = _head(p_v, b, hk, sv_b, sv_h)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < hi
-        b_k = tl.load(p_kb + o_n[:, None].to(tl.int64) * sk_t + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
-                      other=0.0)
-        b_v = tl.load(p_vb + o_n[:, None].to(tl.int64) * sv_t + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
-                      other=0.0)
+        b_k, b_v = _kv_block(p_kb, p_vb, o_n, sk_t, sv_t, o_d, m_n[:, None] & m_d[None, :])
         s = _dot(b_q, tl.trans(b_k), IEEE) * scale_log2e
-        allowed = (o_n[None, :] >= start[:, None]) & (o_n[None, :] <= o_m[:, None])
+        allowed = _allowed(o_m, o_n, start)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet
@@ -161,7 +182,7 @@ def _fwd_kernel(
         m_i = m_new
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
-    tl.store(p_o + b.to(tl.int64) * so_b + h * so_h + o_m[:, None].to(tl.int64) * so_t + o_d[None, :],
+    tl.store(_rows(_head(p_o, b, h, so_b, so_h), o_m, so_t, o_d),
              round_to(b_o, p_o.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
     tl.store(p_lse + i_bh.to(tl.int64) * n_tok + o_m, m_i + tl.log2(l_safe), mask=m_m)
 
@@ -183,10 +204,7 @@ def _bwd_dkdv_kernel(
     m_n = o_n < n_tok
     m_d = o_d < head_dim
     m_nd = m_n[:, None] & m_d[None, :]
-    b_k = tl.load(p_k + b.to(tl.int64) * sk_b + hk * sk_h + o_n[:, None].to(tl.int64) * sk_t + o_d[None, :],
-                  mask=m_nd, other=0.0)
-    b_v = tl.load(p_v + b.to(tl.int64) * sv_b + hk * sv_h + o_n[:, None].to(tl.int64) * sv_t + o_d[None, :],
-                  mask=m_nd, other=0.0)
+    b_k, b_v = _kv_block(_head(p_k, b, hk, sk_b, sk_h), _head(p_v, b, hk, sv_b, sv_h), o_n, sk_t, sv_t, o_d, m_nd)
     # Query rows that can see this key block: from its first key to the end of its last key's document.
     lo = i_n * BLOCK_N
     last = tl.minimum(lo + BLOCK_N, n_tok) - 1
@@ -195,28 +213,28 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for g in range(0, group):
         h = hk * group + g
-        p_qb = p_q + b.to(tl.int64) * sq_b + h * sq_h
-        p_dob = p_do + b.to(tl.int64) * sdo_b + h * sdo_h
+        p_qb = _head(p_q, b, h, sq_b, sq_h)
+        p_dob = _head(p_do, b, h, sdo_b, sdo_h)
         row = (b * n_heads + h).to(tl.int64) * n_tok
         for m0 in range(lo, hi, BLOCK_M):
             o_m = m0 + tl.arange(0, BLOCK_M)
             m_m = o_m < hi
             m_md = m_m[:, None] & m_d[None, :]
-            b_q = tl.load(p_qb + o_m[:, None].to(tl.int64) * sq_t + o_d[None, :], mask=m_md, other=0.0)
-            b_do = tl.load(p_dob + o_m[:, None].to(tl.int64) * sdo_t + o_d[None, :], mask=m_md, other=0.0)
+            b_q = tl.load(_rows(p_qb, o_m, sq_t, o_d), mask=m_md, other=0.0)
+            b_do = tl.load(_rows(p_dob, o_m, sdo_t, o_d), mask=m_md, other=0.0)
             lse = tl.load(p_lse + row + o_m, mask=m_m, other=0.0)
             delta = tl.load(p_delta + row + o_m, mask=m_m, other=0.0)
             start = tl.load(p_bounds + b * n_tok + o_m, mask=m_m, other=n_tok)
-            allowed = (o_n[None, :] >= start[:, None]) & (o_n[None, :] <= o_m[:, None]) & m_n[None, :]
+            allowed = _allowed(o_m, o_n, start) & m_n[None, :]
             s = _dot(b_q, tl.trans(b_k), IEEE) * scale_log2e
             p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
             dv += _dot(tl.trans(round_to(p, b_do.dtype)), b_do, IEEE)
             dp = _dot(b_do, tl.trans(b_v), IEEE)
             ds = p * (dp - delta[:, None])
             dk += _dot(tl.trans(round_to(ds, b_q.dtype)), b_q, IEEE)
-    tl.store(p_dk + i_bh.to(tl.int64) * n_tok * head_dim + o_n[:, None].to(tl.int64) * head_dim + o_d[None, :],
+    tl.store(_rows(p_dk + i_bh.to(tl.int64) * n_tok * head_dim, o_n, head_dim, o_d),
              round_to(dk * scale, p_dk.dtype.element_ty), mask=m_nd)
-    tl.store(p_dv + i_bh.to(tl.int64) * n_tok * head_dim + o_n[:, None].to(tl.int64) * head_dim + o_d[None, :],
+    tl.store(_rows(p_dv + i_bh.to(tl.int64) * n_tok * head_dim, o_n, head_dim, o_d),
              round_to(dv, p_dv.dtype.element_ty), mask=m_nd)
 
 
@@ -239,31 +257,26 @@ def _bwd_dq_kernel(
     m_d = o_d < head_dim
     m_md = m_m[:, None] & m_d[None, :]
     start = tl.load(p_bounds + b * n_tok + o_m, mask=m_m, other=n_tok)
-    b_q = tl.load(p_q + b.to(tl.int64) * sq_b + h * sq_h + o_m[:, None].to(tl.int64) * sq_t + o_d[None, :],
-                  mask=m_md, other=0.0)
-    b_do = tl.load(p_do + b.to(tl.int64) * sdo_b + h * sdo_h + o_m[:, None].to(tl.int64) * sdo_t + o_d[None, :],
-                   mask=m_md, other=0.0)
+    b_q = tl.load(_rows(_head(p_q, b, h, sq_b, sq_h), o_m, sq_t, o_d), mask=m_md, other=0.0)
+    b_do = tl.load(_rows(_head(p_do, b, h, sdo_b, sdo_h), o_m, sdo_t, o_d), mask=m_md, other=0.0)
     lse = tl.load(p_lse + i_bh.to(tl.int64) * n_tok + o_m, mask=m_m, other=0.0)
     delta = tl.load(p_delta + i_bh.to(tl.int64) * n_tok + o_m, mask=m_m, other=0.0)
     lo = tl.min(start, axis=0)
     hi = tl.minimum((i_m + 1) * BLOCK_M, n_tok)
-    p_kb = p_k + b.to(tl.int64) * sk_b + hk * sk_h
-    p_vb = p_v + b.to(tl.int64) * sv_b + hk * sv_h
+    p_kb = _head(p_k, b, hk, sk_b, sk_h)
+    p_vb = _head(p_v, b, hk, sv_b, sv_h)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < hi
-        b_k = tl.load(p_kb + o_n[:, None].to(tl.int64) * sk_t + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
-                      other=0.0)
-        b_v = tl.load(p_vb + o_n[:, None].to(tl.int64) * sv_t + o_d[None, :], mask=m_n[:, None] & m_d[None, :],
-                      other=0.0)
-        allowed = (o_n[None, :] >= start[:, None]) & (o_n[None, :] <= o_m[:, None]) & m_m[:, None]
+        b_k, b_v = _kv_block(p_kb, p_vb, o_n, sk_t, sv_t, o_d, m_n[:, None] & m_d[None, :])
+        allowed = _allowed(o_m, o_n, start) & m_m[:, None]
         s = _dot(b_q, tl.trans(b_k), IEEE) * scale_log2e
         p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
         dp = _dot(b_do, tl.trans(b_v), IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(round_to(ds, b_k.dtype), b_k, IEEE)
-    tl.store(p_dq + b.to(tl.int64) * sdq_b + h * sdq_h + o_m[:, None].to(tl.int64) * sdq_t + o_d[None, :],
+    tl.store(_rows(_head(p_dq, b, h, sdq_b, sdq_h), o_m, sdq_t, o_d),
              round_to(dq * scale, p_dq.dtype.element_ty), mask=m_md)
 
 
