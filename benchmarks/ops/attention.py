@@ -90,14 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 row: dict[str, Any] = {"shape": f"b{batch} s{seq} h{heads}/{kv_heads} d{dim}", "mode": mode,
                                        "provider": name}
                 try:
-                    if mode == "fwd":
-                        with torch.no_grad():
-                            out = fn(q, k, v).float()
-                        row["max rel err"] = ((out - ref).abs().max() / ref.abs().max()).item()
-                    else:
-                        grads = torch.autograd.grad(fn(q, k, v), (q, k, v), dy)
-                        row["max rel err"] = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                                                 for g, r in zip(grads, ref_grads))
+                    row["max rel err"] = harness.max_rel_err(fn, [q, k, v], mode, [ref], ref_grads, [dy])
                     _, kernel, peak = harness.time_case(fn, [q, k, v], mode)
                 except Exception as exc:  # a backend that cannot run this shape is a row, not a crash
                     row["error"] = f"{type(exc).__name__}: {exc}"[:120]

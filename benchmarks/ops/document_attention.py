@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator().manual_seed(0)
 
         def proj(h: int) -> torch.Tensor:
-            return torch.randn(1, tokens, h, dim, generator=gen).to(device, torch.bfloat16).transpose(1, 2).requires_grad_()
+            t = torch.randn(1, tokens, h, dim, generator=gen).to(device, torch.bfloat16)
+            return t.transpose(1, 2).requires_grad_()
 
         q, k, v = proj(heads), proj(kv_heads), proj(kv_heads)
         dy = torch.randn(1, heads, tokens, dim, generator=gen).to(device, torch.bfloat16)
@@ -141,14 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 lowering.TILES_OVERRIDE = TILES.get(name.removeprefix("sloth-")) if name.startswith("sloth-") else None
                 try:
                     if name != "flex-mask":
-                        if mode == "fwd":
-                            with torch.no_grad():
-                                out = fn(q, k, v).float()
-                            row["max rel err"] = ((out - ref).abs().max() / ref.abs().max()).item()
-                        else:
-                            grads = torch.autograd.grad(fn(q, k, v), (q, k, v), dy)
-                            row["max rel err"] = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                                                     for g, r in zip(grads, ref_grads))
+                        row["max rel err"] = harness.max_rel_err(fn, [q, k, v], mode, [ref], ref_grads, [dy])
                     if name == "flex-mask":  # an int block mask, no gradient: its build time alone
                         kernel, peak = common.kernel_ms(lambda: fn(q, k, v)), None
                     else:

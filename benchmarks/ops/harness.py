@@ -44,9 +44,20 @@ def _grad_inputs(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _rel_err(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
+def rel_err(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
+    """The largest of max|a - b| / max|b| over the pairs."""
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
                for a, b in zip(ours, ref))
+
+
+def max_rel_err(fn: Callable, inputs: Sequence[Any], mode: str, ref_out: Sequence[torch.Tensor],
+                ref_grads: Sequence[torch.Tensor], dys: Sequence[torch.Tensor]) -> float:
+    """``rel_err`` of ``fn(*inputs)``'s outputs against ``ref_out`` (mode "fwd"), else of the gradients of the
+    inputs that require one, for cotangents ``dys``, against ``ref_grads``."""
+    if mode == "fwd":
+        with torch.no_grad():
+            return rel_err(_outputs(fn(*inputs)), ref_out)
+    return rel_err(torch.autograd.grad(_outputs(fn(*inputs)), _grad_inputs(inputs), dys), ref_grads)
 
 
 def time_case(fn: Callable, inputs: Sequence[Any], mode: str) -> tuple[float, float | None, int | None]:
@@ -98,11 +109,8 @@ def run(shape: str, providers: dict[str, Callable], inputs: Sequence[Any], nbyte
         for name, fn in providers.items():
             row: dict[str, Any] = {"shape": shape, "mode": mode, "provider": name}
             try:
-                if mode == "fwd":
-                    with torch.no_grad():
-                        row["max rel err"] = _rel_err(_outputs(fn(*inputs)), ref_out)
-                elif mode == "bwd":
-                    row["max rel err"] = _rel_err(torch.autograd.grad(_outputs(fn(*inputs)), wrt, dys), ref_grads)
+                if mode in ("fwd", "bwd"):
+                    row["max rel err"] = max_rel_err(fn, inputs, mode, ref_out, ref_grads, dys)
                 ms, kernel, peak = time_case(fn, inputs, mode)
             except Exception as exc:  # one broken provider must not hide the others' numbers
                 traceback.print_exc()
