@@ -109,10 +109,14 @@ def _is_symbolic(value: Any) -> bool:
 _SYMBOLIC = "its size is symbolic (dynamic shapes), so one evaluation cannot prove it"
 
 
-def _closed_producers(mask: fx.Node) -> tuple[list[fx.Node], Optional[str]]:
-    """The nodes ``mask`` is computed from, in graph order, or the reason it is not a closed computation."""
+def mask_producers(mask: fx.Node, *, stop_at_input: bool = False) -> tuple[list[fx.Node], list[fx.Node], Optional[str]]:
+    """(the nodes ``mask`` is computed from in graph order, the graph inputs among them, None), or ([], [], why
+    the mask is not a function of the graph's inputs alone: a symbolic size, a parameter or submodule, a random
+    draw, a write in place after it is made). With ``stop_at_input`` the walk ends at the first graph input,
+    returned alone (the causal-mask family refuses any). The packed-attention family shares this walk."""
     seen: set[fx.Node] = set()
     stack = [mask]
+    inputs: list[fx.Node] = []
     while stack:
         node = stack.pop()
         if node in seen:
@@ -120,20 +124,32 @@ def _closed_producers(mask: fx.Node) -> tuple[list[fx.Node], Optional[str]]:
         seen.add(node)
         value = node.meta.get("example_value", node.meta.get("val"))
         if _is_symbolic(value):
-            return [], _SYMBOLIC
+            return [], [], _SYMBOLIC
         if node.op == "placeholder":
-            return [], (f"it is computed from the graph input {node.target!r} (a padding mask or another tensor "
-                        "whose values the graph does not fix)")
+            if stop_at_input:
+                return [], [node], None
+            inputs.append(node)
+            continue
         if node.op in ("get_attr", "call_module"):
-            return [], f"it reads {node.target!r} ({node.op}), not only values the graph fixes"
+            return [], [], f"it reads {node.target!r} ({node.op}), not only values the graph fixes"
         if _is_random(node):
-            return [], f"it draws random numbers ({node.name}), which one evaluation would freeze"
+            return [], [], f"it draws random numbers ({node.name}), which one evaluation would freeze"
         stack.extend(node.all_input_nodes)
     mutated = mutated_producer(mask.graph, seen)
     if mutated is not None:
-        return [], f"{mutated.name} changes it in place after it is made, so evaluating its producers would miss that"
+        return [], [], (f"{mutated.name} changes it in place after it is made, so evaluating its producers would miss "
+                        "that")
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
-    return sorted(seen, key=order.__getitem__), None
+    return sorted(seen, key=order.__getitem__), sorted(inputs, key=order.__getitem__), None
+
+
+def _closed_producers(mask: fx.Node) -> tuple[list[fx.Node], Optional[str]]:
+    """The nodes ``mask`` is computed from, in graph order, or the reason it is not a closed computation."""
+    producers, inputs, why_not = mask_producers(mask, stop_at_input=True)
+    if inputs:
+        return [], (f"it is computed from the graph input {inputs[0].target!r} (a padding mask or another tensor "
+                    "whose values the graph does not fix)")
+    return producers, why_not
 
 
 # Producers whose value is a random draw: evaluating them at compile time would freeze one draw and skip the
@@ -277,10 +293,11 @@ def _body_operands(gm: fx.GraphModule) -> dict[fx.GraphModule, list[tuple[fx.Gra
     return sites
 
 
-def _erase_unused(nodes: Sequence[fx.Node]) -> None:
-    """Erase those of ``nodes`` that nobody reads any more (in reverse order, so producers follow users)."""
+def erase_unused(nodes: Sequence[fx.Node]) -> None:
+    """Erase those of ``nodes`` that nobody reads any more (in reverse order, so producers follow users); one
+    erased already (a mask shared by several layers, erased with the last) is left alone."""
     for node in reversed(nodes):
-        if node.op not in ("placeholder", "output") and not node.users:
+        if node.op not in ("placeholder", "output") and not node.users and not getattr(node, "_erased", False):
             node.graph.erase_node(node)
 
 
@@ -324,7 +341,7 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
             report.reject(FAMILY, node, f"attention mask kept: {why_not}")
             continue
         _set_causal(node)
-        _erase_unused(producers)
+        erase_unused(producers)
         changed = True
         report.replaced(Site(FAMILY, "is_causal=True", module_path(node), source_location(node),
                              f"causal {lengths[0]} x {lengths[1]} mask dropped"))

@@ -46,10 +46,11 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import insert_call, module_path, set_value, source_location, tensor_of, value_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
-from ..compiler.writes import body_of, mutated_producer
+from ..compiler.writes import body_of
 from ..lowering import document_attention as document_attention_op
 from ..runtime.packing import RULES, document_bounds
-from .causal_mask import _SDPA, _is_random, _is_symbolic, _value_bytes, allowed_of, evaluation_budget
+from .causal_mask import (_SDPA, _is_symbolic, _value_bytes, allowed_of, erase_unused, evaluation_budget,
+                          mask_producers)
 
 FAMILY = "packed_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,34 +76,6 @@ def _sdpa_arguments(node: fx.Node) -> Optional[dict[str, Any]]:
                           ("enable_gqa", False)):
         values.setdefault(name, default)
     return values
-
-
-def _open_producers(mask: fx.Node) -> tuple[list[fx.Node], list[fx.Node], Optional[str]]:
-    """(the nodes ``mask`` is computed from in graph order, the graph inputs among them, None) or the reason
-    the mask is not a function of graph inputs alone."""
-    seen: set[fx.Node] = set()
-    stack = [mask]
-    inputs: list[fx.Node] = []
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if _is_symbolic(value_of(node)):
-            return [], [], "its size is symbolic (dynamic shapes)"
-        if node.op == "placeholder":
-            inputs.append(node)
-            continue
-        if node.op in ("get_attr", "call_module"):
-            return [], [], f"it reads {node.target!r} ({node.op}), not only the graph's inputs"
-        if _is_random(node):
-            return [], [], f"it draws random numbers ({node.name})"
-        stack.extend(node.all_input_nodes)
-    mutated = mutated_producer(mask.graph, seen)
-    if mutated is not None:
-        return [], [], f"{mutated.name} changes it in place after it is made"
-    order = {n: i for i, n in enumerate(mask.graph.nodes)}
-    return sorted(seen, key=order.__getitem__), sorted(inputs, key=order.__getitem__), None
 
 
 def probe_ids(shape: Sequence[int], dtype: torch.dtype, device: Any) -> list[torch.Tensor]:
@@ -203,7 +176,7 @@ class _Checker:
 
     @staticmethod
     def _check(gm: fx.GraphModule, mask: fx.Node, q_len: int):
-        producers, inputs, why_not = _open_producers(mask)
+        producers, inputs, why_not = mask_producers(mask)
         if why_not:
             return None, None, why_not, []
         tensors = [n for n in inputs if tensor_of(n) is not None]
@@ -305,18 +278,6 @@ def _replace(node: fx.Node, args: dict[str, Any], bounds: fx.Node) -> fx.Node:
     return out
 
 
-def _erased(node: fx.Node) -> bool:
-    return getattr(node, "_erased", False)
-
-
-def _erase_unused(nodes: Sequence[fx.Node]) -> None:
-    """Erase those of ``nodes`` nobody reads any more (reverse order: users before their producers); a mask
-    shared by several layers goes with the last of them."""
-    for node in reversed(nodes):
-        if node.op not in ("placeholder", "output") and not node.users and not _erased(node):
-            node.graph.erase_node(node)
-
-
 def _reads_inputs(mask: Any) -> bool:
     """Whether ``mask`` is computed from an integer graph input (position ids, document ids, or a padding mask,
     which the check then refuses): this family's sites, its anchors (compiler/anchors.py). A fixed mask is the
@@ -328,14 +289,13 @@ def fuse_packed_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]
                                options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every SDPA whose mask is document-causal in ``ids`` (in ``gm`` and in its checkpointed bodies)."""
     checker, bounds = _Checker(), _Bounds()
-    registered = False
     bodies = _body_sites(gm)
     changed: set[fx.GraphModule] = set()
     for graph_module in [gm, *bodies]:
         call_sites = bodies.get(graph_module)
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         for node in list(graph_module.graph.nodes):
-            args = None if _erased(node) else _sdpa_arguments(node)
+            args = None if getattr(node, "_erased", False) else _sdpa_arguments(node)  # a reader rewritten already
             if args is None or not isinstance(args["attn_mask"], fx.Node):
                 continue
             mask = args["attn_mask"]
@@ -358,13 +318,11 @@ def fuse_packed_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]
             elif why_not is None:
                 ids, rule, why_not, producers = checker.check(graph_module, mask, q_len)
                 if why_not is None:
-                    if not registered:
-                        document_attention_op.register()
-                        registered = True
+                    document_attention_op.register()
                     batch = tensor_of(args["query"]).shape[0]
                     bound = bounds.get(graph_module.graph, ids, rule, batch, before=mask)
                     out = _replace(node, args, bound)
-                    _erase_unused(producers)
+                    erase_unused(producers)
                     changed.add(graph_module)
                     report.replaced(Site(FAMILY, "sloth.document_attention", module_path(out), source_location(out),
                                          f"document-causal {q_len}-token mask ({rule} of {ids.target!r}) dropped"))
@@ -406,7 +364,7 @@ def _rewrite_body_input(body: fx.GraphModule, node: fx.Node, args: dict[str, Any
     for caller, call, ids, rule, producers in found:
         bound = bounds.get(caller.graph, ids, rule, batch, before=call)
         call.args = tuple(bound if i == 1 + position else a for i, a in enumerate(call.args))
-        _erase_unused(producers)
+        erase_unused(producers)
     set_value(mask, value_of(bound))  # the body's input now receives the bounds
     rule = found[0][3]
     for reader in readers:
