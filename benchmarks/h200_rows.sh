@@ -21,6 +21,7 @@
 #   bash benchmarks/h200_rows.sh robust    # versus20, then sloth LoRA under CUDA graphs (~6 min; limits add to more)
 #   bash benchmarks/h200_rows.sh offload offload-2  # issue 19: 16k and 64k with checkpointing, offload on and off, Unsloth
 #   bash benchmarks/h200_rows.sh compile-share  # issue 24: sloth's share of the 8B LoRA step's compile, beside Inductor's
+#   bash benchmarks/h200_rows.sh longest-sloth long-unsloth  # issue 19: sloth at 128k/256k; Unsloth at 16k/64k
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
 #   bash benchmarks/h200_rows.sh glu-hidden-steps  # the LoRA and QLoRA steps both ways
@@ -188,6 +189,16 @@ case $part in
                 --variants sloth --sloth-options '{"offload": true, "return_logits": false}'
             run "long$((seq / 1024))-unsloth" 200 --all --batch 1 --seq $seq --grad-ckpt --warmup 1 --steps 1 --variants unsloth
         done ;;
+    longest-sloth)  # issue 19: sloth with offload at 128k (one warm-up, one timed step) and 256k tokens (one step, its
+        # compile's: the peak and that it trains, not its time); return_logits off, as Unsloth does not return them
+        run long128-offload 290 --all --batch 1 --seq 131072 --grad-ckpt --warmup 1 --steps 1 --variants sloth \
+            --sloth-options '{"offload": true, "return_logits": false}'
+        run long256-offload 300 --all --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 --variants sloth \
+            --sloth-options '{"offload": true, "return_logits": false}' ;;
+    long-unsloth)  # issue 19: Unsloth at 16k (4 timed steps) and 64k (one), with room for its import and compile
+        # (carry .whl/unsloth; the earlier 130-150 s limits timed out)
+        run long16-unsloth 280 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 4 --variants unsloth
+        run long64-unsloth 300 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 1 --variants unsloth ;;
     glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed: bits and op time at
         # the 8B shape (benchmarks/ops/glu_lora_backward.py)
         [ -z "${DRY:-}" ] && { timeout 90 python -m benchmarks.ops.glu_lora_backward > "$out/logs/glu_lora_backward.log" 2>&1
