@@ -23,9 +23,10 @@ How it is proven, not guessed: the mask's producers must be a closed computation
 symbolic size. Such a mask is the same tensor on every call of the compiled graph, so sloth evaluates it
 once, at compile time, and compares it with the causal mask element by element. A mask that reads the
 user's ``attention_mask`` (transformers when one is passed, even all ones), a sliding window, a prefix-LM
-mask, a shifted diagonal, a float bias or a mask of symbolic size says no, with the reason in the report, as
-does a mask whose evaluation would hold more than ``evaluation_budget`` (a quarter of the device's free memory,
-4 GiB on a CPU; at 64k tokens the mask alone is 4 GiB of bools).
+mask, a shifted diagonal, a float bias or a mask of symbolic size says no, with the reason in the report. A mask whose evaluation would hold more than
+``evaluation_budget`` (a quarter of the device's free memory, 4 GiB on a CPU; at 64k tokens the mask alone is
+4 GiB of bools, at 256k 64 GiB) is evaluated a block of query rows at a time instead (patterns/mask_rows.py),
+when its producers are row-local, as the masks models build are; otherwise it stays, with both reasons.
 
 A checkpointed layer (``tag_activation_checkpoint`` / ``wrap`` bodies) receives the mask as an input: the
 body's SDPA is rewritten when every call site passes a proven causal mask in that position (the operand
@@ -42,6 +43,7 @@ from ..compiler.fx_utils import module_path, source_location, tensor_of
 from ..compiler.writes import body_of, mutated_producer
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
+from .mask_rows import RowBlocks
 
 FAMILY = "causal_mask"
 
@@ -207,14 +209,34 @@ def causal_reason(mask_value: Any, q_len: int, kv_len: int) -> Optional[str]:
     allowed, why_not = allowed_of(mask_value)
     if why_not:
         return why_not
-    shape = torch.broadcast_shapes(allowed.shape, (q_len, kv_len))
-    allowed = allowed.expand(shape)
-    keys = torch.arange(kv_len, device=allowed.device)
-    for start in range(0, q_len, _ROWS_PER_BLOCK):  # block by block: no [L, S] reference in memory
-        rows = torch.arange(start, min(start + _ROWS_PER_BLOCK, q_len), device=allowed.device)
-        if not torch.equal(allowed[..., start:start + len(rows), :],
-                           (keys[None, :] <= rows[:, None]).expand(allowed[..., start:start + len(rows), :].shape)):
+    return _rows_reason(allowed.expand(torch.broadcast_shapes(allowed.shape, (q_len, kv_len))), 0)
+
+
+def _rows_reason(allowed: torch.Tensor, first_row: int) -> Optional[str]:
+    """None when ``allowed`` ([..., rows, S] bool) is rows ``first_row ..`` of the causal mask, else why not."""
+    keys = torch.arange(allowed.shape[-1], device=allowed.device)
+    for start in range(0, allowed.shape[-2], _ROWS_PER_BLOCK):  # block by block: no [L, S] reference in memory
+        part = allowed[..., start:start + _ROWS_PER_BLOCK, :]
+        rows = torch.arange(first_row + start, first_row + start + part.shape[-2], device=allowed.device)
+        if not torch.equal(part, (keys[None, :] <= rows[:, None]).expand(part.shape)):
             return "it is not the causal mask (a window, a prefix, a shifted diagonal or padding)"
+    return None
+
+
+def causal_reason_by_rows(plan: RowBlocks, q_len: int, kv_len: int) -> Optional[str]:
+    """``causal_reason`` for a mask evaluated a block of rows at a time (patterns/mask_rows.py)."""
+    shape = plan.mask.meta.get("example_value", plan.mask.meta.get("val")).shape
+    if len(shape) < 2 or shape[-2] not in (1, q_len) or shape[-1] not in (1, kv_len):
+        return f"its shape {tuple(shape)} does not end in [{q_len}, {kv_len}]"
+    for first_row, value in plan.blocks():
+        if value.shape[-2] == 1 and shape[-2] == 1:  # broadcast along the rows: the whole mask at once
+            return causal_reason(value, q_len, kv_len)
+        allowed, why_not = allowed_of(value)
+        if why_not:
+            return why_not
+        why_not = _rows_reason(allowed.expand(*allowed.shape[:-1], kv_len), first_row)
+        if why_not:
+            return why_not
     return None
 
 
@@ -257,13 +279,21 @@ class _Prover:
         # The producers' values, and the check's two bool masks of the mask's size (allowed, blocked).
         needed = sum(_value_bytes(n) for n in producers) + 2 * (example.numel() if example is not None else 0)
         budget = evaluation_budget(device)
+        plan = None
         if needed > budget:
-            where = ": a quarter of the free memory" if device.type == "cuda" else ""
-            return (f"evaluating it at compile time would hold up to {needed / 2**30:.1f} GiB on {device}, more "
-                    f"than sloth allows itself ({budget / 2**30:.1f} GiB{where})"), []
+            plan, by_rows_not = RowBlocks.build(producers, mask)
+            if plan is None:
+                where = ": a quarter of the free memory" if device.type == "cuda" else ""
+                return (f"evaluating it at compile time would hold up to {needed / 2**30:.1f} GiB on {device}, more "
+                        f"than sloth allows itself ({budget / 2**30:.1f} GiB{where}), and it cannot be evaluated "
+                        f"a block of rows at a time: {by_rows_not}"), []
+        value = None
         try:
-            value = _evaluate(gm, producers, mask)
-            why_not = causal_reason(value, q_len, kv_len)
+            if plan is not None:
+                why_not = causal_reason_by_rows(plan, q_len, kv_len)
+            else:
+                value = _evaluate(gm, producers, mask)
+                why_not = causal_reason(value, q_len, kv_len)
         except Exception as error:  # an op that cannot run outside the graph (or out of memory): leave it as it was
             return f"evaluating it at compile time failed ({type(error).__name__}: {error})", []
         finally:

@@ -2,6 +2,8 @@
 mask stays, with the reason in the report."""
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ import transformers.masking_utils
 from torch import nn
 
 import sloth
-from sloth.patterns import causal_mask
+from sloth.patterns import causal_mask, mask_rows
 from sloth.patterns.causal_mask import causal_mask_pattern, causal_reason, causal_reference
 from tests.pattern_checks import forward_backward, graph_of, seeded
 from tests.test_models import VOCAB, assert_model_close, build, loss_and_grads, tiny_config
@@ -307,15 +309,89 @@ def test_causal_reason_block_by_block(monkeypatch) -> None:
     assert "not the causal mask" in causal_reason(mask, L, L)
 
 
-def test_mask_too_large_to_evaluate_stays_with_reason(monkeypatch) -> None:
-    # A 7 x 7 bool mask and its producers take a few hundred bytes: a 64-byte budget refuses it, as a 64k x 64k
-    # mask would be refused where its producers outgrow a quarter of the device's free memory.
-    monkeypatch.setattr(causal_mask, "CPU_EVALUATION_BYTES", 64)
-    torch.compile(tril_bool, backend="sloth", options={"inner": "eager"})(*_qkv(torch.float32))
+def flat_then_viewed(q, k, v):
+    """Causal, but made flat and viewed as [L, S]: a view that merges dims is not evaluated by rows."""
+    n, s = q.shape[-2], k.shape[-2]
+    flat = torch.arange(n * s, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((flat % s) <= (flat // s)).view(n, s))
+
+
+@pytest.fixture
+def rows_only(monkeypatch):
+    """A 0-byte budget: every mask goes through the row-block evaluation (patterns/mask_rows.py), as a 128k x
+    128k mask does on the device; blocks of 3 rows over B x 7 x 7 masks (the last block short)."""
+    monkeypatch.setattr(causal_mask, "CPU_EVALUATION_BYTES", 0)
+    monkeypatch.setattr(mask_rows, "ROW_BLOCK_ELEMENTS", 3 * B * L)
+
+
+def test_mask_too_large_and_not_row_local_stays_with_reason(rows_only) -> None:
+    # A mask whose evaluation would outgrow the budget and which cannot be made a block of rows at a time stays,
+    # as a 128k x 128k mask would where its producers outgrow a quarter of the device's free memory.
+    sloth.reset_report()
+    args = _qkv(torch.float32)
+    torch.testing.assert_close(torch.compile(flat_then_viewed, backend="sloth", options={"inner": "eager"})(*args),
+                               flat_then_viewed(*args))
     report = sloth.report()
     assert report.counts.get("causal_mask", 0) == 0, str(report)
     [rejection] = [r for r in report.rejections if r.family == "causal_mask"]
-    assert "would hold up to" in rejection.reason and "more than sloth allows itself" in rejection.reason
+    assert "would hold up to" in rejection.reason and "a block of rows at a time" in rejection.reason, rejection.reason
+    assert "view" in rejection.reason, rejection.reason
+
+
+def test_flat_then_viewed_is_causal_when_it_fits() -> None:
+    # The near-miss above is refused only for its size: under the budget it is proven whole.
+    _assert_causal_rewrite(flat_then_viewed, _qkv(torch.float32))
+
+
+@pytest.mark.parametrize("fn", CAUSAL_FORMS + [shorter_queries_top_left], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("rows", [1, 3], ids=["rows1", "rows3"])
+def test_causal_masks_proven_by_row_blocks(rows_only, monkeypatch, fn, rows: int) -> None:
+    monkeypatch.setattr(mask_rows, "ROW_BLOCK_ELEMENTS", rows * B * L)
+    _assert_causal_rewrite(fn, _qkv(torch.float32, 11 if fn is shorter_queries_top_left else L))
+
+
+@pytest.mark.parametrize("fn, kv_len, reason", [
+    (sliding_window, L, "not the causal mask"),
+    (one_future_token, L, "not the causal mask"),
+    (prefix_lm, L, "not the causal mask"),
+    (alibi_bias, L, "additive bias"),
+    (bottom_right_shorter_queries, 11, "not the causal mask"),
+], ids=lambda p: getattr(p, "__name__", None) or str(p)[:12])
+def test_other_masks_by_row_blocks_stay_with_reason(rows_only, fn, kv_len: int, reason: str) -> None:
+    test_other_masks_stay_with_reason(fn, kv_len, reason)
+
+
+def test_row_blocks_see_every_row() -> None:
+    """The blocks of a [B, 1, L, S] mask are its rows in order; a mask wrong in one row of the last (short)
+    block is caught there."""
+    def build(q, k, v):
+        i = torch.arange(q.shape[-2], device=q.device)
+        j = torch.arange(k.shape[-2], device=q.device)
+        hidden = (i == L - 1)[None, None, :, None] & (j == 0)[None, None, None, :]  # the last row misses key 0
+        allowed = (j[None, None, None, :] <= i[None, None, :, None]) & ~hidden
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.expand(q.shape[0], 1, -1, -1))
+
+    captured = {}
+
+    def backend(graph, example_inputs):
+        captured["gm"] = graph
+        return graph
+
+    torch.compile(build, backend=backend)(*_qkv(torch.float32))
+    gm = captured["gm"]
+    (sdpa,) = _sdpa_nodes(gm)
+    mask = sdpa.kwargs.get("attn_mask", sdpa.args[3] if len(sdpa.args) > 3 else None)
+    producers, why_not = causal_mask._closed_producers(mask)
+    assert why_not is None
+    whole = causal_mask._evaluate(gm, producers, mask)
+    for rows in (1, 3, L):
+        with unittest.mock.patch.object(mask_rows, "ROW_BLOCK_ELEMENTS", rows * B * L):
+            plan, why_not = mask_rows.RowBlocks.build(producers, mask)
+            assert why_not is None and plan.rows == rows
+            blocks = list(plan.blocks())
+        assert [r0 for r0, _ in blocks] == list(range(0, L, rows))
+        assert torch.equal(torch.cat([b for _, b in blocks], dim=-2), whole)
+        assert "not the causal mask" in causal_mask.causal_reason_by_rows(plan, L, L)
 
 
 # transformers up to 5.17 builds the causal mask whenever Dynamo traces (its _ignore_causal_mask_sdpa says no
@@ -347,6 +423,13 @@ def test_transformers_materialised_causal_mask(transformers_517_masks, model_typ
     assert report.counts.get("causal_mask") == model.config.num_hidden_layers, str(report)
     assert not [r for r in report.rejections if r.family == "causal_mask"], str(report)
     assert_model_close(ours, eager, reference, torch.float32)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_transformers_causal_mask_proven_by_row_blocks(transformers_517_masks, rows_only, checkpointing: bool) -> None:
+    """transformers 5.17's mask, past the budget (as at 128k tokens on the H200), is proven a block of rows at a
+    time: every layer gets is_causal."""
+    test_transformers_materialised_causal_mask(None, "llama", checkpointing)
 
 
 def test_sliding_window_layers_keep_their_mask(transformers_517_masks) -> None:
