@@ -5,7 +5,10 @@ with a reason. The matchers decide whether a site fuses; this module only says w
 definitions deliberately broader than any pattern, on the canonical graph (compiler/canonicalize.py):
 
     family          anchor (one per site a user would expect to be handled)
+    layer_norm      F.layer_norm, and rsqrt or sqrt of a variance about the mean [+ eps]:
+                    mean(square(x - mean(x))) or variance(x, ...) (any dims, any correction)
     rms_norm        rsqrt(mean(square(x)) [+ eps]), and torch.rms_norm
+    l2_norm         F.normalize, and rsqrt(sum(square(x)) [+ eps])
     rope            rotate-half: cat([neg(narrow(x)), narrow(x)]); an interleaved pair: stack([neg(a), b]);
                     a complex rotation: view_as_real(view_as_complex(x) * f); even/odd slices rotated and
                     concatenated: cat([x0 * c - x1 * s, x1 * c + x0 * s]) (DeepSeek's interleaved form)
@@ -32,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonicalize import cast, gelu
+from .canonicalize import cast, gelu, variance
 from .fx_utils import is_call, is_number, linear_parts, tensor_of
 
 
@@ -60,6 +63,37 @@ def _is_rms_norm(node: fx.Node) -> bool:
         a, b = inner.args
         inner = a if is_call(a, torch.mean) else b
     return is_call(inner, torch.mean) and is_call(inner.args[0], torch.square)
+
+
+def _without_eps(node: object) -> object:
+    """The operand of ``v + c`` that is a node, when the other is not (a constant or a scalar eps)."""
+    if is_call(node, torch.add) and len(node.args) == 2:
+        a, b = node.args
+        return a if tensor_of(b) is None else b if tensor_of(a) is None else node
+    return node
+
+
+def _is_layer_norm(node: fx.Node) -> bool:
+    if is_call(node, F.layer_norm):
+        return True
+    if not is_call(node, torch.rsqrt, torch.sqrt):
+        return False
+    v = _without_eps(node.args[0])
+    if is_call(v, variance):
+        return True
+    if not (is_call(v, torch.mean) and is_call(v.args[0], torch.square)):
+        return False
+    c = v.args[0].args[0]
+    return is_call(c, torch.sub) and is_call(c.args[1], torch.mean) and c.args[1].args[0] is c.args[0]
+
+
+def _is_l2_norm(node: fx.Node) -> bool:
+    if is_call(node, F.normalize):
+        return True
+    if not is_call(node, torch.rsqrt):
+        return False
+    s = _without_eps(node.args[0])
+    return is_call(s, torch.sum) and len(s.args) == 3 and is_call(s.args[0], torch.square)
 
 
 def _is_even_odd_slice(node: object, start: int) -> bool:
@@ -182,7 +216,9 @@ def _is_packed_attention(node: fx.Node) -> bool:
 
 
 ANCHORS = {
+    "layer_norm": _is_layer_norm,
     "rms_norm": _is_rms_norm,
+    "l2_norm": _is_l2_norm,
     "rope": _is_rope,
     "glu": _is_glu,
     "cross_entropy": _is_cross_entropy,

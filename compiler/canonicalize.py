@@ -16,6 +16,10 @@ any value the graph computes:
     a cast, view, reshape or .contiguous() that     removed (a .contiguous() read by a .view stays: a
     changes nothing                                 later pass may change its input's layout)
     F.rms_norm(x, s, weight=w, eps=e)               torch.rms_norm(x, s, w, e)
+    F.layer_norm(x, s, bias=b, eps=e)               F.layer_norm(x, s, w, b, e)    (defaults filled in)
+    F.normalize(x, dim=d, eps=e)                    F.normalize(x, p, d, e)        (defaults filled in)
+    x.var(d, unbiased=False, keepdim=k),            variance(x, negative_dims_tuple, correction, k)
+    torch.var(x, d, correction=c, keepdim=k)
     x[..., a:b], x[:, :, a:b], x.narrow(d, a, n)    torch.narrow(x, d, a, n)       (d negative; unit step,
     getitem(x.chunk(n, d) / x.split(s, d), i)       torch.narrow(x, d, a_i, n_i)    static bounds, one dim)
     a slice or narrow that takes the whole dim      removed
@@ -75,6 +79,20 @@ _VIEW_FUNCTIONS = (torch.reshape, torch.flatten)
 _PURE = tuple({*_BINARY.values(), *_UNARY.values(), torch.mean, torch.sum, cast})
 
 
+def variance(x: torch.Tensor, dims: tuple, correction: float, keepdim: bool) -> torch.Tensor:
+    """The one canonical variance, ``torch.var(x, dims, correction=correction, keepdim=keepdim)``:
+    correction 0 is the biased (population) variance LayerNorm uses, 1 the default unbiased one."""
+    return torch.var(x, dims, correction=correction, keepdim=keepdim)
+
+
+# Functions whose canonical node carries every parameter positionally, defaults filled in:
+# (parameter names, defaults of the trailing ones).
+_FULL_SIGNATURES = {
+    torch.nn.functional.layer_norm: (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5)),
+    torch.nn.functional.normalize: (("input", "p", "dim", "eps"), (2.0, 1, 1e-12)),
+}
+
+
 def _key(node: fx.Node) -> Any:
     return node.target if node.op in ("call_function", "call_method") else None
 
@@ -107,6 +125,10 @@ def _spelling(node: fx.Node) -> bool:
         return False
     if key in _REDUCTIONS:
         return _reduction(node, _REDUCTIONS[key])
+    if key in ("var", torch.var):
+        return _variance(node)
+    if node.op == "call_function" and key in _FULL_SIGNATURES:
+        return _full_positional(node, *_FULL_SIGNATURES[key])
     if node.op == "call_method" and key in _CAST_METHODS:
         return _cast(node)
     if key in (torch.rms_norm,) and node.op == "call_function":
@@ -140,6 +162,47 @@ def _reduction(node: fx.Node, fn: Any) -> bool:
     if (node.op, node.target, node.args, dict(node.kwargs)) == ("call_function", fn, new_args, {}):
         return False
     _rewrite(node, fn, new_args)
+    return True
+
+
+def _variance(node: fx.Node) -> bool:
+    """``x.var(...)`` / ``torch.var(...)`` over given dims -> ``variance(x, negative_dims_tuple, correction,
+    keepdim)``. A full variance (no dim) and ``var(x, unbiased)`` keep their spelling."""
+    xt = tensor_of(node.args[0]) if node.args else None
+    if xt is None or len(node.args) > 4 or set(node.kwargs) - {"dim", "unbiased", "correction", "keepdim"}:
+        return False
+    params = dict(zip(("dim", "unbiased", "keepdim"), node.args[1:]))
+    if set(params) & set(node.kwargs):
+        return False
+    params.update(node.kwargs)
+    dim = params.get("dim")
+    if not isinstance(dim, (int, list, tuple)) or isinstance(dim, bool) or {"unbiased", "correction"} <= set(params):
+        return False
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if not all(isinstance(d, int) for d in dims):
+        return False
+    correction = params.get("correction", 1 if params.get("unbiased", True) else 0)
+    if not is_number(correction):
+        return False
+    _rewrite(node, variance, (node.args[0], tuple(d - xt.dim() if d >= 0 else d for d in dims), correction,
+                              bool(params.get("keepdim", False))))
+    return True
+
+
+def _full_positional(node: fx.Node, names: tuple, defaults: tuple) -> bool:
+    """``node`` with every parameter of ``names`` positional, the missing trailing ones at their
+    ``defaults``. A keyword outside ``names`` (or given twice) keeps the node's spelling."""
+    if len(node.args) > len(names) or set(node.kwargs) - set(names[len(node.args):]):
+        return False
+    full = dict(zip(names[len(names) - len(defaults):], defaults))
+    full.update(zip(names, node.args))
+    full.update(node.kwargs)
+    if set(names) - set(full):
+        return False  # a required parameter missing: not a call we understand
+    args = tuple(full[n] for n in names)
+    if (node.args, dict(node.kwargs)) == (args, {}):
+        return False
+    _rewrite(node, node.target, args)
     return True
 
 

@@ -1,7 +1,7 @@
 """Recompute instead of save: mark cheap sloth ops so that AOTAutograd's partitioner recomputes their output
 in the backward rather than keeping it alive from the forward.
 
-The case that pays: an RMSNorm output read by a backward. In a LoRA step the adapters' weight gradients
+The case that pays: an RMSNorm (or LayerNorm) output read by a backward. In a LoRA step the adapters' weight gradients
 need their input x (da = s g^T x), and that x is the norm's output; q, k, v read one norm, gate and up
 another, so each layer keeps two [tokens, hidden] tensors only for the adapters (Llama-3-8B at 2 x 2048:
 2 x 32 MiB per layer, 2 GiB over 32 layers). The norm's own backward saves its input h, which the
@@ -33,7 +33,7 @@ from .report import Report
 
 # Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive
 # (single-output ops: a multi-output op would need its getitem users tagged too).
-RECOMPUTED_OPS = ("rms_norm",)
+RECOMPUTED_OPS = ("rms_norm", "layer_norm")
 # Checkpointed regions number themselves from 0 or 1 up; ours sits below them (see the module docstring).
 AC_GRAPH_ID = -1
 

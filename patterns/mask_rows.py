@@ -37,9 +37,9 @@ ROW_BLOCK_ELEMENTS = 1 << 26
 
 _ELEMENTWISE = {"add", "sub", "mul", "le", "lt", "ge", "gt", "eq", "ne", "and_", "or_", "xor", "bitwise_and",
                 "bitwise_or", "bitwise_xor", "logical_and", "logical_or", "logical_xor", "where", "masked_fill",
-                "__and__", "__or__", "__xor__", "minimum", "maximum"}
+                "minimum", "maximum"}
 _UNARY = {"to", "type", "bool", "float", "half", "bfloat16", "int", "long", "contiguous", "clone", "logical_not",
-          "bitwise_not", "invert", "neg", "__invert__", "type_as", "detach", "cast"}
+          "bitwise_not", "invert", "neg", "type_as", "detach", "cast"}
 _CREATION = {"ones", "zeros", "full", "empty"}
 _TRIANGLE = {"tril", "triu"}
 # Creation from another tensor's dtype and device (``q.new_ones(())``): that tensor's values are not read.
@@ -54,9 +54,13 @@ def _tensor_index(index: Any) -> bool:
 
 
 def _name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
+    """The op's name, a Tensor method's or dunder's (``__eq__``, ``__rsub__``) as its operator function's."""
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+    if name.startswith("__") and name.endswith("__"):
+        core = name[2:-2]
+        core = core[1:] if core in ("radd", "rsub", "rmul", "rand", "ror", "rxor") else core
+        name = core + "_" if core in ("and", "or") else core
+    return name
 
 
 def _shape(value: Any) -> Optional[tuple[int, ...]]:

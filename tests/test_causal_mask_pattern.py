@@ -459,3 +459,15 @@ def test_transformers_padding_mask_stays_with_reason(transformers_517_masks) -> 
         input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
     reasons = [r.reason for r in sloth.report().rejections if r.family == "causal_mask"]
     assert len(reasons) == model.config.num_hidden_layers and all("graph input" in r for r in reasons), reasons
+
+
+def test_row_blocks_read_dunder_methods_as_their_operators() -> None:
+    # transformers 5.17's checkpointed graph on the H200 spelled a comparison as the method ``__eq__``; a method
+    # or reflected dunder is the operator it stands for (``__rand__`` is ``and_``), an unknown name stays itself.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    names = {m: mask_rows._name(graph.call_method(m, (x, x))) for m in ("__eq__", "__rand__", "__or__", "__rsub__",
+                                                                         "__matmul__", "expand")}
+    assert names == {"__eq__": "eq", "__rand__": "and_", "__or__": "or_", "__rsub__": "sub", "__matmul__": "matmul",
+                     "expand": "expand"}
+    assert "matmul" not in mask_rows._ELEMENTWISE

@@ -23,8 +23,9 @@ from pattern_checks import seeded
 
 class EveryFamily(nn.Module):
     """One site of each family, written by hand: RMSNorm, rotate-half RoPE on q and k, a causal mask given to
-    SDPA, a LoRA linear, SwiGLU, the lm_head + cross-entropy, and a second attention under a packed-document
-    mask built from position ids (documents start where the position is 0)."""
+    SDPA, a LoRA linear, an nn.LayerNorm-style norm before SwiGLU, an L2-norm of the final hidden state, the
+    lm_head + cross-entropy, and a second attention under a packed-document mask built from position ids
+    (documents start where the position is 0)."""
 
     def __init__(self, d: int = 32, heads: int = 2, vocab: int = 40, rank: int = 4):
         super().__init__()
@@ -38,6 +39,8 @@ class EveryFamily(nn.Module):
         self.gate_up = nn.Parameter(torch.randn(4 * d, d, generator=g) / d**0.5)
         self.down = nn.Parameter(torch.randn(d, 2 * d, generator=g) / (2 * d)**0.5)
         self.head = nn.Parameter(torch.randn(vocab, d, generator=g) / d**0.5)
+        self.ln_w = nn.Parameter(torch.randn(d, generator=g) * 0.1 + 1)
+        self.ln_b = nn.Parameter(torch.randn(d, generator=g) * 0.1)
 
     def forward(self, x, cos, sin, labels, pos):
         b, t, d = x.shape
@@ -55,8 +58,9 @@ class EveryFamily(nn.Module):
         packed = (doc[:, None, :, None] == doc[:, None, None, :]) & mask
         a = a + F.scaled_dot_product_attention(q, k, v, attn_mask=packed).transpose(1, 2).reshape(b, t, d)
         x = x + (F.linear(a, self.o_base) + F.linear(F.linear(a, self.o_a), self.o_b) * 2.0)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        gate, up = F.linear(F.layer_norm(x, (d,), self.ln_w, self.ln_b, 1e-5), self.gate_up).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, self.down)
+        x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
         return F.cross_entropy(F.linear(x, self.head).float().view(-1, self.head.shape[0]), labels.view(-1))
 
 
