@@ -275,6 +275,11 @@ def _unmatched_adapter(chain: fx.Node) -> tuple[fx.Node, str]:
                       "B(A(y))): not a LoRA of that linear")
     if base is not None:
         return node, "base(x) + B(A(x)) in a form none of the LoRA patterns matched (please report it)"
+    stripped = _strip_scalars(other, 1.0, [])[0]
+    if isinstance(stripped, fx.Node) and stripped.op == "placeholder":
+        return node, ("the tensor B(A(x)) is added to is an input of this graph: the site was cut apart by a graph "
+                      "boundary (a graph break, or DDP's split at a gradient bucket: torch._dynamo.config."
+                      "optimize_ddp = False keeps one graph), so its base linear was compiled in another graph")
     if is_call(other, torch.add) and any((parts := linear_parts(_strip_scalars(a, 1.0, [])[0])) is not None
                                          and parts[0] is x_adapter for a in other.args):
         return node, ("the adapter is added to a sum that holds its base, (r + base(x)) + s * B(A(x)), not to base(x) "

@@ -678,3 +678,24 @@ def test_dropout_by_keyword_in_a_gated_block_is_read():
     out = torch.compile(module, backend="sloth", options={"inner": "eager"}, fullgraph=True)(x, gate)
     torch.testing.assert_close(out, module(x, gate))
     assert not sloth.last_report().rejections, str(sloth.last_report())
+
+
+def _cut_by_a_graph_break(x, base_w, a, b):
+    y = F.linear(x, base_w)
+    torch._dynamo.graph_break()  # as DDP's split at a gradient bucket leaves the base linear in the graph before
+    return y + F.linear(F.linear(x, a), b) * 2.0
+
+
+def test_site_cut_by_a_graph_boundary_says_so():
+    # The adapter's sum is in the second graph, its base linear in the first: the report names the graph
+    # boundary (and DDP's optimize_ddp switch), not a residual adapter.
+    g = seeded(0)
+    x, base_w = torch.randn(3, 16, generator=g), torch.randn(12, 16, generator=g)
+    a, b = torch.randn(2, 16, generator=g, requires_grad=True), torch.randn(12, 2, generator=g, requires_grad=True)
+    sloth.reset_report()
+    out = torch.compile(_cut_by_a_graph_break, backend="sloth", options={"inner": "eager"})(x, base_w, a, b)
+    torch.testing.assert_close(out, _cut_by_a_graph_break(x, base_w, a, b))
+    report = sloth.report()
+    assert report.graphs == 2 and report.counts.get("lora", 0) == 0, str(report)
+    [rejection] = [r for r in report.rejections if r.family == "lora"]
+    assert "cut apart by a graph boundary" in rejection.reason and "optimize_ddp" in rejection.reason, rejection.reason
