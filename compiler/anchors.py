@@ -12,6 +12,8 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
     rope            rotate-half: cat([neg(narrow(x)), narrow(x)]); an interleaved pair: stack([neg(a), b]);
                     a complex rotation: view_as_real(view_as_complex(x) * f); even/odd slices rotated and
                     concatenated: cat([x0 * c - x1 * s, x1 * c + x0 * s]) (DeepSeek's interleaved form)
+    moe_route       a matmul-like call (grouped_mm, bmm, matmul, linear) reading a 3-D float graph input (stacked
+                    expert weights) through views or indexing
     glu             an activation (F.silu, gelu) whose one user is a product: act(gate) * up
     cross_entropy   F.cross_entropy, F.nll_loss
     lora            a low-rank chain B(A(x)) added to something: a linear reading (through casts and
@@ -29,7 +31,7 @@ sloth (tests/conftest.py).
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -215,11 +217,66 @@ def _is_packed_attention(node: fx.Node) -> bool:
     return reads_integer_input(params["attn_mask"])
 
 
+# MoE experts: a matmul-like call reading stacked [E, ., .] expert weights (patterns/moe.py).
+_GROUPED_GEMMS = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+_GEMM_NAMES = _GROUPED_GEMMS | {"bmm", "matmul", "linear", "mm"}
+_VIEWS = {"transpose", "permute", "t", "view", "reshape", "contiguous", "to", "getitem", "cast", "expand",
+          "unsqueeze", "squeeze", "index_select"}
+
+
+def op_name(node: fx.Node) -> str:
+    """A call's name: a method's, an op's without namespace and overload, a function's ``__name__``."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def expert_weight(node: Any, indexed: bool = False, depth: int = 5) -> Optional[fx.Node]:
+    """The 3-D float graph input ``node`` is a view of (with ``indexed``: an indexing of, ``W[e]`` or ``W[ids]``,
+    then views), or None."""
+    for _ in range(depth + 1):
+        if not isinstance(node, fx.Node):
+            return None
+        value = tensor_of(node)
+        if node.op == "placeholder":
+            return node if value is not None and value.dim() == 3 and value.is_floating_point() and not indexed \
+                else None
+        if node.op not in ("call_function", "call_method") or op_name(node) not in _VIEWS or not node.args:
+            return None
+        if op_name(node) in ("getitem", "index_select"):
+            indexed = False
+        node = node.args[0]
+    return None
+
+
+def expert_operand(node: fx.Node) -> Optional[fx.Node]:
+    """The stacked expert weight a matmul-like ``node`` reads, or None: the weight operand of a grouped GEMM
+    (``grouped_mm(x, W, offs)``), or an indexed one (``W[e]``, ``W[ids]``) of ``bmm`` / ``matmul`` / ``linear``
+    (a 3-D activation such as the hidden states [B, S, H] is no expert weight)."""
+    if node.op not in ("call_function", "call_method") or op_name(node) not in _GEMM_NAMES:
+        return None
+    if op_name(node) in _GROUPED_GEMMS:
+        return expert_weight(node.args[1]) if len(node.args) > 1 else None
+    return next((w for w in (expert_weight(a, indexed=True) for a in node.args if isinstance(a, fx.Node)) if w),
+                None)
+
+
+def is_expert_gemm(node: fx.Node) -> bool:
+    """A matmul-like call reading stacked expert weights: the ``moe_route`` family's anchor."""
+    return expert_operand(node) is not None
+
+
 ANCHORS = {
     "layer_norm": _is_layer_norm,
     "rms_norm": _is_rms_norm,
     "l2_norm": _is_l2_norm,
     "rope": _is_rope,
+    "moe_route": is_expert_gemm,
     "glu": _is_glu,
     "cross_entropy": _is_cross_entropy,
     "lora": _is_lora,

@@ -32,6 +32,7 @@ from ..patterns.glu import fuse_glu_pass
 from ..patterns.l2_norm import fuse_l2_norm_pass
 from ..patterns.layer_norm import fuse_layer_norm_pass
 from ..patterns.lora import fuse_lora_pass
+from ..patterns.moe import fuse_moe_pass
 from ..patterns.packed_attention import fuse_packed_attention_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
@@ -47,10 +48,11 @@ log = logging.getLogger("sloth")
 
 # sloth's own families, registered in roadmap order (DESIGN.md) through the same call a user's family uses
 # (compiler/families.py). A family's pass may rely on the passes before it having run.
-# layer_norm comes before rms_norm: a LayerNorm is an RMSNorm of x - mean(x), and taking it whole is better.
+# layer_norm comes before rms_norm: a LayerNorm is an RMSNorm of x - mean(x), and taking it whole is better;
+# moe_route before glu, whose pass would otherwise take the experts' GLU out of the region moe_route replaces.
 for _name, _run, _whole_module in (("layer_norm", fuse_layer_norm_pass, False), ("rms_norm", fuse_rms_norm_pass, False),
                                    ("l2_norm", fuse_l2_norm_pass, False), ("rope", fuse_rope_pass, False),
-                                   ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
+                                   ("moe_route", fuse_moe_pass, False), ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
                                    ("lora", fuse_lora_pass, False), ("packed_attention", fuse_packed_attention_pass, True),
                                    ("causal_mask", fuse_causal_mask_pass, True)):
     register_family(_name, _run, anchor=ANCHORS[_name], whole_module=_whole_module, _builtin=True)

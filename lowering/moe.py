@@ -1,0 +1,290 @@
+"""Fused MoE experts (transformers 5.x ``*Experts`` modules): ``torch.ops.sloth.moe_experts`` and its manual backward.
+
+Shapes (legend): T tokens, K experts a token, S = T*K assignments, E experts, H hidden, I intermediate.
+Layouts as in transformers 5.24 ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]`` (gate rows ``[:I]``, up rows
+``[I:]``, ``F.linear(x, gate_up_proj[e]).chunk(2, -1)``, not interleaved), ``down_proj [E, H, I]``. The op equals::
+
+    out[t] = sum_k w[t, k] * down_proj[e] @ (act(gate_e @ x[t]) * (up_e @ x[t])),   e = top_k_index[t, k]
+
+with ``act`` one of ``"silu"``, ``"gelu_tanh"`` (transformers' ``gelu_pytorch_tanh``) or ``"gelu"`` (erf);
+``moe_experts_pattern`` below is transformers' eager loop, the test oracle.
+
+Dispatch, with no host sync and no data-dependent shape: the S assignments are sorted by expert id (stable, so
+rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
+``searchsorted`` on the sorted ids (no [S, E] one-hot, no ``bincount``, whose size depends on the largest id).
+Rows are gathered in that order, the two expert GEMMs are grouped GEMMs over ``offs``, the GLU is
+``lowering/glu.py``'s kernel (fp32 inside, one rounding), and the weighted sum back to tokens is a gather through
+the inverse permutation and a sum over K in fp32: every token has exactly K rows, so the scatter-add is a
+deterministic reduction, with no atomics (``index_add_`` on CUDA adds duplicates in arbitrary order).
+Ids must lie in [0, E): checking that needs a host sync, so it is not checked; rows with other ids are undefined.
+
+Grouped GEMM: ``torch._grouped_mm`` where it runs (CUDA bf16, and the CPU kernel of torch >= 2.9 for fp32/bf16/
+fp16), both needing 16-byte-aligned strides (H and 2I, I multiples of 8 bf16 elements); elsewhere
+``_grouped_mm_reference``, the same math with per-row gathered weights (bmm over [S, k, n] weight copies, no
+per-expert loop: a loop would need the group sizes on the host). Measured on torch 2.13 CPU: ``_grouped_mm``
+raises "strides should be multiple of 16 bytes" for bf16 I=20, and leaves rows past ``offs[-1]`` uninitialised.
+
+Backward derivation. Per sorted row r (token t, expert e, router weight w_r), with gu_r = W_gu[e] x_t = (g_r, u_r),
+h_r = a(g_r) * u_r, y_r = W_d[e] h_r and out_t = sum_r w_r y_r; given dout::
+
+    c_r      = W_d[e]^T dout_t                       (one grouped GEMM, [S, I])
+    d w_r    = <dout_t, y_r> = <c_r, h_r>            (y_r is never kept nor recomputed)
+    dh_r     = w_r c_r
+    d g_r    = dh_r * u_r * a'(g_r),   d u_r = dh_r * a(g_r)            (glu backward; it also rewrites h_r)
+    dx_t     = sum_r W_gu[e]^T d gu_r                (grouped GEMM, then the sum over K as in the forward)
+    dW_gu[e] = sum_{r in e} d gu_r x_t^T,   dW_d[e] = sum_{r in e} dout_t (w_r h_r)^T    (2d x 2d grouped GEMMs)
+
+Saved for backward: x, the routing, the weights, gu [S, 2I] (the pre-activation: recomputing it would repeat the
+largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: the glu backward
+recomputes it in the same pass. The weight gradients are formed only for weights that require grad (frozen
+experts under LoRA get none, and their two 2d x 2d GEMMs are skipped).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .devices import check_one_device
+from .glu import glu_backward_impl, glu_forward
+from .registration import define, fake
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Our activation names -> lowering/glu.py's.
+ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu": "gelu_erf"}
+
+
+def _act(v: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(v)
+    return F.gelu(v, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """transformers 5.24 ``Qwen3MoeExperts.forward``, eager loop (host syncs and all): the meaning and the oracle."""
+    num_experts = gate_up_proj.shape[0]
+    final = torch.zeros_like(x)
+    with torch.no_grad():
+        expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        gate, up = F.linear(x[token_idx], gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        h = F.linear(_act(gate, act) * up, down_proj[expert_idx])
+        h = h * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, h.to(final.dtype))
+    return final
+
+
+# ---------------------------------------------------------------------------------------------------
+# Grouped GEMM
+# ---------------------------------------------------------------------------------------------------
+
+def _aligned(t: torch.Tensor) -> bool:
+    """torch._grouped_mm's requirement: 16-byte-aligned data and strides (the unit stride excepted)."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
+
+
+def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or not (_aligned(a) and _aligned(b)) or a.dtype != b.dtype:
+        return False
+    if a.device.type == "cuda":
+        # bf16 is the dtype the CUTLASS kernel serves on sm90 (torch 2.11); fp32 and fp16 take the reference.
+        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0)
+    return a.device.type == "cpu" and a.dtype in _FLOAT_DTYPES
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    """Whether the op's GEMMs at these sizes take ``torch._grouped_mm`` (else the reference, S*k*n memory): what
+    ``_use_grouped_mm`` decides at run time, from what is known at compile time (fresh activations and
+    parameters are 16-byte aligned; the strides are multiples of H, 2I and I elements)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if not hasattr(torch, "_grouped_mm") or any((n * size) % 16 for n in (hidden, inter, 2 * inter)):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu" and dtype in _FLOAT_DTYPES
+
+
+def _grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_row: torch.Tensor
+                          ) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` for the two forms used here, in plain PyTorch without host sync.
+
+    a [S, k], b [E, k, n] -> [S, n]: row s times b[group_of_row[s]], by bmm on gathered weights (S*k*n memory).
+    a [k, S], b [S, n] -> [E, k, n]: per-row outer products summed into their group by index_add (fp32).
+    ``group_of_row`` [S] is the expert of each row, the information ``offs`` carries, in a gatherable form.
+    """
+    if b.dim() == 3:
+        return torch.bmm(a.unsqueeze(1), b[group_of_row]).squeeze(1)
+    n_groups = offs.shape[0]
+    out = torch.zeros((n_groups, a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    out.index_add_(0, group_of_row, a.t().float().unsqueeze(2) * b.float().unsqueeze(1))
+    return out.to(a.dtype)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_row: torch.Tensor) -> torch.Tensor:
+    if _use_grouped_mm(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_reference(a, b, offs, group_of_row)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward and backward
+# ---------------------------------------------------------------------------------------------------
+
+def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act) -> None:
+    op = "sloth.moe_experts"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{op}: act must be one of {list(ACTIVATIONS)}, got {act!r}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: top_k_index must be int32 or int64, got {top_k_index.dtype}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: top_k_index must be [T, K] with T = {x.shape[0]}, got {tuple(top_k_index.shape)}")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"{op}: top_k_weights must be a float tensor, got {top_k_weights.dtype}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"{op}: top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, "
+                         f"got {tuple(top_k_weights.shape)}")
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2 or gate_up_proj.shape[2] != x.shape[1]:
+        raise ValueError(f"{op}: gate_up_proj must be [E, 2I, H] with H = {x.shape[1]}, got {tuple(gate_up_proj.shape)}")
+    n_experts, n_inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    if down_proj.dim() != 3 or tuple(down_proj.shape) != (n_experts, x.shape[1], n_inter):
+        raise ValueError(f"{op}: down_proj must be [E, H, I] = {(n_experts, x.shape[1], n_inter)} (from gate_up_proj "
+                         f"and x), got {tuple(down_proj.shape)}")
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{op}: {name} must have x's dtype {x.dtype}, got {w.dtype}")
+    check_one_device(op, ("x", x), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights),
+                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj))
+
+
+def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [S] int64, sorted expert ids [S], offs [E] int32): all on the device, no host sync."""
+    sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    bounds = torch.arange(n_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)
+    return order, sorted_ids, offs
+
+
+def _sum_over_k(rows_S: torch.Tensor, order: torch.Tensor, n_tokens: int, top_k: int,
+                scale_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k (scale[t, k] *) rows[r(t, k)] in fp32 -> [T, H]: the sorted rows put back in (t, k) order by the
+    inverse permutation, then reduced over K (deterministic; see the module docstring)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=order.device)
+    rows_TKH = rows_S[inverse].view(n_tokens, top_k, -1).float()
+    if scale_TK is not None:
+        rows_TKH = rows_TKH * scale_TK.float().unsqueeze(-1)
+    return rows_TKH.sum(1)
+
+
+def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, H], gu [S, 2I], order [S], offs [E]); the last three are the backward's residuals."""
+    _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
+    n_tokens, top_k = top_k_index.shape
+    order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
+    x_SH = x[order // top_k]
+    gu_S2I = grouped_mm(x_SH, gate_up_proj.transpose(1, 2), offs, sorted_ids)
+    h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
+    y_SH = grouped_mm(h_SI, down_proj.transpose(1, 2), offs, sorted_ids)
+    out = _sum_over_k(y_SH, order, n_tokens, top_k, top_k_weights).to(x.dtype)
+    return out, gu_S2I, order, offs
+
+
+def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gu: torch.Tensor, order: torch.Tensor,
+                         offs: torch.Tensor, act: str, compute_dx: bool, compute_dw: bool, compute_d_gate_up: bool,
+                         compute_d_down: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d top_k_weights, d gate_up_proj, d down_proj), each an empty tensor where not asked for."""
+    n_tokens, top_k = top_k_index.shape
+    token_of_row = order // top_k
+    sorted_ids = top_k_index.reshape(-1)[order]
+    w_S1 = top_k_weights.reshape(-1)[order].float().unsqueeze(1)
+    dout_SH = dout.to(x.dtype)[token_of_row]
+    c_SI = grouped_mm(dout_SH, down_proj, offs, sorted_ids)
+    buf_SI = (c_SI.float() * w_S1).to(x.dtype)  # dh; the glu backward writes h over it
+    d_gu, _ = glu_backward_impl(buf_SI, gu, None, ACTIVATIONS[act], y_over_dy=True)
+    h_SI = buf_SI
+    # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
+    dw = x.new_empty(0)
+    if compute_dw:
+        dw_S = (c_SI.float() * h_SI.float()).sum(-1)
+        dw = torch.empty(order.shape, dtype=top_k_weights.dtype, device=x.device)
+        dw[order] = dw_S.to(dw.dtype)
+        dw = dw.view(top_k_weights.shape)
+    d_down = x.new_empty(0)
+    if compute_d_down:
+        d_down = grouped_mm(dout_SH.t(), (h_SI.float() * w_S1).to(x.dtype), offs, sorted_ids)
+    dx = x.new_empty(0)
+    if compute_dx:
+        dx = _sum_over_k(grouped_mm(d_gu, gate_up_proj, offs, sorted_ids), order, n_tokens, top_k).to(x.dtype)
+    d_gate_up = x.new_empty(0)
+    if compute_d_gate_up:
+        d_gate_up = grouped_mm(d_gu.t(), x[token_of_row], offs, sorted_ids)
+    return dx, dw, d_gate_up, d_down
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registration with torch.library: a graph citizen with a fake implementation and its own backward.
+# ---------------------------------------------------------------------------------------------------
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, top_k_index, top_k_weights, gate_up_proj, down_proj, act = inputs
+    _, gu, order, offs = output
+    ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs)
+    ctx.mark_non_differentiable(gu, order, offs)  # residuals returned to be saved, not used
+    ctx.act = act
+
+
+def _backward(ctx, dout, _dgu, _dorder, _doffs):
+    x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dx, dw, d_gate_up, d_down = torch.ops.sloth.moe_experts_backward(
+        dout, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, ctx.act,
+        need[0], need[2], need[3], need[4])
+    return (dx if need[0] else None, None, dw if need[2] else None, d_gate_up if need[3] else None,
+            d_down if need[4] else None, None)
+
+
+@functools.cache
+def register() -> None:
+    """Define ``sloth::moe_experts`` and ``sloth::moe_experts_backward`` (idempotent)."""
+    fwd = define("sloth::moe_experts", moe_experts_forward)
+    bwd = define("sloth::moe_experts_backward", moe_experts_backward)
+
+    @fake(fwd)
+    def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
+        _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)  # shapes only: fake-safe
+        n_rows = top_k_index.numel()
+        return (x.new_empty(x.shape), x.new_empty((n_rows, gate_up_proj.shape[1])),
+                top_k_index.new_empty((n_rows,), dtype=torch.int64),
+                top_k_index.new_empty((gate_up_proj.shape[0],), dtype=torch.int32))
+
+    @fake(bwd)
+    def _(dout, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, act,
+          compute_dx, compute_dw, compute_d_gate_up, compute_d_down):
+        return (x.new_empty(x.shape if compute_dx else 0),
+                top_k_weights.new_empty(top_k_weights.shape) if compute_dw else x.new_empty(0),
+                gate_up_proj.new_empty(gate_up_proj.shape) if compute_d_gate_up else x.new_empty(0),
+                down_proj.new_empty(down_proj.shape) if compute_d_down else x.new_empty(0))
+
+    fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """Fused MoE experts, equal to ``moe_experts_pattern``; see the module docstring for the math."""
+    register()
+    return torch.ops.sloth.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)[0]

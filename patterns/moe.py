@@ -1,0 +1,349 @@
+"""MoE experts (``"moe_route"`` in the report): the routed experts of a mixture-of-experts block, whatever code
+ran them, become one ``torch.ops.sloth.moe_experts`` (lowering/moe.py: sort-based dispatch with no host sync,
+grouped expert GEMMs, the GLU fused, a manual backward that gives frozen experts no weight gradient).
+
+The meaning (``moe_experts_pattern`` in lowering/moe.py, transformers' eager loop)::
+
+    out[t] = sum_k w[t, k] * W_down[e] @ (act(W_gate[e] @ x[t]) * (W_up[e] @ x[t])),    e = idx[t, k]
+
+with ``W_gate_up = [W_gate; W_up]`` stacked as ``[E, 2I, H]`` and ``W_down`` as ``[E, H, I]``, ``act`` silu,
+gelu (tanh) or gelu (erf).
+
+How a site is found (on the canonical graph): an *expert GEMM* is a matmul-like call (``torch._grouped_mm``,
+``F.grouped_mm``, transformers' ``grouped_mm_fallback``, ``bmm``, ``matmul``, ``linear``) one of whose operands is
+a 3-D float graph input (the stacked expert weights, through views and indexing). Two expert GEMMs in a row, the
+second downstream of the first, are a candidate, and its interface is read off the shapes:
+
+    W1 = the first GEMM's 3-D weight [E, 2I, H];   W2 = the second's [E, H, I];   S = the first GEMM's rows
+    out = the first value downstream of the second GEMM of shape [T, H] with S = T * K (K >= 1),
+          extended through casts
+    x = the nearest [T, H] float value upstream of the first GEMM's other operand
+    idx = the last [T, K] integer value upstream of ``out``;   w = the last [T, K] float value upstream of ``out``
+
+The candidate *region* is every node ``out`` is computed from, back to those five (and the in-place writes into
+them, such as transformers' ``inv_perm[perm] = arange``). A region reading anything else (a bias, a shared
+expert, a parameter of a post-expert norm) is refused with its name.
+
+How it is accepted: the region is a function of (x, idx, w, W1, W2) alone, so it is evaluated at compile time on
+two random probes of the real shapes (random tokens, distinct random experts a token, random router weights,
+random expert weights) and compared with ``moe_experts_pattern`` for each activation; one that agrees on both
+probes within the dtype's tolerance is taken. This is a test of the function, as the packed-attention family's
+mask check is, not a proof; it tells apart the activations, gate/up order and layouts sloth supports from the
+variants it does not (GPT-OSS's clamped ``(up + 1)`` GLU, interleaved gate/up, transposed layouts, capacity
+limits that drop tokens), which then stay, with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..compiler.anchors import expert_operand, is_expert_gemm, op_name
+from ..compiler.fx_utils import insert_call, module_path, replace_and_erase, source_location, tensor_of
+from ..compiler.options import PassOptions
+from ..compiler.report import Report, Site
+from ..compiler.writes import written
+
+FAMILY = "moe_route"
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# Relative error (max |region - pattern| / max |pattern|) a probe may show, by the region's dtype: the region
+# runs in the graph's dtype, the pattern in fp32 from the same inputs.
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+# The most bytes the op's fallback GEMM (one gathered expert weight per row, where torch._grouped_mm does not
+# run) may gather; beyond it the experts stay as they were.
+REFERENCE_BYTES = 256 << 20
+# The most bytes the probes' inputs and the region's values may hold at once (the weights are two random copies).
+PROBE_BYTES = 8 << 30
+
+
+def _value(node: Any) -> Optional[torch.Tensor]:
+    return tensor_of(node) if isinstance(node, fx.Node) else None
+
+
+def _lowering():
+    """lowering/moe.py, imported on first use (it imports triton through lowering/glu.py)."""
+    from ..lowering import moe
+
+    return moe
+
+
+@dataclasses.dataclass
+class MoeSite:
+    out: fx.Node
+    x: fx.Node
+    idx: fx.Node
+    w: fx.Node
+    w1: fx.Node
+    w2: fx.Node
+    region: list[fx.Node]
+    act: str = ""
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                if i not in stop:
+                    stack.append(i)
+    return seen
+
+
+def _shape(node: fx.Node) -> Optional[tuple]:
+    value = _value(node)
+    return tuple(value.shape) if value is not None else None
+
+
+def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[Optional[MoeSite], Optional[str]]:
+    """Read (x, idx, w, W1, W2, out) off two expert GEMMs, or say why not."""
+    w1, w2 = expert_operand(gemm1), expert_operand(gemm2)
+    e1, e2 = _shape(w1), _shape(w2)
+    if e1[0] != e2[0]:
+        return None, f"its two expert weights hold {e1[0]} and {e2[0]} experts"
+    rows = _shape(gemm1)[0]
+    order = {n: i for i, n in enumerate(gemm2.graph.nodes)}
+    below = sorted(_descendants(gemm2), key=order.__getitem__)
+    data = [a for a in gemm1.all_input_nodes if a is not w1 and w1 not in _ancestors(a, set())]
+    why_not = "no [tokens, hidden] value follows the second expert GEMM (the experts' sum over k)"
+    for hidden in dict.fromkeys((e2[1], e2[2])):  # [E, H, I], or transposed [E, I, H] (_accept refuses it, saying so)
+        out = next((n for n in below if (shape := _shape(n)) is not None and len(shape) == 2 and shape[1] == hidden
+                    and shape[0] < rows and rows % shape[0] == 0), None)
+        if out is None:
+            continue
+        while len(out.users) == 1 and op_name(next(iter(out.users))) in ("to", "cast", "type_as") \
+                and _shape(next(iter(out.users))) == _shape(out):
+            out = next(iter(out.users))
+        tokens, top_k = _shape(out)[0], rows // _shape(out)[0]
+        x = _nearest(data, (tokens, hidden))
+        if x is not None:
+            break
+        why_not = f"no [{tokens}, {hidden}] input found upstream of the first expert GEMM"
+    else:
+        return None, why_not
+    upstream = sorted(_ancestors(out, {x, w1, w2}), key=order.__getitem__)
+    ints = [n for n in upstream if _shape(n) == (tokens, top_k) and not _value(n).is_floating_point()]
+    floats = [n for n in upstream if _shape(n) == (tokens, top_k) and _value(n).is_floating_point()]
+    if not ints or not floats:
+        return None, f"no [{tokens}, {top_k}] expert ids and router weights found upstream of the experts"
+    idx, w = ints[-1], floats[-1]
+    region, why_not = _region(out, {x, idx, w, w1, w2})
+    if why_not:
+        return None, why_not
+    return MoeSite(out, x, idx, w, w1, w2, region), None
+
+
+def _nearest(starts: list[fx.Node], shape: tuple) -> Optional[fx.Node]:
+    """Breadth-first back from ``starts``: the nearest float value of ``shape`` (the tokens the experts read)."""
+    stack, seen = list(starts), set()
+    while stack:
+        node = stack.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        value = _value(node)
+        if value is not None and value.is_floating_point() and tuple(value.shape) == shape:
+            return node
+        stack.extend(node.all_input_nodes)
+    return None
+
+
+def _region(out: fx.Node, inputs: set[fx.Node]) -> tuple[list[fx.Node], Optional[str]]:
+    """The nodes ``out`` is computed from back to ``inputs``, with the writes into them, in graph order."""
+    region: set[fx.Node] = set()
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if node in region or node in inputs:
+            continue
+        if node.op == "placeholder":
+            return [], f"the experts also read the graph input {node.target!r} (a bias, a shared expert, a norm)"
+        if node.op in ("get_attr", "call_module"):
+            return [], f"the experts read {node.target!r} ({node.op})"
+        region.add(node)
+        stack.extend(node.all_input_nodes)
+        for user in node.users:  # a write into a value of the region is part of it
+            if user not in region and node in written(user):
+                stack.append(user)
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    return sorted(region, key=order.__getitem__), None
+
+
+def _evaluate(site: MoeSite, probe: dict[fx.Node, torch.Tensor]) -> torch.Tensor:
+    """The region's value of ``out`` on ``probe`` (real tensors for the five inputs), outside any fake mode."""
+    env: dict[fx.Node, Any] = dict(probe)
+
+    def read(n: fx.Node) -> Any:
+        return env[n]
+
+    for node in site.region:
+        args = fx.node.map_arg(node.args, read)
+        kwargs = fx.node.map_arg(node.kwargs, read)
+        if node.op == "call_method":
+            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            env[node] = node.target(*args, **kwargs)
+    return env[site.out]
+
+
+def _probe(site: MoeSite, seed: int) -> dict[fx.Node, torch.Tensor]:
+    x, idx, w, w1, w2 = (_value(n) for n in (site.x, site.idx, site.w, site.w1, site.w2))
+    g = torch.Generator(device=x.device).manual_seed(seed)
+    n_experts = w1.shape[0]
+    tokens, top_k = idx.shape
+    choice = torch.rand(tokens, n_experts, generator=g, device=x.device).argsort(-1)[:, :top_k]
+    return {site.x: torch.randn(x.shape, generator=g, device=x.device).to(x.dtype),
+            site.idx: choice.to(idx.dtype),
+            site.w: torch.rand(w.shape, generator=g, device=x.device).to(w.dtype),
+            site.w1: (torch.randn(w1.shape, generator=g, device=x.device) / w1.shape[-1] ** 0.5).to(w1.dtype),
+            site.w2: (torch.randn(w2.shape, generator=g, device=x.device) / w2.shape[-1] ** 0.5).to(w2.dtype)}
+
+
+def _accept(site: MoeSite) -> Optional[str]:
+    """Set ``site.act`` to the activation whose pattern the region equals on every probe, or say why none."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    x, w1, w2, out = (_value(n) for n in (site.x, site.w1, site.w2, site.out))
+    if w1.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w1.shape[1] != 2 * w2.shape[2]:
+        return (f"its expert weights {tuple(w1.shape)} and {tuple(w2.shape)} are not [E, 2I, H] and [E, H, I] "
+                f"for hidden size {x.shape[1]} (a transposed or ungated layout)")
+    if out.dtype not in PROBE_TOLERANCE or x.dtype not in PROBE_TOLERANCE:
+        return f"its dtype {out.dtype} is not one the fused op supports"
+    needed = 2 * (w1.numel() + w2.numel()) * w1.element_size() + 8 * _value(site.idx).numel() * w1.shape[1] * 4
+    if needed > PROBE_BYTES:
+        return f"probing it would hold about {needed / 2**30:.1f} GiB, more than sloth allows itself"
+    moe = _lowering()
+    rows, inter = _value(site.idx).numel(), w2.shape[2]
+    reference_bytes = rows * 2 * inter * x.shape[1] * x.element_size()
+    if not moe.grouped_mm_runs(x.device, x.dtype, x.shape[1], inter) and reference_bytes > REFERENCE_BYTES:
+        return (f"torch._grouped_mm does not run {str(x.dtype).replace('torch.', '')} experts of width {inter} on "
+                f"{x.device.type} here, and the op's fallback would gather {reference_bytes / 2**30:.1f} GiB of expert "
+                "weights (on an sm90 GPU the op takes bfloat16 with H and I multiples of 8)")
+    tolerance = PROBE_TOLERANCE[out.dtype]
+    with unset_fake_temporarily(), torch.no_grad():
+        try:
+            probes = [_probe(site, seed) for seed in (0, 1)]
+            values = [_evaluate(site, p).float() for p in probes]
+        except Exception as error:  # an op that cannot run outside the graph: leave the site as it was
+            return f"evaluating it on a probe failed ({type(error).__name__}: {error})"
+        errors = {}
+        for act in _candidate_activations(site.region):
+            worst = 0.0
+            for probe, value in zip(probes, values):
+                ref = moe.moe_experts_pattern(*(probe[n].float() for n in (site.x,)), probe[site.idx],
+                                              probe[site.w].float(), probe[site.w1].float(), probe[site.w2].float(),
+                                              act)
+                worst = max(worst, float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+            errors[act] = worst
+    closest = min(errors, key=errors.get)
+    if errors[closest] <= tolerance:
+        site.act = closest
+        return None
+    return (f"on random probes it is not sum_k w * down(act(gate x) * up x) for any supported activation (closest: "
+            f"{closest}, relative error {errors[closest]:.2g}): a clamped or offset GLU, interleaved gate/up, "
+            "token dropping or a post-expert norm")
+
+
+def _candidate_activations(region: list[fx.Node]) -> tuple[str, ...]:
+    """The activations to probe: the one an ``F.silu`` / ``F.gelu`` node of the region names, else all three (a
+    GELU written out by hand); in bf16 the probes alone cannot tell erf GELU from its tanh approximation."""
+    named = set()
+    for node in region:
+        name = op_name(node)
+        if name == "silu":
+            named.add("silu")
+        elif name == "gelu":
+            approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+            named.add("gelu_tanh" if approximate == "tanh" else "gelu")
+    return tuple(a for a in ACTIVATIONS if a in named) if len(named) == 1 else ACTIVATIONS
+
+
+def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], Optional[MoeSite], Optional[str]]]:
+    """(first expert GEMM, second or None, site or None, why not) per pair of expert GEMMs, in graph order."""
+    gemms = [n for n in gm.graph.nodes if is_expert_gemm(n)]
+    used: set[fx.Node] = set()
+    found = []
+    for i, first in enumerate(gemms):
+        if first in used:
+            continue
+        below = _descendants(first)
+        second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
+        if second is None:
+            found.append((first, None, None, "an expert GEMM without a second one after it in this graph: not a gated expert "
+                                       "MLP (up, act, down), or a loop over experts split by graph breaks (transformers' "
+                                       "'eager' experts: set config._experts_implementation = 'grouped_mm')"))
+            used.add(first)
+            continue
+        used |= {first, second}
+        site, why_not = _interface(first, second)
+        found.append((first, second, site, why_not))
+    return found
+
+
+def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                  options: PassOptions = PassOptions()) -> fx.GraphModule:
+    """Replace each routed-experts region with ``torch.ops.sloth.moe_experts`` (see the module docstring).
+
+    before:  sort, gather, grouped_mm(x_g, W1), act(gate) * up, grouped_mm(h, W2), * w, un-permute, sum over k
+    after:   out = sloth.moe_experts(x, idx, w, W1, W2, act)[0]
+    """
+    candidates = _sites(gm)
+    if not candidates:
+        return gm
+    moe = _lowering()
+    moe.register()
+    changed = False
+    for anchor, second, site, why_not in candidates:
+        if site is not None:
+            why_not = _accept(site)
+        if why_not:
+            report.reject(FAMILY, anchor, why_not)
+            if second is not None:  # one site, one reason: the second GEMM's anchor is explained by it too
+                report.rejected_nodes.append((FAMILY, second))
+            continue
+        out = _value(site.out)
+        fused = insert_call(gm.graph, site.out, torch.ops.sloth.moe_experts.default,
+                            (site.x, site.idx, site.w, site.w1, site.w2, site.act), meta_from=site.out)
+        y = insert_call(gm.graph, site.out, operator.getitem, (fused, 0), meta_from=site.out)
+        if _value(y).dtype != out.dtype:
+            y = insert_call(gm.graph, site.out, torch.Tensor.to, (y, out.dtype), meta_from=site.out)
+        erased = replace_and_erase(site.out, y, keep=(site.x, site.idx, site.w, site.w1, site.w2))
+        _erase_dead(site.region, erased)
+        x, w1 = _value(site.x), _value(site.w1)
+        report.replaced(Site(FAMILY, "sloth.moe_experts", module_path(anchor), source_location(anchor),
+                             f"{w1.shape[0]} experts, top-{_value(site.idx).shape[1]}, {site.act}, "
+                             f"{str(x.dtype).replace('torch.', '')}"))
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _erase_dead(region: list[fx.Node], erased: set[fx.Node]) -> None:
+    """Erase what is left of the region with no users, last first; a write into a value (``inv_perm[perm] = ..``)
+    goes only once nothing but writes reads that value any more."""
+    for node in reversed(region):
+        if node in erased or node.users:
+            continue
+        targets = written(node)
+        if targets and any(set(t.users) - {node} - erased for t in targets):
+            continue
+        node.graph.erase_node(node)
+        erased.add(node)

@@ -1,0 +1,226 @@
+"""The fused op ``sloth.lowering.moe.moe_experts``: forward and every gradient against transformers' eager loop.
+
+Oracle (STYLE.md, habit 5): ``moe_experts_pattern`` (transformers 5.24 ``Qwen3MoeExperts.forward``) run at the
+tested dtype is "eager"; run in float64 it is the reference. Shapes are odd on purpose (H=24, I=20: bf16 rows of
+40 bytes, which torch._grouped_mm refuses, so bf16 takes the reference grouped GEMM there; fp32 rows of 80 and 96
+bytes take torch._grouped_mm's CPU kernel); one aligned bf16 shape takes torch._grouped_mm in bf16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sloth.lowering.moe as lowering
+from sloth.lowering.moe import ACTIVATIONS, moe_experts, moe_experts_pattern, register
+from op_checks import RecordOps
+from tolerance import assert_close
+
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+GRAD_NAMES = ("out", "dx", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
+
+
+def make_inputs(T, H, I, E, K, seed=0, unused_experts=()):
+    """fp32 masters (x, top_k_index, top_k_weights, gate_up_proj, down_proj, dout); experts in ``unused_experts``
+    get no token. Weights scaled ~1/sqrt(fan-in) so activations stay O(1) and reach the GLU's bend."""
+    g = torch.Generator().manual_seed(seed)
+    used = torch.tensor([e for e in range(E) if e not in unused_experts])
+    # K distinct experts a token, as a router's top-k gives.
+    index = torch.stack([used[torch.randperm(len(used), generator=g)[:K]] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    x = torch.randn(T, H, generator=g)
+    gate_up = torch.randn(E, 2 * I, H, generator=g) * 2 / H ** 0.5
+    down = torch.randn(E, H, I, generator=g) / I ** 0.5
+    return x, index, weights, gate_up, down, torch.randn(T, H, generator=g)
+
+
+def forward_backward(fn, x, index, weights, gate_up, down, dout, act, frozen=False):
+    leaves = [t.detach().requires_grad_(not (frozen and i >= 2)) for i, t in enumerate((x, weights, gate_up, down))]
+    x, weights, gate_up, down = leaves
+    out = fn(x, index, weights, gate_up, down, act)
+    wrt = [x, weights] if frozen else [x, weights, gate_up, down]
+    return [out.detach(), *torch.autograd.grad(out, wrt, dout.to(out.dtype))]
+
+
+def check_against_pattern(masters, dtype, act, frozen=False):
+    x, index, weights, gate_up, down, dout = masters
+    low = [t.to(dtype) for t in (x, weights, gate_up, down, dout)]
+    args = lambda ts: (ts[0], index, ts[1], ts[2], ts[3], ts[4])  # noqa: E731
+    actual = forward_backward(moe_experts, *args(low), act, frozen)
+    eager = forward_backward(moe_experts_pattern, *args(low), act, frozen)
+    reference = forward_backward(moe_experts_pattern, *args([t.double() for t in low]), act, frozen)
+    for name, a, e, r in zip(GRAD_NAMES, actual, eager, reference):
+        assert_close(name, a, e, r)
+    return actual
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward and every gradient
+# ---------------------------------------------------------------------------------------------------
+
+SHAPES = {  # id -> (T, H, I, E, K, unused experts)
+    "T13-H24-I20-E5-K2": (13, 24, 20, 5, 2, ()),
+    "T13-H24-I20-E5-K2-expert3-empty": (13, 24, 20, 5, 2, (3,)),
+    "T9-H24-I20-E6-K1-experts0,5-empty": (9, 24, 20, 6, 1, (0, 5)),
+    "T1-H24-I20-E5-K3": (1, 24, 20, 5, 3, ()),
+    "T17-H32-I16-E4-K2-aligned": (17, 32, 16, 4, 2, ()),
+}
+
+CASES = [pytest.param(shape, dtype, act, id=f"{sid}-{DTYPE_IDS[dtype]}-{act}")
+         for sid, shape in SHAPES.items() for dtype in (torch.float32, torch.bfloat16) for act in ACTIVATIONS
+         if act == "silu" or sid == "T13-H24-I20-E5-K2"]
+
+
+@pytest.mark.parametrize("shape,dtype,act", CASES)
+def test_forward_and_gradients_match_pattern(shape, dtype, act):
+    T, H, I, E, K, unused = shape
+    out, dx, dw, dgu, ddown = check_against_pattern(make_inputs(T, H, I, E, K, unused_experts=unused), dtype, act)
+    assert out.dtype == dx.dtype == dgu.dtype == ddown.dtype == dtype and dw.dtype == dtype
+    for e in unused:  # an expert with no token gets an exactly zero gradient
+        assert not dgu[e].any() and not ddown[e].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp32_router_weights_with_low_precision_x(dtype):
+    # Routers often hand fp32 weights to bf16 experts; the gradient comes back in the weights' dtype.
+    x, index, weights, gate_up, down, dout = make_inputs(13, 32, 16, 5, 2)
+    x, gate_up, down, dout = (t.to(dtype) for t in (x, gate_up, down, dout))
+    actual = forward_backward(moe_experts, x, index, weights, gate_up, down, dout, "silu")
+    eager = forward_backward(moe_experts_pattern, x, index, weights, gate_up, down, dout, "silu")
+    reference = forward_backward(moe_experts_pattern, x.double(), index, weights.double(), gate_up.double(),
+                                 down.double(), dout.double(), "silu")
+    for name, a, e, r in zip(GRAD_NAMES, actual, eager, reference):
+        assert_close(name, a, e, r)
+    assert actual[2].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_mm_and_reference_paths_agree(monkeypatch, dtype):
+    # The aligned shape runs torch._grouped_mm's CPU kernel; forcing the reference must give the same numbers.
+    masters = make_inputs(17, 32, 16, 4, 2, unused_experts=(1,))
+    x32 = masters[0].to(dtype)
+    assert lowering._use_grouped_mm(x32, masters[3].to(dtype).transpose(1, 2))
+    grouped = check_against_pattern(masters, dtype, "silu")
+    monkeypatch.setattr(lowering, "_use_grouped_mm", lambda a, b: False)
+    reference = check_against_pattern(masters, dtype, "silu")
+    for name, a, b in zip(GRAD_NAMES, grouped, reference):
+        torch.testing.assert_close(a, b, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-4 if
+                                   dtype == torch.float32 else 2e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_frozen_experts_get_no_gradient(dtype):
+    # LoRA freezes the expert weights: they get no gradient, and the backward op is told not to form them.
+    masters = make_inputs(13, 24, 20, 5, 2)
+    x, index, weights, gate_up, down, dout = (t.to(dtype) if t.is_floating_point() else t for t in masters)
+    x, weights = x.requires_grad_(True), weights.requires_grad_(True)
+    out = moe_experts(x, index, weights, gate_up, down, "silu")
+    with RecordOps() as rec:
+        out.backward(dout)
+    assert gate_up.grad is None and down.grad is None and x.grad is not None and weights.grad is not None
+    (_, args, outputs), = [c for c in rec.calls if c[0] == torch.ops.sloth.moe_experts_backward.default]
+    assert list(args[-4:]) == [True, True, False, False]
+    assert outputs[2].numel() == 0 and outputs[3].numel() == 0
+    check_against_pattern(masters, dtype, "silu", frozen=True)
+
+
+def test_no_host_sync_and_nothing_of_size_T_by_E():
+    # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward.
+    T, H, I, E, K = 13, 24, 20, 7, 2
+    x, index, weights, gate_up, down, dout = (t.requires_grad_(True) if t.is_floating_point() and i != 5 else t
+                                               for i, t in enumerate(make_inputs(T, H, I, E, K)))
+    with RecordOps() as rec:
+        moe_experts(x, index, weights, gate_up, down, "silu").backward(dout)
+    names = [str(func) for func, _, _ in rec.calls]
+    assert not [n for n in names if "_local_scalar_dense" in n or "nonzero" in n], names
+    for func, _, out in rec.calls:
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, torch.Tensor) and o.dim() >= 2:
+                assert o.shape[-1] != E or o.shape[-2] not in (T, T * K), f"{func} made {tuple(o.shape)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compilation and torch.library registration
+# ---------------------------------------------------------------------------------------------------
+
+def test_compiles_without_graph_break():
+    # The op is defined before compiling (Dynamo does not trace torch.library's definition machinery).
+    register()
+    masters = make_inputs(13, 24, 20, 5, 2)
+
+    def fn(x, index, weights, gate_up, down, act):
+        return torch.ops.sloth.moe_experts(x, index, weights, gate_up, down, act)[0] * 2
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    actual = forward_backward(compiled, *masters, "silu")
+    expected = forward_backward(fn, *masters, "silu")
+    for name, a, b in zip(GRAD_NAMES, actual, expected):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_opcheck():
+    register()
+    x, index, weights, gate_up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,))
+    args = (x.requires_grad_(True), index, weights.requires_grad_(True), gate_up.requires_grad_(True),
+            down.requires_grad_(True), "gelu_tanh")
+    torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
+
+
+def test_opcheck_backward():
+    register()
+    x, index, weights, gate_up, down, dout = make_inputs(13, 24, 20, 5, 2)
+    _, gu, order, offs = torch.ops.sloth.moe_experts(x, index, weights, gate_up, down, "gelu")
+    for flags in ((True, True, True, True), (True, False, False, True)):
+        torch.library.opcheck(torch.ops.sloth.moe_experts_backward.default,
+                              (dout, x, index, weights, gate_up, down, gu, order, offs, "gelu", *flags))
+
+
+def test_fake_shapes_on_meta():
+    register()
+    x, index, weights, gate_up, down, _ = (t.to("meta") for t in make_inputs(13, 24, 20, 5, 3))
+    out, gu, order, offs = torch.ops.sloth.moe_experts(x, index, weights, gate_up.bfloat16().float(), down, "silu")
+    assert out.shape == (13, 24) and out.dtype == x.dtype and gu.shape == (39, 40)
+    assert order.shape == (39,) and offs.shape == (5,) and offs.dtype == torch.int32
+
+
+def test_register_is_idempotent():
+    register()
+    register()
+    assert hasattr(torch.ops.sloth, "moe_experts") and hasattr(torch.ops.sloth, "moe_experts_backward")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input errors
+# ---------------------------------------------------------------------------------------------------
+
+def _args(**changes):
+    x, index, weights, gate_up, down, _ = make_inputs(4, 8, 6, 3, 2)
+    args = dict(x=x, top_k_index=index, top_k_weights=weights, gate_up_proj=gate_up, down_proj=down, act="silu")
+    args.update({k: (v(args[k]) if callable(v) else v) for k, v in changes.items()})
+    return args
+
+
+BAD_INPUTS = [
+    pytest.param(dict(act="relu"), ValueError, r"act must be one of .*'silu'.*got 'relu'", id="act-relu"),
+    pytest.param(dict(x=lambda t: t[None]), ValueError, r"x must be \[T, H\], got shape \(1, 4, 8\)", id="x-3d"),
+    pytest.param(dict(x=lambda t: t.double()), TypeError, r"x must be .*float64", id="x-float64"),
+    pytest.param(dict(top_k_index=lambda t: t.float()), TypeError, r"top_k_index must be int32 or int64",
+                 id="index-float"),
+    pytest.param(dict(top_k_index=lambda t: t[:3]), ValueError, r"top_k_index must be \[T, K\] with T = 4",
+                 id="index-wrong-T"),
+    pytest.param(dict(top_k_weights=lambda t: t[:, :1]), ValueError, r"top_k_weights must have top_k_index's shape",
+                 id="weights-wrong-K"),
+    pytest.param(dict(gate_up_proj=lambda t: t[:, :, :7]), ValueError, r"gate_up_proj must be \[E, 2I, H\] with H = 8",
+                 id="gate-up-wrong-H"),
+    pytest.param(dict(gate_up_proj=lambda t: t[:, :11]), ValueError, r"gate_up_proj must be \[E, 2I, H\]",
+                 id="gate-up-odd-2I"),
+    pytest.param(dict(down_proj=lambda t: t[:2]), ValueError, r"down_proj must be \[E, H, I\] = \(3, 8, 6\)",
+                 id="down-wrong-E"),
+    pytest.param(dict(down_proj=lambda t: t[..., :5]), ValueError, r"down_proj must be \[E, H, I\]", id="down-wrong-I"),
+    pytest.param(dict(down_proj=lambda t: t.bfloat16()), TypeError, r"down_proj must have x's dtype", id="down-bf16"),
+]
+
+
+@pytest.mark.parametrize("changes,error,message", BAD_INPUTS)
+def test_input_errors_name_the_problem(changes, error, message):
+    with pytest.raises(error, match=message):
+        moe_experts(**_args(**changes))

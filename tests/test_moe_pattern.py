@@ -1,0 +1,166 @@
+"""The MoE experts family (``moe_route``): routed experts, whatever code ran them, become ``sloth.moe_experts``;
+loss and every gradient equal eager's; the variants the op does not compute stay, with the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import sloth
+from tests.pattern_checks import seeded
+from tests.test_models import VOCAB, assert_model_close, loss_and_grads, tiny_config
+
+# MoE model types whose experts are transformers 5.x stacked [E, 2I, H] / [E, H, I] parameters: Qwen2-MoE adds
+# a sigmoid-gated shared expert outside the routed ones, Mixtral and MiniMax renormalise the top-k, OLMoE and
+# Granite-MoE have their own routers.
+MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax", "granitemoe"]
+
+
+def moe_model(model_type: str, experts: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny MoE model: 4 experts, top-2, width 16, every layer sparse, experts run by ``experts``."""
+    cfg = tiny_config(model_type)
+    for key, value in dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]).items():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    if model_type == "gpt_oss":
+        cfg._attn_implementation = "eager"  # GPT-OSS has no SDPA path (sinks)
+    cfg._experts_implementation = experts
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def _compare(model: nn.Module, dtype: torch.dtype) -> tuple:
+    """(sloth's, eager's, fp64 eager's) loss and gradients, and sloth's report; the fp64 reference runs
+    transformers' eager expert loop (grouped_mm has no float64 kernel)."""
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+    sloth.reset_report()
+    ours = loss_and_grads(model, ids, torch.compile(model, backend="sloth", options={"inner": "aot_eager"}))
+    report = sloth.report()
+    eager = loss_and_grads(model, ids)
+    experts = model.config._experts_implementation
+    model.config._experts_implementation = "eager"
+    reference = loss_and_grads(model.double(), ids)
+    model.to(dtype)
+    model.config._experts_implementation = experts
+    return ours, eager, reference, report
+
+
+@pytest.mark.parametrize("model_type, experts", [(t, "grouped_mm") for t in MOE_TYPES]
+                         + [("qwen3_moe", "batched_mm"), ("mixtral", "batched_mm")])
+def test_transformers_moe_experts_are_fused(model_type: str, experts: str) -> None:
+    model = moe_model(model_type, experts)
+    ours, eager, reference, report = _compare(model, torch.float32)
+    assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
+    assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
+    assert all("experts, top-2, silu" in s.detail for s in report.sites if s.family == "moe_route")
+    assert any("experts.gate_up_proj" in name for name in ours[1])
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
+def test_transformers_moe_bf16() -> None:
+    model = moe_model("qwen3_moe", "grouped_mm", torch.bfloat16)
+    ours, eager, reference, report = _compare(model, torch.bfloat16)
+    assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
+    assert_model_close(ours, eager, reference, torch.bfloat16)
+
+
+def test_frozen_experts_get_no_gradient() -> None:
+    # LoRA on attention only leaves the experts frozen: they get no gradient (and the op forms none), the router
+    # and everything else theirs, equal to eager's.
+    model = moe_model("qwen3_moe", "grouped_mm")
+    for name, p in model.named_parameters():
+        p.requires_grad_("experts" not in name)
+    ours, eager, reference, report = _compare(model, torch.float32)
+    assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
+    assert not [n for n in ours[1] if "experts" in n] and any("mlp.gate" in n for n in ours[1])
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
+def test_gpt_oss_experts_with_biases_stay_with_reason() -> None:
+    model = moe_model("gpt_oss", "grouped_mm")
+    ours, eager, reference, report = _compare(model, torch.float32)
+    reasons = [r.reason for r in report.rejections if r.family == "moe_route"]
+    assert report.counts.get("moe_route", 0) == 0 and len(reasons) == model.config.num_hidden_layers, str(report)
+    assert all("bias" in reason for reason in reasons), reasons
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
+class HandWrittenMoe(nn.Module):
+    """An MoE block written unlike any transformers class: softmax over the top-k logits, one gathered weight per
+    assignment through ``bmm``, gate and up split with ``split``, GELU (tanh), and ``index_add_`` back to the
+    tokens. ``offset`` adds a constant to ``up`` (GPT-OSS's ``(up + 1)``): another function, which must stay."""
+
+    def __init__(self, hidden: int = 24, inter: int = 12, experts: int = 5, top_k: int = 2, offset: float = 0.0):
+        super().__init__()
+        g = seeded(3)
+        self.router = nn.Parameter(torch.randn(experts, hidden, generator=g) / hidden ** 0.5)
+        self.w_in = nn.Parameter(torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5)
+        self.top_k, self.inter, self.offset = top_k, inter, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, chosen = torch.topk(F.linear(x, self.router), self.top_k, dim=-1)
+        weights = logits.softmax(-1)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        expert = chosen.flatten()
+        gu = torch.bmm(self.w_in[expert], x[token].unsqueeze(-1)).squeeze(-1)
+        gate, up = gu.split(self.inter, dim=-1)
+        h = F.gelu(gate, approximate="tanh") * (up + self.offset)
+        y = torch.bmm(self.w_out[expert], h.unsqueeze(-1)).squeeze(-1) * weights.flatten()[:, None]
+        return torch.zeros_like(x).index_add_(0, token, y) + x
+
+
+def _hand_written_grads(module: nn.Module, x: torch.Tensor, run=None) -> tuple:
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = (module if run is None else run)(x)
+    out.pow(2).mean().backward()
+    return out.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
+
+
+def test_hand_written_moe_is_fused() -> None:
+    module = HandWrittenMoe()
+    x = torch.randn(13, 24, generator=seeded(4))
+    sloth.reset_report()
+    ours = _hand_written_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
+    report = sloth.report()
+    assert report.counts.get("moe_route") == 1, str(report)
+    assert "5 experts, top-2, gelu_tanh" in next(s.detail for s in report.sites if s.family == "moe_route")
+    eager = _hand_written_grads(module, x)
+    reference = _hand_written_grads(module.double(), x.double())
+    module.float()
+    for name in eager[1]:
+        err, eager_err = ((ours[1][name] - reference[1][name]).abs().max(),
+                          (eager[1][name] - reference[1][name]).abs().max())
+        assert err <= 2 * eager_err + 1e-6 * reference[1][name].abs().max(), (name, err, eager_err)
+    assert (ours[0] - reference[0]).abs().max() <= 2 * (eager[0] - reference[0]).abs().max() + 1e-6
+
+
+def test_offset_glu_stays_with_reason() -> None:
+    module = HandWrittenMoe(offset=1.0)
+    x = torch.randn(13, 24, generator=seeded(4))
+    sloth.reset_report()
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager"})
+    torch.testing.assert_close(compiled(x), module(x))
+    report = sloth.report()
+    [reason] = [r.reason for r in report.rejections if r.family == "moe_route"]
+    assert report.counts.get("moe_route", 0) == 0 and "not sum_k w * down(act(gate x) * up x)" in reason, reason
+
+
+def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
+    # Where torch._grouped_mm does not run (fp32 on a GPU, widths not a multiple of 16 bytes), the op's fallback
+    # gathers one expert weight per row; past REFERENCE_BYTES the site stays, saying why.
+    from sloth.lowering import moe as lowering_moe
+    from sloth.patterns import moe as pattern_moe
+
+    monkeypatch.setattr(lowering_moe, "grouped_mm_runs", lambda *args: False)
+    monkeypatch.setattr(pattern_moe, "REFERENCE_BYTES", 0)
+    module = HandWrittenMoe()
+    x = torch.randn(13, 24, generator=seeded(4))
+    sloth.reset_report()
+    torch.testing.assert_close(torch.compile(module, backend="sloth", options={"inner": "aot_eager"})(x), module(x))
+    [reason] = [r.reason for r in sloth.report().rejections if r.family == "moe_route"]
+    assert "torch._grouped_mm does not run" in reason and "GiB of expert weights" in reason, reason
