@@ -231,7 +231,8 @@ def sweep(model_types: list[str], timeout: float, jobs: int, done: Any = None) -
     return [rows[m] for m in model_types]
 
 
-FAMILY_COLUMNS = ("rms_norm", "rope", "glu", "cross_entropy", "causal_mask")
+FAMILY_COLUMNS = ("layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "glu", "cross_entropy", "causal_mask")
+_NO_SITES = {"replaced": 0, "left": 0, "unexplained": []}  # a family a row's sloth did not have
 
 
 def complete(row: dict[str, Any]) -> bool:
@@ -258,7 +259,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             continue
         cells = []
         for f in FAMILY_COLUMNS:
-            c = families[f]
+            c = families.get(f, _NO_SITES)
             cells.append(f"{c['replaced']} / {c['left']}" + ("!" if c["unexplained"] else "") if c["replaced"] or c["left"] else "")
         reasons = "; ".join(f"{f}: {reason}" for f, c in families.items() for reason in c["reasons"])
         parity = r.get("parity", "")

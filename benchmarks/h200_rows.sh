@@ -22,6 +22,8 @@
 #   bash benchmarks/h200_rows.sh offload offload-2  # issue 19: 16k and 64k with checkpointing, offload on and off, Unsloth
 #   bash benchmarks/h200_rows.sh compile-share  # issue 24: sloth's share of the 8B LoRA step's compile, beside Inductor's
 #   bash benchmarks/h200_rows.sh longest-sloth long-unsloth  # issue 19: sloth at 128k/256k; Unsloth at 16k/64k
+#   bash benchmarks/h200_rows.sh longest-2 # issue 19: sloth at 256k, Unsloth at 128k
+#   bash benchmarks/h200_rows.sh moe-family  # issue 20: the moe_experts op, the Qwen3-MoE step with and without moe_route, Unsloth
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
 #   bash benchmarks/h200_rows.sh glu-hidden-steps  # the LoRA and QLoRA steps both ways
@@ -199,6 +201,19 @@ case $part in
         # (carry .whl/unsloth; the earlier 130-150 s limits timed out)
         run long16-unsloth 280 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 4 --variants unsloth
         run long64-unsloth 300 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 1 --variants unsloth ;;
+    longest-2)  # issue 19, next: sloth at 256k with the mask proven by rows (one step, its compile's), Unsloth at
+        # 128k (one step; carry .whl/unsloth)
+        run long256-offload 420 --all --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 --variants sloth \
+            --sloth-options '{"offload": true, "return_logits": false}'
+        run long128-unsloth 170 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants unsloth ;;
+    moe-family)  # issue 20: the moe_experts op against transformers' grouped_mm path and eager loop, then the
+        # Qwen3-MoE step with sloth's default options (moe_route on) and with the family off, then Unsloth
+        [ -z "${DRY:-}" ] && { timeout 120 python -m benchmarks.ops.moe_experts > "$out/logs/moe_experts.log" 2>&1
+                               echo "moe_experts: rc $?"; grep -v Warn "$out/logs/moe_experts.log" | tail -12; }
+        run moe-sloth 170 --all --model qwen3-moe --variants sloth
+        run moe-sloth-no-moe 170 --all --model qwen3-moe --variants sloth --sloth-options \
+            '{"patterns": ["layer_norm", "rms_norm", "l2_norm", "rope", "glu", "cross_entropy", "lora", "packed_attention", "causal_mask"]}'
+        run moe-unsloth 200 --all --model qwen3-moe --variants unsloth ;;
     glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed: bits and op time at
         # the 8B shape (benchmarks/ops/glu_lora_backward.py)
         [ -z "${DRY:-}" ] && { timeout 90 python -m benchmarks.ops.glu_lora_backward > "$out/logs/glu_lora_backward.log" 2>&1

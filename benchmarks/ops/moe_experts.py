@@ -1,4 +1,4 @@
-"""MoE experts benchmark: transformers' eager expert loop against sloth's grouped-GEMM op.
+"""MoE experts benchmark: transformers' eager expert loop and its grouped_mm path against sloth's op.
 
     python -m benchmarks.ops.moe_experts [--smoke]
 
@@ -18,6 +18,21 @@ from benchmarks import common
 from benchmarks.ops import harness
 
 
+def _transformers_grouped(x, index, weights, gate_up, down):
+    """transformers 5.x's ``grouped_mm`` experts forward (sort, histc, ``torch._grouped_mm``, un-permute) on these
+    weights: what a user's MoE runs without sloth, under ``config._experts_implementation = "grouped_mm"``."""
+    import types
+
+    import torch.nn.functional as F
+    from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
+
+    experts = types.SimpleNamespace(gate_up_proj=gate_up, down_proj=down, num_experts=gate_up.shape[0], has_gate=True,
+                                    has_bias=False, is_transposed=False, has_post_expert_norm=False,
+                                    _is_expert_parallel=False, act_fn=F.silu)
+    experts._apply_gate = lambda gate_up_out: _default_apply_gate(experts, gate_up_out)
+    return grouped_mm_experts_forward(experts, x, index, weights)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, device = harness.start(__doc__, argv)
     from sloth.lowering.moe import moe_experts, moe_experts_pattern
@@ -31,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
     gate_up = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(device, dtype).requires_grad_()
     down = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(device, dtype).requires_grad_()
-    providers = {"eager": lambda *a: moe_experts_pattern(*a, "silu"), "sloth": lambda *a: moe_experts(*a, "silu")}
+    providers = {"eager": lambda *a: moe_experts_pattern(*a, "silu"), "transformers grouped_mm": _transformers_grouped,
+                 "sloth": lambda *a: moe_experts(*a, "silu")}
     e = x.element_size()
     fwd_bytes = (3 * E * I * H + 2 * T * H) * e
     nbytes = {"fwd": fwd_bytes, "bwd": 2 * fwd_bytes, "fwd+bwd": 3 * fwd_bytes}
