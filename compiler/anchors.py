@@ -236,22 +236,23 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def expert_weight(node: Any, indexed: bool = False, depth: int = 5) -> Optional[fx.Node]:
+def expert_weight(node: Any, indexed: bool = False, depth: int = 6) -> Optional[fx.Node]:
     """The 3-D float graph input ``node`` is a view of (with ``indexed``: an indexing of, ``W[e]`` or ``W[ids]``,
-    then views), or None."""
-    for _ in range(depth + 1):
-        if not isinstance(node, fx.Node):
-            return None
-        value = tensor_of(node)
-        if node.op == "placeholder":
-            return node if value is not None and value.dim() == 3 and value.is_floating_point() and not indexed \
-                else None
-        if node.op not in ("call_function", "call_method") or op_name(node) not in _VIEWS or not node.args:
-            return None
-        if op_name(node) in ("getitem", "index_select"):
-            indexed = False
-        node = node.args[0]
-    return None
+    then views), or None. A sum or product on the way (``W + scale * B @ A``, ``baddbmm(W, B, A)``: peft's LoRA on
+    the expert weights, ``target_parameters``) is followed to its operand that leads to such an input."""
+    if depth < 0 or not isinstance(node, fx.Node):
+        return None
+    value = tensor_of(node)
+    if node.op == "placeholder":
+        return node if value is not None and value.dim() == 3 and value.is_floating_point() and not indexed else None
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    name = op_name(node)
+    if name in ("add", "sub", "mul", "baddbmm"):  # baddbmm(W, B, A): W + B @ A, peft's merged expert weight
+        return next((w for w in (expert_weight(a, indexed, depth - 1) for a in node.args) if w is not None), None)
+    if name not in _VIEWS:
+        return None
+    return expert_weight(node.args[0], indexed and name not in ("getitem", "index_select"), depth - 1)
 
 
 def expert_operand(node: fx.Node) -> Optional[fx.Node]:

@@ -173,7 +173,10 @@ def _region(out: fx.Node, inputs: set[fx.Node]) -> tuple[list[fx.Node], Optional
         if node in region or node in inputs:
             continue
         if node.op == "placeholder":
-            return [], f"the experts also read the graph input {node.target!r} (a bias, a shared expert, a norm)"
+            what = ("an adapter on the expert weights (peft's target_parameters): LoRA on experts is not fused yet, "
+                    "the experts run as written" if any(k in str(node.target).lower() for k in ("lora", "parametriz"))
+                    else "a bias, an adapter, a shared expert or a norm the fused op does not take")
+            return [], f"the experts also read the graph input {node.target!r}: {what}"
         if node.op in ("get_attr", "call_module"):
             return [], f"the experts read {node.target!r} ({node.op})"
         region.add(node)

@@ -164,3 +164,29 @@ def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
     torch.testing.assert_close(torch.compile(module, backend="sloth", options={"inner": "aot_eager"})(x), module(x))
     [reason] = [r.reason for r in sloth.report().rejections if r.family == "moe_route"]
     assert "torch._grouped_mm does not run" in reason and "GiB of expert weights" in reason, reason
+
+
+def test_peft_lora_on_experts_is_reported_and_every_adapter_trains() -> None:
+    # peft's target_parameters puts LoRA on the stacked expert weights (a parametrization: W + B @ A by baddbmm).
+    # Not fused yet: the site is reported with that reason, and every expert adapter gets eager's gradient
+    # (B starts random here so A's gradient is not zero).
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(moe_model("qwen3_moe", "grouped_mm"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=seeded(5))
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+    sloth.reset_report()
+    ours = loss_and_grads(model, ids, torch.compile(model, backend="sloth", options={"inner": "aot_eager"}))
+    reasons = [r.reason for r in sloth.report().rejections if r.family == "moe_route"]
+    assert reasons and all("LoRA on experts is not fused yet" in r for r in reasons), reasons
+    eager = loss_and_grads(model, ids)
+    adapters = [n for n in eager[1] if "experts" in n and "lora_" in n]
+    assert len(adapters) == 4 * model.config.num_hidden_layers, adapters  # A and B of gate_up and down
+    for name in adapters:
+        assert eager[1][name].abs().max() > 0, name
+        torch.testing.assert_close(ours[1][name], eager[1][name], rtol=1e-4, atol=1e-6)
