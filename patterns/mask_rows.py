@@ -35,6 +35,10 @@ import torch.fx as fx
 # few values of this size.
 ROW_BLOCK_ELEMENTS = 1 << 26
 
+# A value of at most ROW_BLOCK_ELEMENTS / SMALL_SHARE elements is made whole and narrowed to each block, whatever
+# computes it: the [B, T] ids and indices a mask is built from are, even at 256k tokens.
+SMALL_SHARE = 8
+
 _ELEMENTWISE = {"add", "sub", "mul", "le", "lt", "ge", "gt", "eq", "ne", "and_", "or_", "xor", "bitwise_and",
                 "bitwise_or", "bitwise_xor", "logical_and", "logical_or", "logical_xor", "where", "masked_fill",
                 "minimum", "maximum"}
@@ -160,11 +164,17 @@ class RowBlocks:
         """(input node, the row dim it must have for ``node`` to have row dim ``dim``) per input node; a str
         in place of the dim says why ``node`` is not row-local."""
         inputs = node.all_input_nodes
+        if node.op == "placeholder":
+            return []  # a value given to ``blocks`` (the ids a packed mask is built from)
         name = _name(node)
         if name in _LIKE:  # the tensor gives only dtype and device: read as it comes (a block or whole)
             if dim is not None:
                 return [(i, f"{node.name} ({name}) makes a value with the mask's rows") for i in inputs]
             return [(i, ANY) for i in inputs]
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.Tensor) and value.numel() <= ROW_BLOCK_ELEMENTS // SMALL_SHARE:
+            # small enough to make whole and narrow, whatever the op (``cumsum`` of position ids, an arange)
+            return [(i, None) for i in inputs]
         if dim is None:
             return [(i, None) for i in inputs]
         out_ndim = len(_shape(node) or ())
@@ -220,12 +230,13 @@ class RowBlocks:
         return [(i, f"{node.name} ({name}) is not an op whose row i depends only on its inputs' row i")
                 for i in inputs] or [(node, f"{node.name} ({name}) makes a value sloth cannot make by rows")]
 
-    def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(r0, the mask's rows [r0, r0 + rows)) for every block, outside any fake mode, under no_grad."""
+    def blocks(self, given: Optional[dict[fx.Node, torch.Tensor]] = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """(r0, the mask's rows [r0, r0 + rows)) for every block, outside any fake mode, under no_grad; ``given``
+        holds the values of the producers that are graph inputs (a packed mask's ids)."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         total = _shape(self.mask)[-2]
-        whole: dict[fx.Node, Any] = {}
+        whole: dict[fx.Node, Any] = dict(given or {})
         with unset_fake_temporarily(), torch.no_grad():
             for r0 in range(0, total, self.rows):
                 r1 = min(total, r0 + self.rows)
@@ -245,6 +256,9 @@ class RowBlocks:
                                          if self.wanted.get((node, source)) == ANY else whole[source])
             return
         name = _name(node)
+        if node in whole and node.op == "placeholder":  # a given input with a row dim: narrowed to the block
+            block[node] = whole[node].narrow(dim, r0, r1 - r0)
+            return
         reads_block = any(self.wanted.get((node, i)) not in (None, ANY) for i in node.all_input_nodes)
         if not reads_block:
             if name in _CREATION:

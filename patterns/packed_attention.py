@@ -27,7 +27,10 @@ document per row (a sliding window or a prefix shows), continued positions (``ar
 without resetting to 0, decreasing positions, random small ids with repeats, nondecreasing ids. The first
 probe is one document of all T tokens, so a window narrower than T shows there (one of T or more changes
 nothing). This is a test of the mask's function, not a proof: a mask that follows a rule on these inputs and
-not on some other (one that treats a position value no probe holds specially, say) would be taken.
+not on some other (one that treats a position value no probe holds specially, say) would be taken. A mask too
+large to evaluate whole within the causal-mask family's budget (a 128k-token packed batch: 16 GiB of bools a
+probe) is evaluated a block of query rows at a time (patterns/mask_rows.py) and each block compared with the
+same rows of the rule's mask; one that cannot be made by rows stays, with both reasons.
 
 A checkpointed layer receives the mask as an input: the caller then passes the bounds in its place, when
 every call site passes a document-causal mask there and the body reads it only in the SDPA calls rewritten.
@@ -51,6 +54,7 @@ from ..lowering import document_attention as document_attention_op
 from ..runtime.packing import RULES, document_bounds
 from .causal_mask import (_SDPA, _is_symbolic, _value_bytes, allowed_of, erase_unused, evaluation_budget,
                           mask_producers)
+from .mask_rows import RowBlocks
 
 FAMILY = "packed_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -158,6 +162,41 @@ def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: f
     return candidates[0], None
 
 
+def _rule_by_rows(plan: RowBlocks, ids: fx.Node, q_len: int) -> tuple[Optional[str], Optional[str]]:
+    """``_rule_of`` for a mask too large to evaluate whole (a packed batch of 128k tokens: 16 GiB of bools): each
+    probe's mask a block of query rows at a time (patterns/mask_rows.py), each block against the same rows of
+    every rule's mask, start[b, i] <= j <= i."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    ids_value = tensor_of(ids)
+    candidates = list(RULES)
+    failed: dict[str, int] = {}
+    with unset_fake_temporarily(), torch.no_grad():
+        for index, probe in enumerate(probe_ids(tuple(ids_value.shape), ids_value.dtype, ids_value.device)):
+            starts = {rule: document_bounds(probe.reshape(-1, q_len), rule)[0].long() for rule in candidates}
+            keys = torch.arange(q_len, device=probe.device)
+            for first_row, value in plan.blocks({ids: probe}):
+                allowed, why_not = allowed_of(value)
+                if why_not:
+                    return None, why_not
+                if allowed.dim() < 2 or allowed.shape[-1] != q_len:
+                    return None, f"its shape {tuple(allowed.shape)} does not end in [{q_len}, {q_len}]"
+                rows = torch.arange(first_row, first_row + allowed.shape[-2], device=probe.device)
+                for rule in list(candidates):
+                    start = starts[rule][:, first_row:first_row + len(rows)]
+                    reference = ((keys[None, None, :] >= start[:, :, None])
+                                 & (keys[None, None, :] <= rows[None, :, None]))[:, None]
+                    shape = torch.broadcast_shapes(allowed.shape, reference.shape)
+                    if not torch.equal(allowed.expand(shape), reference.expand(shape)):
+                        candidates.remove(rule)
+                        failed[rule] = index
+                if not candidates:
+                    return None, ("it is not document-causal under any rule (" + ", ".join(
+                        f"{rule}: differs on probe {i}" for rule, i in failed.items())
+                        + "; a window, a prefix, padding or another mask)")
+    return candidates[0], None
+
+
 class _Checker:
     """Finds, once per mask node, the ids it is built from and the rule it follows (or why not)."""
 
@@ -195,11 +234,16 @@ class _Checker:
         numel = example.numel() if example is not None else 0
         needed = sum(_value_bytes(n) for n in producers) + 4 * numel
         budget = evaluation_budget(value.device)
+        plan = None
         if needed > budget:
-            return None, None, (f"checking it at compile time would hold up to {needed / 2**30:.1f} GiB on "
-                                f"{value.device}, more than sloth allows itself ({budget / 2**30:.1f} GiB)"), []
+            plan, by_rows_not = RowBlocks.build(producers, mask)
+            if plan is None:
+                return None, None, (f"checking it at compile time would hold up to {needed / 2**30:.1f} GiB on "
+                                    f"{value.device}, more than sloth allows itself ({budget / 2**30:.1f} GiB), and "
+                                    f"it cannot be checked a block of rows at a time: {by_rows_not}"), []
         try:
-            rule, why_not = _rule_of(gm, producers, ids, mask, q_len)
+            rule, why_not = _rule_of(gm, producers, ids, mask, q_len) if plan is None else \
+                _rule_by_rows(plan, ids, q_len)
         except Exception as error:  # an op that cannot run outside the graph: leave it as it was
             return None, None, f"evaluating it on probe ids failed ({type(error).__name__}: {error})", []
         finally:

@@ -216,3 +216,53 @@ def test_under_autocast_the_op_runs_in_autocasts_dtype():
     # and used to fail its logits check) says why it stays.
     assert any("autocast" in r.reason for r in report.rejections if r.family == "cross_entropy"), str(report)
     torch.testing.assert_close(ours, eager, rtol=2e-2, atol=2e-2)
+
+
+def _rows_only(monkeypatch, block_elements: int) -> list:
+    """A 0-byte budget: the mask is checked a block of query rows at a time (patterns/mask_rows.py), as a packed
+    batch of 128k tokens is on the device; [B, T] ids stay small enough to be made whole (SMALL_SHARE 2).
+    Returns the list of blocks the check evaluated (first row, rows), filled as it runs."""
+    from sloth.patterns import causal_mask, mask_rows
+
+    monkeypatch.setattr(causal_mask, "CPU_EVALUATION_BYTES", 0)
+    monkeypatch.setattr(mask_rows, "ROW_BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(mask_rows, "SMALL_SHARE", 2)
+    seen, blocks = [], mask_rows.RowBlocks.blocks
+
+    def recording(self, given=None):
+        for first_row, value in blocks(self, given):
+            seen.append((first_row, value.shape[-2]))
+            yield first_row, value
+
+    monkeypatch.setattr(mask_rows.RowBlocks, "blocks", recording)
+    return seen
+
+
+def test_flattened_batch_checked_by_row_blocks(monkeypatch):
+    seen = _rows_only(monkeypatch, 3 * 32)  # 32 tokens: blocks of 3 rows, the last one short
+    model = tiny("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    report = check(model, flattened_batch([7, 13, 1, 11]))
+    assert report.counts.get("packed_attention") == 2, str(report)
+    assert all("position_reset" in s.detail for s in report.sites if s.family == "packed_attention")
+    assert (0, 3) in seen and (30, 2) in seen, seen[:12]
+
+
+@pytest.mark.parametrize("rule, expected", [("position_zero", "replaced"), ("id_change", "replaced"),
+                                            ("window", "not document-causal"), ("equal_ids", "not document-causal")])
+def test_hand_written_masks_by_row_blocks(monkeypatch, rule, expected):
+    seen = _rows_only(monkeypatch, 3 * 9)
+    ids = {"position_zero": [[0, 1, 2, 3, 0, 1, 0, 1, 2]], "id_change": [[7, 7, 7, 2, 2, 9, 9, 9, 9]]}.get(
+        rule, [[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    model, x, ids = HandPacked(rule), torch.randn(1, 9, 32, generator=seeded(6)), torch.tensor(ids)
+    sloth.reset_report()
+    got = torch.compile(model, backend="sloth", options={"inner": "eager"})(x, ids)
+    report = sloth.report()
+    torch.testing.assert_close(got, model(x, ids), rtol=1e-5, atol=1e-6)
+    assert seen and {rows for _, rows in seen} == {3}, seen
+    if expected == "replaced":
+        assert report.counts.get("packed_attention") == 1 and f"({rule} of" in report.sites[0].detail, str(report)
+    else:
+        [reason] = [r.reason for r in report.rejections if r.family == "packed_attention"]
+        assert "not document-causal under any rule" in reason, reason
