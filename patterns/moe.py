@@ -25,9 +25,9 @@ them, such as transformers' ``inv_perm[perm] = arange``). A region reading anyth
 expert, a parameter of a post-expert norm) is refused with its name.
 
 How it is accepted: the region is a function of (x, idx, w, W1, W2) alone, so it is evaluated at compile time on
-two random probes of the real shapes (random tokens, distinct random experts a token, random router weights,
-random expert weights) and compared with ``moe_experts_pattern`` for each activation; one that agrees on both
-probes within the dtype's tolerance is taken. This is a test of the function, as the packed-attention family's
+two random probes of the real shapes (random tokens of size 1 and of size 16, distinct random experts a token,
+random router weights, random expert weights) and compared with ``moe_experts_pattern`` for each activation;
+one that agrees on both probes within the dtype's tolerance is taken. This is a test of the function, as the packed-attention family's
 mask check is, not a proof; it tells apart the activations, gate/up order and layouts sloth supports from the
 variants it does not (GPT-OSS's clamped ``(up + 1)`` GLU, interleaved gate/up, transposed layouts, capacity
 limits that drop tokens), which then stay, with the reason.
@@ -205,13 +205,15 @@ def _evaluate(site: MoeSite, probe: dict[fx.Node, torch.Tensor]) -> torch.Tensor
     return env[site.out]
 
 
-def _probe(site: MoeSite, seed: int) -> dict[fx.Node, torch.Tensor]:
+def _probe(site: MoeSite, seed: int, scale: float) -> dict[fx.Node, torch.Tensor]:
+    """Random inputs of the site's shapes: tokens of size ``scale``, distinct random experts a token, router
+    weights in [0, 1), expert weights that keep the pre-activations of the tokens' size."""
     x, idx, w, w1, w2 = (_value(n) for n in (site.x, site.idx, site.w, site.w1, site.w2))
     g = torch.Generator(device=x.device).manual_seed(seed)
     n_experts = w1.shape[0]
     tokens, top_k = idx.shape
     choice = torch.rand(tokens, n_experts, generator=g, device=x.device).argsort(-1)[:, :top_k]
-    return {site.x: torch.randn(x.shape, generator=g, device=x.device).to(x.dtype),
+    return {site.x: (scale * torch.randn(x.shape, generator=g, device=x.device)).to(x.dtype),
             site.idx: choice.to(idx.dtype),
             site.w: torch.rand(w.shape, generator=g, device=x.device).to(w.dtype),
             site.w1: (torch.randn(w1.shape, generator=g, device=x.device) / w1.shape[-1] ** 0.5).to(w1.dtype),
@@ -241,7 +243,8 @@ def _accept(site: MoeSite) -> Optional[str]:
     tolerance = PROBE_TOLERANCE[out.dtype]
     with unset_fake_temporarily(), torch.no_grad():
         try:
-            probes = [_probe(site, seed) for seed in (0, 1)]
+            # tokens of size 1 and 16: pre-activations past a clamp (GPT-OSS's at 7) show on the second
+            probes = [_probe(site, 0, 1.0), _probe(site, 1, 16.0)]
             values = [_evaluate(site, p).float() for p in probes]
         except Exception as error:  # an op that cannot run outside the graph: leave the site as it was
             return f"evaluating it on a probe failed ({type(error).__name__}: {error})"
@@ -249,9 +252,8 @@ def _accept(site: MoeSite) -> Optional[str]:
         for act in _candidate_activations(site.region):
             worst = 0.0
             for probe, value in zip(probes, values):
-                ref = moe.moe_experts_pattern(*(probe[n].float() for n in (site.x,)), probe[site.idx],
-                                              probe[site.w].float(), probe[site.w1].float(), probe[site.w2].float(),
-                                              act)
+                ref = moe.moe_experts_pattern(probe[site.x].float(), probe[site.idx], probe[site.w].float(),
+                                              probe[site.w1].float(), probe[site.w2].float(), act)
                 worst = max(worst, float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
             errors[act] = worst
     closest = min(errors, key=errors.get)

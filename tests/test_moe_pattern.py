@@ -91,15 +91,17 @@ def test_gpt_oss_experts_with_biases_stay_with_reason() -> None:
 class HandWrittenMoe(nn.Module):
     """An MoE block written unlike any transformers class: softmax over the top-k logits, one gathered weight per
     assignment through ``bmm``, gate and up split with ``split``, GELU (tanh), and ``index_add_`` back to the
-    tokens. ``offset`` adds a constant to ``up`` (GPT-OSS's ``(up + 1)``): another function, which must stay."""
+    tokens. ``offset`` adds a constant to ``up`` (GPT-OSS's ``(up + 1)``), ``clamp`` caps the gate (GPT-OSS's
+    limit 7, which unit-sized inputs never reach): other functions, which must stay."""
 
-    def __init__(self, hidden: int = 24, inter: int = 12, experts: int = 5, top_k: int = 2, offset: float = 0.0):
+    def __init__(self, hidden: int = 24, inter: int = 12, experts: int = 5, top_k: int = 2, offset: float = 0.0,
+                 clamp: float = 0.0):
         super().__init__()
         g = seeded(3)
         self.router = nn.Parameter(torch.randn(experts, hidden, generator=g) / hidden ** 0.5)
         self.w_in = nn.Parameter(torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5)
         self.w_out = nn.Parameter(torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5)
-        self.top_k, self.inter, self.offset = top_k, inter, offset
+        self.top_k, self.inter, self.offset, self.clamp = top_k, inter, offset, clamp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, chosen = torch.topk(F.linear(x, self.router), self.top_k, dim=-1)
@@ -108,6 +110,8 @@ class HandWrittenMoe(nn.Module):
         expert = chosen.flatten()
         gu = torch.bmm(self.w_in[expert], x[token].unsqueeze(-1)).squeeze(-1)
         gate, up = gu.split(self.inter, dim=-1)
+        if self.clamp:
+            gate = gate.clamp(max=self.clamp)
         h = F.gelu(gate, approximate="tanh") * (up + self.offset)
         y = torch.bmm(self.w_out[expert], h.unsqueeze(-1)).squeeze(-1) * weights.flatten()[:, None]
         return torch.zeros_like(x).index_add_(0, token, y) + x
@@ -139,8 +143,9 @@ def test_hand_written_moe_is_fused() -> None:
     assert (ours[0] - reference[0]).abs().max() <= 2 * (eager[0] - reference[0]).abs().max() + 1e-6
 
 
-def test_offset_glu_stays_with_reason() -> None:
-    module = HandWrittenMoe(offset=1.0)
+@pytest.mark.parametrize("variant", [{"offset": 1.0}, {"clamp": 7.0}], ids=["offset", "clamp"])
+def test_offset_or_clamped_glu_stays_with_reason(variant) -> None:
+    module = HandWrittenMoe(**variant)
     x = torch.randn(13, 24, generator=seeded(4))
     sloth.reset_report()
     compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager"})
