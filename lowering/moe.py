@@ -156,7 +156,8 @@ def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act) -
         raise ValueError(f"{op}: top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, "
                          f"got {tuple(top_k_weights.shape)}")
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2 or gate_up_proj.shape[2] != x.shape[1]:
-        raise ValueError(f"{op}: gate_up_proj must be [E, 2I, H] with H = {x.shape[1]}, got {tuple(gate_up_proj.shape)}")
+        raise ValueError(f"{op}: gate_up_proj must be [E, 2I, H] with H = {x.shape[1]}, "
+                         f"got {tuple(gate_up_proj.shape)}")
     n_experts, n_inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     if down_proj.dim() != 3 or tuple(down_proj.shape) != (n_experts, x.shape[1], n_inter):
         raise ValueError(f"{op}: down_proj must be [E, H, I] = {(n_experts, x.shape[1], n_inter)} (from gate_up_proj "

@@ -27,8 +27,8 @@ expert, a parameter of a post-expert norm) is refused with its name.
 How it is accepted: the region is a function of (x, idx, w, W1, W2) alone, so it is evaluated at compile time on
 two random probes of the real shapes (random tokens of size 1 and of size 16, distinct random experts a token,
 random router weights, random expert weights) and compared with ``moe_experts_pattern`` for each activation;
-one that agrees on both probes within the dtype's tolerance is taken. This is a test of the function, as the packed-attention family's
-mask check is, not a proof; it tells apart the activations, gate/up order and layouts sloth supports from the
+one that agrees on both probes within the dtype's tolerance is taken. This is a test of the function, as the
+packed-attention family's mask check is, not a proof; it tells apart the activations, gate/up order and layouts sloth supports from the
 variants it does not (GPT-OSS's clamped ``(up + 1)`` GLU, interleaved gate/up, transposed layouts, capacity
 limits that drop tokens), which then stay, with the reason.
 """
@@ -290,9 +290,9 @@ def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], Optiona
         below = _descendants(first)
         second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
         if second is None:
-            found.append((first, None, None, "an expert GEMM without a second one after it in this graph: not a gated expert "
-                                       "MLP (up, act, down), or a loop over experts split by graph breaks (transformers' "
-                                       "'eager' experts: set config._experts_implementation = 'grouped_mm')"))
+            found.append((first, None, None, "an expert GEMM without a second one after it in this graph: not a "
+                          "gated expert MLP (up, act, down), or a loop over experts split by graph breaks "
+                          "(transformers' 'eager' experts: set config._experts_implementation = 'grouped_mm')"))
             used.add(first)
             continue
         used |= {first, second}
