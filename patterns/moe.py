@@ -28,9 +28,13 @@ How it is accepted: the region is a function of (x, idx, w, W1, W2) alone, so it
 two random probes of the real shapes (random tokens of size 1 and of size 16, distinct random experts a token,
 random router weights, random expert weights) and compared with ``moe_experts_pattern`` for each activation;
 one that agrees on both probes within the dtype's tolerance is taken. This is a test of the function, as the
-packed-attention family's mask check is, not a proof; it tells apart the activations, gate/up order and layouts sloth supports from the
-variants it does not (GPT-OSS's clamped ``(up + 1)`` GLU, interleaved gate/up, transposed layouts, capacity
-limits that drop tokens), which then stay, with the reason.
+packed-attention family's mask check is, not a proof; it tells apart the activations, gate/up order and
+layouts sloth supports from the variants it does not (GPT-OSS's clamped ``(up + 1)`` GLU, interleaved gate/up,
+transposed layouts, capacity limits that drop tokens), which then stay, with the reason.
+
+Not yet: top-1 routing (K = 1: the sum over k is no reduction to find the output by), expert biases, LoRA on the
+expert weights (both reported: the region reads another input), transformers' ``eager`` expert loop (split by
+graph breaks at its data-dependent ``nonzero``; no site within one graph).
 """
 from __future__ import annotations
 
