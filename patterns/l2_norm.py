@@ -146,8 +146,10 @@ def fuse_l2_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, repo
                       options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every L2 normalisation over the last dim with ``torch.ops.sloth.l2_norm``.
 
-    before:  y = cast(xf * rsqrt(sum(square(xf), (-1,), True) + eps), bf16)     after:  y = sloth.l2_norm(x, eps, False, bf16)
-    before:  y = F.normalize(x, 2, -1, eps)                                      after:  y = sloth.l2_norm(x, eps, True, f32)
+    before:  y = cast(xf * rsqrt(sum(square(xf), (-1,), True) + eps), bf16)
+    after:   y = sloth.l2_norm(x, eps, False, bf16)
+    before:  y = F.normalize(x, 2, -1, eps)
+    after:   y = sloth.l2_norm(x, eps, True, f32)
     """
     _lowering().register()
     erased: set[fx.Node] = set()
