@@ -49,11 +49,15 @@ from sloth.lowering.lora import lora_linear
 from sloth.lowering.lora_shared import lora_linear_shared
 from sloth.lowering.nf4 import dequantize_4bit, dequantize_4bit_reference
 from sloth.lowering.qlora import qlora_linear
+from sloth.lowering.l2_norm import l2_norm
+from sloth.lowering.layer_norm import layer_norm
 from sloth.lowering.rms_norm import rms_norm
 from sloth.lowering.rope import rope, rope_single
 from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
 from sloth.patterns.glu import swiglu_pattern
 from sloth.patterns.lora import lora_pattern
+from sloth.patterns.l2_norm import normalize_pattern
+from sloth.patterns.layer_norm import layer_norm_pattern
 from sloth.patterns.rms_norm import rms_norm_pattern
 from sloth.patterns.rope import rope_rotate_half_pattern, rope_single_pattern
 from op_checks import StayFloat64, force_fallback
@@ -94,6 +98,16 @@ class Op:
 def _rms_norm_inputs(rows, dtype):
     g = seeded(0)
     return dict(x=torch.randn(rows, 8, generator=g).to(dtype), w=(1 + 0.5 * torch.randn(8, generator=g)).to(dtype))
+
+
+def _layer_norm_inputs(rows, dtype):
+    g = seeded(10)
+    return dict(x=(torch.randn(rows, 8, generator=g) + 0.5).to(dtype),
+                w=(1 + 0.5 * torch.randn(8, generator=g)).to(dtype), b=(0.1 * torch.randn(8, generator=g)).to(dtype))
+
+
+def _l2_norm_inputs(rows, dtype):
+    return dict(x=torch.randn(rows, 8, generator=seeded(11)).to(dtype))
 
 
 def _rope_tables(rows, dtype, g, shape=()):
@@ -181,6 +195,10 @@ def _qlora_weight(packed, absmax, dtype):
 
 RMS_NORM = Op("rms_norm", _rms_norm_inputs, lambda x, w: rms_norm(x, w, 1e-6),
               lambda x, w: rms_norm_pattern(x, w, 1e-6), grads=("x", "w"))
+LAYER_NORM = Op("layer_norm", _layer_norm_inputs, lambda x, w, b: layer_norm(x, w, b, 1e-5),
+                lambda x, w, b: layer_norm_pattern(x, w, b, 1e-5), grads=("x", "w", "b"))
+L2_NORM = Op("l2_norm", _l2_norm_inputs, lambda x: l2_norm(x, 1e-6, True), lambda x: normalize_pattern(x, 1e-6),
+             grads=("x",))
 ROPE = Op("rope", _rope_inputs, lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1)),
           rope_rotate_half_pattern, grads=("q", "k"))  # cos/sin get no gradient from the op (it refuses)
 ROPE_SINGLE = Op("rope_single", _rope_single_inputs, rope_single, rope_single_pattern, grads=("x",))
@@ -305,6 +323,21 @@ CASES = [
     case(RMS_NORM, "zero-stride", EAGER),  # and an expanded one
     case(RMS_NORM, "empty", EAGER),
     case(RMS_NORM, "two-devices", Raises(ValueError, "sloth.rms_norm: " + _device("weight", "x")), "w"),
+
+    case(LAYER_NORM, "float64", Raises(TypeError, "sloth.layer_norm: x " + F64)),
+    case(LAYER_NORM, "fp16", EAGER),
+    case(LAYER_NORM, "non-contiguous", EAGER),
+    case(LAYER_NORM, "transposed", EAGER),
+    case(LAYER_NORM, "zero-stride", EAGER),
+    case(LAYER_NORM, "empty", EAGER),
+    case(LAYER_NORM, "two-devices", Raises(ValueError, "sloth.layer_norm: " + _device("weight", "x")), "w"),
+
+    case(L2_NORM, "float64", Raises(TypeError, "sloth.l2_norm: x " + F64)),
+    case(L2_NORM, "fp16", EAGER),
+    case(L2_NORM, "non-contiguous", EAGER),
+    case(L2_NORM, "transposed", EAGER),
+    case(L2_NORM, "zero-stride", EAGER),
+    case(L2_NORM, "empty", EAGER),
 
     case(ROPE, "float64", Raises(TypeError, "sloth.rope: x " + F64)),
     case(ROPE, "fp16", EAGER),
