@@ -130,56 +130,31 @@ def _evaluator(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask:
     return fx.GraphModule(gm, graph)
 
 
-def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: fx.Node,
-             q_len: int) -> tuple[Optional[str], Optional[str]]:
-    """(the rule the mask follows on every probe, None) or (None, why none does)."""
+def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: fx.Node, q_len: int,
+             plan: Optional[RowBlocks] = None) -> tuple[Optional[str], Optional[str]]:
+    """(the rule the mask follows on every probe, None) or (None, why none does).
+
+    Each probe's mask is evaluated whole, or with ``plan`` a block of query rows at a time (a mask too large to
+    hold: a packed batch of 128k tokens is 16 GiB of bools; patterns/mask_rows.py), and each block compared with
+    the same rows of every rule's mask, start[b, i] <= j <= i."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     ids_value = tensor_of(ids)
-    evaluate = _evaluator(gm, producers, ids, mask)
-    candidates = list(RULES)
-    failed: dict[str, int] = {}
-    with unset_fake_temporarily(), torch.no_grad():
-        for index, probe in enumerate(probe_ids(tuple(ids_value.shape), ids_value.dtype, ids_value.device)):
-            value = evaluate(probe)
-            if not isinstance(value, torch.Tensor):
-                return None, f"the mask is a {type(value).__name__}, not a tensor"
-            allowed, why_not = allowed_of(value)
-            if why_not:
-                return None, why_not
-            if allowed.dim() < 2 or tuple(allowed.shape[-2:]) != (q_len, q_len):
-                return None, f"its shape {tuple(allowed.shape)} does not end in [{q_len}, {q_len}]"
-            for rule in list(candidates):
-                reference = document_attention_op.allowed_from_bounds(document_bounds(probe.reshape(-1, q_len), rule))
-                shape = torch.broadcast_shapes(allowed.shape, reference.shape)
-                if not torch.equal(allowed.expand(shape), reference.expand(shape)):
-                    candidates.remove(rule)
-                    failed[rule] = index
-            if not candidates:
-                return None, ("it is not document-causal under any rule (" + ", ".join(
-                    f"{rule}: differs on probe {i}" for rule, i in failed.items())
-                    + "; a window, a prefix, padding or another mask)")
-    return candidates[0], None
-
-
-def _rule_by_rows(plan: RowBlocks, ids: fx.Node, q_len: int) -> tuple[Optional[str], Optional[str]]:
-    """``_rule_of`` for a mask too large to evaluate whole (a packed batch of 128k tokens: 16 GiB of bools): each
-    probe's mask a block of query rows at a time (patterns/mask_rows.py), each block against the same rows of
-    every rule's mask, start[b, i] <= j <= i."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    ids_value = tensor_of(ids)
+    evaluate = _evaluator(gm, producers, ids, mask) if plan is None else None
     candidates = list(RULES)
     failed: dict[str, int] = {}
     with unset_fake_temporarily(), torch.no_grad():
         for index, probe in enumerate(probe_ids(tuple(ids_value.shape), ids_value.dtype, ids_value.device)):
             starts = {rule: document_bounds(probe.reshape(-1, q_len), rule)[0].long() for rule in candidates}
             keys = torch.arange(q_len, device=probe.device)
-            for first_row, value in plan.blocks({ids: probe}):
+            for first_row, value in (plan.blocks({ids: probe}) if plan is not None else [(0, evaluate(probe))]):
+                if not isinstance(value, torch.Tensor):
+                    return None, f"the mask is a {type(value).__name__}, not a tensor"
                 allowed, why_not = allowed_of(value)
                 if why_not:
                     return None, why_not
-                if allowed.dim() < 2 or allowed.shape[-1] != q_len:
+                rows_ok = plan is not None or (allowed.dim() >= 2 and allowed.shape[-2] == q_len)
+                if allowed.dim() < 2 or allowed.shape[-1] != q_len or not rows_ok:
                     return None, f"its shape {tuple(allowed.shape)} does not end in [{q_len}, {q_len}]"
                 rows = torch.arange(first_row, first_row + allowed.shape[-2], device=probe.device)
                 for rule in list(candidates):
@@ -242,8 +217,7 @@ class _Checker:
                                     f"{value.device}, more than sloth allows itself ({budget / 2**30:.1f} GiB), and "
                                     f"it cannot be checked a block of rows at a time: {by_rows_not}"), []
         try:
-            rule, why_not = _rule_of(gm, producers, ids, mask, q_len) if plan is None else \
-                _rule_by_rows(plan, ids, q_len)
+            rule, why_not = _rule_of(gm, producers, ids, mask, q_len, plan)
         except Exception as error:  # an op that cannot run outside the graph: leave it as it was
             return None, None, f"evaluating it on probe ids failed ({type(error).__name__}: {error})", []
         finally:
