@@ -23,7 +23,9 @@
 #   bash benchmarks/h200_rows.sh compile-share  # issue 24: sloth's share of the 8B LoRA step's compile, beside Inductor's
 #   bash benchmarks/h200_rows.sh longest-sloth long-unsloth  # issue 19: sloth at 128k/256k; Unsloth at 16k/64k
 #   bash benchmarks/h200_rows.sh longest-2 # issue 19: sloth at 256k, Unsloth at 128k
-#   bash benchmarks/h200_rows.sh moe-family  # issue 20: the moe_experts op, the Qwen3-MoE step with and without moe_route, Unsloth
+#   bash benchmarks/h200_rows.sh moe-family moe-unsloth  # issue 20: the moe_experts op, the Qwen3-MoE step with and
+#                                          # without moe_route; then Unsloth's (carry .whl/unsloth)
+#   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
 #   bash benchmarks/h200_rows.sh glu-hidden-steps  # the LoRA and QLoRA steps both ways
@@ -207,12 +209,17 @@ case $part in
             --sloth-options '{"offload": true, "return_logits": false}'
         run long128-unsloth 170 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants unsloth ;;
     moe-family)  # issue 20: the moe_experts op against transformers' grouped_mm path and eager loop, then the
-        # Qwen3-MoE step with sloth's default options (moe_route on) and with the family off, then Unsloth
+        # Qwen3-MoE step with sloth's default options (moe_route on) and with the family off (Unsloth: moe-unsloth)
         [ -z "${DRY:-}" ] && { timeout 120 python -m benchmarks.ops.moe_experts > "$out/logs/moe_experts.log" 2>&1
                                echo "moe_experts: rc $?"; grep -v Warn "$out/logs/moe_experts.log" | tail -12; }
         run moe-sloth 170 --all --model qwen3-moe --variants sloth
         run moe-sloth-no-moe 170 --all --model qwen3-moe --variants sloth --sloth-options \
-            '{"patterns": ["layer_norm", "rms_norm", "l2_norm", "rope", "glu", "cross_entropy", "lora", "packed_attention", "causal_mask"]}'
+            '{"patterns": ["layer_norm", "rms_norm", "l2_norm", "rope", "glu", "cross_entropy", "lora", "packed_attention", "causal_mask"]}' ;;
+    moe-host)  # issue 20: where the MoE step's GPU waits (its kernel table and idle gaps), then the step under CUDA
+        # graphs (the step without its host: what the GPU alone needs)
+        run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile
+        run moe-sloth-cg 170 --all --model qwen3-moe --variants sloth --sloth-options '{"triton.cudagraphs": true}' ;;
+    moe-unsloth)  # issue 20: Unsloth's Qwen3-MoE step, to follow moe-family on the same machine (carry .whl/unsloth)
         run moe-unsloth 200 --all --model qwen3-moe --variants unsloth ;;
     glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed: bits and op time at
         # the 8B shape (benchmarks/ops/glu_lora_backward.py)

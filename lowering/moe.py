@@ -13,9 +13,10 @@ Dispatch, with no host sync and no data-dependent shape: the S assignments are s
 rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
 ``searchsorted`` on the sorted ids (no [S, E] one-hot, no ``bincount``, whose size depends on the largest id).
 Rows are gathered in that order, the two expert GEMMs are grouped GEMMs over ``offs``, the GLU is
-``lowering/glu.py``'s kernel (fp32 inside, one rounding), and the weighted sum back to tokens is a gather through
-the inverse permutation and a sum over K in fp32: every token has exactly K rows, so the scatter-add is a
-deterministic reduction, with no atomics (``index_add_`` on CUDA adds duplicates in arbitrary order).
+``lowering/glu.py``'s kernel (fp32 inside, one rounding), and the weighted sum back to tokens is one kernel
+(``lowering/moe_kernels.py``'s ``combine``) reading each token's K rows through the inverse permutation and summing
+them in fp32: every token has exactly K rows, so the scatter-add is a deterministic reduction, with no atomics
+(``index_add_`` on CUDA adds duplicates in arbitrary order).
 Ids must lie in [0, E): checking that needs a host sync, so it is not checked; rows with other ids are undefined.
 
 Grouped GEMM: ``torch._grouped_mm`` where it runs (CUDA bf16, and the CPU kernel of torch >= 2.9 for fp32/bf16/
@@ -35,8 +36,9 @@ h_r = a(g_r) * u_r, y_r = W_d[e] h_r and out_t = sum_r w_r y_r; given dout::
     dW_gu[e] = sum_{r in e} d gu_r x_t^T,   dW_d[e] = sum_{r in e} dout_t (w_r h_r)^T    (2d x 2d grouped GEMMs)
 
 Saved for backward: x, the routing, the weights, gu [S, 2I] (the pre-activation: recomputing it would repeat the
-largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: the glu backward
-recomputes it in the same pass. The weight gradients are formed only for weights that require grad (frozen
+largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: dh, the GLU
+backward, d w and (when the down projection trains) w h are one pass over c and gu
+(``moe_kernels.glu_backward_weighted``), and dx's sum over K is ``combine`` again. The weight gradients are formed only for weights that require grad (frozen
 experts under LoRA get none, and their two 2d x 2d GEMMs are skipped).
 """
 from __future__ import annotations
@@ -47,7 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from .devices import check_one_device
-from .glu import glu_backward_impl, glu_forward
+from .glu import glu_forward
+from .moe_kernels import combine, glu_backward_weighted, inverse_permutation
 from .registration import define, fake
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,10 +131,23 @@ def _grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, 
     return out.to(a.dtype)
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_row: torch.Tensor) -> torch.Tensor:
+class _Lazy:
+    """A tensor formed on first use (``value()``), for an operand only one of two paths reads."""
+
+    def __init__(self, make):
+        self._make, self._value = make, None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_row: torch.Tensor | _Lazy
+               ) -> torch.Tensor:
     if _use_grouped_mm(a, b):
         return torch._grouped_mm(a, b, offs=offs)
-    return _grouped_mm_reference(a, b, offs, group_of_row)
+    return _grouped_mm_reference(a, b, offs, group_of_row.value() if isinstance(group_of_row, _Lazy) else group_of_row)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,30 +193,18 @@ def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
     return order, sorted_ids, offs
 
 
-def _sum_over_k(rows_S: torch.Tensor, order: torch.Tensor, n_tokens: int, top_k: int,
-                scale_TK: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_k (scale[t, k] *) rows[r(t, k)] in fp32 -> [T, H]: the sorted rows put back in (t, k) order by the
-    inverse permutation, then reduced over K (deterministic; see the module docstring)."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.shape[0], device=order.device)
-    rows_TKH = rows_S[inverse].view(n_tokens, top_k, -1).float()
-    if scale_TK is not None:
-        rows_TKH = rows_TKH * scale_TK.float().unsqueeze(-1)
-    return rows_TKH.sum(1)
-
-
 def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, H], gu [S, 2I], order [S], offs [E]); the last three are the backward's residuals."""
     _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
-    n_tokens, top_k = top_k_index.shape
+    top_k = top_k_index.shape[1]
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
     x_SH = x[order // top_k]
     gu_S2I = grouped_mm(x_SH, gate_up_proj.transpose(1, 2), offs, sorted_ids)
     h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
     y_SH = grouped_mm(h_SI, down_proj.transpose(1, 2), offs, sorted_ids)
-    out = _sum_over_k(y_SH, order, n_tokens, top_k, top_k_weights).to(x.dtype)
+    out = combine(y_SH, inverse_permutation(order), top_k, top_k_weights, x.dtype)
     return out, gu_S2I, order, offs
 
 
@@ -209,28 +213,21 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
                          offs: torch.Tensor, act: str, compute_dx: bool, compute_dw: bool, compute_d_gate_up: bool,
                          compute_d_down: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d top_k_weights, d gate_up_proj, d down_proj), each an empty tensor where not asked for."""
-    n_tokens, top_k = top_k_index.shape
+    top_k = top_k_index.shape[1]
     token_of_row = order // top_k
-    sorted_ids = top_k_index.reshape(-1)[order]
-    w_S1 = top_k_weights.reshape(-1)[order].float().unsqueeze(1)
+    # The experts of the sorted rows, which only the reference grouped GEMM reads: formed once, when it first runs.
+    sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
     dout_SH = dout.to(x.dtype)[token_of_row]
     c_SI = grouped_mm(dout_SH, down_proj, offs, sorted_ids)
-    buf_SI = (c_SI.float() * w_S1).to(x.dtype)  # dh; the glu backward writes h over it
-    d_gu, _ = glu_backward_impl(buf_SI, gu, None, ACTIVATIONS[act], y_over_dy=True)
-    h_SI = buf_SI
+    d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS[act], compute_dw,
+                                              compute_d_down)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
-    dw = x.new_empty(0)
-    if compute_dw:
-        dw_S = (c_SI.float() * h_SI.float()).sum(-1)
-        dw = torch.empty(order.shape, dtype=top_k_weights.dtype, device=x.device)
-        dw[order] = dw_S.to(dw.dtype)
-        dw = dw.view(top_k_weights.shape)
-    d_down = x.new_empty(0)
-    if compute_d_down:
-        d_down = grouped_mm(dout_SH.t(), (h_SI.float() * w_S1).to(x.dtype), offs, sorted_ids)
+    dw = dw_S.view(top_k_weights.shape) if compute_dw else x.new_empty(0)
+    d_down = grouped_mm(dout_SH.t(), hw_SI, offs, sorted_ids) if compute_d_down else x.new_empty(0)
     dx = x.new_empty(0)
     if compute_dx:
-        dx = _sum_over_k(grouped_mm(d_gu, gate_up_proj, offs, sorted_ids), order, n_tokens, top_k).to(x.dtype)
+        dx = combine(grouped_mm(d_gu, gate_up_proj, offs, sorted_ids), inverse_permutation(order), top_k, None,
+                     x.dtype)
     d_gate_up = x.new_empty(0)
     if compute_d_gate_up:
         d_gate_up = grouped_mm(d_gu.t(), x[token_of_row], offs, sorted_ids)

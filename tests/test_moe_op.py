@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sloth.lowering.moe as lowering
+import sloth.lowering.moe_kernels as moe_kernels
 from sloth.lowering.moe import ACTIVATIONS, moe_experts, moe_experts_pattern, register
 from op_checks import RecordOps
 from tolerance import assert_close
@@ -136,6 +137,82 @@ def test_no_host_sync_and_nothing_of_size_T_by_E():
         for o in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(o, torch.Tensor) and o.dim() >= 2:
                 assert o.shape[-1] != E or o.shape[-2] not in (T, T * K), f"{func} made {tuple(o.shape)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two kernels between the GEMMs (lowering/moe_kernels.py), against the math they replace
+# ---------------------------------------------------------------------------------------------------
+
+def _permutation(n, seed):
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,K,H", [(7, 3, 37), (1, 1, 5), (5, 2, 2100)])  # 2100: two column blocks
+def test_combine_sums_each_tokens_rows(T, K, H, dtype, scaled):
+    g = torch.Generator().manual_seed(T * H)
+    rows = torch.randn(T * K, H, generator=g)
+    scale = torch.softmax(torch.randn(T, K, generator=g), -1) if scaled else None
+    order = _permutation(T * K, H)
+    inverse = moe_kernels.inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(T * K))
+
+    def eager(rows, scale):  # the first version's math at the tested dtype: gather, scale, sum over K
+        r = rows[inverse].view(T, K, H)
+        return (r * scale.unsqueeze(-1) if scale is not None else r).sum(1)
+
+    actual = moe_kernels.combine(rows.to(dtype), inverse, K, scale, dtype)
+    assert actual.shape == (T, H) and actual.dtype == dtype
+    low_scale = scale.to(dtype) if scale is not None else None
+    assert_close("combine", actual, eager(rows.to(dtype), low_scale),
+                 eager(rows.double(), scale.double() if scale is not None else None))
+
+
+@pytest.mark.parametrize("want_dw,want_hw", [(True, True), (True, False), (False, False)], ids=["dw-hw", "dw", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("T,K,I", [(7, 3, 37), (3, 2, 300)])  # 300: the column loop runs twice
+def test_glu_backward_weighted_matches_autograd(T, K, I, act, dtype, want_dw, want_hw):
+    g = torch.Generator().manual_seed(I + K)
+    S = T * K
+    c, gu = torch.randn(S, I, generator=g), torch.randn(S, 2 * I, generator=g) * 2
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    order = _permutation(S, I)
+
+    def eager(c, gu, weights):  # autograd of w_r * <c_r, a(g_r) u_r> at the tested dtype: (d_gu, dw, w h)
+        gu, weights = gu.detach().requires_grad_(), weights.detach().requires_grad_()
+        w = weights.reshape(-1)[order].unsqueeze(1)
+        gate, up = gu.chunk(2, -1)
+        h = lowering._act(gate, act) * up
+        d_gu, dw = torch.autograd.grad((w * h * c).sum(), (gu, weights))
+        return d_gu, dw.reshape(-1), (h * w).detach()
+
+    d_gu, dw, hw = moe_kernels.glu_backward_weighted(c.to(dtype), gu.to(dtype), weights.to(dtype), order,
+                                                     lowering.ACTIVATIONS[act], want_dw, want_hw)
+    expected = eager(c.to(dtype), gu.to(dtype), weights.to(dtype))
+    reference = eager(c.double(), gu.double(), weights.double())
+    assert_close("d_gu", d_gu, expected[0], reference[0])
+    assert (dw is not None) == want_dw and (hw is not None) == want_hw
+    if want_dw:
+        assert_close("dw", dw, expected[1], reference[1])
+    if want_hw:
+        assert_close("hw", hw, expected[2], reference[2])
+
+
+def test_the_kernels_run_where_triton_runs(monkeypatch):
+    # Under the interpreter (or on a GPU) the op must take the kernels, not their PyTorch references.
+    from sloth.lowering.backend_choice import use_triton
+
+    if not use_triton(torch.empty(0)):
+        pytest.skip("Triton runs neither on this device nor through the interpreter")
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the PyTorch reference ran where the kernel should")
+
+    monkeypatch.setattr(moe_kernels, "combine_reference", refuse)
+    monkeypatch.setattr(moe_kernels, "glu_backward_weighted_reference", refuse)
+    check_against_pattern(make_inputs(13, 24, 20, 5, 2), torch.float32, "silu")
 
 
 # ---------------------------------------------------------------------------------------------------

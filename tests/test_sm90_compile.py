@@ -22,9 +22,12 @@ import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sloth.lowering.glu as glu
+import sloth.lowering.l2_norm as l2_norm
+import sloth.lowering.layer_norm as layer_norm
 import sloth.lowering.linear_cross_entropy as lce
 import sloth.lowering.lora as lora
 import sloth.lowering.lora_members as lora_members
+import sloth.lowering.moe_kernels as moe_kernels
 import sloth.lowering.nf4 as nf4
 import sloth.lowering.nf4_matmul as nf4_matmul
 import sloth.lowering.rms_norm as rms_norm
@@ -83,7 +86,8 @@ def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tupl
 
 def _record(monkeypatch) -> list:
     launches: list = []
-    for module in (glu, lce, lora, lora_members, nf4, nf4_matmul, rms_norm, rope):
+    for module in (glu, l2_norm, layer_norm, lce, lora, lora_members, moe_kernels, nf4, nf4_matmul, rms_norm,
+                   rope):
         for name, value in list(vars(module).items()):
             if name.endswith("_kernel") and hasattr(value, "arg_names"):
                 monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
@@ -152,6 +156,29 @@ def _llama_launches() -> None:
         nf4.dequantize_4bit_members([packed] * 2, [absmax] * 2, nested, 64, "nf4", [(inter, h)] * 2, bf16)
     for config in nf4_matmul.CONFIGS:  # the fused 4-bit matmul's launch settings, benchmarked on the GPU
         nf4_matmul.nf4_matmul(x, packed, torch.empty(inter * h // 64), 64, "nf4", inter, h, config=config)
+    # LayerNorm and L2 norm at the hidden size and at a head's (q/k L2 norms of 128), weight and bias on and off
+    for cols in (h, 128):
+        xl = torch.empty(n, cols, dtype=bf16)
+        wl = torch.empty(cols, dtype=bf16)
+        layer_norm._layer_norm_fwd(xl, wl, wl, 1e-5, bf16)
+        layer_norm._layer_norm_fwd(xl, None, None, 1e-5, bf16)
+        layer_norm._layer_norm_bwd(xl, xl, wl, 1e-5, True, True)
+        layer_norm._layer_norm_bwd(xl, xl, None, 1e-5, False, False)
+        for clamp in (True, False):
+            l2_norm._l2_norm_fwd(xl, 1e-6, clamp, bf16)
+            l2_norm._l2_norm_bwd(xl, xl, 1e-6, clamp)
+    # The MoE experts' kernels between the grouped GEMMs at Qwen3-MoE's layer (4096 tokens, top-8, H 2048, I 768)
+    # and Mixtral-8x7B's expert width (I 14336, top-2)
+    for top_k, hidden, width in ((8, 2048, 768), (2, 4096, 14336)):
+        rows = n * top_k
+        order = torch.empty(rows, dtype=torch.int64)
+        moe_kernels.combine(torch.empty(rows, hidden, dtype=bf16), order, top_k, torch.empty(n, top_k, dtype=bf16),
+                            bf16)
+        moe_kernels.combine(torch.empty(rows, hidden, dtype=bf16), order, top_k, None, bf16)
+        for want in (True, False):
+            moe_kernels.glu_backward_weighted(torch.empty(rows, width, dtype=bf16),
+                                              torch.empty(rows, 2 * width, dtype=bf16), torch.empty(n, top_k, dtype=f32),
+                                              order, "silu", want, want)
 
 
 _COMPILE = r"""
@@ -208,7 +235,9 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
     kernels = {launch[1] for launch in unique}
     assert {"_rms_norm_fwd_kernel", "_glu_fwd_kernel", "_rope_kernel", "_lora_down_kernel", "_lora_up_add_kernel",
             "_lora_grad_kernel", "_lce_rows_kernel", "_dequantize_4bit_kernel", "_split_members_kernel",
-            "_down_members_kernel", "_up_add_members_kernel", "_dequantize_4bit_members_kernel"} <= kernels, kernels
+            "_down_members_kernel", "_up_add_members_kernel", "_dequantize_4bit_members_kernel",
+            "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_l2_norm_fwd_kernel", "_l2_norm_bwd_kernel",
+            "_combine_kernel", "_glu_backward_weighted_kernel"} <= kernels, kernels
     assert sum(launch[1] == "_nf4_matmul_kernel" for launch in unique) == len(nf4_matmul.CONFIGS), unique
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(unique), env=env,

@@ -1,0 +1,52 @@
+"""The op checks of the families added since the last GPU run, on CUDA tensors: the same oracles and tolerance rule as
+their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py), whose inputs are CPU tensors and
+so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels run compiled for the GPU,
+and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the Qwen3-MoE layer's shape
+among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels in the interpreter).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_l2_norm_op as l2_tests
+import test_layer_norm_op as ln_tests
+import test_moe_op as moe_tests
+import sloth.lowering.moe as moe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the kernels run in the "
+                                "interpreter in the CPU tests instead")
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _cuda(tensors):
+    return [t.cuda() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,I,E,K,unused", [(13, 24, 20, 5, 2, (3,)),  # unaligned: the reference GEMM
+                                              (300, 256, 96, 16, 4, (5,)),  # aligned: _grouped_mm in bf16
+                                              (1024, 2048, 768, 128, 8, ())],  # Qwen3-MoE's layer, 1024 tokens
+                         ids=["odd", "aligned", "qwen3-moe"])
+def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype):
+    masters = _cuda(moe_tests.make_inputs(T, H, I, E, K, unused_experts=unused))
+    if dtype == torch.bfloat16 and (H, I) != (24, 20):
+        assert moe.grouped_mm_runs(masters[0].device, dtype, H, I)
+    moe_tests.check_against_pattern(masters, dtype, "silu")
+    moe_tests.check_against_pattern(masters, dtype, "gelu_tanh", frozen=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 33), (13, 100), (4096, 2048)], ids=["7x33", "13x100", "4096x2048"])
+def test_layer_norm_on_cuda(shape, dtype):
+    x, w, b, dy = _cuda(ln_tests.make_inputs(shape, shift=0.5))
+    for style in ("wb", "w", "none"):
+        ln_tests.check(style, x, w, b, dy, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 33), (2, 3, 64), (4096, 128)], ids=["7x33", "2x3x64", "4096x128"])
+def test_l2_norm_on_cuda(shape, dtype):
+    x, dy = _cuda(l2_tests.make_inputs(shape))
+    for mode in l2_tests.MODES:
+        l2_tests.check(mode, x, dy, dtype, eps=1e-6)
