@@ -306,7 +306,10 @@ case $part in
     *) echo "unknown part $part"; exit 2 ;;
 esac
 done
-[ -z "${DRY:-}" ] && (cd "$out" && tar czf logs.tgz logs && rm -rf logs)
+# logs.tgz, or logs-<time>.tgz where an earlier part list in the same $OUT left one (one device call, two lists)
+archive=logs.tgz
+[ -e "$out/$archive" ] && archive=logs-$(date +%H%M%S).tgz
+[ -z "${DRY:-}" ] && (cd "$out" && tar czf "$archive" logs && rm -rf logs)
 # At most 8 files come back: the markdown tables (each made again from its JSON) travel as one archive.
 [ -z "${DRY:-}" ] && [ "$(ls "$out" | wc -l)" -gt 8 ] && (cd "$out" && tar czf tables.tgz ./*.md && rm -f ./*.md)
 exit 0
