@@ -139,6 +139,15 @@ def random_base_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.M
     return model, cfg
 
 
+def expert_targets(args: argparse.Namespace) -> list[str] | None:
+    """peft ``target_parameters`` for --lora-experts: the stacked expert weights of transformers 5.x MoE blocks."""
+    if not args.lora_experts:
+        return None
+    if MODELS[args.model][0] != "qwen3_moe":
+        raise SystemExit(f"--lora-experts needs an MoE model, not {args.model}")
+    return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
 def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
     """The random-weight LoRA (or, with --qlora, NF4 QLoRA) model, on `device`, and its config."""
     from peft import LoraConfig, get_peft_model
@@ -161,7 +170,8 @@ def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module,
     if args.grad_ckpt:
         # Non-reentrant: works with frozen embeddings (no enable_input_require_grads) and with Dynamo.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM",
+                      target_parameters=expert_targets(args))
     model = get_peft_model(model, lora)
     model.train()
     return model, cfg
@@ -516,6 +526,8 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
         cmd.append("--grad-ckpt")
     if args.qlora:
         cmd.append("--qlora")
+    if args.lora_experts:
+        cmd.append("--lora-experts")
     if args.profile:
         cmd.append("--profile")
     if args.host_profile:
@@ -582,6 +594,7 @@ def run_all(args: argparse.Namespace) -> int:
     record = common.result_record("e2e", config, COLUMNS, rows)
     if not args.smoke or args.results_dir:
         suffix = f"-{args.model}-b{args.batch}-s{args.seq}" + ("-qlora" if args.qlora else "") + (
+            "-lora-experts" if args.lora_experts else "") + (
             "-ckpt" if args.grad_ckpt else "") + (
             f"-L{args.layers}" if args.layers else "") + ("-smoke" if args.smoke else "")
         for path in common.write_result(record, args.results_dir, suffix):
@@ -605,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--grad-ckpt", action="store_true", help="non-reentrant gradient checkpointing")
     parser.add_argument("--qlora", action="store_true", help="NF4 base weights (bitsandbytes Linear4bit)")
+    parser.add_argument("--lora-experts", action="store_true",
+                        help="LoRA on the stacked expert weights too (peft target_parameters; MoE models)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one step and write its kernel table (see profile_step)")
     parser.add_argument("--host-profile", action="store_true",

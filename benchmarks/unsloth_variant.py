@@ -60,8 +60,11 @@ def build_model(args: argparse.Namespace, device: str, targets: list[str],
     model, _ = FastLanguageModel.from_pretrained(str(checkpoint), max_seq_length=args.seq, dtype=torch.bfloat16,
                                                  load_in_4bit=args.qlora, local_files_only=True,
                                                  use_gradient_checkpointing=checkpointing)
+    from benchmarks.e2e import expert_targets
+
+    experts = expert_targets(args)  # LoRA on the expert weights too: peft's target_parameters, passed through
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
                                              target_modules=targets, use_gradient_checkpointing=checkpointing,
-                                             random_state=0)
+                                             random_state=0, **({"target_parameters": experts} if experts else {}))
     model.train()
     return model, cfg

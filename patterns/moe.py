@@ -20,6 +20,11 @@ second downstream of the first, are a candidate, and its interface is read off t
     x = the nearest [T, H] float value upstream of the first GEMM's other operand
     idx = the last [T, K] integer value upstream of ``out``;   w = the last [T, K] float value upstream of ``out``
 
+Where a stacked weight is computed from its graph input before the GEMM reads it (peft's ``target_parameters``
+LoRA forms ``W + s B A`` by ``baddbmm`` each step), W1 / W2 are that computed value: the computation stays in the
+graph, the op reads its result, and the op's weight gradient flows back through it to the adapters (the merged
+weight and its gradient are formed as in eager; the adapters' products are not fused into the GEMMs yet).
+
 The candidate *region* is every node ``out`` is computed from, back to those five (and the in-place writes into
 them, such as transformers' ``inv_perm[perm] = arange``). A region reading anything else (a bias, a shared
 expert, a parameter of a post-expert norm) is refused with its name.
@@ -32,9 +37,10 @@ packed-attention family's mask check is, not a proof; it tells apart the activat
 layouts sloth supports from the variants it does not (GPT-OSS's clamped ``(up + 1)`` GLU, interleaved gate/up,
 transposed layouts, capacity limits that drop tokens), which then stay, with the reason.
 
-Not yet: top-1 routing (K = 1: the sum over k is no reduction to find the output by), expert biases, LoRA on the
-expert weights (both reported: the region reads another input), transformers' ``eager`` expert loop (split by
-graph breaks at its data-dependent ``nonzero``; no site within one graph).
+Not yet: top-1 routing (K = 1: the sum over k is no reduction to find the output by), expert biases and adapters
+applied beside the expert GEMMs rather than merged into their weights (reported: the region reads another input),
+transformers' ``eager`` expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one
+graph).
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..compiler.anchors import expert_operand, is_expert_gemm, op_name
+from ..compiler.anchors import expert_operand, expert_weight, is_expert_gemm, op_name
 from ..compiler.fx_utils import insert_call, module_path, replace_and_erase, source_location, tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
@@ -115,9 +121,31 @@ def _shape(node: fx.Node) -> Optional[tuple]:
     return tuple(value.shape) if value is not None else None
 
 
+_MERGES = ("add", "sub", "mul", "baddbmm")
+
+
+def _weight_value(gemm: fx.Node, base: fx.Node) -> fx.Node:
+    """The stacked weight value ``gemm`` multiplies by: ``base`` (the graph input), or, where the weight is computed
+    from it before views and indexing (peft's ``target_parameters`` LoRA: ``baddbmm(W, B, A)``, the expert stack plus
+    its adapters' product, formed each step as eager does), that computed [E, ., .] value. The op then takes the
+    computed weight, the computation stays in the graph, and its gradient flows to the adapters through it."""
+    operands = [gemm.args[1]] if op_name(gemm) in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback") else \
+        [a for a in gemm.args if isinstance(a, fx.Node) and expert_weight(a, indexed=True) is base]
+    node = operands[0] if operands else base
+    while isinstance(node, fx.Node) and node is not base:
+        if op_name(node) in _MERGES:
+            value = _value(node)
+            return node if value is not None and tuple(value.shape) == tuple(_value(base).shape) else base
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return base
+
+
 def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[Optional[MoeSite], Optional[str]]:
     """Read (x, idx, w, W1, W2, out) off two expert GEMMs, or say why not."""
     w1, w2 = expert_operand(gemm1), expert_operand(gemm2)
+    w1, w2 = _weight_value(gemm1, w1), _weight_value(gemm2, w2)
     e1, e2 = _shape(w1), _shape(w2)
     if e1[0] != e2[0]:
         return None, f"its two expert weights hold {e1[0]} and {e2[0]} experts"
@@ -177,8 +205,9 @@ def _region(out: fx.Node, inputs: set[fx.Node]) -> tuple[list[fx.Node], Optional
         if node in region or node in inputs:
             continue
         if node.op == "placeholder":
-            what = ("an adapter on the expert weights (peft's target_parameters): LoRA on experts is not fused yet, "
-                    "the experts run as written" if any(k in str(node.target).lower() for k in ("lora", "parametriz"))
+            what = ("an adapter applied beside the expert GEMMs (not merged into their weights, as peft's "
+                    "target_parameters does): not fused, the experts run as written"
+                    if any(k in str(node.target).lower() for k in ("lora", "parametriz"))
                     else "a bias, an adapter, a shared expert or a norm the fused op does not take")
             return [], f"the experts also read the graph input {node.target!r}: {what}"
         if node.op in ("get_attr", "call_module"):
@@ -335,9 +364,12 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
         erased = replace_and_erase(site.out, y, keep=(site.x, site.idx, site.w, site.w1, site.w2))
         _erase_dead(site.region, erased)
         x, w1 = _value(site.x), _value(site.w1)
+        computed = [n for n in (site.w1, site.w2) if n.op != "placeholder"]
         report.replaced(Site(FAMILY, "sloth.moe_experts", module_path(anchor), source_location(anchor),
                              f"{w1.shape[0]} experts, top-{_value(site.idx).shape[1]}, {site.act}, "
-                             f"{str(x.dtype).replace('torch.', '')}"))
+                             f"{str(x.dtype).replace('torch.', '')}"
+                             + (f"; {len(computed)} of its expert weights computed in the graph (an adapter's "
+                                "merged weight, as peft's target_parameters forms it)" if computed else "")))
         changed = True
     if changed:
         gm.graph.lint()
