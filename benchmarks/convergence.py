@@ -1,6 +1,7 @@
 """Convergence: a small Llama trained on real text for many steps, eager against sloth, from the same seed.
 
     python -m benchmarks.convergence [--steps 300] [--inner inductor] [--plot results/PATH.png]
+    python -m benchmarks.convergence --replot results/RECORD.json --plot results/PATH.png   # a record's curves
 
 One step's parity (the tests) does not show that an error too small to see in one step stays small over a run,
 nor that the fused backward trains a model as well as autograd's. This runs the whole loop twice, the same
@@ -20,6 +21,7 @@ bound, not to zero; the learning itself is shown by the final loss against the f
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import sysconfig
@@ -148,7 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--inner", default="inductor", help="sloth's inner compiler (aot_eager: faster on a CPU)")
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of both smoothed curves (needs matplotlib)")
+    parser.add_argument("--replot", type=Path, default=None,
+                        help="draw --plot from this record (a JSON this script wrote) instead of training")
     args = parser.parse_args(argv)
+    if args.replot:
+        record = json.loads(args.replot.read_text())
+        cfg = record["config"]
+        if not args.plot:
+            parser.error("--replot needs --plot")
+        _plot([r["eager loss"] for r in record["rows"]], [r["sloth loss"] for r in record["rows"]], cfg["window"],
+              args.plot, f"Llama-shaped {cfg['layers']} x {cfg['hidden']}, stdlib bytes, {cfg['steps']} steps, "
+              f"{record['env']['device']}: eager vs sloth (every family)")
+        print(f"wrote {args.plot}")
+        return 0
     common.use_triton_interpreter_without_cuda()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     common.import_sloth()
