@@ -72,13 +72,17 @@ def small_llama(seed: int, hidden: int, layers: int, device: str) -> torch.nn.Mo
 
 
 def train(data: list[torch.Tensor], *, compiled: bool, options: dict[str, Any], seed: int, hidden: int,
-          layers: int, lr: float, device: str) -> tuple[list[float], Any]:
-    """The loss of each step of one run; with ``compiled`` the model runs through sloth (its report returned)."""
+          layers: int, lr: float, device: str, backend: str = "sloth") -> tuple[list[float], Any]:
+    """The loss of each step of one run; with ``compiled`` the model runs through ``backend`` (sloth's report
+    returned; ``"inductor"``: plain torch.compile, the rounding-noise baseline)."""
     import sloth
 
     model = small_llama(seed, hidden, layers, device)
     model.train()
-    run = torch.compile(model, backend="sloth", options=options) if compiled else model
+    if compiled and backend == "inductor":
+        run = torch.compile(model)
+    else:
+        run = torch.compile(model, backend="sloth", options=options) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sloth.reset_report()
     losses = []
@@ -89,7 +93,7 @@ def train(data: list[torch.Tensor], *, compiled: bool, options: dict[str, Any], 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, sloth.report() if compiled else None
+    return losses, sloth.report() if compiled and backend == "sloth" else None
 
 
 def smoothed(values: list[float], window: int) -> list[float]:
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--inner", default="inductor", help="sloth's inner compiler (aot_eager: faster on a CPU)")
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of both smoothed curves (needs matplotlib)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also train through plain torch.compile (Inductor): how far rounding alone moves the curve")
     parser.add_argument("--replot", type=Path, default=None,
                         help="draw --plot from this record (a JSON this script wrote) instead of training")
     args = parser.parse_args(argv)
@@ -170,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     eager, ours, summary, report = run_both(args.steps, args.batch, args.seq, args.hidden, args.layers,
                                             window=args.window, options=options, device=device)
+    inductor = None
+    if args.baseline:  # the same run through Inductor alone, compared with eager as sloth is
+        data = batches(corpus(1 << 20), args.steps, args.batch, args.seq, 0)
+        inductor, _ = train(data, compiled=True, options={}, seed=0, hidden=args.hidden, layers=args.layers,
+                            lr=3e-3, device=device, backend="inductor")
+        base = compare(eager, inductor, args.window)
+        summary |= {"inductor final": base["sloth final"], "inductor max smoothed gap": base["max smoothed gap"],
+                    "inductor final gap": base["final gap"]}
     seconds = time.perf_counter() - start
     print(report)
     for key, value in summary.items():
@@ -177,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{seconds:.0f} s")
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {"device": device}
     rows = [{"step": i, "eager loss": e, "sloth loss": s} for i, (e, s) in enumerate(zip(eager, ours))]
+    for row, loss in zip(rows, inductor or []):
+        row["inductor loss"] = loss
     record = common.result_record("convergence", config | {"summary": summary, "sites": dict(report.counts),
                                                             "seconds": round(seconds, 1)},
-                                  ["step", "eager loss", "sloth loss"], rows)
+                                  ["step", "eager loss", "sloth loss"] + (["inductor loss"] if inductor else []), rows)
     for path in common.write_result(record, suffix=f"-s{args.steps}"):
         print(f"wrote {path}")
     if args.plot:
