@@ -76,3 +76,43 @@ def test_trainer_with_the_flattening_collator_packs(tmp_path) -> None:
     assert report.graphs == 2 and report.counts.get("packed_attention") == 4, str(report)
     assert not [r for r in report.rejections if r.family in ("packed_attention", "causal_mask")], str(report)
     assert sloth_loss == pytest.approx(eager_loss, rel=1e-4), (sloth_loss, eager_loss)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path) -> None:
+    """Two micro-batches of 2 accumulated equal one batch of 4 (transformers' Trainer passes the step's count of
+    labelled tokens, ``num_items_in_batch``, into the loss: a sum over the micro-batch divided by it). The rows here
+    hold different numbers of ignored labels, so a loss that averaged each micro-batch on its own (what a fused loss
+    that dropped the count would do) gives other gradients. Through sloth both ways, the fused loss takes the sum
+    form, and the losses and trained weights equal one another's and eager's."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, VOCAB, (8, 11), generator=g)
+    labels = ids.clone()
+    for row, ignored in enumerate((0, 6, 1, 8, 3, 0, 7, 2)):  # 0-8 of a row's 11 labels ignored
+        labels[row, :ignored] = -100
+    data = [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]
+
+    def train(compiled: bool, batch: int, accumulate: int, output_dir) -> tuple[float, dict[str, torch.Tensor]]:
+        model = build("llama", torch.float32)
+        if compiled:
+            model.forward = torch.compile(model.forward, backend="sloth", options={"inner": "aot_eager"})
+        args = transformers.TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=batch,
+                                              gradient_accumulation_steps=accumulate, max_steps=2, report_to=[],
+                                              use_cpu=True, save_strategy="no", seed=0, data_seed=0,
+                                              optim="sgd", learning_rate=0.1, lr_scheduler_type="constant")
+        loss = transformers.Trainer(model=model, args=args, train_dataset=data).train().training_loss
+        return loss, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    eager_loss, eager_weights = train(False, 2, 2, tmp_path / "eager")
+    sloth.reset_report()
+    big_loss, big_weights = train(True, 4, 1, tmp_path / "big")
+    sloth.reset_report()
+    small_loss, small_weights = train(True, 2, 2, tmp_path / "accumulated")
+    (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
+    assert site.detail.startswith("sum"), str(sloth.report())  # the count divides outside the fused sum
+    assert small_loss == pytest.approx(big_loss, rel=1e-5) and small_loss == pytest.approx(eager_loss, rel=1e-5)
+    # SGD, not Adam: a weight moves by lr x its gradient, so the weights compare the gradients (Adam's first step
+    # moves every weight by ~lr whatever its gradient's size, which turns rounding in a near-zero gradient into a
+    # full step). Micro-batches averaged on their own would reweight them: the losses and weights differ then.
+    for name, weight in small_weights.items():
+        for other in (big_weights, eager_weights):
+            torch.testing.assert_close(weight, other[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
