@@ -64,6 +64,9 @@ SHAPES = {  # id -> (T, H, I, E, K, unused experts)
     "T9-H24-I20-E6-K1-experts0,5-empty": (9, 24, 20, 6, 1, (0, 5)),
     "T1-H24-I20-E5-K3": (1, 24, 20, 5, 3, ()),
     "T17-H32-I16-E4-K2-aligned": (17, 32, 16, 4, 2, ()),
+    # every token to experts 0 and 1, the other three empty: one group holds all T rows, groups at the end are empty
+    "T13-H24-I20-E5-K2-all-to-0,1": (13, 24, 20, 5, 2, (2, 3, 4)),
+    "T17-H32-I16-E4-K2-aligned-all-to-0,1": (17, 32, 16, 4, 2, (2, 3)),
 }
 
 CASES = [pytest.param(shape, dtype, act, id=f"{sid}-{DTYPE_IDS[dtype]}-{act}")
