@@ -99,8 +99,18 @@ def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.device.type == "cuda":
         # bf16 is the dtype the CUTLASS kernel serves on sm90 (torch 2.11); fp32 and fp16 take the reference.
-        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0)
+        return a.dtype == torch.bfloat16 and _capability(_index(a.device)) >= (9, 0)
     return a.device.type == "cpu" and a.dtype in _FLOAT_DTYPES
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once per device (each op call checks it, up to four times)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
@@ -111,7 +121,7 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter
     if not hasattr(torch, "_grouped_mm") or any((n * size) % 16 for n in (hidden, inter, 2 * inter)):
         return False
     if device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+        return dtype == torch.bfloat16 and _capability(_index(device)) >= (9, 0)
     return device.type == "cpu" and dtype in _FLOAT_DTYPES
 
 
@@ -189,7 +199,7 @@ def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
     """(order [S] int64, sorted expert ids [S], offs [E] int32): all on the device, no host sync."""
     sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
     bounds = torch.arange(n_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)
+    offs = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
     return order, sorted_ids, offs
 
 
