@@ -38,8 +38,8 @@ h_r = a(g_r) * u_r, y_r = W_d[e] h_r and out_t = sum_r w_r y_r; given dout::
 Saved for backward: x, the routing, the weights, gu [S, 2I] (the pre-activation: recomputing it would repeat the
 largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: dh, the GLU
 backward, d w and (when the down projection trains) w h are one pass over c and gu
-(``moe_kernels.glu_backward_weighted``), and dx's sum over K is ``combine`` again. The weight gradients are formed only for weights that require grad (frozen
-experts under LoRA get none, and their two 2d x 2d GEMMs are skipped).
+(``moe_kernels.glu_backward_weighted``), and dx's sum over K is ``combine`` again. The weight gradients are formed
+only for weights that require grad (frozen experts under LoRA get none, and their two 2d x 2d GEMMs are skipped).
 """
 from __future__ import annotations
 
