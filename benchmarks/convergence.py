@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", default="inductor", help="sloth's inner compiler (aot_eager: faster on a CPU)")
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of both smoothed curves (needs matplotlib)")
     parser.add_argument("--baseline", action="store_true",
-                        help="also train through plain torch.compile (Inductor): how far rounding alone moves the curve")
+                        help="also train through plain torch.compile (Inductor): how far rounding alone moves a run")
     parser.add_argument("--replot", type=Path, default=None,
                         help="draw --plot from this record (a JSON this script wrote) instead of training")
     args = parser.parse_args(argv)
