@@ -171,14 +171,16 @@ def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
     assert "torch._grouped_mm does not run" in reason and "GiB of expert weights" in reason, reason
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_peft_lora_on_experts_is_fused_and_every_adapter_trains(dtype) -> None:
+def test_peft_lora_on_experts_is_fused_and_every_adapter_trains() -> None:
     # peft's target_parameters puts LoRA on the stacked expert weights (a parametrization: W + B @ A by baddbmm,
     # formed each step). The op takes that computed weight, so every layer's experts are fused, and every expert
     # adapter (A and B of gate_up and of down, each layer) gets a nonzero gradient within the tolerance rule of
     # eager's (B starts random here so A's gradient is not zero). Unsloth's GPT-OSS LoRA once left every expert
-    # adapter frozen while saying it had enabled them: this is the test that would have caught it.
+    # adapter frozen while saying it had enabled them: this is the test that would have caught it. fp32, the tighter
+    # rule (the op's bf16 path: test_transformers_moe_bf16; bf16 here passed too, 30 s of CI).
     from peft import LoraConfig, get_peft_model
+
+    dtype = torch.float32
 
     model = get_peft_model(moe_model("qwen3_moe", "grouped_mm", dtype), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj"],
