@@ -116,3 +116,40 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path) -> None:
     for name, weight in small_weights.items():
         for other in (big_weights, eager_weights):
             torch.testing.assert_close(weight, other[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+_ACCELERATE_SCRIPT = """
+import sys
+import torch
+import sloth  # before the Accelerator: it reads ACCELERATE_DYNAMO_BACKEND=SLOTH through accelerate's enum
+from accelerate import Accelerator
+sys.path.insert(0, {tests!r})
+from test_models import VOCAB, build
+
+accelerator = Accelerator(cpu=True)
+model, optimizer = accelerator.prepare(build("llama", torch.float32), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+loss = model(input_ids=ids, labels=ids).loss
+accelerator.backward(loss)
+print("BACKEND", accelerator.state.dynamo_plugin.backend.value)
+print("COUNTS", sorted(sloth.report().counts.items()))
+"""
+
+
+def test_accelerate_launch_with_dynamo_backend_sloth(tmp_path) -> None:
+    """``python -m sloth.launch --dynamo_backend sloth train.py``: accelerate's own launch command, with the name
+    accepted (plain ``accelerate launch`` refuses it before the script runs: launch.py says why); the training
+    process compiles the prepared model through sloth."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_ACCELERATE_SCRIPT.format(tests=os.path.dirname(__file__)))
+    done = subprocess.run([sys.executable, "-m", "sloth.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "sloth", str(script)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "BACKEND SLOTH" in done.stdout, done.stdout[-2000:]
+    counts = dict(eval(done.stdout.split("COUNTS", 1)[1].strip().splitlines()[0]))
+    assert counts.get("rms_norm") == 5 and counts.get("cross_entropy") == 1, counts
