@@ -141,6 +141,7 @@ def test_accelerate_launch_with_dynamo_backend_sloth(tmp_path) -> None:
     """``python -m sloth.launch --dynamo_backend sloth train.py``: accelerate's own launch command, with the name
     accepted (plain ``accelerate launch`` refuses it before the script runs: launch.py says why); the training
     process compiles the prepared model through sloth."""
+    import ast
     import os
     import subprocess
     import sys
@@ -152,5 +153,5 @@ def test_accelerate_launch_with_dynamo_backend_sloth(tmp_path) -> None:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "BACKEND SLOTH" in done.stdout, done.stdout[-2000:]
-    counts = dict(eval(done.stdout.split("COUNTS", 1)[1].strip().splitlines()[0]))
+    counts = dict(ast.literal_eval(done.stdout.split("COUNTS", 1)[1].strip().splitlines()[0]))
     assert counts.get("rms_norm") == 5 and counts.get("cross_entropy") == 1, counts
