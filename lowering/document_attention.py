@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -57,12 +58,16 @@ MAX_HEAD_DIM = 256
 # The math as plain PyTorch (the reference path where Triton does not run, and the tests' oracle).
 # ---------------------------------------------------------------------------------------------------
 
-def allowed_from_bounds(bounds: torch.Tensor) -> torch.Tensor:
-    """The [B, 1, T, T] bool mask (True = attend) the document bounds stand for: start[b, i] <= j <= i."""
+def allowed_from_bounds(bounds: torch.Tensor, first_row: int = 0, n_rows: Optional[int] = None) -> torch.Tensor:
+    """The [B, 1, R, T] bool mask (True = attend) the document bounds stand for, start[b, i] <= j <= i, for the query
+    rows i in [first_row, first_row + R) (all T rows by default: [B, 1, T, T])."""
     start = bounds[0].long()
     t = start.shape[-1]
+    n_rows = t - first_row if n_rows is None else n_rows
     j = torch.arange(t, device=bounds.device)
-    return ((j[None, None, :] >= start[:, :, None]) & (j[None, None, :] <= j[None, :, None]))[:, None]
+    i = torch.arange(first_row, first_row + n_rows, device=bounds.device)
+    start = start[:, first_row:first_row + n_rows]
+    return ((j[None, None, :] >= start[:, :, None]) & (j[None, None, :] <= i[None, :, None]))[:, None]
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -145,8 +145,7 @@ def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: f
     failed: dict[str, int] = {}
     with unset_fake_temporarily(), torch.no_grad():
         for index, probe in enumerate(probe_ids(tuple(ids_value.shape), ids_value.dtype, ids_value.device)):
-            starts = {rule: document_bounds(probe.reshape(-1, q_len), rule)[0].long() for rule in candidates}
-            keys = torch.arange(q_len, device=probe.device)
+            bounds = {rule: document_bounds(probe.reshape(-1, q_len), rule) for rule in candidates}
             for first_row, value in (plan.blocks({ids: probe}) if plan is not None else [(0, evaluate(probe))]):
                 if not isinstance(value, torch.Tensor):
                     return None, f"the mask is a {type(value).__name__}, not a tensor"
@@ -156,11 +155,8 @@ def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: f
                 rows_ok = plan is not None or (allowed.dim() >= 2 and allowed.shape[-2] == q_len)
                 if allowed.dim() < 2 or allowed.shape[-1] != q_len or not rows_ok:
                     return None, f"its shape {tuple(allowed.shape)} does not end in [{q_len}, {q_len}]"
-                rows = torch.arange(first_row, first_row + allowed.shape[-2], device=probe.device)
                 for rule in list(candidates):
-                    start = starts[rule][:, first_row:first_row + len(rows)]
-                    reference = ((keys[None, None, :] >= start[:, :, None])
-                                 & (keys[None, None, :] <= rows[None, :, None]))[:, None]
+                    reference = document_attention_op.allowed_from_bounds(bounds[rule], first_row, allowed.shape[-2])
                     shape = torch.broadcast_shapes(allowed.shape, reference.shape)
                     if not torch.equal(allowed.expand(shape), reference.expand(shape)):
                         candidates.remove(rule)
