@@ -255,16 +255,27 @@ def expert_weight(node: Any, indexed: bool = False, depth: int = 6) -> Optional[
     return expert_weight(node.args[0], indexed and name not in ("getitem", "index_select"), depth - 1)
 
 
-def expert_operand(node: fx.Node) -> Optional[fx.Node]:
-    """The stacked expert weight a matmul-like ``node`` reads, or None: the weight operand of a grouped GEMM
-    (``grouped_mm(x, W, offs)``), or an indexed one (``W[e]``, ``W[ids]``) of ``bmm`` / ``matmul`` / ``linear``
-    (a 3-D activation such as the hidden states [B, S, H] is no expert weight)."""
+def expert_weight_arg(node: fx.Node) -> tuple[Optional[Any], Optional[fx.Node]]:
+    """(the argument of a matmul-like ``node`` that carries a stacked expert weight, that weight's graph input), or
+    (None, None): the weight operand of a grouped GEMM (``grouped_mm(x, W, offs)``), or an indexed one (``W[e]``,
+    ``W[ids]``) of ``bmm`` / ``matmul`` / ``linear`` (a 3-D activation such as the hidden states [B, S, H] is no
+    expert weight)."""
     if node.op not in ("call_function", "call_method") or op_name(node) not in _GEMM_NAMES:
-        return None
+        return None, None
     if op_name(node) in _GROUPED_GEMMS:
-        return expert_weight(node.args[1]) if len(node.args) > 1 else None
-    return next((w for w in (expert_weight(a, indexed=True) for a in node.args if isinstance(a, fx.Node)) if w),
-                None)
+        if len(node.args) < 2:
+            return None, None
+        weight = expert_weight(node.args[1])
+        return (node.args[1], weight) if weight is not None else (None, None)
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and (weight := expert_weight(arg, indexed=True)) is not None:
+            return arg, weight
+    return None, None
+
+
+def expert_operand(node: fx.Node) -> Optional[fx.Node]:
+    """The stacked expert weight (a graph input) a matmul-like ``node`` reads, or None (``expert_weight_arg``)."""
+    return expert_weight_arg(node)[1]
 
 
 def is_expert_gemm(node: fx.Node) -> bool:

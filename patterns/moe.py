@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..compiler.anchors import expert_operand, expert_weight, is_expert_gemm, op_name
+from ..compiler.anchors import expert_operand, expert_weight_arg, is_expert_gemm, op_name
 from ..compiler.fx_utils import insert_call, module_path, replace_and_erase, source_location, tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
@@ -129,9 +129,7 @@ def _weight_value(gemm: fx.Node, base: fx.Node) -> fx.Node:
     from it before views and indexing (peft's ``target_parameters`` LoRA: ``baddbmm(W, B, A)``, the expert stack plus
     its adapters' product, formed each step as eager does), that computed [E, ., .] value. The op then takes the
     computed weight, the computation stays in the graph, and its gradient flows to the adapters through it."""
-    operands = [gemm.args[1]] if op_name(gemm) in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback") else \
-        [a for a in gemm.args if isinstance(a, fx.Node) and expert_weight(a, indexed=True) is base]
-    node = operands[0] if operands else base
+    node, _ = expert_weight_arg(gemm)
     while isinstance(node, fx.Node) and node is not base:
         if op_name(node) in _MERGES:
             value = _value(node)
