@@ -117,14 +117,22 @@ def compare(eager: list[float], ours: list[float], window: int) -> dict[str, flo
 
 
 def run_both(steps: int, batch: int = 8, seq: int = 64, hidden: int = 64, layers: int = 2, lr: float = 3e-3,
-             window: int = 10, seed: int = 0, options: dict[str, Any] | None = None, device: str = "cpu"
-             ) -> tuple[list[float], list[float], dict[str, float], Any]:
-    """(eager losses, sloth losses, compare(...), sloth's report) for one configuration."""
+             window: int = 10, seed: int = 0, options: dict[str, Any] | None = None, device: str = "cpu",
+             baseline: bool = False) -> tuple[list[float], list[float], dict[str, float], Any, list[float] | None]:
+    """(eager losses, sloth losses, compare(...), sloth's report, Inductor's losses or None) for one configuration;
+    with ``baseline`` the same run also goes through plain torch.compile, its gaps to eager added to the summary."""
     data = batches(corpus(1 << 20), steps, batch, seq, seed)
     kwargs = dict(seed=seed, hidden=hidden, layers=layers, lr=lr, device=device)
     eager, _ = train(data, compiled=False, options={}, **kwargs)
     ours, report = train(data, compiled=True, options=options or {}, **kwargs)
-    return eager, ours, compare(eager, ours, window), report
+    summary = compare(eager, ours, window)
+    inductor = None
+    if baseline:
+        inductor, _ = train(data, compiled=True, options={}, backend="inductor", **kwargs)
+        base = compare(eager, inductor, window)
+        summary |= {"inductor final": base["sloth final"], "inductor max smoothed gap": base["max smoothed gap"],
+                    "inductor final gap": base["final gap"]}
+    return eager, ours, summary, report, inductor
 
 
 def _plot(eager: list[float], ours: list[float], window: int, path: Path, title: str) -> None:
@@ -174,16 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     common.import_sloth()
     options = {} if args.inner == "inductor" else {"inner": args.inner}
     start = time.perf_counter()
-    eager, ours, summary, report = run_both(args.steps, args.batch, args.seq, args.hidden, args.layers,
-                                            window=args.window, options=options, device=device)
-    inductor = None
-    if args.baseline:  # the same run through Inductor alone, compared with eager as sloth is
-        data = batches(corpus(1 << 20), args.steps, args.batch, args.seq, 0)
-        inductor, _ = train(data, compiled=True, options={}, seed=0, hidden=args.hidden, layers=args.layers,
-                            lr=3e-3, device=device, backend="inductor")
-        base = compare(eager, inductor, args.window)
-        summary |= {"inductor final": base["sloth final"], "inductor max smoothed gap": base["max smoothed gap"],
-                    "inductor final gap": base["final gap"]}
+    eager, ours, summary, report, inductor = run_both(args.steps, args.batch, args.seq, args.hidden, args.layers,
+                                                      window=args.window, options=options, device=device,
+                                                      baseline=args.baseline)
     seconds = time.perf_counter() - start
     print(report)
     for key, value in summary.items():
