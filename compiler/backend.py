@@ -28,8 +28,8 @@ from .runtime_ops import with_runtime_twins
 log = logging.getLogger("sloth")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "recompute", "share_lora_input", "attention",
-                  "dump", "offload")
+_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "recompute", "share_lora_input", "tiled_mlp",
+                  "attention", "dump", "offload")
 _OFFLOAD_NEEDS_PARTITION = ("sloth: offload acts on AOTAutograd's forward/backward partition, which inner='eager' "
                             "does not make; use inner='inductor' (default) or 'aot_eager'")
 # Names for the ``attention`` option: PyTorch's SDPA backends.
@@ -144,7 +144,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     in priority order, e.g. ["flash", "cudnn"]; default PyTorch's own choice), ``dump`` (a folder for the
     graph before and after each pass, compiler/dump.py; default ``$SLOTH_DUMP_DIR``, else none), ``offload``
     (False default; True, or a dict of min_bytes / keep_last, moves saved activations to host memory and back:
-    compiler/offload_partition.py); other keys go to Inductor's config.
+    compiler/offload_partition.py), ``tiled_mlp`` (False default; True, or rows per block, runs a LoRA MLP a
+    block of rows at a time: patterns/tiled_mlp.py); other keys go to Inductor's config.
     """
     options = dict(options or {})
     inner = options.pop("inner", "inductor")

@@ -51,12 +51,14 @@ def _glu_lora_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], activation: st
 
 
 def _glu_lora_bwd(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
-                  w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float
+                  w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
+                  grad_dtype: Optional[torch.dtype] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up, da, db); d_up is empty when ``up`` is None (gate is then the merged projection)."""
+    """(d_gate, d_up, da, db); d_up is empty when ``up`` is None (gate is then the merged projection); da and db
+    in ``grad_dtype`` when given (lowering/tiled_mlp.py sums them over row blocks in fp32)."""
     if not use_triton(gate) or not FUSED_HIDDEN:
         hidden = glu_forward(gate, up, activation)
-        d_hidden, da, db = lora_backward(dy, hidden, w, a, b, h, scale, True)
+        d_hidden, da, db = lora_backward(dy, hidden, w, a, b, h, scale, True, grad_dtype)
         del hidden
         d_gate, d_up = glu_backward_impl(d_hidden, gate, up, activation)
         return d_gate, d_up, da, db
@@ -66,7 +68,7 @@ def _glu_lora_bwd(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tenso
     d_hidden, g_MR = lora_backward_dx(dy_MN, w, a, b, scale)
     d_gate, d_up = glu_backward_impl(d_hidden.view(*gate.shape[:-1], d_hidden.shape[-1]), gate, up, activation,
                                      y_over_dy=True)
-    da, db = lora_adapter_grads(g_MR, d_hidden, h, dy_MN, a, b, scale)  # d_hidden now holds hidden
+    da, db = lora_adapter_grads(g_MR, d_hidden, h, dy_MN, a, b, scale, grad_dtype)  # d_hidden now holds hidden
     return d_gate, d_up, da, db
 
 

@@ -599,21 +599,23 @@ def lora_forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
 
 
 def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                  h: torch.Tensor, scale: float, need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, da, db); dx is empty when ``need_dx`` is False."""
+                  h: torch.Tensor, scale: float, need_dx: bool, grad_dtype: Optional[torch.dtype] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, da, db); dx is empty when ``need_dx`` is False. da and db come in ``grad_dtype`` when given (a
+    caller summing them over row blocks asks for fp32), else in a's and b's dtypes."""
     if not use_triton(x):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float()
         g = dy2 @ b.float()
         dx = ((dy2 @ w.float()).to(x.dtype).float() + scale * (g @ a.float())).to(x.dtype).view(x.shape) \
             if need_dx else x.new_empty(0)
-        return dx, (scale * g.t() @ x2).to(a.dtype), (scale * dy2.t() @ h).to(b.dtype)
+        return dx, (scale * g.t() @ x2).to(grad_dtype or a.dtype), (scale * dy2.t() @ h).to(grad_dtype or b.dtype)
     dy_MN = rows_2d(dy)
     if need_dx:
         dx_MK, g_MR = lora_backward_dx(dy_MN, w, a, b, scale)
         dx = dx_MK.view(x.shape)
     else:
         g_MR, dx = _down(dy_MN, b), x.new_empty(0)
-    da, db = lora_adapter_grads(g_MR, rows_2d(x), h, dy_MN, a, b, scale)
+    da, db = lora_adapter_grads(g_MR, rows_2d(x), h, dy_MN, a, b, scale, grad_dtype)
     return dx, da, db
 
 
@@ -628,11 +630,12 @@ def lora_backward_dx(dy_MN: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: t
 
 
 def lora_adapter_grads(g_MR: torch.Tensor, x_MK: torch.Tensor, h_MR: torch.Tensor, dy_MN: torch.Tensor,
-                       a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da = s * g.T @ x, db = s * dy.T @ h) in a's and b's dtypes, in one launch: they share M, r and the
-    scale, and their mode (x and dy share a dtype; g and h are fp32)."""
+                       a: torch.Tensor, b: torch.Tensor, scale: float, grad_dtype: Optional[torch.dtype] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da = s * g.T @ x, db = s * dy.T @ h) in ``grad_dtype`` if given, else in a's and b's dtypes, in one
+    launch: they share M, r and the scale, and their mode (x and dy share a dtype; g and h are fp32)."""
     da, db = _grads([(g_MR, x_MK, False), (h_MR, dy_MN, True)], scale)
-    return da.to(a.dtype), db.to(b.dtype)
+    return da.to(grad_dtype or a.dtype), db.to(grad_dtype or b.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

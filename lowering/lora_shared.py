@@ -105,8 +105,10 @@ def _forward(x: torch.Tensor, weight: Weight, n: int, biases: list[Optional[torc
 
 
 def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: torch.Tensor, bs: list[torch.Tensor],
-                   h: torch.Tensor, scale: float, need_dx: bool) -> list[torch.Tensor]:
-    """``[dx, da, db_0, ..., db_{n-1}]``; dx is empty when ``need_dx`` is False (no weight is then asked for)."""
+                   h: torch.Tensor, scale: float, need_dx: bool, grad_dtype: Optional[torch.dtype] = None
+                   ) -> list[torch.Tensor]:
+    """``[dx, da, db_0, ..., db_{n-1}]``; dx is empty when ``need_dx`` is False (no weight is then asked for); da
+    and the db_i in ``grad_dtype`` when given (lowering/tiled_mlp.py sums them over row blocks in fp32)."""
     n = len(bs)
     r = a.shape[0] // n
     if not use_triton(x):
@@ -115,8 +117,9 @@ def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: 
         g = torch.cat([d @ b.float() for d, b in zip(dy2, bs)], 1)
         dx = (sum(d @ weight(i).float() for i, d in enumerate(dy2)) + scale * g @ a.float()).to(x.dtype) \
             .view(x.shape) if need_dx else x.new_empty(0)
-        dbs = [(scale * d.t() @ h[:, i * r:(i + 1) * r]).to(b.dtype) for i, (d, b) in enumerate(zip(dy2, bs))]
-        return [dx, (scale * g.t() @ x2).to(a.dtype), *dbs]
+        dbs = [(scale * d.t() @ h[:, i * r:(i + 1) * r]).to(grad_dtype or b.dtype)
+               for i, (d, b) in enumerate(zip(dy2, bs))]
+        return [dx, (scale * g.t() @ x2).to(grad_dtype or a.dtype), *dbs]
     x_MK = rows_2d(x)
     dys_MN = [rows_2d(dy) for dy in dys]
     g_MR = down_members(dys_MN, bs, torch.empty((x_MK.shape[0], n * r), dtype=torch.float32, device=x.device))
@@ -135,7 +138,7 @@ def _backward_impl(dys: list[torch.Tensor], x: torch.Tensor, weight: Weight, a: 
     dbs: list[torch.Tensor] = []
     for pair in pairs:
         dbs += _grads(pair, scale, counters)
-    return [dx, da.to(a.dtype), *(db.to(b.dtype) for db, b in zip(dbs, bs))]
+    return [dx, da.to(grad_dtype or a.dtype), *(db.to(grad_dtype or b.dtype) for db, b in zip(dbs, bs))]
 
 
 def lora_shared_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
@@ -144,8 +147,9 @@ def lora_shared_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Op
 
 
 def lora_shared_backward(dys: list[torch.Tensor], x: torch.Tensor, ws: list[torch.Tensor], a: torch.Tensor,
-                         bs: list[torch.Tensor], h: torch.Tensor, scale: float, need_dx: bool) -> list[torch.Tensor]:
-    return _backward_impl(dys, x, ws.__getitem__, a, bs, h, scale, need_dx)
+                         bs: list[torch.Tensor], h: torch.Tensor, scale: float, need_dx: bool,
+                         grad_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+    return _backward_impl(dys, x, ws.__getitem__, a, bs, h, scale, need_dx, grad_dtype)
 
 
 def _quantized(packed: list[torch.Tensor], absmax: list[torch.Tensor], absmax_code: list[torch.Tensor],

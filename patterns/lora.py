@@ -54,6 +54,7 @@ from ..compiler.report import Report, Site
 from ..compiler.writes import mutated_producer, written
 from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused
 from .lora_shared import share_lora_inputs
+from .tiled_mlp import tile_lora_mlps
 
 FAMILY = "lora"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -545,12 +546,25 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         if node not in erased and ANCHORS[FAMILY](node) and not any(near(node, r) for r in explained):
             add, why = _unmatched_adapter(node)
             outcomes.append((position.get(add, len(position)), (add, why)))
+    joined: dict[fx.Node, list[fx.Node]] = {}
     if options.share_lora_input:
-        notes = share_lora_inputs(gm, [f for f, _ in fused])
+        notes = share_lora_inputs(gm, [f for f, _ in fused], joined)
         for node, index in fused:
             if node in notes:
                 (place, site), (op, note) = outcomes[index], notes[node]
                 outcomes[index] = (place, dataclasses.replace(site, op=op, detail=f"{site.detail}, {note}"))
+    if options.tiled_mlp:
+        index_of = dict(fused)
+        downs = [node for node, _ in fused if node.target in (torch.ops.sloth.glu_lora_linear.default,
+                                                               torch.ops.sloth.glu_qlora_linear.default)]
+        for down, (op, note, producer) in tile_lora_mlps(gm, downs, options.tiled_mlp).items():
+            # A tiled MLP's projection sites (the joined op's members, or the merged projection) become it too.
+            sites = [down, *(joined.get(producer, [producer]) if op is not None else [])]
+            for node in sites:
+                if node in index_of:
+                    place, site = outcomes[index_of[node]]
+                    outcomes[index_of[node]] = (place, dataclasses.replace(site, op=op or site.op,
+                                                                           detail=f"{site.detail}, {note}"))
     for _, outcome in sorted(outcomes, key=lambda item: item[0]):
         if isinstance(outcome, Site):
             report.replaced(outcome)

@@ -92,10 +92,11 @@ def _next_barrier(nodes: list[fx.Node], start: int, end: int) -> int:
     return next((i for i in range(start + 1, end) if _barrier(nodes[i])), end + 1)
 
 
-def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node, tuple[str, str]]:
+def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node], joined: Optional[dict[fx.Node, list[fx.Node]]] = None
+                      ) -> dict[fx.Node, tuple[str, str]]:
     """Join the ``sloth.lora_linear`` / ``sloth.qlora_linear`` nodes in ``fused`` that read one input (module
     docstring). Returns, for each node joined, the op it became and a note for the report naming the modules
-    it was joined with."""
+    it was joined with; ``joined``, when given, gets each joined op's members."""
     _lowering().register()
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     groups: dict[Any, list[fx.Node]] = {}
@@ -117,7 +118,9 @@ def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node,
             if len(chunk) < 2:
                 continue
             names = [module_path(n) or "(top level)" for n in chunk]
-            op = _join(gm, chunk)
+            op, shared = _join(gm, chunk)
+            if joined is not None:
+                joined[shared] = chunk
             for node, name in zip(chunk, names):
                 others = ", ".join(n for n in names if n != name)
                 notes[node] = (op, f"one op with {others} (x read once)")
@@ -126,8 +129,9 @@ def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node]) -> dict[fx.Node,
     return notes
 
 
-def _join(gm: fx.GraphModule, members: list[fx.Node]) -> str:
-    """Replace ``members`` by one shared op placed before the first; returns the op's name for the report."""
+def _join(gm: fx.GraphModule, members: list[fx.Node]) -> tuple[str, fx.Node]:
+    """Replace ``members`` by one shared op placed before the first; returns the op's name for the report and
+    its node."""
     graph, first = gm.graph, members[0]
     layout = _layout(first)
     column = lambda i: [m.args[i] for m in members]  # noqa: E731  (argument i of every member)
@@ -152,4 +156,4 @@ def _join(gm: fx.GraphModule, members: list[fx.Node]) -> str:
             user.replace_all_uses_with(y)
             graph.erase_node(user)
         graph.erase_node(member)
-    return name
+    return name, shared

@@ -1,8 +1,9 @@
 """The op checks of the families added since the last GPU run, on CUDA tensors: the same oracles and tolerance rule as
-their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py), whose inputs are CPU tensors and
-so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels run compiled for the GPU,
-and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the Qwen3-MoE layer's shape
-among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels in the interpreter).
+their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py), whose
+inputs are CPU tensors and so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels
+run compiled for the GPU, and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the
+Qwen3-MoE layer's shape among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels
+in the interpreter).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import test_l2_norm_op as l2_tests
 import test_layer_norm_op as ln_tests
 import test_moe_op as moe_tests
+import test_tiled_mlp_op as tiled_tests
 import sloth.lowering.moe as moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the kernels run in the "
@@ -53,3 +55,10 @@ def test_l2_norm_on_cuda(shape, dtype):
     x, dy = _cuda(l2_tests.make_inputs(shape))
     for mode in l2_tests.MODES:
         l2_tests.check(mode, x, dy, dtype, eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype,adapter_dtype", tiled_tests.DTYPE_PAIRS)
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+@pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", [*tiled_tests.SHAPES, (3000, 512, 1408, 16, 1024)])
+def test_tiled_mlp_on_cuda(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows):
+    tiled_tests.check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows, device="cuda")

@@ -1,0 +1,111 @@
+"""``options={"tiled_mlp": ...}``: a LoRA MLP's two ops made one ``sloth.lora_mlp_tiled`` (patterns/tiled_mlp.py).
+
+peft LoRA models (Llama's separate gate and up, Phi-3's merged gate_up_proj), plain and gradient-checkpointed:
+every MLP's three sites become the tiled op when it has more rows than a block, and the loss and every LoRA
+gradient match eager under the tolerance rule; MLPs that fit one block, or whose projections are not joined,
+stay as they were and their sites say why; bad option values are refused.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sloth
+from pattern_checks import seeded
+from tolerance import assert_close
+
+VOCAB = 96
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def tiny_peft_model(model_type: str, dtype: torch.dtype, checkpointed: bool = False) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    targets = ["q_proj", "v_proj", *MLP] if model_type == "llama" else ["qkv_proj", "gate_up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(p, std=0.1)
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model.train()
+
+
+def loss_and_grads(model: nn.Module, ids: torch.Tensor, run=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = (model if run is None else run)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_compiled(model: nn.Module, dtype: torch.dtype, options: dict, reference: bool = True) -> sloth.Report:
+    """Compile with ``options``, train one step, compare the loss and every LoRA gradient with eager's."""
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))  # 22 rows
+    if reference:
+        ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), ids)
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    sloth.reset_report()
+    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager", **options})
+    loss, grads = loss_and_grads(model, ids, run=compiled)
+    assert grads.keys() == eager_grads.keys() and all("lora_" in n for n in grads), sorted(grads)
+    if reference:
+        eps = torch.finfo(dtype).eps
+        assert_close("loss", loss, eager_loss, ref_loss, atol=4 * eps * ref_loss.abs().item())
+        for name, grad in grads.items():
+            ref = ref_grads[name]
+            assert_close(f"grad {name}", grad, eager_grads[name], ref,
+                         atol=0.5 * eps * ref.pow(2).mean().sqrt().item())
+    return sloth.report()
+
+
+def mlp_sites(report: sloth.Report) -> list:
+    return [s for s in report.sites if s.family == "lora" and s.module.rsplit(".", 1)[-1] in
+            (*MLP, "gate_up_proj")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("model_type,checkpointed", [("llama", False), ("llama", True), ("phi3", False)],
+                         ids=["llama", "llama-checkpointed", "phi3-merged"])
+def test_every_mlp_is_tiled_and_matches_eager(dtype, model_type, checkpointed):
+    report = run_compiled(tiny_peft_model(model_type, dtype, checkpointed), dtype, {"tiled_mlp": 8})
+    sites = mlp_sites(report)
+    assert len(sites) == 2 * (3 if model_type == "llama" else 2), str(report)
+    assert all(s.op == "sloth.lora_mlp_tiled" and "tiled: 3 blocks of 8 rows" in s.detail for s in sites), \
+        str(report)
+    assert report.counts.get("lora", 0) == len([s for s in report.sites if s.family == "lora"])
+    assert not [r for r in report.rejections if r.family == "lora"], str(report)
+
+
+def test_an_mlp_that_fits_one_block_is_left_as_two_ops():
+    report = run_compiled(tiny_peft_model("llama", torch.float32), torch.float32, {"tiled_mlp": 64},
+                          reference=False)
+    downs = [s for s in mlp_sites(report) if s.module.endswith("down_proj")]
+    assert len(downs) == 2 and all(s.op == "sloth.glu_lora_linear" and "22 rows fit one block of 64" in s.detail
+                                   for s in downs), str(report)
+
+
+def test_projections_not_joined_are_not_tiled_and_say_why():
+    report = run_compiled(tiny_peft_model("llama", torch.float32), torch.float32,
+                          {"tiled_mlp": 8, "share_lora_input": False}, reference=False)
+    downs = [s for s in mlp_sites(report) if s.module.endswith("down_proj")]
+    assert len(downs) == 2 and all("tiled_mlp needs share_lora_input on" in s.detail for s in downs), str(report)
+
+
+@pytest.mark.parametrize("value", [0, -4, 2.5, "yes"])
+def test_bad_values_are_refused(value):
+    model = torch.nn.Linear(4, 4)
+    # The ValueError reaches the caller inside Dynamo's BackendCompilerFailed.
+    with pytest.raises(Exception, match="tiled_mlp must be True, False or a positive number of rows"):
+        torch.compile(model, backend="sloth", options={"tiled_mlp": value})(torch.randn(2, 4))
