@@ -43,6 +43,8 @@
 #   bash benchmarks/h200_rows.sh insitu    # the up_add kernel at the step's shapes and strides, candidates beside
 #   bash benchmarks/h200_rows.sh insitu-down  # the down kernel at the step's shapes, split-K candidates beside
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
+#   bash benchmarks/h200_rows.sh norms     # issue 22: ops.layer_norm (eager, inductor, sloth, liger; carry the
+#                                          # liger_kernel wheel) and ops.l2_norm (eager, inductor, sloth), <= 145 s
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
 #   bash benchmarks/h200_rows.sh moe-liger qlora-profile long-sloth   # several parts in one device call
 #
@@ -51,7 +53,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|tiled|long128)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -90,6 +92,16 @@ launch_overhead() {  # benchmarks/launch_overhead.py with a time limit, its rows
     timeout 150 python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
     echo "launch_overhead: rc $?"
     grep -E "^\{" "$out/logs/launch_overhead.log"
+}
+
+op_bench() {  # op_bench NAME SECONDS MODULE ARGS...: one benchmarks/ops module with a time limit, its log kept and
+    # its table's header and fwd+bwd rows printed (the progress lines end in "GB/s", the table's rows do not)
+    local name=$1 limit=$2 module=$3
+    shift 3
+    if [ -n "${DRY:-}" ]; then echo "timeout $limit python -m benchmarks.ops.$module${*:+ $*}"; return; fi
+    timeout "$limit" python -m "benchmarks.ops.$module" "$@" > "$out/logs/$name.log" 2>&1
+    echo "$name: rc $?"
+    grep -E "^ *shape |  fwd\+bwd  |^wrote " "$out/logs/$name.log" | grep -v "GB/s$"
 }
 
 versus20() {  # versus with 20 timed steps each (per-step times, the GPU's clock, power and throttle reasons in
@@ -221,6 +233,27 @@ case $part in
         run moe-sloth-cg 170 --all --model qwen3-moe --variants sloth --sloth-options '{"triton.cudagraphs": true}' ;;
     moe-unsloth)  # issue 20: Unsloth's Qwen3-MoE step, to follow moe-family on the same machine (carry .whl/unsloth)
         run moe-unsloth 200 --all --model qwen3-moe --variants unsloth ;;
+    tiled)  # issue 19, first call: sloth's CUDA op checks (the tiled MLP's among them), then Llama-3-8B LoRA with
+        # checkpointing, offload and the MLP tiled at 16k (beside offload alone, same lease) and 64k tokens
+        [ -z "${DRY:-}" ] && { mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/sloth
+                               PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 150 python -m pytest \
+                                   tests/test_cuda_ops.py -q -n 6 -p no:cacheprovider > "$out/logs/cuda_ops.log" 2>&1
+                               echo "cuda_ops: rc $?"; tail -3 "$out/logs/cuda_ops.log"; }
+        run long16-offload 170 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 4 --variants sloth \
+            --sloth-options '{"offload": true}'
+        run long16-tiled 170 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 4 --variants sloth \
+            --sloth-options '{"offload": true, "tiled_mlp": true}'
+        run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
+            --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
+    long128)  # issue 19, second call (carry .whl/unsloth): Unsloth and sloth (offload, tiled MLP) at 128k tokens,
+        # one step each (the peak, and that each trains; sloth's step includes its compile)
+        run long128-unsloth 290 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants unsloth
+        run long128-tiled 280 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants sloth \
+            --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}' ;;
+    norms)  # issue 22: LayerNorm against Inductor and Liger's LayerNorm, dW/db on and off, 3 shapes (~72 timings);
+        # the L2 norm against Inductor, q/k heads and full rows (18); limits add to 145 s
+        op_bench layer_norm 100 layer_norm
+        op_bench l2_norm 45 l2_norm ;;
     glu-hidden)  # the glu_lora backward's hidden from the GLU backward (default) vs recomputed: bits and op time at
         # the 8B shape (benchmarks/ops/glu_lora_backward.py)
         [ -z "${DRY:-}" ] && { timeout 90 python -m benchmarks.ops.glu_lora_backward > "$out/logs/glu_lora_backward.log" 2>&1
