@@ -75,10 +75,12 @@ def mlp_sites(report: sloth.Report) -> list:
             (*MLP, "gate_up_proj")]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("model_type,checkpointed", [("llama", False), ("llama", True), ("phi3", False)],
-                         ids=["llama", "llama-checkpointed", "phi3-merged"])
-def test_every_mlp_is_tiled_and_matches_eager(dtype, model_type, checkpointed):
+@pytest.mark.parametrize("model_type,checkpointed,dtype", [
+    pytest.param("llama", False, torch.float32, id="llama-fp32"),
+    pytest.param("llama", False, torch.bfloat16, id="llama-bf16"),
+    pytest.param("llama", True, torch.bfloat16, id="llama-checkpointed-bf16"),
+    pytest.param("phi3", False, torch.float32, id="phi3-merged-fp32")])
+def test_every_mlp_is_tiled_and_matches_eager(model_type, checkpointed, dtype):
     report = run_compiled(tiny_peft_model(model_type, dtype, checkpointed), dtype, {"tiled_mlp": 8})
     sites = mlp_sites(report)
     assert len(sites) == 2 * (3 if model_type == "llama" else 2), str(report)
