@@ -20,6 +20,8 @@ lr * sign(g), which turns rounding-level gradient differences into lr-sized weig
 
 `--all` runs each variant in its own process (a fresh CUDA allocator, Dynamo cache and peak counter),
 one after another, and writes JSON and a markdown table to benchmarks/results/ (and $OUT if set).
+`--distributed fsdp2|ddp` wraps the LoRA model in FSDP2 (fully_shard per layer, then the root) or DDP in a
+one-process group before compiling it: what the wrapping costs at world size 1 (issue 21).
 
 MFU = model FLOPs per step / step time / a measured bf16 matmul rate (8192^3, or --peak-tflops).
 Model FLOPs per step, T = batch x seq tokens, recomputation under checkpointing not counted:
@@ -54,6 +56,7 @@ import torch
 from benchmarks import common, copy_overlap
 
 VARIANTS = ["eager", "inductor", "liger", "sloth", "unsloth"]  # unsloth: not in --all's default (wheels)
+DISTRIBUTED = ["none", "fsdp2", "ddp"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # name -> (transformers architecture, config fields, LoRA targets). The MoE model is issue 5's Qwen3-MoE
@@ -82,8 +85,13 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
 }
 SMOKE_MODEL = {"llama3-8b": "tiny-llama", "qwen3-moe": "tiny-qwen3-moe"}
 COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "reserved GiB", "warm-up s", "first loss", "loss", "graphs",
-           "sloth sites",
+           "sloth sites", "sloth calls",
            "error"]
+
+
+def _columns(args: argparse.Namespace) -> list[str]:
+    """COLUMNS, with the --distributed engine beside the variant when there is one."""
+    return COLUMNS if args.distributed == "none" else [COLUMNS[0], "distributed", *COLUMNS[1:]]
 
 
 # ----------------------------------------------------------------------------- one run
@@ -96,6 +104,22 @@ def _sloth_ops() -> str | None:
     if registration is None:
         return None
     return "triton_op" if registration.TRITON_OP else "custom_op"
+
+
+def sloth_op_calls(step: Callable[[], Any]) -> dict[str, int] | None:
+    """sloth's op calls in one more ``step``, by op (backward ops included), from a profile of the host only: what
+    runs, where the report counts what was compiled. The two differ where Dynamo reuses one compiled graph for
+    several modules: under FSDP2 the graph breaks at each sharded decoder layer, and the layers after the first
+    two reuse a compiled layer graph (CPU, tiny Llama: the report counted 24 sites at 2 and at 12 layers, the
+    unwrapped model 26 at 2 and 50 at 4; at 4 layers every sloth op ran as often per step as unwrapped).
+    None under SLOTH_TRITON_OP=1, whose ops Inductor inlines as kernels (no op to count)."""
+    if _sloth_ops() != "custom_op":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return {e.key: e.count for e in prof.key_averages() if e.key.startswith(("sloth::", "sloth_rt::"))}
 
 
 def _quantize_linears_nf4(model: torch.nn.Module) -> int:
@@ -202,6 +226,48 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
             "frozen_matmul_params": float(frozen), "trainable_params": float(trainable)}
 
 
+def init_process_group(kind: str, cuda: bool) -> None:
+    """The one-process group (world size 1, rank 0) that --distributed ``kind`` runs in: NCCL on CUDA, gloo on the
+    CPU, a TCP rendezvous on a free local port. Nothing for "none"; main destroys the group after the run."""
+    if kind == "none":
+        return
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+
+
+def wrap_distributed(model: torch.nn.Module, kind: str, cuda: bool) -> torch.nn.Module:
+    """``model`` (the peft model) under --distributed ``kind``, as tests/test_distributed.py wraps it; compiled
+    afterwards, the whole of it, as the plain run is. The optimizer must be built from the returned model's
+    parameters: fully_shard replaces each parameter with a DTensor shard (at world size 1, the whole tensor)."""
+    if kind == "none":
+        return model
+    if kind == "ddp":
+        # Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, left on) splits the compiled graph at the
+        # gradient buckets' boundaries; a sloth site a split cuts stays, with its reason in the report.
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[0] if cuda else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    base = model.get_base_model()  # peft's wrapper -> the transformers model
+    # The benchmark's base weights are bf16 already, so no mixed-precision policy: each parameter keeps its own
+    # dtype, and the step computes what the plain one does (peft keeps the LoRA weights in fp32, its
+    # autocast_adapter_dtype; a bf16 param_dtype would round them). FSDP2 wants one dtype among a group's
+    # trainable parameters only (the fp32 adapters); the frozen bf16 base weights are sharded beside them.
+    policy = MixedPrecisionPolicy() if base.dtype == torch.bfloat16 else \
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in base.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
 GUARD_FILTERS = {"none": None, "skip-nn-modules": "skip_guard_on_all_nn_modules_unsafe"}
 
 
@@ -231,12 +297,16 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("no CUDA device: use --smoke for the CPU toy run")
+    if args.distributed != "none" and args.variant == "unsloth":
+        raise SystemExit("--distributed: not for unsloth (it builds and compiles its own model)")
     device = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
+    init_process_group(args.distributed, cuda)  # before the model is built; main destroys it
     model, cfg = build_model(args, device)
     flops = step_flops(model, cfg, args.batch, args.seq)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    model = wrap_distributed(model, args.distributed, cuda)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # after wrapping: FSDP2's DTensors
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
     compiled = compile_model(model, args.variant, json.loads(args.sloth_options), json.loads(args.inductor_options),
                              args.guard_filter)
@@ -298,6 +368,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     # One more step each, after the timed ones: the host syncs in it (none expected in a steady step), what
     # sloth's offload moved in it, and with --copy-overlap how much of those copies compute hid.
     syncs = copy_overlap.count_syncs(step) if cuda else None
+    # Under --distributed only: one more step (a long-context step is minutes) for what the report undercounts.
+    op_calls = sloth_op_calls(step) if sloth is not None and args.distributed != "none" else None
     offload_step = None
     if sloth is not None and "offload" in json.loads(args.sloth_options):
         from sloth.runtime import offload as offload_runtime
@@ -327,6 +399,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     dynamo = torch._dynamo.utils.counters
     return {
         "variant": args.variant,
+        "distributed": args.distributed,
         "step ms": step_ms,
         "tok/s": tokens / (step_ms * 1e-3),
         "MFU %": 100 * flops["total"] / (step_ms * 1e-3) / (peak_tflops * 1e12),
@@ -339,6 +412,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "graphs": dynamo["stats"]["unique_graphs"] if args.variant != "eager" else None,
         "graph breaks": sum(dynamo["graph_break"].values()) if args.variant != "eager" else None,
         "sloth counts": counts,
+        "sloth calls": sum(op_calls.values()) if op_calls is not None else None,
+        "sloth op calls": op_calls,
         # sloth's own share of the warm-up (compile) time, per pass (compiler/pipeline.py run_passes)
         "sloth pass s": dict(report.pass_seconds) if report is not None else None,
         "sloth ops": _sloth_ops() if sloth is not None else None,
@@ -519,7 +594,8 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--variant", variant, "--json-out", str(json_out),
            "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--sloth-options", args.sloth_options,
-           "--inductor-options", args.inductor_options, "--guard-filter", args.guard_filter]
+           "--inductor-options", args.inductor_options, "--guard-filter", args.guard_filter,
+           "--distributed", args.distributed]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     if args.grad_ckpt:
@@ -544,6 +620,7 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
 def run_all(args: argparse.Namespace) -> int:
     """Each variant in its own subprocess, in order; one progress line per run; JSON + table at the end."""
     variants = args.variants.split(",")
+    columns = _columns(args)
     if not args.peak_tflops:
         # Measured once, here, so every row shares one denominator; freed before the children start.
         args.peak_tflops = common.matmul_tflops()
@@ -554,7 +631,8 @@ def run_all(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, variant in enumerate(variants, 1):
             json_out, log = Path(tmp) / f"{variant}.json", Path(tmp) / f"{variant}.log"
-            print(f"[{i}/{len(variants)}] {variant}: running ...", flush=True)
+            engine = "" if args.distributed == "none" else f" under {args.distributed}"
+            print(f"[{i}/{len(variants)}] {variant}{engine}: running ...", flush=True)
             start = time.perf_counter()
             rc: int | str
             with log.open("w") as fh:
@@ -566,10 +644,11 @@ def run_all(args: argparse.Namespace) -> int:
             wall = time.perf_counter() - start
             if rc == 0 and json_out.exists():
                 row = json.loads(json_out.read_text())
-                print(f"[{i}/{len(variants)}] {variant}: {row['step ms']:.1f} ms/step, {row['tok/s']:.0f} tok/s, "
-                      f"MFU {row['MFU %']:.1f}%, peak {_gib(row['peak GiB'])}, warm-up {row['warm-up s']:.1f} s, "
+                print(f"[{i}/{len(variants)}] {variant}{engine}: {row['step ms']:.1f} ms/step, "
+                      f"{row['tok/s']:.0f} tok/s, MFU {row['MFU %']:.1f}%, peak {_gib(row['peak GiB'])}, "
+                      f"warm-up {row['warm-up s']:.1f} s, "
                       f"first loss {row['first loss']:.5f}, loss {row['loss']:.4f}, graphs {row['graphs']}, "
-                      f"sloth {row['sloth counts']} ({wall:.0f} s)",
+                      f"sloth {row['sloth counts']}, {row.get('sloth calls')} op calls ({wall:.0f} s)",
                       flush=True)
                 if row.get("steps ms"):
                     steps = " ".join(f"{t:.1f}" for t in row["steps ms"])
@@ -578,8 +657,8 @@ def run_all(args: argparse.Namespace) -> int:
             else:
                 tail = log.read_text().splitlines()[-25:]
                 error = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), f"exit {rc}")
-                row = {"variant": variant, "error": error.strip()[:160]}
-                print(f"[{i}/{len(variants)}] {variant}: FAILED ({rc}, {wall:.0f} s); last lines:", flush=True)
+                row = {"variant": variant, "distributed": args.distributed, "error": error.strip()[:160]}
+                print(f"[{i}/{len(variants)}] {variant}{engine}: FAILED ({rc}, {wall:.0f} s); last lines:", flush=True)
                 print("\n".join("    " + ln for ln in tail), flush=True)
             rows.append(row)
     eager = next((r for r in rows if r["variant"] == "eager" and "step ms" in r), None)
@@ -587,15 +666,16 @@ def run_all(args: argparse.Namespace) -> int:
         if eager and "step ms" in r:
             r["x eager"] = eager["step ms"] / r["step ms"]
     print()
-    print(common.render_text(COLUMNS, rows))
+    print(common.render_text(columns, rows))
     config = {k: v for k, v in vars(args).items() if k not in ("all", "json_out", "variant", "results_dir")}
     config["tokens_per_step"] = args.batch * args.seq
     config["flops_formula"] = "4 P_frozen T + 6 P_trainable T + 6 b s^2 (heads x head_dim) layers (causal)"
-    record = common.result_record("e2e", config, COLUMNS, rows)
+    record = common.result_record("e2e", config, columns, rows)
     if not args.smoke or args.results_dir:
         suffix = f"-{args.model}-b{args.batch}-s{args.seq}" + ("-qlora" if args.qlora else "") + (
             "-lora-experts" if args.lora_experts else "") + (
             "-ckpt" if args.grad_ckpt else "") + (
+            f"-{args.distributed}" if args.distributed != "none" else "") + (
             f"-L{args.layers}" if args.layers else "") + ("-smoke" if args.smoke else "")
         for path in common.write_result(record, args.results_dir, suffix):
             print(f"wrote {path}")
@@ -635,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default="none",
                         help="a torch.compiler guard filter for the compiled variants (skip-nn-modules: "
                              "skip_guard_on_all_nn_modules_unsafe; benchmarks/guard_cost.py)")
+    parser.add_argument("--distributed", choices=DISTRIBUTED, default="none",
+                        help="wrap the model in FSDP2 (fully_shard per decoder layer, then the root) or DDP in a "
+                             "one-process group (NCCL; gloo on the CPU) before compiling it")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU toy: the tiny model of --model's architecture, batch 2 x 32, 2 + 2 steps")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per variant under --all")
@@ -647,13 +730,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.all:
         return run_all(args)
-    row = run_one(args)
+    try:
+        row = run_one(args)
+    finally:
+        if args.distributed != "none" and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     if args.json_out:
         args.json_out.write_text(json.dumps(row, default=str))
-    print(json.dumps({k: row[k] for k in COLUMNS if k in row}, default=str))
+    print(json.dumps({k: row[k] for k in _columns(args) if k in row}, default=str))
     if not args.json_out and (not args.smoke or args.results_dir):
-        record = common.result_record("e2e", vars(args) | {"results_dir": None, "json_out": None}, COLUMNS, [row])
-        for path in common.write_result(record, args.results_dir, f"-{args.model}-{args.variant}"):
+        record = common.result_record("e2e", vars(args) | {"results_dir": None, "json_out": None}, _columns(args),
+                                      [row])
+        engine = "" if args.distributed == "none" else f"-{args.distributed}"
+        for path in common.write_result(record, args.results_dir, f"-{args.model}-{args.variant}{engine}"):
             print(f"wrote {path}")
     return 0
 

@@ -20,6 +20,8 @@
 #   bash benchmarks/h200_rows.sh default default-2  # sloth's default options beside return_logits=False and Unsloth
 #   bash benchmarks/h200_rows.sh robust    # versus20, then sloth LoRA under CUDA graphs (~6 min; limits add to more)
 #   bash benchmarks/h200_rows.sh offload offload-2  # issue 19: 16k and 64k with checkpointing, offload on and off, Unsloth
+#   bash benchmarks/h200_rows.sh ws1 ws1-2  # issue 21: FSDP2 and DDP at world size 1 beside the plain step, sloth; then
+#                                          # Inductor plain and FSDP2 (two calls: the five runs need ~11 min)
 #   bash benchmarks/h200_rows.sh compile-share  # issue 24: sloth's share of the 8B LoRA step's compile, beside Inductor's
 #   bash benchmarks/h200_rows.sh longest-sloth long-unsloth  # issue 19: sloth at 128k/256k; Unsloth at 16k/64k
 #   bash benchmarks/h200_rows.sh longest-2 # issue 19: sloth at 256k, Unsloth at 128k
@@ -53,7 +55,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|tiled|long128)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|tiled|long128|ws1|ws1-2)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -196,6 +198,19 @@ case $part in
         run long64-offload 150 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 3 --variants sloth \
             --copy-overlap --sloth-options '{"offload": true}'
         run long64-unsloth 150 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 3 --variants unsloth ;;
+    ws1)  # issue 21: the 8B LoRA step with sloth's default options, plain, under FSDP2 (fully_shard per decoder layer,
+        # then the root) and under DDP, each in a one-process NCCL group; after a burn (limits add to 430 s). The
+        # FSDP2 run's "sloth sites" counts each compiled graph once (the layers reuse one): read "sloth calls"
+        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+        run ws1-sloth 130 --all --steps 8 --variants sloth
+        run ws1-sloth-fsdp2 160 --all --steps 8 --variants sloth --distributed fsdp2
+        run ws1-sloth-ddp 140 --all --steps 8 --variants sloth --distributed ddp ;;
+    ws1-2)  # its second call, chained at once onto the same machine: Inductor plain and under FSDP2 (Inductor
+        # compiles the plain 8B step for ~130 s; under FSDP2, per-layer graphs: not yet measured, hence the wider
+        # limit; limits add to 480 s)
+        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+        run ws1-inductor 220 --all --steps 8 --variants inductor
+        run ws1-inductor-fsdp2 260 --all --steps 8 --variants inductor --distributed fsdp2 ;;
     compile-share)  # issue 24: the 8B LoRA step's compile (first warm-up step) with sloth's pass times, and Inductor's
         run compile-sloth 150 --all --warmup 3 --steps 4 --variants sloth
         run compile-inductor 220 --all --warmup 3 --steps 4 --variants inductor ;;
