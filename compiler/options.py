@@ -20,14 +20,17 @@ class PassOptions:
     or 4-bit (patterns/lora_shared.py: fewer op calls and launches, x read once); False keeps one op each.
     The values are the same math; the input gradient's sum is rounded as eager rounds it rather than once.
 
-    ``tiled_mlp``: rows per block, or 0 (off): a LoRA MLP with more rows than that becomes one op that runs a
-    block at a time and recomputes each block's gate and up in the backward (patterns/tiled_mlp.py), so no
-    rows x intermediate tensor outlives a block: memory for long context, at the price of two GEMMs a block.
+    ``tiled_mlp``: rows per block, or 0 (off): a LoRA MLP with more rows than that becomes one op whose GLU,
+    down projection and backward run a block at a time (patterns/tiled_mlp.py), so the backward's own rows x
+    intermediate tensors exist one block at a time: memory for long context. ``tiled_mlp_recompute``: the op
+    also recomputes each block's gate and up in the backward instead of keeping them, so no such tensor
+    outlives a block, at the price of two GEMMs a block.
     """
     return_logits: bool = True
     recompute: bool = True
     share_lora_input: bool = True
     tiled_mlp: int = 0
+    tiled_mlp_recompute: bool = False
     # Not a user option: whether the pass may change the graph's outputs (the top-level graph, whose outputs
     # the backend's wrapper sees; compiler/returned_logits.py), False in subgraph bodies.
     top_level: bool = True
@@ -44,15 +47,28 @@ class PassOptions:
         share_lora_input = options.pop("share_lora_input", True)
         if not isinstance(share_lora_input, bool):
             raise ValueError(f"sloth: share_lora_input must be True or False, got {share_lora_input!r}")
-        tiled_mlp = options.pop("tiled_mlp", False)
-        if tiled_mlp is True:
-            from ..lowering.tiled_mlp import DEFAULT_TILE_ROWS
-
-            tiled_mlp = DEFAULT_TILE_ROWS
-        elif tiled_mlp is False:
-            tiled_mlp = 0
-        elif not isinstance(tiled_mlp, int) or tiled_mlp < 1:
-            raise ValueError(f"sloth: tiled_mlp must be True, False or a positive number of rows per block, got "
-                             f"{tiled_mlp!r}")
+        tiled_mlp, tiled_mlp_recompute = _tiled_mlp(options.pop("tiled_mlp", False))
         return cls(return_logits=return_logits, recompute=recompute, share_lora_input=share_lora_input,
-                   tiled_mlp=tiled_mlp)
+                   tiled_mlp=tiled_mlp, tiled_mlp_recompute=tiled_mlp_recompute)
+
+
+def _tiled_mlp(value: Any) -> tuple[int, bool]:
+    """(rows per block or 0, recompute) from the user's ``tiled_mlp``: False, True (blocks of
+    lowering/tiled_mlp.py's DEFAULT_TILE_ROWS), a number of rows, or {"rows": N, "recompute": bool}."""
+    bad = ValueError(f"sloth: tiled_mlp must be True, False, a positive number of rows per block or "
+                     f"{{'rows': N, 'recompute': True/False}}, got {value!r}")
+    recompute = False
+    if isinstance(value, dict):
+        if not set(value) <= {"rows", "recompute"} or not isinstance(value.get("recompute", False), bool):
+            raise bad
+        recompute = value.get("recompute", False)
+        value = value.get("rows", True)
+    if value is False:
+        return 0, False
+    if value is True:
+        from ..lowering.tiled_mlp import DEFAULT_TILE_ROWS
+
+        return DEFAULT_TILE_ROWS, recompute
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise bad
+    return value, recompute

@@ -9,8 +9,9 @@ The op equals the two ops the LoRA pass leaves in a LoRA MLP (lowering/lora_shar
 keeps alive. Those two ops save ``gate`` and ``up`` (rows x intermediate each), and the down op's backward
 holds three more such tensors at once (d_hidden, d_gate, d_up): at 65536 tokens of Llama-3-8B (intermediate
 14336, bf16) each is 1.75 GiB, so a layer's MLP backward needs ~8.75 GiB however the layer is checkpointed.
-This op saves x (rows x hidden) and the two adapters' fp32 down products (rows x 3r), and runs both halves
-one block of ``tile_rows`` rows at a time, recomputing each block's gate and up in the backward::
+This op runs both halves one block of ``tile_rows`` rows at a time. With ``recompute`` it saves x (rows x
+hidden) and the two adapters' fp32 down products (rows x 3r) and recomputes each block's gate and up in the
+backward::
 
     forward   for each block b:   gate_b, up_b, h1_b = lora_linear_shared(x_b, ...)
                                   y_b, h2_b          = glu_lora_linear(gate_b, up_b, ...)
@@ -28,6 +29,10 @@ recompute: two base GEMMs per block (gate and up, 4 x rows x hidden x intermedia
 short context, which is why the pass (patterns/tiled_mlp.py) tiles only MLPs with more rows than one block.
 The intermediates a block needs at once: gate, up, d_hidden, d_gate, d_up, 5 x tile_rows x intermediate
 (0.55 GiB at 4096 rows of Llama-3-8B).
+
+Without ``recompute`` the op keeps gate and up whole (computed in one call in the forward, as the two ops do)
+and only the GLU, the down projection and the backward run by blocks: no recompute, and of the five
+tensors the backward held, the three it makes (d_hidden, d_gate, d_up) exist one block at a time.
 """
 from __future__ import annotations
 
@@ -68,30 +73,38 @@ def _gate_up(projections: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[to
 def lora_mlp_tiled_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
                            a: torch.Tensor, bs: list[torch.Tensor], scale: float, activation: str, w_d: torch.Tensor,
                            bias_d: Optional[torch.Tensor], a_d: torch.Tensor, b_d: torch.Tensor, scale_d: float,
-                           tile_rows: int) -> list[torch.Tensor]:
-    """``[y, h1, h2]``: the MLP's output and the adapters' fp32 down products (x a.T, hidden a_d.T), kept for
-    the backward."""
+                           tile_rows: int, recompute: bool) -> list[torch.Tensor]:
+    """``[y, h1, h2, *projections]``: the MLP's output, the adapters' fp32 down products (x a.T, hidden a_d.T)
+    and, without ``recompute``, the projections (gate and up, or the merged one), kept for the backward."""
     _check(x, ws, biases, bs, activation, w_d, tile_rows)
     x_MK = rows_2d(x)
     rows = x_MK.shape[0]
     y = x.new_empty((rows, w_d.shape[0]))
-    h1 = x.new_empty((rows, a.shape[0]), dtype=torch.float32)
     h2 = x.new_empty((rows, a_d.shape[0]), dtype=torch.float32)
+    kept: list[torch.Tensor] = []
+    if recompute:
+        h1 = x.new_empty((rows, a.shape[0]), dtype=torch.float32)
+    else:
+        *kept, h1 = lora_shared_forward(x_MK, ws, biases, a, bs, scale)
     for start in range(0, rows, tile_rows):
         block = slice(start, min(start + tile_rows, rows))
-        *projections, h1[block] = lora_shared_forward(x_MK[block], ws, biases, a, bs, scale)
+        if recompute:
+            *projections, h1[block] = lora_shared_forward(x_MK[block], ws, biases, a, bs, scale)
+        else:
+            projections = [p[block] for p in kept]
         gate, up = _gate_up(projections)
         y[block], h2[block] = _glu_lora_fwd(gate, up, activation, w_d, bias_d, a_d, b_d, scale_d)
         del projections, gate, up  # this block's intermediates go before the next block's are made
-    return [y.view(*x.shape[:-1], w_d.shape[0]), h1, h2]
+    return [y.view(*x.shape[:-1], w_d.shape[0]), h1, h2, *kept]
 
 
 def lora_mlp_tiled_backward(dy: torch.Tensor, x: torch.Tensor, ws: list[torch.Tensor],
                             biases: list[Optional[torch.Tensor]], a: torch.Tensor, bs: list[torch.Tensor], scale: float,
                             activation: str, w_d: torch.Tensor, a_d: torch.Tensor, b_d: torch.Tensor,
-                            h1: torch.Tensor, h2: torch.Tensor, scale_d: float, tile_rows: int, need_dx: bool
-                            ) -> list[torch.Tensor]:
-    """``[dx, da, db_0, ..., db_{n-1}, da_d, db_d]`` (module docstring); dx is empty when ``need_dx`` is False."""
+                            h1: torch.Tensor, h2: torch.Tensor, kept: list[torch.Tensor], scale_d: float,
+                            tile_rows: int, need_dx: bool) -> list[torch.Tensor]:
+    """``[dx, da, db_0, ..., db_{n-1}, da_d, db_d]`` (module docstring); dx is empty when ``need_dx`` is False.
+    ``kept`` holds the forward's projections, or nothing (they are then recomputed block by block)."""
     x_MK, dy_MN = rows_2d(x), rows_2d(dy)
     rows = x_MK.shape[0]
     fp32 = torch.float32
@@ -101,7 +114,10 @@ def lora_mlp_tiled_backward(dy: torch.Tensor, x: torch.Tensor, ws: list[torch.Te
     for start in range(0, rows, tile_rows):
         block = slice(start, min(start + tile_rows, rows))
         x_b = x_MK[block]
-        *projections, _ = lora_shared_forward(x_b, ws, biases, a, bs, scale)  # its h is h1[block] again
+        if kept:
+            projections = [p[block] for p in kept]
+        else:
+            *projections, _ = lora_shared_forward(x_b, ws, biases, a, bs, scale)  # its h is h1[block] again
         gate, up = _gate_up(projections)
         d_gate, d_up, da_d_b, db_d_b = _glu_lora_bwd(dy_MN[block], gate, up, activation, w_d, a_d, b_d, h2[block],
                                                      scale_d, grad_dtype=fp32)
@@ -125,16 +141,17 @@ def lora_mlp_tiled_backward(dy: torch.Tensor, x: torch.Tensor, ws: list[torch.Te
 # ---------------------------------------------------------------------------------------------------
 
 _ARGS = ("x", "ws", "biases", "a", "bs", "scale", "activation", "w_d", "bias_d", "a_d", "b_d", "scale_d",
-         "tile_rows")
+         "tile_rows", "recompute")
 
 
 def _setup_context(ctx, inputs, output) -> None:
     args = dict(zip(_ARGS, inputs))
     n = len(args["ws"])
+    kept = output[3:]
     ctx.save_for_backward(args["x"], args["a"], output[1], output[2], args["w_d"], args["a_d"], args["b_d"],
-                          *args["ws"], *args["bs"], *args["biases"])
-    ctx.mark_non_differentiable(output[1], output[2])  # h1 and h2 are returned to be saved, not to be used
-    ctx.n, ctx.structure = n, _grad_structure(inputs)
+                          *args["ws"], *args["bs"], *args["biases"], *kept)
+    ctx.mark_non_differentiable(*output[1:])  # h1, h2 and the kept projections are returned to be saved, not used
+    ctx.n, ctx.n_kept, ctx.structure = n, len(kept), _grad_structure(inputs)
     ctx.static = (args["scale"], args["activation"], args["scale_d"], args["tile_rows"])
 
 
@@ -145,11 +162,11 @@ def _backward(ctx, grads):
         raise RuntimeError("sloth.lora_mlp_tiled: the base weights and biases must be frozen (requires_grad=False); "
                            "the op computes no gradient for them")
     x, a, h1, h2, w_d, a_d, b_d, *rest = ctx.saved_tensors
-    ws, bs, biases = rest[:n], rest[n:2 * n], rest[2 * n:]
+    ws, bs, biases, kept = rest[:n], rest[n:2 * n], rest[2 * n:3 * n], rest[3 * n:]
     scale, activation, scale_d, tile_rows = ctx.static
     dx, da, *dbs, da_d, db_d = torch.ops.sloth.lora_mlp_tiled_backward(
-        grads[0], x, list(ws), list(biases), a, list(bs), scale, activation, w_d, a_d, b_d, h1, h2, scale_d,
-        tile_rows, bool(needs["x"]))
+        grads[0], x, list(ws), list(biases), a, list(bs), scale, activation, w_d, a_d, b_d, h1, h2, list(kept),
+        scale_d, tile_rows, bool(needs["x"]))
     out = [None if slot is None else list(slot) for slot in ctx.structure]
     index = {name: i for i, name in enumerate(_ARGS)}
     out[index["x"]] = dx if needs["x"] else None
@@ -167,7 +184,7 @@ def register() -> None:
     bwd = define("sloth::lora_mlp_tiled_backward", lora_mlp_tiled_backward)
 
     @fake(fwd)
-    def _(x, ws, biases, a, bs, scale, activation, w_d, bias_d, a_d, b_d, scale_d, tile_rows):
+    def _(x, ws, biases, a, bs, scale, activation, w_d, bias_d, a_d, b_d, scale_d, tile_rows, recompute):
         # A call with a meta input runs this, not the op and its checks (lowering/devices.py).
         check_one_device("sloth.lora_mlp_tiled", ("x", x), ("a", a), ("w_d", w_d), ("bias_d", bias_d), ("a_d", a_d),
                          ("b_d", b_d), *((f"ws[{i}]", w) for i, w in enumerate(ws)),
@@ -175,10 +192,11 @@ def register() -> None:
                          *((f"bs[{i}]", b) for i, b in enumerate(bs)))
         rows = math.prod(x.shape[:-1])
         return [x.new_empty((*x.shape[:-1], w_d.shape[0])), x.new_empty((rows, a.shape[0]), dtype=torch.float32),
-                x.new_empty((rows, a_d.shape[0]), dtype=torch.float32)]
+                x.new_empty((rows, a_d.shape[0]), dtype=torch.float32),
+                *([] if recompute else [x.new_empty((rows, w.shape[0])) for w in ws])]
 
     @fake(bwd)
-    def _(dy, x, ws, biases, a, bs, scale, activation, w_d, a_d, b_d, h1, h2, scale_d, tile_rows, need_dx):
+    def _(dy, x, ws, biases, a, bs, scale, activation, w_d, a_d, b_d, h1, h2, kept, scale_d, tile_rows, need_dx):
         return [x.new_empty(x.shape) if need_dx else x.new_empty(0), a.new_empty(a.shape),
                 *(b.new_empty(b.shape) for b in bs), a_d.new_empty(a_d.shape), b_d.new_empty(b_d.shape)]
 
@@ -188,12 +206,12 @@ def register() -> None:
 def lora_mlp_tiled(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
                    a_list: list[torch.Tensor], bs: list[torch.Tensor], scale: float, activation: str,
                    w_d: torch.Tensor, bias_d: Optional[torch.Tensor], a_d: torch.Tensor, b_d: torch.Tensor,
-                   scale_d: float, tile_rows: int = DEFAULT_TILE_ROWS) -> torch.Tensor:
+                   scale_d: float, tile_rows: int = DEFAULT_TILE_ROWS, recompute: bool = False) -> torch.Tensor:
     """The LoRA MLP ``down(glu(gate(x), up(x)))`` (each projection ``x w.T + bias + s x a.T b.T``) computed
-    ``tile_rows`` rows at a time (module docstring); ``a_list``, ``bs``, ``ws`` and ``biases`` hold the gate's
-    and up's (or the merged projection's alone)."""
+    ``tile_rows`` rows at a time, gate and up kept or (``recompute``) recomputed (module docstring); ``a_list``,
+    ``bs``, ``ws`` and ``biases`` hold the gate's and up's (or the merged projection's alone)."""
     register()
-    y, _, _ = torch.ops.sloth.lora_mlp_tiled(x, list(ws), list(biases), torch.cat(list(a_list), 0), list(bs),
-                                             float(scale), activation, w_d, bias_d, a_d, b_d, float(scale_d),
-                                             int(tile_rows))
+    y, *_ = torch.ops.sloth.lora_mlp_tiled(x, list(ws), list(biases), torch.cat(list(a_list), 0), list(bs),
+                                           float(scale), activation, w_d, bias_d, a_d, b_d, float(scale_d),
+                                           int(tile_rows), bool(recompute))
     return y

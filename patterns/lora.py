@@ -557,7 +557,8 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         index_of = dict(fused)
         downs = [node for node, _ in fused if node.target in (torch.ops.sloth.glu_lora_linear.default,
                                                                torch.ops.sloth.glu_qlora_linear.default)]
-        for down, (op, note, producer) in tile_lora_mlps(gm, downs, options.tiled_mlp).items():
+        for down, (op, note, producer) in tile_lora_mlps(gm, downs, options.tiled_mlp,
+                                                         options.tiled_mlp_recompute).items():
             # A tiled MLP's projection sites (the joined op's members, or the merged projection) become it too.
             sites = [down, *(joined.get(producer, [producer]) if op is not None else [])]
             for node in sites:

@@ -10,7 +10,7 @@ the down projection, a LoRA MLP is two ops; this pass makes them one ``sloth.lor
     y    = d[0]
     ->
     t    = sloth.lora_mlp_tiled(x, [w_g, w_u], [bias_g, bias_u], a, [b_g, b_u], s, activation, w_d, bias_d, a_d,
-                                b_d, s_d, tile_rows)
+                                b_d, s_d, tile_rows, recompute)
     y    = t[0]
 
 and likewise a merged gate-and-up projection (``sloth.lora_linear(x, w_gu, ...)[0]`` feeding the down op with
@@ -89,11 +89,12 @@ def _rows(x: fx.Node) -> Optional[int]:
     return rows
 
 
-def tile_lora_mlps(gm: fx.GraphModule, down_ops: list[fx.Node], tile_rows: int
+def tile_lora_mlps(gm: fx.GraphModule, down_ops: list[fx.Node], tile_rows: int, recompute: bool
                    ) -> dict[fx.Node, tuple[Optional[str], str, Optional[fx.Node]]]:
     """Make each LoRA MLP ending in one of ``down_ops`` (``sloth.glu_lora_linear`` / ``glu_qlora_linear`` nodes)
-    one ``sloth.lora_mlp_tiled`` (module docstring). Returns, per down op looked at, (the op it became or None
-    when left, a note for the report, the projection op it was joined with or None)."""
+    one ``sloth.lora_mlp_tiled`` (module docstring), its gate and up kept or (``recompute``) recomputed in the
+    backward. Returns, per down op looked at, (the op it became or None when left, a note for the report, the
+    projection op it was joined with or None)."""
     _lowering().register()
     outcomes: dict[fx.Node, tuple[Optional[str], str, Optional[fx.Node]]] = {}
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -128,10 +129,11 @@ def tile_lora_mlps(gm: fx.GraphModule, down_ops: list[fx.Node], tile_rows: int
             continue
         xt, at, adt = tensor_of(x), tensor_of(a), tensor_of(a_d)
         value = [y_value, xt.new_empty((rows, at.shape[0]), dtype=torch.float32),
-                 xt.new_empty((rows, adt.shape[0]), dtype=torch.float32)]
+                 xt.new_empty((rows, adt.shape[0]), dtype=torch.float32),
+                 *([] if recompute else [xt.new_empty((rows, tensor_of(w).shape[0])) for w in ws])]
         tiled = insert_call(gm.graph, down, torch.ops.sloth.lora_mlp_tiled.default,
                             (x, list(ws), list(biases), a, list(bs), scale, activation, w_d, bias_d, a_d, b_d, scale_d,
-                             tile_rows), meta_from=down, value=value)
+                             tile_rows, recompute), meta_from=down, value=value)
         y = insert_call(gm.graph, down, operator.getitem, (tiled, 0), meta_from=down, value=y_value)
         for user in list(down.users):  # the down op's getitem(., 0) nodes
             user.replace_all_uses_with(y)
@@ -141,6 +143,7 @@ def tile_lora_mlps(gm: fx.GraphModule, down_ops: list[fx.Node], tile_rows: int
             gm.graph.erase_node(user)
         gm.graph.erase_node(producer)
         blocks = -(-rows // tile_rows)
-        outcomes[down] = ("sloth.lora_mlp_tiled", f"tiled: {blocks} blocks of {tile_rows} rows, gate and up "
-                                                 f"recomputed per block in backward", producer)
+        kept = "recomputed per block in backward" if recompute else "kept"
+        outcomes[down] = ("sloth.lora_mlp_tiled", f"tiled: {blocks} blocks of {tile_rows} rows, gate and up {kept}",
+                          producer)
     return outcomes

@@ -60,5 +60,7 @@ def test_l2_norm_on_cuda(shape, dtype):
 @pytest.mark.parametrize("dtype,adapter_dtype", tiled_tests.DTYPE_PAIRS)
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", [*tiled_tests.SHAPES, (3000, 512, 1408, 16, 1024)])
-def test_tiled_mlp_on_cuda(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows):
-    tiled_tests.check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows, device="cuda")
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_tiled_mlp_on_cuda(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows, recompute):
+    tiled_tests.check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows, recompute,
+                      device="cuda")

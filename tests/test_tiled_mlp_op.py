@@ -4,7 +4,7 @@ Forward and every gradient (x and the gate's, up's and down's adapters) against
 ``lora(glu(lora(x), lora(x)))`` with the tolerance rule (fp64 reference), for SwiGLU and GeGLU, separate and
 merged gate/up, fp32 and bf16 (adapters in fp32 as peft keeps them, and in bf16, whose gradients the op sums
 over blocks in fp32), odd shapes with a ragged last block; and the point of the op: nothing of the
-intermediate width is saved for the backward.
+intermediate width is saved for the backward when gate and up are recomputed, and only they when kept.
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def forward_backward(fn, args: list[torch.Tensor], dy_dtype: torch.dtype) -> lis
     return [y.detach(), *torch.autograd.grad(y, args, dy)]
 
 
-def check(dtype, adapter_dtype, activation, merged, rows, hidden, inter, rank, tile_rows, device="cpu") -> None:
+def check(dtype, adapter_dtype, activation, merged, rows, hidden, inter, rank, tile_rows, recompute,
+          device="cpu") -> None:
     """Output and every gradient of the tiled op against the composed patterns: the tolerance rule, fp64 reference
     (also run by tests/test_cuda_ops.py on CUDA tensors)."""
     x = torch.randn(1, rows, hidden, generator=seeded(7))
@@ -57,10 +58,10 @@ def check(dtype, adapter_dtype, activation, merged, rows, hidden, inter, rank, t
         if merged:
             a_g, b_g, a_d, b_d = adapters
             return lora_mlp_tiled(x, [w_gate.to(wt)], [None], [a_g], [b_g], SCALE, activation,
-                                  w_down.to(wt), None, a_d, b_d, SCALE_D, tile_rows)
+                                  w_down.to(wt), None, a_d, b_d, SCALE_D, tile_rows, recompute)
         a_g, b_g, a_u, b_u, a_d, b_d = adapters
         return lora_mlp_tiled(x, [w_gate.to(wt), w_up.to(wt)], [None, None], [a_g, a_u], [b_g, b_u], SCALE,
-                              activation, w_down.to(wt), None, a_d, b_d, SCALE_D, tile_rows)
+                              activation, w_down.to(wt), None, a_d, b_d, SCALE_D, tile_rows, recompute)
 
     def composed(x, *adapters):
         wt = x.dtype
@@ -91,17 +92,21 @@ SHAPES = [(37, 24, 40, 4, 8), (19, 33, 70, 16, 19), (23, 16, 30, 8, 64)]  # a ra
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", SHAPES)
-def test_matches_the_composed_patterns(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows):
-    check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows)
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_matches_the_composed_patterns(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows, recompute):
+    check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows, recompute)
 
 
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS[:2])
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu_erf"])
 def test_other_activations(dtype, adapter_dtype, activation):  # the activation only reaches the GLU's kernels
-    check(dtype, adapter_dtype, activation, False, *SHAPES[0])
+    check(dtype, adapter_dtype, activation, False, *SHAPES[0], recompute=True)
 
 
-def test_nothing_of_the_intermediate_width_is_saved():
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_what_is_saved(recompute):
+    # Recomputed: nothing of the intermediate width is saved. Kept: gate and up, and nothing else of that width
+    # (no hidden, as the two ops it replaces).
     rows, hidden, inter, rank = 37, 24, 40, 4
     x = torch.randn(rows, hidden, generator=seeded(7), requires_grad=True)
     w_gate, w_up, w_down, adapters = make_weights(hidden, inter, rank, merged=False)
@@ -109,9 +114,9 @@ def test_nothing_of_the_intermediate_width_is_saved():
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = lora_mlp_tiled(x, [w_gate, w_up], [None, None], [a_g, a_u], [b_g, b_u], SCALE, "silu", w_down, None,
-                           a_d, b_d, SCALE_D, 8)
+                           a_d, b_d, SCALE_D, 8, recompute)
     big = [tuple(t.shape) for t in saved if t.shape[0] == rows and t.shape[-1] >= inter]
-    assert not big, f"tensors of the intermediate width saved: {big}"
+    assert big == ([] if recompute else [(rows, inter), (rows, inter)]), f"tensors of the intermediate width: {big}"
     assert any(t.data_ptr() == x.data_ptr() for t in saved)  # x, from which each block's gate and up come again
     y.sum().backward()
     assert all(t.grad is not None for t in (x, a_g, b_g, a_u, b_u, a_d, b_d))
@@ -123,7 +128,7 @@ def test_bad_input_is_refused_with_a_reason():
     a, b = torch.randn(2, 8), torch.randn(12, 2)
     with pytest.raises(ValueError, match="tile_rows must be a positive"):
         lora_mlp_tiled(x, [w, w], [None, None], [a, a], [b, b], 1.0, "silu", torch.randn(8, 12), None,
-                       torch.randn(2, 12), torch.randn(8, 2), 1.0, 0)
+                       torch.randn(2, 12), torch.randn(8, 2), 1.0, 0, True)
     with pytest.raises(ValueError, match="down projection's weight must be"):
         lora_mlp_tiled(x, [w, w], [None, None], [a, a], [b, b], 1.0, "silu", torch.randn(8, 11), None,
                        torch.randn(2, 11), torch.randn(8, 2), 1.0, 4)

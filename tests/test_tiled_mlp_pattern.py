@@ -75,17 +75,19 @@ def mlp_sites(report: sloth.Report) -> list:
             (*MLP, "gate_up_proj")]
 
 
-@pytest.mark.parametrize("model_type,checkpointed,dtype", [
-    pytest.param("llama", False, torch.float32, id="llama-fp32"),
-    pytest.param("llama", False, torch.bfloat16, id="llama-bf16"),
-    pytest.param("llama", True, torch.bfloat16, id="llama-checkpointed-bf16"),
-    pytest.param("phi3", False, torch.float32, id="phi3-merged-fp32")])
-def test_every_mlp_is_tiled_and_matches_eager(model_type, checkpointed, dtype):
-    report = run_compiled(tiny_peft_model(model_type, dtype, checkpointed), dtype, {"tiled_mlp": 8})
+@pytest.mark.parametrize("model_type,checkpointed,dtype,option,kept", [
+    pytest.param("llama", False, torch.float32, 8, "kept", id="llama-fp32"),
+    pytest.param("llama", False, torch.bfloat16, {"rows": 8, "recompute": True}, "recomputed per block",
+                 id="llama-bf16-recomputed"),
+    pytest.param("llama", True, torch.bfloat16, 8, "kept", id="llama-checkpointed-bf16"),
+    pytest.param("phi3", False, torch.float32, {"rows": 8, "recompute": True}, "recomputed per block",
+                 id="phi3-merged-fp32-recomputed")])
+def test_every_mlp_is_tiled_and_matches_eager(model_type, checkpointed, dtype, option, kept):
+    report = run_compiled(tiny_peft_model(model_type, dtype, checkpointed), dtype, {"tiled_mlp": option})
     sites = mlp_sites(report)
     assert len(sites) == 2 * (3 if model_type == "llama" else 2), str(report)
-    assert all(s.op == "sloth.lora_mlp_tiled" and "tiled: 3 blocks of 8 rows" in s.detail for s in sites), \
-        str(report)
+    assert all(s.op == "sloth.lora_mlp_tiled" and f"tiled: 3 blocks of 8 rows, gate and up {kept}" in s.detail
+               for s in sites), str(report)
     assert report.counts.get("lora", 0) == len([s for s in report.sites if s.family == "lora"])
     assert not [r for r in report.rejections if r.family == "lora"], str(report)
 
@@ -105,9 +107,9 @@ def test_projections_not_joined_are_not_tiled_and_say_why():
     assert len(downs) == 2 and all("tiled_mlp needs share_lora_input on" in s.detail for s in downs), str(report)
 
 
-@pytest.mark.parametrize("value", [0, -4, 2.5, "yes"])
+@pytest.mark.parametrize("value", [0, -4, 2.5, "yes", {"rows": 8, "recompute": "no"}, {"blocks": 8}])
 def test_bad_values_are_refused(value):
     model = torch.nn.Linear(4, 4)
     # The ValueError reaches the caller inside Dynamo's BackendCompilerFailed.
-    with pytest.raises(Exception, match="tiled_mlp must be True, False or a positive number of rows"):
+    with pytest.raises(Exception, match="tiled_mlp must be True, False, a positive number of rows per block or"):
         torch.compile(model, backend="sloth", options={"tiled_mlp": value})(torch.randn(2, 4))
