@@ -22,15 +22,15 @@ class PassOptions:
 
     ``tiled_mlp``: rows per block, or 0 (off): a LoRA MLP with more rows than that becomes one op whose GLU,
     down projection and backward run a block at a time (patterns/tiled_mlp.py), so the backward's own rows x
-    intermediate tensors exist one block at a time: memory for long context. ``tiled_mlp_recompute``: the op
-    also recomputes each block's gate and up in the backward instead of keeping them, so no such tensor
-    outlives a block, at the price of two GEMMs a block.
+    intermediate tensors exist one block at a time: memory for long context. ``tiled_mlp_recompute`` (True
+    unless the user says otherwise): the op also recomputes each block's gate and up in the backward instead of
+    keeping them, so no such tensor outlives a block, at the price of two GEMMs a block.
     """
     return_logits: bool = True
     recompute: bool = True
     share_lora_input: bool = True
     tiled_mlp: int = 0
-    tiled_mlp_recompute: bool = False
+    tiled_mlp_recompute: bool = True
     # Not a user option: whether the pass may change the graph's outputs (the top-level graph, whose outputs
     # the backend's wrapper sees; compiler/returned_logits.py), False in subgraph bodies.
     top_level: bool = True
@@ -54,14 +54,15 @@ class PassOptions:
 
 def _tiled_mlp(value: Any) -> tuple[int, bool]:
     """(rows per block or 0, recompute) from the user's ``tiled_mlp``: False, True (blocks of
-    lowering/tiled_mlp.py's DEFAULT_TILE_ROWS), a number of rows, or {"rows": N, "recompute": bool}."""
+    lowering/tiled_mlp.py's DEFAULT_TILE_ROWS), a number of rows, or {"rows": N, "recompute": bool}; recompute
+    unless told otherwise."""
     bad = ValueError(f"sloth: tiled_mlp must be True, False, a positive number of rows per block or "
                      f"{{'rows': N, 'recompute': True/False}}, got {value!r}")
-    recompute = False
+    recompute = True  # the form measured on the H200 (benchmarks/results/2026-12-02_issue19_tiled_mlp.md)
     if isinstance(value, dict):
-        if not set(value) <= {"rows", "recompute"} or not isinstance(value.get("recompute", False), bool):
+        if not set(value) <= {"rows", "recompute"} or not isinstance(value.get("recompute", True), bool):
             raise bad
-        recompute = value.get("recompute", False)
+        recompute = value.get("recompute", True)
         value = value.get("rows", True)
     if value is False:
         return 0, False

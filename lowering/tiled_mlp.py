@@ -25,8 +25,10 @@ Rows are independent in every one of these products except the adapters' weight 
 over rows: each block's share is computed in fp32 and the shares are summed in fp32 and rounded once, as the
 untiled kernels round their one sum (the blocks change only the order of the fp32 additions). The price is the
 recompute: two base GEMMs per block (gate and up, 4 x rows x hidden x intermediate FLOPs) on top of the step's
-12 MLP GEMMs under gradient checkpointing, ~+5% of an 8B step at 64k tokens where attention dominates, more at
-short context, which is why the pass (patterns/tiled_mlp.py) tiles only MLPs with more rows than one block.
+12 MLP GEMMs under gradient checkpointing: on the H200 the Llama-3-8B LoRA step took 6.2% longer at 64k tokens,
+where attention dominates, and 11.7% longer at 16k (benchmarks/results/2026-12-02_issue19_tiled_mlp.md). Short
+sequences would pay it for nothing, which is why the pass (patterns/tiled_mlp.py) tiles only MLPs with more rows
+than one block.
 The intermediates a block needs at once: gate, up, d_hidden, d_gate, d_up, 5 x tile_rows x intermediate
 (0.55 GiB at 4096 rows of Llama-3-8B).
 
@@ -206,7 +208,7 @@ def register() -> None:
 def lora_mlp_tiled(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
                    a_list: list[torch.Tensor], bs: list[torch.Tensor], scale: float, activation: str,
                    w_d: torch.Tensor, bias_d: Optional[torch.Tensor], a_d: torch.Tensor, b_d: torch.Tensor,
-                   scale_d: float, tile_rows: int = DEFAULT_TILE_ROWS, recompute: bool = False) -> torch.Tensor:
+                   scale_d: float, tile_rows: int = DEFAULT_TILE_ROWS, recompute: bool = True) -> torch.Tensor:
     """The LoRA MLP ``down(glu(gate(x), up(x)))`` (each projection ``x w.T + bias + s x a.T b.T``) computed
     ``tile_rows`` rows at a time, gate and up kept or (``recompute``) recomputed (module docstring); ``a_list``,
     ``bs``, ``ws`` and ``biases`` hold the gate's and up's (or the merged projection's alone)."""
