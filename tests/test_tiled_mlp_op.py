@@ -91,10 +91,16 @@ SHAPES = [(37, 24, 40, 4, 8), (19, 33, 70, 16, 19), (23, 16, 30, 8, 64)]  # a ra
 
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
-@pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", SHAPES)
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
-def test_matches_the_composed_patterns(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows, recompute):
-    check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows, recompute)
+def test_matches_the_composed_patterns(dtype, adapter_dtype, merged, recompute):
+    check(dtype, adapter_dtype, "silu", merged, *SHAPES[0], recompute)
+
+
+@pytest.mark.parametrize("dtype,adapter_dtype", [DTYPE_PAIRS[0], DTYPE_PAIRS[2]])
+@pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", SHAPES[1:], ids=["one-block", "one-short-block"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_blocks_of_other_sizes(dtype, adapter_dtype, rows, hidden, inter, rank, tile_rows, recompute):
+    check(dtype, adapter_dtype, "silu", False, rows, hidden, inter, rank, tile_rows, recompute)
 
 
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS[:2])
