@@ -55,8 +55,8 @@ from .registration import define, fake
 DEFAULT_TILE_ROWS = 4096
 
 
-def _check(x: torch.Tensor, ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]], bs: list[torch.Tensor],
-           activation: str, w_d: torch.Tensor, tile_rows: int) -> None:
+def _check(ws: list[torch.Tensor], biases: list[Optional[torch.Tensor]], bs: list[torch.Tensor], w_d: torch.Tensor,
+           tile_rows: int) -> None:
     if len(ws) not in (1, 2) or len(biases) != len(ws) or len(bs) != len(ws):
         raise ValueError(f"sloth.lora_mlp_tiled: ws, biases and bs must hold the gate and up projections (2) or "
                          f"the merged gate-and-up projection (1), got {len(ws)}, {len(biases)} and {len(bs)}")
@@ -78,7 +78,7 @@ def lora_mlp_tiled_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list
                            tile_rows: int, recompute: bool) -> list[torch.Tensor]:
     """``[y, h1, h2, *projections]``: the MLP's output, the adapters' fp32 down products (x a.T, hidden a_d.T)
     and, without ``recompute``, the projections (gate and up, or the merged one), kept for the backward."""
-    _check(x, ws, biases, bs, activation, w_d, tile_rows)
+    _check(ws, biases, bs, w_d, tile_rows)
     x_MK = rows_2d(x)
     rows = x_MK.shape[0]
     y = x.new_empty((rows, w_d.shape[0]))
@@ -153,7 +153,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(args["x"], args["a"], output[1], output[2], args["w_d"], args["a_d"], args["b_d"],
                           *args["ws"], *args["bs"], *args["biases"], *kept)
     ctx.mark_non_differentiable(*output[1:])  # h1, h2 and the kept projections are returned to be saved, not used
-    ctx.n, ctx.n_kept, ctx.structure = n, len(kept), _grad_structure(inputs)
+    ctx.n, ctx.structure = n, _grad_structure(inputs)
     ctx.static = (args["scale"], args["activation"], args["scale_d"], args["tile_rows"])
 
 
