@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from . import returned_logits
 from .dump import dump_root
+from .mask_inputs import compile_reading_masks
 from .offload_partition import OffloadPartitioner, OffloadPolicy
 from .options import PassOptions
 from .pipeline import resolve_families, run_passes
@@ -172,10 +173,16 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     partitioner = OffloadPartitioner(offload, graph_report.offload) if offload is not None else None
     # The report is published (and printed) once the inner compiler is done: the offload partitioner writes
     # into it while AOTAutograd partitions the graph. A compile that fails publishes what the passes did.
+    def compile_once(first: bool) -> Callable:
+        # A graph that reads a mask input is compiled twice (compiler/mask_inputs.py); the second compile's
+        # partition goes to a report of its own, so the offload counts are the first version's alone.
+        second = OffloadPartitioner(offload, Report().offload) if offload is not None and not first else None
+        return compile_inner(gm, example_inputs, inner, mode, options, partitioner=partitioner if first else second)
+
     try:
         with sdpa_priority(attention), torch._functorch.config.patch(
                 enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
-            compiled = compile_inner(gm, example_inputs, inner, mode, options, partitioner=partitioner)
+            compiled = compile_reading_masks(gm, compile_once)
     finally:
         _publish(graph_report)
     if show_report:

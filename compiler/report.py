@@ -72,6 +72,12 @@ class Report:
         gives the module path and source line."""
         self.replaced(Site(family, op, module_path(node), source_location(node), detail))
 
+    def kept_on_purpose(self, family: str, anchor: "fx.Node") -> None:
+        """Record that the site at ``anchor``, left in the graph, is accounted for by a Site already recorded
+        (a causal mask read from a graph input, chosen per call: patterns/causal_mask.py), so the anchor check
+        (compiler/anchors.py) does not call it unexplained."""
+        self.rejected_nodes.append((family, anchor))
+
     def reject(self, family: str, anchor: "fx.Node", reason: str) -> None:
         """Record that ``family`` left the site at ``anchor`` as it was, and why."""
         self.rejected_nodes.append((family, anchor))

@@ -31,9 +31,19 @@ when its producers are row-local, as the masks models build are; otherwise it st
 A checkpointed layer (``tag_activation_checkpoint`` / ``wrap`` bodies) receives the mask as an input: the
 body's SDPA is rewritten when every call site passes a proven causal mask in that position (the operand
 stays passed, unused, so the body's signature does not change).
+
+Masks that cross graphs. Where the model's graph is split (a graph break, FSDP2's per-module graphs, DDP's
+bucket splits) the mask is made in one graph and read in others as a graph input, whose values no proof can fix.
+So the making graph proves each mask-shaped output it returns (``PROVEN_OUTPUTS`` in its meta: the positions),
+and a graph whose SDPA reads a mask input (directly or through slices that keep all of it) records the site
+(``MASK_INPUT_SITES``) and leaves it as it is; the backend then compiles that graph twice, with ``is_causal``
+at those sites and as written, and each call runs the first only when every such input is a tensor the making
+graph's wrapper marked as proven and nobody has written since (runtime/proven_masks.py: a host-side check, no
+sync), the second otherwise.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -43,9 +53,14 @@ from ..compiler.fx_utils import module_path, source_location, tensor_of
 from ..compiler.writes import body_of, mutated_producer
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
+from ..runtime import proven_masks
 from .mask_rows import RowBlocks
 
 FAMILY = "causal_mask"
+# Graph meta keys the backend reads (compiler/backend.py): the output positions holding a mask proven causal;
+# the SDPA sites reading a mask graph input, as (graph module, SDPA node, position among the top-level inputs).
+PROVEN_OUTPUTS = "sloth_proven_mask_outputs"
+MASK_INPUT_SITES = "sloth_mask_input_sites"
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 # What a compile-time evaluation may hold at once: the bytes of every value its producers make (an upper bound:
@@ -82,7 +97,7 @@ def _attention_parts(node: fx.Node) -> Optional[tuple[Any, Any, Any, bool]]:
     return q, k, mask, is_causal
 
 
-def _set_causal(node: fx.Node) -> None:
+def set_causal(node: fx.Node) -> None:
     """Drop ``node``'s mask and set ``is_causal=True``, wherever they were passed."""
     args = list(node.args)
     kwargs = dict(node.kwargs)
@@ -303,6 +318,34 @@ class _Prover:
         return why_not, [] if why_not else producers
 
 
+def _example(placeholder: fx.Node) -> Optional[torch.Tensor]:
+    """The real tensor Dynamo traced ``placeholder`` with, when it kept one (a graph it made from a frame does;
+    DDP's split pieces' inputs from other pieces do not), else None."""
+    grapharg = placeholder.meta.get("grapharg")
+    try:
+        example = grapharg.example if grapharg is not None else None
+    except Exception:  # its weak reference expired
+        return None
+    return example if isinstance(example, torch.Tensor) else None
+
+
+def _input_position(graph_module: fx.GraphModule, mask: Any,
+                    call_sites: Optional[list[tuple[fx.GraphModule, list[Any]]]], placeholders: list[fx.Node],
+                    inputs: list[fx.Node]) -> Optional[int]:
+    """The position among the top-level graph's ``inputs`` of the one tensor ``mask`` is, else None: ``mask``
+    itself in the top-level graph; in a body, the top-level input every call site passes in its place."""
+    if not isinstance(mask, fx.Node) or mask.op != "placeholder":
+        return None
+    if not call_sites:
+        return inputs.index(mask) if mask in inputs else None
+    position = placeholders.index(mask)
+    passed = {_whole(operands[position]) if position < len(operands) else None for _, operands in call_sites}
+    if len(passed) != 1:
+        return None
+    (top,) = passed
+    return inputs.index(top) if isinstance(top, fx.Node) and top in inputs else None
+
+
 def _lengths(q: Any, k: Any) -> Optional[tuple[int, int]]:
     q_t, k_t = tensor_of(q), tensor_of(k)
     if q_t is None or k_t is None or q_t.dim() < 2 or k_t.dim() < 2:
@@ -333,18 +376,63 @@ def erase_unused(nodes: Sequence[fx.Node]) -> None:
 
 def fuse_causal_mask_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                           options: PassOptions = PassOptions()) -> fx.GraphModule:
-    """Replace every provably causal SDPA mask in ``gm`` and in its checkpointed bodies by ``is_causal=True``."""
+    """Replace every provably causal SDPA mask in ``gm`` and in its checkpointed bodies by ``is_causal=True``;
+    record the masks ``gm`` returns proven causal and the sites that read a mask input (module docstring)."""
     prover = _Prover()
     bodies = _body_operands(gm)
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sites: list[tuple[fx.GraphModule, fx.Node, int]] = []
     for graph_module in [gm, *bodies]:
-        _rewrite(graph_module, bodies.get(graph_module), prover, report)
+        _rewrite(graph_module, bodies.get(graph_module), prover, report, inputs, sites)
     if bodies:
         gm.recompile()
+    if sites:
+        gm.meta[MASK_INPUT_SITES] = sites
+    proven = _proven_outputs(gm, prover)
+    if proven:
+        gm.meta[PROVEN_OUTPUTS] = proven
     return gm
 
 
+def _mask_shaped(value: Any) -> Optional[tuple[int, int]]:
+    """(L, S) of a value shaped as transformers' masks are, [batch, 1, L, S] bool or float, else None."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 4 or not isinstance(value.shape[1], int) \
+            or value.shape[1] != 1 or not (value.dtype == torch.bool or value.is_floating_point()):
+        return None
+    q_len, kv_len = value.shape[-2], value.shape[-1]
+    return (q_len, kv_len) if isinstance(q_len, int) and isinstance(kv_len, int) else None
+
+
+def _proven_outputs(gm: fx.GraphModule, prover: _Prover) -> list[int]:
+    """The positions of ``gm``'s outputs that are masks proven causal at their own lengths."""
+    outputs = gm.graph.output_node().args[0]
+    if not isinstance(outputs, (tuple, list)):
+        return []
+    proven = []
+    for position, node in enumerate(outputs):
+        lengths = _mask_shaped(tensor_of(node)) if isinstance(node, fx.Node) else None
+        if lengths is not None and node.op != "placeholder" and prover.check(gm, node, *lengths)[0] is None:
+            proven.append(position)
+    return proven
+
+
+def _whole(mask: Any) -> Any:
+    """``mask`` with the slices that keep all of it taken off (transformers' ``mask[:, :, :, :kv_len]``)."""
+    while isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target is operator.getitem \
+            and isinstance(mask.args[1], tuple) and isinstance(mask.args[0], fx.Node) \
+            and all(isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) for i in mask.args[1]):
+        inner, outer = tensor_of(mask.args[0]), tensor_of(mask)
+        if inner is None or outer is None or tuple(inner.shape) != tuple(outer.shape):
+            break
+        mask = mask.args[0]
+    return mask
+
+
 def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.GraphModule, list[Any]]]],
-             prover: _Prover, report: Report) -> None:
+             prover: _Prover, report: Report, inputs: list[fx.Node], sites: list[tuple[fx.GraphModule, fx.Node, int]]
+             ) -> None:
+    """Rewrite ``graph_module``'s proven masks; append to ``sites`` the SDPA nodes reading a mask that is one of
+    the top-level graph's ``inputs`` (directly or, in a body, through every call site)."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     changed = False
     for node in list(graph_module.graph.nodes):
@@ -358,6 +446,24 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
         if lengths is None:
             report.reject(FAMILY, node, "the query or key length is symbolic (dynamic shapes)")
             continue
+        whole = _whole(mask)
+        from_input = _input_position(graph_module, whole, call_sites, placeholders, inputs)
+        if from_input is not None and _mask_shaped(tensor_of(whole)) == lengths:
+            name = inputs[from_input].target
+            example = _example(inputs[from_input])
+            if example is not None and not proven_masks.is_proven(example):
+                report.reject(FAMILY, node, f"attention mask kept: it is the graph input {name!r}, made where no graph "
+                                            "proved it causal (a padding mask, a mask built eagerly, or one computed "
+                                            "from another graph's inputs)")
+                continue
+            sites.append((graph_module, node, from_input))
+            report.kept_on_purpose(FAMILY, node)
+            seen = ("the tensor it got now was proven by the graph that made it" if example is not None
+                    else "no tensor to look at while compiling")
+            report.replaced(Site(FAMILY, "is_causal=True when proven", module_path(node), source_location(node),
+                                 f"{lengths[0]} x {lengths[1]} mask from graph input {name!r} ({seen}): causal when "
+                                 "another graph returned it proven, as written otherwise (checked per call)"))
+            continue
         if mask.op == "placeholder" and call_sites:
             position = placeholders.index(mask)
             reasons = [prover.check(caller, operands[position], *lengths)[0] if position < len(operands)
@@ -370,7 +476,7 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
         if why_not:
             report.reject(FAMILY, node, f"attention mask kept: {why_not}")
             continue
-        _set_causal(node)
+        set_causal(node)
         erase_unused(producers)
         changed = True
         report.replaced(Site(FAMILY, "is_causal=True", module_path(node), source_location(node),

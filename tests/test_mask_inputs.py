@@ -1,0 +1,117 @@
+"""A causal mask made in one graph and read in others (graph breaks, FSDP2's per-module graphs, DDP's splits):
+the making graph proves it and marks the tensor it returns, the reading graphs run ``is_causal`` only for a
+marked, unchanged tensor (patterns/causal_mask.py, compiler/mask_inputs.py, runtime/proven_masks.py).
+
+A hand-written model whose graph breaks between the mask and each layer: the loss and every gradient equal
+eager's, the layers' SDPA sites are reported, and every call took the causal version; a mask the caller builds
+(a sliding window, proven by nobody) is reported kept and runs as written with eager's values; and the runtime
+mark is refused to a
+tensor written in place since, to another tensor of the same values, and is forgotten with its tensor.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sloth
+from pattern_checks import seeded
+from sloth.runtime import proven_masks
+
+T = 9
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.qkv, self.o, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, :t, :t])  # a slice that keeps it all
+        return x + self.o(a.transpose(1, 2).reshape(b, t, d))
+
+
+class SplitModel(nn.Module):
+    """The mask made in the first graph; each layer in a graph of its own after a break, reading it as an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.layer0, self.layer1 = nn.Embedding(50, 32), Layer(), Layer()
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        t = ids.shape[1]
+        if mask is None:
+            mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None, None]
+        x = self.emb(ids)
+        torch._dynamo.graph_break()
+        x = self.layer0(x, mask)
+        torch._dynamo.graph_break()
+        x = self.layer1(x, mask)
+        return x.float().pow(2).mean()
+
+
+def step(run, model: nn.Module, ids: torch.Tensor, *args) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = run(ids, *args)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def split_model():
+    torch.manual_seed(0)
+    model = SplitModel()
+    ids = torch.randint(0, 50, (2, T), generator=seeded(1))
+    torch._dynamo.reset()
+    sloth.reset_report()
+    proven_masks.reset()
+    return model, ids, torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
+
+
+def test_a_mask_from_another_graph_runs_causal_with_eager_values(split_model):
+    model, ids, compiled = split_model
+    eager = step(model, model, ids)
+    for _ in range(2):
+        ours = step(compiled, model, ids)
+        torch.testing.assert_close(ours[0], eager[0])
+        for mine, theirs in zip(ours[1], eager[1]):
+            torch.testing.assert_close(mine, theirs)
+    report = sloth.report()
+    sites = [s for s in report.sites if s.family == "causal_mask"]
+    assert len(sites) == 2 and all(s.op == "is_causal=True when proven" and f"{T} x {T} mask from graph input"
+                                   in s.detail for s in sites), str(report)
+    assert not report.unexplained, str(report)
+    assert proven_masks.calls == {"causal": 4, "masked": 0}  # two layer graphs, two steps
+
+
+def test_a_mask_the_caller_builds_runs_as_written(split_model):
+    model, ids, compiled = split_model
+    window = torch.ones(T, T, dtype=torch.bool).tril().triu(-2)[None, None]  # a sliding window: not causal
+    eager = step(model, model, ids, window)
+    ours = step(compiled, model, ids, window)
+    torch.testing.assert_close(ours[0], eager[0])
+    for mine, theirs in zip(ours[1], eager[1]):
+        torch.testing.assert_close(mine, theirs)
+    report = sloth.report()
+    kept = [r.reason for r in report.rejections if r.family == "causal_mask"]
+    assert len(kept) == 2 and all("made where no graph proved it causal" in r for r in kept), str(report)
+    assert proven_masks.calls == {"causal": 0, "masked": 0}  # compiled once, as written: nothing to choose
+
+
+def test_the_mark_holds_for_that_tensor_unchanged_only():
+    proven_masks.reset()
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    proven_masks.mark(mask)
+    assert proven_masks.is_proven(mask)
+    assert not proven_masks.is_proven(mask.clone())  # the same values, another tensor
+    mask[0, 3] = True  # written in place after it was proven
+    assert not proven_masks.is_proven(mask)
+    proven_masks.mark(mask)
+    del mask
+    gc.collect()
+    assert not proven_masks._marked  # forgotten with its tensor
