@@ -451,6 +451,12 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
         if from_input is not None and _mask_shaped(tensor_of(whole)) == lengths:
             name = inputs[from_input].target
             example = _example(inputs[from_input])
+            writer = mutated_producer(graph_module.graph, {whole}) or \
+                mutated_producer(inputs[from_input].graph, {inputs[from_input]})
+            if writer is not None:
+                report.reject(FAMILY, node, f"attention mask kept: it is the graph input {name!r}, which "
+                                            f"{writer.name} writes in place")
+                continue
             if example is not None and not proven_masks.is_proven(example):
                 report.reject(FAMILY, node, f"attention mask kept: it is the graph input {name!r}, made where no graph "
                                             "proved it causal (a padding mask, a mask built eagerly, or one computed "

@@ -115,3 +115,37 @@ def test_the_mark_holds_for_that_tensor_unchanged_only():
     del mask
     gc.collect()
     assert not proven_masks._marked  # forgotten with its tensor
+
+
+class WritesItsMask(nn.Module):
+    """A layer graph that writes into the mask it receives before attending: the proof of the graph that made
+    the mask no longer holds there."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.layer = nn.Embedding(50, 32), Layer()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        x = self.emb(ids)
+        torch._dynamo.graph_break()
+        mask[..., 0] = True  # every query may now see the first key: still causal (j = 0 <= i), but written
+        mask[..., 1, 2] = True  # and one future key: not causal
+        return self.layer(x, mask).float().pow(2).mean()
+
+
+def test_a_mask_written_in_the_reading_graph_runs_as_written():
+    torch._dynamo.reset()
+    sloth.reset_report()
+    proven_masks.reset()
+    torch.manual_seed(0)
+    model = WritesItsMask()
+    ids = torch.randint(0, 50, (2, T), generator=seeded(1))
+    eager = step(model, model, ids)
+    ours = step(torch.compile(model, backend="sloth", options={"inner": "aot_eager"}), model, ids)
+    torch.testing.assert_close(ours[0], eager[0])
+    for mine, theirs in zip(ours[1], eager[1]):
+        torch.testing.assert_close(mine, theirs)
+    kept = [r.reason for r in sloth.report().rejections if r.family == "causal_mask"]
+    assert len(kept) == 1 and "writes in place" in kept[0], kept
