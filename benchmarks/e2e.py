@@ -21,7 +21,9 @@ lr * sign(g), which turns rounding-level gradient differences into lr-sized weig
 `--all` runs each variant in its own process (a fresh CUDA allocator, Dynamo cache and peak counter),
 one after another, and writes JSON and a markdown table to benchmarks/results/ (and $OUT if set).
 `--distributed fsdp2|ddp` wraps the LoRA model in FSDP2 (fully_shard per layer, then the root) or DDP in a
-one-process group before compiling it: what the wrapping costs at world size 1 (issue 21).
+one-process group before compiling it: what the wrapping costs at world size 1 (issue 21); `fsdp2-per-layer`
+compiles each decoder layer before sharding it instead (torchtitan's recipe), `ddp-one-graph` turns Dynamo's DDP
+optimizer off.
 
 MFU = model FLOPs per step / step time / a measured bf16 matmul rate (8192^3, or --peak-tflops).
 Model FLOPs per step, T = batch x seq tokens, recomputation under checkpointing not counted:
@@ -56,7 +58,9 @@ import torch
 from benchmarks import common, copy_overlap
 
 VARIANTS = ["eager", "inductor", "liger", "sloth", "unsloth"]  # unsloth: not in --all's default (wheels)
-DISTRIBUTED = ["none", "fsdp2", "ddp"]
+# fsdp2-per-layer: torchtitan's recipe (each decoder layer compiled, then sharded; the rest eager); ddp-one-graph:
+# DDP with Dynamo's DDP optimizer off (torch._dynamo.config.optimize_ddp = False: one graph, no bucket splits).
+DISTRIBUTED = ["none", "fsdp2", "fsdp2-per-layer", "ddp", "ddp-one-graph"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # name -> (transformers architecture, config fields, LoRA targets). The MoE model is issue 5's Qwen3-MoE
@@ -243,15 +247,18 @@ def init_process_group(kind: str, cuda: bool) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
 
 
-def wrap_distributed(model: torch.nn.Module, kind: str, cuda: bool) -> torch.nn.Module:
+def wrap_distributed(model: torch.nn.Module, kind: str, cuda: bool,
+                     compile_layer: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
     """``model`` (the peft model) under --distributed ``kind``, as tests/test_distributed.py wraps it; compiled
-    afterwards, the whole of it, as the plain run is. The optimizer must be built from the returned model's
+    afterwards, the whole of it, as the plain run is, except under fsdp2-per-layer, where each decoder layer is
+    ``compile_layer(layer)`` before it is sharded. The optimizer must be built from the returned model's
     parameters: fully_shard replaces each parameter with a DTensor shard (at world size 1, the whole tensor)."""
     if kind == "none":
         return model
-    if kind == "ddp":
-        # Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, left on) splits the compiled graph at the
-        # gradient buckets' boundaries; a sloth site a split cuts stays, with its reason in the report.
+    if kind.startswith("ddp"):
+        # Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, on unless ddp-one-graph) splits the compiled
+        # graph at the gradient buckets' boundaries; a sloth site a split cuts stays, with its reason in the report.
+        torch._dynamo.config.optimize_ddp = kind != "ddp-one-graph"
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[0] if cuda else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -262,7 +269,10 @@ def wrap_distributed(model: torch.nn.Module, kind: str, cuda: bool) -> torch.nn.
     # trainable parameters only (the fp32 adapters); the frozen bf16 base weights are sharded beside them.
     policy = MixedPrecisionPolicy() if base.dtype == torch.bfloat16 else \
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in base.model.layers:
+    layers = base.model.layers
+    for i, layer in enumerate(layers):
+        if kind == "fsdp2-per-layer":
+            layer = layers[i] = compile_layer(layer)
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -305,11 +315,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     init_process_group(args.distributed, cuda)  # before the model is built; main destroys it
     model, cfg = build_model(args, device)
     flops = step_flops(model, cfg, args.batch, args.seq)
-    model = wrap_distributed(model, args.distributed, cuda)
+    compile_as_variant = lambda module: compile_model(  # noqa: E731  (the variant's compile, for any module)
+        module, args.variant, json.loads(args.sloth_options), json.loads(args.inductor_options), args.guard_filter)
+    model = wrap_distributed(model, args.distributed, cuda, compile_as_variant)
     trainable = [p for p in model.parameters() if p.requires_grad]  # after wrapping: FSDP2's DTensors
     opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
-    compiled = compile_model(model, args.variant, json.loads(args.sloth_options), json.loads(args.inductor_options),
-                             args.guard_filter)
+    # Under fsdp2-per-layer the layers are compiled already and the rest runs eagerly.
+    compiled = model if args.distributed == "fsdp2-per-layer" else compile_as_variant(model)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))
 

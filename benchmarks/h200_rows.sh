@@ -55,7 +55,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|tiled|long128|ws1|ws1-2)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|tiled|long128|ws1|ws1-2|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -211,6 +211,12 @@ case $part in
         [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
         run ws1-inductor 220 --all --steps 8 --variants inductor
         run ws1-inductor-fsdp2 260 --all --steps 8 --variants inductor --distributed fsdp2 ;;
+    ws1-recipes)  # issue 21, next: the two recipes that avoid the masked attention, at world size 1 beside the plain
+        # step (the per-layer recipe leaves the final norm and the fused loss to eager; limits add to 440 s)
+        [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
+        run ws1-sloth 130 --all --steps 8 --variants sloth
+        run ws1-sloth-fsdp2-per-layer 160 --all --steps 8 --variants sloth --distributed fsdp2-per-layer
+        run ws1-sloth-ddp-one-graph 150 --all --steps 8 --variants sloth --distributed ddp-one-graph ;;
     compile-share)  # issue 24: the 8B LoRA step's compile (first warm-up step) with sloth's pass times, and Inductor's
         run compile-sloth 150 --all --warmup 3 --steps 4 --variants sloth
         run compile-inductor 220 --all --warmup 3 --steps 4 --variants inductor ;;
