@@ -94,6 +94,17 @@ def _time_case(fn: Callable, inputs: Sequence[Any], mode: str) -> tuple[float, f
     return ms, kernel, peak
 
 
+def timing_columns(ms: float, kernel: float | None, peak: int | None, nbytes: int, copy_gbps: float,
+                   eager_ms: float | None) -> dict[str, Any]:
+    """The norm benchmarks' timing cells of one row (benchmarks/ops/rms_norm.py, layer_norm.py, l2_norm.py):
+    ms and GB/s end to end over ``nbytes``, as % of the copy bandwidth, against eager, and the kernels' alone."""
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    kernel_gbps = nbytes / (kernel * 1e-3) / 1e9 if kernel else None
+    return {"ms": ms, "GB/s": gbps, "% copy": 100 * gbps / copy_gbps, "x eager": eager_ms / ms if eager_ms else None,
+            "kernel ms": kernel, "kernel % copy": 100 * kernel_gbps / copy_gbps if kernel else None,
+            "peak MiB": peak / common.MiB if peak is not None else None}
+
+
 def run(shape: str, providers: dict[str, Callable], inputs: Sequence[Any], nbytes: dict[str, int],
         copy_gbps: float) -> list[dict[str, Any]]:
     """Rows for one shape: every provider in every mode."""

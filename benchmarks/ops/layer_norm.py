@@ -200,15 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(row)
                         continue
                     eager_ms = ms if provider == "eager" else eager_ms
-                    gbps = nbytes / (ms * 1e-3) / 1e9
-                    kernel_gbps = nbytes / (kernel * 1e-3) / 1e9 if kernel else None
-                    row.update({"ms": ms, "GB/s": gbps, "% copy": 100 * gbps / copy_gbps,
-                                "x eager": eager_ms / ms if eager_ms else None,
-                                "kernel ms": kernel, "kernel % copy": 100 * kernel_gbps / copy_gbps if kernel else None,
-                                "peak MiB": peak / common.MiB if peak is not None else None})
+                    row.update(harness.timing_columns(ms, kernel, peak, nbytes, copy_gbps, eager_ms))
                     rows.append(row)
                     print(f"{row['shape']:>22} dw/db={row['dw/db']:<3} {mode:<7} {provider:<8} {ms:8.4f} ms "
-                          f"{gbps:7.0f} GB/s", flush=True)
+                          f"{row['GB/s']:7.0f} GB/s", flush=True)
 
     print()
     print(common.render_text(COLUMNS, rows))
