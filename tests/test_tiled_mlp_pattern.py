@@ -15,39 +15,21 @@ import torch.nn as nn
 
 import sloth
 from pattern_checks import seeded
+from test_lora_pattern import VOCAB, loss_and_grads, tiny_peft_model
 from tolerance import assert_close
 
-VOCAB = 96
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def tiny_peft_model(model_type: str, dtype: torch.dtype, checkpointed: bool = False) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cfg._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+def tiny_tiled_model(model_type: str, dtype: torch.dtype, checkpointed: bool = False) -> nn.Module:
+    """tests/test_lora_pattern.py's two-layer peft model, LoRA on attention and the MLP (Phi-3's fused qkv and
+    gate_up projections), optionally with transformers' non-reentrant checkpointing, in training mode."""
     targets = ["q_proj", "v_proj", *MLP] if model_type == "llama" else ["qkv_proj", "gate_up_proj", "down_proj"]
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                nn.init.normal_(p, std=0.1)
+    model = tiny_peft_model(model_type, dtype, 2, target_modules=targets)
     if checkpointed:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return model.train()
-
-
-def loss_and_grads(model: nn.Module, ids: torch.Tensor, run=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = (model if run is None else run)(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def run_compiled(model: nn.Module, dtype: torch.dtype, options: dict, reference: bool = True) -> sloth.Report:
@@ -81,7 +63,7 @@ def mlp_sites(report: sloth.Report) -> list:
     pytest.param("llama", True, torch.bfloat16, 8, "recomputed per block", id="llama-checkpointed-bf16"),
     pytest.param("phi3", False, torch.float32, {"rows": 8, "recompute": False}, "kept", id="phi3-merged-fp32-kept")])
 def test_every_mlp_is_tiled_and_matches_eager(model_type, checkpointed, dtype, option, kept):
-    report = run_compiled(tiny_peft_model(model_type, dtype, checkpointed), dtype, {"tiled_mlp": option})
+    report = run_compiled(tiny_tiled_model(model_type, dtype, checkpointed), dtype, {"tiled_mlp": option})
     sites = mlp_sites(report)
     assert len(sites) == 2 * (3 if model_type == "llama" else 2), str(report)
     assert all(s.op == "sloth.lora_mlp_tiled" and f"tiled: 3 blocks of 8 rows, gate and up {kept}" in s.detail
@@ -91,7 +73,7 @@ def test_every_mlp_is_tiled_and_matches_eager(model_type, checkpointed, dtype, o
 
 
 def test_an_mlp_that_fits_one_block_is_left_as_two_ops():
-    report = run_compiled(tiny_peft_model("llama", torch.float32), torch.float32, {"tiled_mlp": 64},
+    report = run_compiled(tiny_tiled_model("llama", torch.float32), torch.float32, {"tiled_mlp": 64},
                           reference=False)
     downs = [s for s in mlp_sites(report) if s.module.endswith("down_proj")]
     assert len(downs) == 2 and all(s.op == "sloth.glu_lora_linear" and "22 rows fit one block of 64" in s.detail
@@ -99,7 +81,7 @@ def test_an_mlp_that_fits_one_block_is_left_as_two_ops():
 
 
 def test_projections_not_joined_are_not_tiled_and_say_why():
-    report = run_compiled(tiny_peft_model("llama", torch.float32), torch.float32,
+    report = run_compiled(tiny_tiled_model("llama", torch.float32), torch.float32,
                           {"tiled_mlp": 8, "share_lora_input": False}, reference=False)
     downs = [s for s in mlp_sites(report) if s.module.endswith("down_proj")]
     assert len(downs) == 2 and all("tiled_mlp needs share_lora_input on" in s.detail for s in downs), str(report)
