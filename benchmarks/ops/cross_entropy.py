@@ -8,7 +8,12 @@ trainable head (full fine-tuning: dx and dw). The op is matmul-bound, so the rat
 against the measured bf16 matmul peak: fwd+bwd does 2NVH FLOPs for the logits and 2NVH per gradient
 (dx, and dw when trainable). "peak MiB" is memory allocated above the inputs during one call (the
 issue's target: sloth's at most 10% of Inductor's). Liger is `LigerFusedLinearCrossEntropyLoss`
-when liger_kernel imports, else its rows say why not.
+when liger_kernel imports, else its rows say why not. TRL's rows are the fused LM head TRL 1.16's trainers call
+(``trl.kernels.ChunkedLogProbFunction``: per-token log-probabilities, the loss their negated sum over the
+non-ignored tokens divided by their count, as ``SFTTrainer.compute_loss`` takes it), called as
+``add_fused_lm_head`` calls it on a GPU (the non-ignored rows gathered first), once with the log-probabilities
+alone (DPO's call) and once with the entropy and top-1 beside them (SFT's call, for its metrics); sloth's
+``reduction="none"`` row is the per-token form a replacement of TRL's head would build on.
 
 `--sweep` times sloth fwd+bwd at each rows-per-chunk value (the launcher's own rule is replaced for
 the sweep only), so the rule in lowering/linear_cross_entropy.chunk_rows can be checked.
@@ -16,13 +21,20 @@ the sweep only), so the rule in lowering/linear_cross_entropy.chunk_rows can be 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import sys
+import types
 from typing import Any, Callable
 
 import torch
 
 from benchmarks import common
 from benchmarks.ops import harness
+
+
+TRL_NOTES: list[str] = []  # how TRL's head was imported, when not as installed (in the record's config)
+_OPTIONAL = ("trl logp", "trl logp+ent+top1")  # rows of packages that may be missing (TRL)
 
 
 def _liger_provider() -> Callable | str:
@@ -33,6 +45,39 @@ def _liger_provider() -> Callable | str:
         return f"{type(exc).__name__}: {exc}"
     loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="mean")
     return lambda x, w, labels: loss_fn(w, x, labels)
+
+
+def _trl_provider(outputs: tuple[str, ...]) -> Callable | str:
+    """TRL's fused LM head as ``fn(x, w, labels)`` -> the SFT loss, or why it is not available."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+    except Exception as exc:  # not installed: the row says so
+        return f"{type(exc).__name__}: {exc}"
+    version = f"trl {importlib.metadata.version('trl')}"
+    if version not in TRL_NOTES:
+        TRL_NOTES.append(version)
+    try:  # the backward imports maybe_gather_lm_head_ctx (DeepSpeed ZeRO-3's gather; a no-op here) from it
+        from trl.trainer import utils  # noqa: F401
+    except Exception as exc:  # trl.trainer's dependencies (datasets, ...) not installed: the no-op in its place
+        stub = types.ModuleType("trl.trainer.utils")
+        stub.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+        sys.modules["trl.trainer.utils"] = stub
+        TRL_NOTES.append(f"trl.trainer.utils did not import ({type(exc).__name__}: {exc}); its "
+                         "maybe_gather_lm_head_ctx, a no-op without DeepSpeed ZeRO-3, was stubbed as one")
+
+    def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mask = labels != -100
+        per_token = ChunkedLogProbFunction.apply(x[mask], w, None, labels[mask], 1.0, 32768, None, 1.0, outputs)
+        return -per_token[0].sum() / mask.sum().clamp(min=1)
+    return loss
+
+
+def _sloth_per_token(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """sloth's op with ``reduction="none"`` (recomputed in the backward), averaged outside it."""
+    from sloth.lowering.linear_cross_entropy import linear_cross_entropy
+
+    per_token = linear_cross_entropy(x, w, None, labels, reduction="none")
+    return per_token.sum() / (labels != -100).sum().clamp(min=1)
 
 
 def _inputs(n: int, hidden: int, vocab: int, device: str, train_head: bool) -> list[torch.Tensor]:
@@ -99,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         liger = _liger_provider()
         if callable(liger) and device == "cuda":
             providers["liger"] = liger
+        providers["sloth none"] = _sloth_per_token
+        missing = {}
+        for name, outputs in (("trl logp", ("log_probs",)), ("trl logp+ent+top1", ("log_probs", "entropy", "is_top1"))):
+            trl = _trl_provider(outputs)
+            if callable(trl):
+                providers[name] = trl
+            else:
+                missing[name] = trl
         inputs = _inputs(n, hidden, vocab, device, train_head)
         e = inputs[0].element_size()
         # Minimal bytes (x, w, dx; dw when trained): the % copy columns only show how far from
@@ -111,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         case_rows = harness.run(case, providers, inputs, nbytes, copy_gbps)
         if not callable(liger):
             case_rows.append({"shape": case, "mode": "fwd+bwd", "provider": "liger", "error": liger[:120]})
+        case_rows += [{"shape": case, "mode": "fwd+bwd", "provider": name, "error": why[:120]}
+                      for name, why in missing.items()]
         _add_rates(case_rows, n, hidden, vocab, train_head, peak_tflops)
         rows += case_rows
     columns = harness.COLUMNS[:-1] + ["TFLOP/s", "% peak", "error"]
@@ -120,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         print(common.render_text(["head", "rows/chunk", "rule", "ms", "kernel ms", "peak MiB"], sweep))
     if not args.smoke:
         config = {"dtype": "bfloat16", "tokens": n, "hidden": hidden, "vocab": vocab, "ignored": "10% of labels",
-                  "copy_gbps": copy_gbps, "matmul_tflops": peak_tflops, "chunk sweep": sweep}
+                  "copy_gbps": copy_gbps, "matmul_tflops": peak_tflops, "chunk sweep": sweep, "trl": TRL_NOTES}
         record = common.result_record("cross_entropy", config, columns, rows)
         for path in common.write_result(record):
             print(f"wrote {path}")
-    return 1 if any("error" in r and r["provider"] != "liger" for r in rows) else 0
+    return 1 if any("error" in r and r["provider"] not in ("liger", *_OPTIONAL) for r in rows) else 0
 
 
 if __name__ == "__main__":
