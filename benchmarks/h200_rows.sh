@@ -57,7 +57,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|ws1|ws1-2|ws1-fsdp2|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|ws1|ws1-2|ws1-fsdp2|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -115,6 +115,12 @@ versus20() {  # versus with 20 timed steps each (per-step times, the GPU's clock
     run qlora-unsloth 150 --all --qlora --steps 20 --variants unsloth
     run lora-sloth 120 --all --steps 20 --variants sloth --sloth-options "$SLOTH"
     run lora-unsloth 130 --all --steps 20 --variants unsloth
+}
+
+long128_unsloth() { run long128-unsloth 290 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants unsloth; }
+long128_sloth() {
+    run long128-tiled 280 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants sloth \
+        --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
 }
 
 for part in "$@"; do
@@ -268,18 +274,12 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true}'
         run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
-    long128)  # issue 19, second call (carry .whl/unsloth): Unsloth and sloth (offload, tiled MLP) at 128k tokens,
-        # one step each (the peak, and that each trains; sloth's step includes its compile)
-        run long128-unsloth 290 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants unsloth
-        run long128-tiled 280 --all --batch 1 --seq 131072 --grad-ckpt --warmup 0 --steps 1 --variants sloth \
-            --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}' ;;
-    heads)  # issue 22: the fused loss against TRL 1.16's fused LM head (carry .whl/trl-1.16.0-*.whl; Liger's row needs
-        # its wheel), then whether a residual add fused into the RMSNorm would pay (limits add to 290 s)
-        op_bench cross_entropy 200 cross_entropy
-        op_bench residual_norm 90 residual_norm ;;
-    ws1-fsdp2)  # issue 21, after the proven-mask machinery: the plain step and FSDP2 at world size 1 (290 s)
-        run ws1-sloth 130 --all --steps 8 --variants sloth
-        run ws1-sloth-fsdp2 160 --all --steps 8 --variants sloth --distributed fsdp2 ;;
+    long128)  # issue 19 (carry .whl/unsloth, after a call that installed bitsandbytes): both parts below
+        long128_unsloth; long128_sloth ;;
+    long128-unsloth)  # Unsloth at 128k tokens, one step (the peak, and that it trains)
+        long128_unsloth ;;
+    long128-sloth)  # sloth (offload, tiled MLP) at 128k tokens, one step (its compile's)
+        long128_sloth ;;
     norms)  # issue 22: LayerNorm against Inductor and Liger's LayerNorm, dW/db on and off, 3 shapes (~72 timings);
         # the L2 norm against Inductor, q/k heads and full rows (18); limits add to 145 s
         op_bench layer_norm 100 layer_norm

@@ -1,0 +1,115 @@
+"""TRL's trainers on a model sloth compiles: ``SFTTrainer`` (rows padded to varying lengths, packed, and
+prompt-completion data with ``completion_only_loss``) and ``DPOTrainer``, tiny Qwen3 with peft LoRA on every
+linear, ``torch_compile=True, torch_compile_backend="sloth"`` as a user writes it, against the same run eagerly.
+
+Each logged step's loss, gradient norm and TRL's own metrics (entropy, token accuracy; DPO's rewards and
+log-probabilities) must equal eager's, and the report must be reachable and list the families sloth replaced.
+TRL 1.16 computes the loss in its own fused LM head (``trl.trainer.utils.add_fused_lm_head``: the model is
+called with ``fused_lm_head=True`` and returns per-token log-probabilities), so no ``cross_entropy`` site exists
+for sloth in these graphs; TRL's head stays TRL's (why: docs/training.md, "TRL"). The tokenizer is a word-level
+one built here (no model hub).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sloth
+from test_models import build
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+peft = pytest.importorskip("peft")
+
+WORDS = [f"w{i}" for i in range(90)]  # ids 4..93 of the tiny models' 96
+METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+DPO_METRICS = METRICS + ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+
+
+def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+
+
+def _text(g: torch.Generator, n: int) -> str:
+    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+
+
+def _train(trainer_cls, config_cls, data, compiled: bool, output_dir, **config) -> list[dict]:
+    """Two steps of ``trainer_cls`` on a tiny Qwen3 with LoRA; the logged steps."""
+    args = config_cls(output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=2, report_to=[],
+                      use_cpu=True, save_strategy="no", seed=0, data_seed=0, bf16=False, logging_steps=1,
+                      max_length=16, dataloader_drop_last=True, torch_compile=compiled,
+                      torch_compile_backend="sloth" if compiled else None, **config)
+    lora = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
+    trainer = trainer_cls(model=build("qwen3", torch.float32), args=args, train_dataset=data,
+                          processing_class=word_tokenizer(), peft_config=lora)
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def _assert_like_eager(eager: list[dict], compiled: list[dict], metrics: tuple[str, ...]) -> None:
+    assert len(eager) == len(compiled) == 2, (eager, compiled)
+    for step, (e, s) in enumerate(zip(eager, compiled)):
+        for key in metrics:
+            assert s[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (step, key, s[key], e[key])
+
+
+def _assert_report(packed: bool = False) -> None:
+    """Every compiled model forward (one per row length; the report sums over them) has the tiny Qwen3's sites:
+    per layer input, post-attention, q and k norms, and the final norm; RoPE; the GLU; q/k/v, o, gate/up and
+    down adapters; under packing each layer's attention."""
+    report = sloth.report()
+    counts = dict(report.counts)
+    forwards = counts.get("rms_norm", 0) // 9
+    per_forward = {"rms_norm": 9, "rope": 2, "glu": 2, "lora": 14, **({"packed_attention": 2} if packed else {})}
+    # no cross_entropy: TRL's fused head computes the loss (module docstring)
+    assert forwards >= 1 and counts == {k: v * forwards for k, v in per_forward.items()}, str(report)
+    assert not report.unexplained, str(report)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_sft_trainer_matches_eager(tmp_path, packing: bool) -> None:
+    """Rows of 3-11 words: padded per batch (a new length on the second step: one more graph, with a symbolic
+    length) or packed into rows of ``max_length`` (position ids restarting per document: sloth's packed
+    attention in every layer)."""
+    g = torch.Generator().manual_seed(3)
+    data = datasets.Dataset.from_list([{"text": _text(g, int(n))} for n in torch.randint(3, 12, (8,), generator=g)])
+    eager = _train(trl.SFTTrainer, trl.SFTConfig, data, False, tmp_path / "eager", packing=packing)
+    sloth.reset_report()
+    compiled = _train(trl.SFTTrainer, trl.SFTConfig, data, True, tmp_path / "sloth", packing=packing)
+    _assert_like_eager(eager, compiled, METRICS)
+    _assert_report(packed=packing)
+
+
+def test_sft_trainer_completion_only_loss_matches_eager(tmp_path) -> None:
+    """Prompt-completion rows with ``completion_only_loss``: the prompt's labels are -100, the loss and the
+    metrics over the completions only, as eager's."""
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(2, 7, (8, 2), generator=g).tolist()
+    data = datasets.Dataset.from_list([{"prompt": _text(g, a), "completion": _text(g, b)} for a, b in lengths])
+    eager = _train(trl.SFTTrainer, trl.SFTConfig, data, False, tmp_path / "eager", completion_only_loss=True)
+    sloth.reset_report()
+    compiled = _train(trl.SFTTrainer, trl.SFTConfig, data, True, tmp_path / "sloth", completion_only_loss=True)
+    _assert_like_eager(eager, compiled, METRICS)
+    assert all(e["num_tokens"] == s["num_tokens"] for e, s in zip(eager, compiled))
+    _assert_report()
+
+
+def test_dpo_trainer_matches_eager(tmp_path) -> None:
+    """DPO with the reference model the adapter-disabled base (peft): the policy's and the reference's forwards
+    both compiled; the DPO loss, rewards and log-probabilities as eager's."""
+    g = torch.Generator().manual_seed(5)
+    data = datasets.Dataset.from_list([{"prompt": _text(g, 3), "chosen": _text(g, 4), "rejected": _text(g, 5)}
+                                       for _ in range(8)])
+    eager = _train(trl.DPOTrainer, trl.DPOConfig, data, False, tmp_path / "eager")
+    sloth.reset_report()
+    compiled = _train(trl.DPOTrainer, trl.DPOConfig, data, True, tmp_path / "sloth")
+    _assert_like_eager(eager, compiled, DPO_METRICS)
+    _assert_report()
