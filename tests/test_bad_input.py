@@ -11,8 +11,8 @@ One table, ``CASES``: a case is an op and an input kind (id ``<op>-<input>``) an
                  value and finite gradients of the inputs' shapes; eager is checked to raise.
 
 Anything else fails the case: an error from inside a kernel (Triton's interpreter, a compile error), an
-unclear error, an uninitialised or silently different value. The README's "Bad input" section is this
-table in words.
+unclear error, an uninitialised or silently different value. docs/bad_input.md is this table in
+words.
 
 The input kinds (tiny shapes: 3 rows, every kernel interpreted on the CPU):
 

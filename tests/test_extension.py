@@ -1,7 +1,7 @@
 """A family of one's own (compiler/families.py), the graph dumps (compiler/dump.py) and the pass times.
 
-The toy family below is the README's example, verbatim between the two marker lines (a test checks that the
-README holds the same text): it fuses a logit soft-cap, ``cap * tanh(x / cap)``, into a custom op of its own
+The toy family below is docs/extending.md's example, verbatim between the two marker lines (a test checks that
+the page holds the same text): it fuses a logit soft-cap, ``cap * tanh(x / cap)``, into a custom op of its own
 registered with torch.library, and is registered after sloth's GLU family.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sloth
 from sloth.compiler import families as registry
 from test_completeness import EveryFamily, every_family_inputs
 
-# --- README example begins
+# --- docs example begins
 import torch
 import torch.fx as fx
 import sloth
@@ -82,7 +82,7 @@ def is_softcap(node):  # the anchor: every site the family should either replace
 
 
 sloth.register_family("softcap", fuse_softcap, anchor=is_softcap, after="glu")
-# --- README example ends
+# --- docs example ends
 sloth.unregister_family("softcap")  # registered only while this file's tests run (the fixture below), so the
 #                                     rest of the suite, in the same worker process, sees the built-in families
 
@@ -118,11 +118,11 @@ def _loss(outputs):
     return (capped * torch.linspace(-1, 1, capped.shape[-1])).sum() + extra
 
 
-def test_readme_holds_the_example_verbatim():
+def test_docs_hold_the_example_verbatim():
     text = open(__file__).read()
-    example = text.split("# --- README example begins\n")[1].split("# --- README example ends\n")[0]
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    assert example in readme, "README's 'Adding a family' example differs from tests/test_extension.py's"
+    example = text.split("# --- docs example begins\n")[1].split("# --- docs example ends\n")[0]
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "extending.md")).read()
+    assert example in page, "docs/extending.md's example differs from tests/test_extension.py's"
 
 
 def test_registered_family_runs_in_its_place():
