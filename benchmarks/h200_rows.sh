@@ -47,6 +47,7 @@
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   bash benchmarks/h200_rows.sh heads ws1-fsdp2  # issue 22: the fused loss beside TRL's fused LM head, the residual
 #                                          # add + norm; issue 21: FSDP2 at world size 1 beside the plain step
+#   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
 #   bash benchmarks/h200_rows.sh norms     # issue 22: ops.layer_norm (eager, inductor, sloth, liger; carry the
 #                                          # liger_kernel wheel) and ops.l2_norm (eager, inductor, sloth), <= 145 s
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
@@ -57,7 +58,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|ws1|ws1-2|ws1-fsdp2|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|ws1|ws1-2|ws1-fsdp2|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -280,6 +281,11 @@ case $part in
         long128_unsloth ;;
     long128-sloth)  # sloth (offload, tiled MLP) at 128k tokens, one step (its compile's)
         long128_sloth ;;
+    long256-sloth)  # issue 19, the longest context: sloth (offload, tiled MLP) at 256k tokens, one step (its compile's)
+        run long256-tiled 420 --all --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 --variants sloth \
+            --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}' ;;
+    long256-unsloth)  # Unsloth at 256k tokens, one step (carry .whl/unsloth)
+        run long256-unsloth 420 --all --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 --variants unsloth ;;
     norms)  # issue 22: LayerNorm against Inductor and Liger's LayerNorm, dW/db on and off, 3 shapes (~72 timings);
         # the L2 norm against Inductor, q/k heads and full rows (18); limits add to 145 s
         op_bench layer_norm 100 layer_norm

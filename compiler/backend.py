@@ -17,7 +17,7 @@ import torch
 import torch._functorch.config  # enable_autograd_cache, patched per compile
 import torch.fx as fx
 
-from . import returned_logits
+from . import returned_logits, subclass_guard
 from .dump import dump_root
 from .mask_inputs import compile_reading_masks
 from .offload_partition import OffloadPartitioner, OffloadPolicy
@@ -162,8 +162,15 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         raise ValueError(_OFFLOAD_NEEDS_PARTITION)  # before any work
     pass_options = PassOptions.from_user(options)
 
+    fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
     graph_report = Report()
-    gm = run_passes(gm, example_inputs, families, graph_report, pass_options, dump_folder)
+    rewritten = run_passes(gm, example_inputs, families, graph_report, pass_options, dump_folder)
+    refused = subclass_guard.sloth_op_on_subclass(rewritten) if fallback is not None else None
+    if refused:  # a sloth op would read a DTensor: the graph as it was, every site reported with the reason
+        graph_report = Report()
+        rewritten = run_passes(fallback, example_inputs, families, graph_report, pass_options, dump_folder,
+                               refuse=refused)
+    gm = rewritten
     log.debug("sloth: rewritten graph\n%s", gm.graph)
     # AOTAutograd's cache keys a compiled graph by the graph's code, which shows neither the recompute tags
     # (node meta) nor the SDPA priority (global state): a graph compiled earlier with other settings, in this

@@ -87,8 +87,12 @@ def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequence[str],
-               report: Report, options: PassOptions = PassOptions(), dump_root: Optional[str] = None) -> fx.GraphModule:
+               report: Report, options: PassOptions = PassOptions(), dump_root: Optional[str] = None,
+               refuse: Optional[str] = None) -> fx.GraphModule:
     """Canonicalise, then run each enabled family's pass in registry order, on the graph and on every subgraph.
+
+    With ``refuse`` (a reason) no family pass runs: every site the enabled families' anchors find is reported
+    with that reason and the graph stays as it was, canonicalised (compiler/subclass_guard.py).
 
     Each pass's wall time is added to ``report.pass_seconds`` under its name ("canonicalize", a family's name,
     "anchors", "recompute"), summed over the graph and its subgraphs. With ``dump_root`` the graph is written
@@ -118,7 +122,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
     if dump:
         dump.snapshot("canonicalize", gm)
     enabled = [p for p in registered if p.family in families]
-    for family_pass in enabled:
+    for family_pass in enabled if refuse is None else []:
         for graph_module in graph_modules:
             if graph_module is gm or not family_pass.whole_module:
                 result = timed(family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
@@ -132,6 +136,9 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
     left = timed("anchors", anchors, graph_modules, [(p.family, p.anchor) for p in enabled if p.anchor is not None])
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
     for family, node in unexplained(left, report.rejected_nodes):
+        if refuse is not None:
+            report.reject(family, node, refuse)
+            continue
         report.reject(family, node, UNMATCHED)
         report.unexplained.setdefault(family, []).append(report.rejections[-1].module or "(top level)")
         log.warning("sloth: %s: a site at %s matched none of the family's patterns and its pass gave no reason",
