@@ -629,6 +629,11 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
     return cmd
 
 
+def _seconds(value: Optional[float]) -> str:
+    """``value`` s to a tenth, or "-" where nothing was measured (no warm-up step: ``--warmup 0``)."""
+    return "-" if value is None else f"{value:.1f} s"
+
+
 def run_all(args: argparse.Namespace) -> int:
     """Each variant in its own subprocess, in order; one progress line per run; JSON + table at the end."""
     variants = args.variants.split(",")
@@ -658,7 +663,7 @@ def run_all(args: argparse.Namespace) -> int:
                 row = json.loads(json_out.read_text())
                 print(f"[{i}/{len(variants)}] {variant}{engine}: {row['step ms']:.1f} ms/step, "
                       f"{row['tok/s']:.0f} tok/s, MFU {row['MFU %']:.1f}%, peak {_gib(row['peak GiB'])}, "
-                      f"warm-up {row['warm-up s']:.1f} s, "
+                      f"warm-up {_seconds(row['warm-up s'])}, "
                       f"first loss {row['first loss']:.5f}, loss {row['loss']:.4f}, graphs {row['graphs']}, "
                       f"sloth {row['sloth counts']}, {row.get('sloth calls')} op calls ({wall:.0f} s)",
                       flush=True)
