@@ -629,9 +629,10 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
     return cmd
 
 
-def _seconds(value: Optional[float]) -> str:
-    """``value`` s to a tenth, or "-" where nothing was measured (no warm-up step: ``--warmup 0``)."""
-    return "-" if value is None else f"{value:.1f} s"
+def _num(value: Optional[float], spec: str) -> str:
+    """``value`` formatted by ``spec``, or "-" where nothing was measured (a run without warm-up steps has no
+    warm-up time and no first loss apart from its one step)."""
+    return "-" if value is None else format(value, spec)
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -661,10 +662,11 @@ def run_all(args: argparse.Namespace) -> int:
             wall = time.perf_counter() - start
             if rc == 0 and json_out.exists():
                 row = json.loads(json_out.read_text())
-                print(f"[{i}/{len(variants)}] {variant}{engine}: {row['step ms']:.1f} ms/step, "
-                      f"{row['tok/s']:.0f} tok/s, MFU {row['MFU %']:.1f}%, peak {_gib(row['peak GiB'])}, "
-                      f"warm-up {_seconds(row['warm-up s'])}, "
-                      f"first loss {row['first loss']:.5f}, loss {row['loss']:.4f}, graphs {row['graphs']}, "
+                print(f"[{i}/{len(variants)}] {variant}{engine}: {_num(row['step ms'], '.1f')} ms/step, "
+                      f"{_num(row['tok/s'], '.0f')} tok/s, MFU {_num(row['MFU %'], '.1f')}%, "
+                      f"peak {_gib(row['peak GiB'])}, warm-up {_num(row['warm-up s'], '.1f')} s, "
+                      f"first loss {_num(row['first loss'], '.5f')}, loss {_num(row['loss'], '.4f')}, "
+                      f"graphs {row['graphs']}, "
                       f"sloth {row['sloth counts']}, {row.get('sloth calls')} op calls ({wall:.0f} s)",
                       flush=True)
                 if row.get("steps ms"):
