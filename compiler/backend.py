@@ -22,10 +22,13 @@ from .dump import dump_root
 from .mask_inputs import compile_reading_masks
 from .offload_partition import OffloadPartitioner, OffloadPolicy
 from .options import PassOptions
+from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS
 from .pipeline import resolve_families, run_passes
 from .report import Report
 from .runtime_ops import with_runtime_twins
 
+# The keys sloth's passes write into a graph's meta (read back by this module and compiler/mask_inputs.py).
+_PASS_RECORDS = (returned_logits.META_KEY, MASK_INPUT_SITES, PROVEN_OUTPUTS)
 log = logging.getLogger("sloth")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
@@ -162,6 +165,11 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         raise ValueError(_OFFLOAD_NEEDS_PARTITION)  # before any work
     pass_options = PassOptions.from_user(options)
 
+    # The graph's own meta dict, without what sloth's passes record there: Dynamo's DDP optimizer gives every
+    # piece of a split graph the whole graph's meta dict (torch/_dynamo/backends/distributed.py,
+    # propagate_metadata), so one piece's records (the returned logits' slots, the masks it proved) would
+    # otherwise be read when the next piece compiles.
+    gm.meta = {k: v for k, v in gm.meta.items() if k not in _PASS_RECORDS}
     fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
     graph_report = Report()
     rewritten = run_passes(gm, example_inputs, families, graph_report, pass_options, dump_folder)

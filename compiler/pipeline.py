@@ -37,6 +37,7 @@ from ..patterns.packed_attention import fuse_packed_attention_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
 from .anchors import ANCHORS, UNMATCHED, anchors, unexplained
+from .cut_sites import cut_sites
 from .canonicalize import canonicalize_pass
 from .dump import GraphDump
 from .families import family_passes, families, register_family
@@ -132,6 +133,11 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
                                     "a pass rewrites the graph module it is given in place and returns it")
         if dump:
             dump.snapshot(family_pass.family, gm)
+    # Halves of patterns a graph boundary cut, which no anchor sees (compiler/cut_sites.py).
+    if refuse is None:
+        for family, node, reason in cut_sites(gm):
+            if family in families:
+                report.reject(family, node, reason)
     # Every anchor a family looks for and left in the graph gets a reason in the report (compiler/anchors.py).
     left = timed("anchors", anchors, graph_modules, [(p.family, p.anchor) for p in enabled if p.anchor is not None])
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
