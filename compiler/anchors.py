@@ -38,7 +38,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .canonicalize import cast, gelu, variance
-from .fx_utils import is_call, is_number, linear_parts, tensor_of
+from .fx_utils import is_call, is_number, linear_parts, matrix_width, tensor_of
 
 
 def _strip(node: object, *targets: object) -> object:
@@ -152,10 +152,6 @@ def _is_cross_entropy(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
 
 
-def _width(node: object, dim: int) -> object:
-    t = tensor_of(node)
-    return None if t is None or t.dim() != 2 else t.shape[dim]
-
 
 def _low_rank(node: fx.Node) -> bool:
     outer = linear_parts(node)
@@ -164,10 +160,10 @@ def _low_rank(node: fx.Node) -> bool:
     inner = linear_parts(_strip(outer[0]))
     if inner is None:
         return False
-    rank, width_in, width_out = _width(inner[1], 0), _width(inner[1], 1), _width(outer[1], 0)
+    rank, width_in, width_out = matrix_width(inner[1], 0), matrix_width(inner[1], 1), matrix_width(outer[1], 0)
     if not all(isinstance(n, int) for n in (rank, width_in, width_out)):
         return False  # symbolic or unknown widths: no claim either way
-    return rank < width_in and rank < width_out and _width(outer[1], 1) == rank
+    return rank < width_in and rank < width_out and matrix_width(outer[1], 1) == rank
 
 
 def _is_lora(node: fx.Node) -> bool:

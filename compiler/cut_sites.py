@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .canonicalize import gelu
-from .fx_utils import is_call, linear_parts, tensor_of
+from .fx_utils import is_call, linear_parts, matrix_width
 
 _WHERE = ("(a graph break, or DDP's split at a gradient bucket: torch._dynamo.config.optimize_ddp = False keeps "
           "one graph), so neither graph holds the whole pattern")
@@ -34,23 +34,19 @@ def _only_returned(node: fx.Node) -> bool:
     return len(node.users) == 1 and next(iter(node.users)).op == "output"
 
 
-def _width(node: object, dim: int) -> object:
-    t = tensor_of(node)
-    return None if t is None or t.dim() != 2 else t.shape[dim]
-
 
 def _is_adapter_down_projection(node: fx.Node, linears: list[tuple[fx.Node, tuple]]) -> bool:
     parts = linear_parts(node)
     if parts is None:
         return False
     x, w, _ = parts
-    rank, width_in = _width(w, 0), _width(w, 1)
+    rank, width_in = matrix_width(w, 0), matrix_width(w, 1)
     if not (isinstance(rank, int) and isinstance(width_in, int) and rank < width_in):
         return False
     source = x.args[0] if is_call(x, F.dropout) else x  # peft reads dropout(x) (identity when p = 0)
     for other, (ox, ow, _) in linears:
         if other is not node and (ox is source or ox is x):
-            out = _width(ow, 0)
+            out = matrix_width(ow, 0)
             if isinstance(out, int) and out > rank:
                 return True
     return False

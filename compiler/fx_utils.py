@@ -30,6 +30,12 @@ def tensor_of(node: Any) -> Optional[torch.Tensor]:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def matrix_width(node: object, dim: int) -> object:
+    """Size ``dim`` of ``node``'s value when it is a 2-D tensor (a weight matrix), else None (may be symbolic)."""
+    t = tensor_of(node)
+    return None if t is None or t.dim() != 2 else t.shape[dim]
+
+
 def dtype_of(node: Any) -> Optional[torch.dtype]:
     t = tensor_of(node)
     return t.dtype if t is not None else None

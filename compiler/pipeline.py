@@ -37,8 +37,8 @@ from ..patterns.packed_attention import fuse_packed_attention_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
 from .anchors import ANCHORS, UNMATCHED, anchors, unexplained
-from .cut_sites import cut_sites
 from .canonicalize import canonicalize_pass
+from .cut_sites import cut_sites
 from .dump import GraphDump
 from .families import family_passes, families, register_family
 from .options import PassOptions

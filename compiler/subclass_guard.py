@@ -16,40 +16,37 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .fx_utils import tensor_of
+from .fx_utils import value_of
 
 
 def _subclass_name(value: Any) -> Optional[str]:
     """The type name of ``value`` when it is a tensor subclass that wraps others (DTensor and its kind), else None.
     Fake tensors and parameters are plain tensors here."""
-    tensor = value if isinstance(value, torch.Tensor) else None
-    if tensor is None:
-        return None
-    if torch.utils._python_dispatch.is_traceable_wrapper_subclass(tensor):
-        return type(tensor).__name__
+    if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+        return type(value).__name__
     return None
 
 
-def _value(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val", tensor_of(node)))
+def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and its subgraph bodies (checkpointed layers)."""
+    return [gm, *(m for _, m in gm.named_modules() if m is not gm and isinstance(m, fx.GraphModule))]
 
 
 def holds_subclass_values(gm: fx.GraphModule) -> bool:
     """Whether any node of ``gm`` or of its subgraph bodies has a tensor-subclass example value."""
-    modules = [gm, *(m for _, m in gm.named_modules() if m is not gm and isinstance(m, fx.GraphModule))]
-    return any(_subclass_name(_value(n)) for m in modules for n in m.graph.nodes)
+    return any(_subclass_name(value_of(n)) for m in _graph_modules(gm) for n in m.graph.nodes)
 
 
 def sloth_op_on_subclass(gm: fx.GraphModule) -> Optional[str]:
     """Why the rewritten ``gm`` cannot run (a sloth op reading a tensor-subclass value), or None."""
-    modules = [gm, *(m for _, m in gm.named_modules() if m is not gm and isinstance(m, fx.GraphModule))]
-    for module in modules:
+    for module in _graph_modules(gm):
         for node in module.graph.nodes:
             if node.op != "call_function" or getattr(node.target, "namespace", None) != "sloth":
                 continue  # sloth's ops are OpOverloads of the "sloth" namespace (torch.ops.sloth.*.default)
             for arg in node.all_input_nodes:
-                name = _subclass_name(_value(arg))
+                name = _subclass_name(value_of(arg))
                 if name:
                     return (f"a {name} value ({arg.name}) would reach {node.target}, which has no {name} rule (sloth's "
                             f"ops take plain tensors): tensor parallelism's sharded values, or a parameter read outside "
