@@ -47,6 +47,7 @@
 #   bash benchmarks/h200_rows.sh nf4       # NF4/FP4 dequantisation bit-exact vs bitsandbytes, timed
 #   bash benchmarks/h200_rows.sh heads ws1-fsdp2  # issue 22: the fused loss beside TRL's fused LM head, the residual
 #                                          # add + norm; issue 21: FSDP2 at world size 1 beside the plain step
+#   bash benchmarks/h200_rows.sh ws1-again # issue 21: DDP after the split fixes, FSDP2 with 8 warm-up steps
 #   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
 #   bash benchmarks/h200_rows.sh norms     # issue 22: ops.layer_norm (eager, inductor, sloth, liger; carry the
 #                                          # liger_kernel wheel) and ops.l2_norm (eager, inductor, sloth), <= 145 s
@@ -58,7 +59,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|ws1|ws1-2|ws1-fsdp2|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -286,6 +287,18 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}' ;;
     long256-unsloth)  # Unsloth at 256k tokens, one step (carry .whl/unsloth)
         run long256-unsloth 420 --all --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 --variants unsloth ;;
+    heads)  # issue 22: the fused loss against TRL 1.16's fused LM head (carry .whl/trl-1.16.0-*.whl; Liger's row needs
+        # its wheel), then whether a residual add fused into the RMSNorm would pay (limits add to 290 s)
+        op_bench cross_entropy 200 cross_entropy
+        op_bench residual_norm 90 residual_norm ;;
+    ws1-fsdp2)  # issue 21, after the proven-mask machinery: the plain step and FSDP2 at world size 1 (290 s)
+        run ws1-sloth 130 --all --steps 8 --variants sloth
+        run ws1-sloth-fsdp2 160 --all --steps 8 --variants sloth --distributed fsdp2 ;;
+    ws1-again)  # issue 21, after the DDP-split fixes (each piece's own meta, masks proven across pieces): the plain
+        # step, DDP, and FSDP2 with 8 warm-up steps (its steps were still falling after 3 on 2026-12-03; 500 s)
+        run ws1-sloth 130 --all --steps 8 --variants sloth
+        run ws1-sloth-ddp 160 --all --steps 8 --variants sloth --distributed ddp
+        run ws1-sloth-fsdp2 210 --all --warmup 8 --steps 8 --variants sloth --distributed fsdp2 ;;
     norms)  # issue 22: LayerNorm against Inductor and Liger's LayerNorm, dW/db on and off, 3 shapes (~72 timings);
         # the L2 norm against Inductor, q/k heads and full rows (18); limits add to 145 s
         op_bench layer_norm 100 layer_norm
