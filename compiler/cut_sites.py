@@ -5,8 +5,8 @@ once per piece), can fall inside a pattern. Two cuts leave no anchor in either g
 
     glu   act(gate) returned to the next graph, which multiplies it by up: the activation's one user is the output
     lora  an adapter's down-projection A(x) returned to the next graph, which applies B and adds it to the base:
-          a linear of rank r below its input width, whose input a wider linear also reads (the base), and whose
-          one user is the output
+          a linear with a trained weight of rank r below its input width, whose input a wider linear with a frozen
+          weight also reads (the base), and whose one user is the output (a frozen router's logits are no adapter)
 
 Such a half is reported under its family with the reason, so that no site a family looks for is silently
 lost. (A cut between an adapter and its base linear is the LoRA family's own rejection: patterns/lora.py.)
@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .canonicalize import gelu
-from .fx_utils import is_call, linear_parts, matrix_width
+from .fx_utils import is_call, linear_parts, matrix_width, tensor_of
 
 _WHERE = ("(a graph break, or DDP's split at a gradient bucket: torch._dynamo.config.optimize_ddp = False keeps "
           "one graph), so neither graph holds the whole pattern")
@@ -41,15 +41,20 @@ def _is_adapter_down_projection(node: fx.Node, linears: list[tuple[fx.Node, tupl
         return False
     x, w, _ = parts
     rank, width_in = matrix_width(w, 0), matrix_width(w, 1)
-    if not (isinstance(rank, int) and isinstance(width_in, int) and rank < width_in):
+    if not (isinstance(rank, int) and isinstance(width_in, int) and rank < width_in and _trained(w)):
         return False
     source = x.args[0] if is_call(x, F.dropout) else x  # peft reads dropout(x) (identity when p = 0)
     for other, (ox, ow, _) in linears:
-        if other is not node and (ox is source or ox is x):
+        if other is not node and (ox is source or ox is x) and not _trained(ow):
             out = matrix_width(ow, 0)
             if isinstance(out, int) and out > rank:
                 return True
     return False
+
+
+def _trained(weight: object) -> bool:
+    t = tensor_of(weight)
+    return t is not None and t.requires_grad
 
 
 def cut_sites(gm: fx.GraphModule) -> Iterator[tuple[str, fx.Node, str]]:

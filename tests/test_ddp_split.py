@@ -5,7 +5,8 @@ process, a one-rank gloo group): the adapters' gradients fill more than one buck
 in pieces and sloth sees each piece alone. Checked: the pieces' records stay their own (they share the whole
 graph's meta dict: compiler/backend.py), the causal mask made in the first piece is proven there and used
 ``is_causal`` in the others (runtime/proven_masks.py), every GLU and LoRA site is replaced or, where the split
-cut it, reported as cut (compiler/cut_sites.py), and the loss and every gradient follow the tolerance rule.
+cut it, reported as cut (compiler/cut_sites.py), and the loss and every gradient follow the tolerance rule. And the
+same report for a graph break inside a GLU, where a frozen router-like projection returned beside it is no cut.
 """
 from __future__ import annotations
 
@@ -88,3 +89,36 @@ def test_split_pieces_keep_their_sites_or_report_the_cut(one_rank_group) -> None
     assert cut, str(report)  # this model's split falls inside a layer's MLP
     for family in ("rms_norm", "rope", "glu", "lora", "cross_entropy", "causal_mask"):
         assert report.counts.get(family, 0) + cut.get(family, 0) == whole[family], (family, str(report))
+
+
+class _BrokenMLP(torch.nn.Module):
+    """A gated MLP with a graph break between the activation and its product, and a frozen router-like small
+    projection whose logits only leave the first graph (no adapter: its weight is frozen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False)
+        self.down = torch.nn.Linear(24, 16, bias=False)
+        self.router = torch.nn.Linear(16, 4, bias=False).requires_grad_(False)
+        self.gate.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = torch.nn.functional.silu(self.gate(x))
+        logits = self.router(x)
+        torch._dynamo.graph_break()
+        return self.down(act * self.up(x)) + logits.sum(-1, keepdim=True)
+
+
+def test_a_graph_break_inside_a_glu_is_reported_as_a_cut() -> None:
+    torch.manual_seed(0)
+    model = _BrokenMLP()
+    x = torch.randn(3, 16, requires_grad=True)
+    eager = model(x)
+    sloth.reset_report()
+    torch._dynamo.reset()
+    ours = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})(x)
+    torch.testing.assert_close(ours, eager)
+    report = sloth.report()
+    cut = [r.family for r in report.rejections if r.reason.startswith("cut apart by a graph boundary")]
+    assert cut == ["glu"], str(report)  # the activation; not the frozen router's logits
+    assert not report.unexplained, str(report)
