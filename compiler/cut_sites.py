@@ -34,6 +34,10 @@ def _only_returned(node: fx.Node) -> bool:
     return len(node.users) == 1 and next(iter(node.users)).op == "output"
 
 
+def _trained(weight: object) -> bool:
+    t = tensor_of(weight)
+    return t is not None and t.requires_grad
+
 
 def _is_adapter_down_projection(node: fx.Node, linears: list[tuple[fx.Node, tuple]]) -> bool:
     parts = linear_parts(node)
@@ -50,11 +54,6 @@ def _is_adapter_down_projection(node: fx.Node, linears: list[tuple[fx.Node, tupl
             if isinstance(out, int) and out > rank:
                 return True
     return False
-
-
-def _trained(weight: object) -> bool:
-    t = tensor_of(weight)
-    return t is not None and t.requires_grad
 
 
 def cut_sites(gm: fx.GraphModule) -> Iterator[tuple[str, fx.Node, str]]:
