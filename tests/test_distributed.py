@@ -1,6 +1,6 @@
 """sloth under PyTorch's own distributed engines on the CPU: FSDP2 (``fully_shard``) and DDP, two processes on
-the gloo backend, a tiny Llama and a tiny Qwen3 with peft LoRA, FSDP2 also over gradient-checkpointed layers; and
-transformers' Trainer under ``torchrun`` (DDP). Each rank trains on its half of a batch; the gradients (averaged
+the gloo backend, a tiny Llama and a tiny Qwen3 with peft LoRA, FSDP2 also over gradient-checkpointed layers, both
+also with Inductor inside; and transformers' Trainer under ``torchrun`` (DDP). Each rank trains on its half of a batch; the gradients (averaged
 over the ranks by FSDP2's reduce-scatter and DDP's all-reduce, gathered whole) must equal eager's averaged
 gradients under the whole-model tolerance rule, and each rank's report must count the sites a single-process
 compile counts (under FSDP2 less the causal masks, each reported; with each layer compiled on its own, as
@@ -66,9 +66,10 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # fsdp2-bf16: FSDP2's mixed precision (bf16 compute, fp32 gradient reduction and parameters), whole model compiled,
 # held to the same policy run eagerly on the two ranks (fsdp2-bf16-eager, the rule's "eager").
 # fsdp2-ckpt: FSDP2 over a model with gradient checkpointing (non-reentrant, each decoder layer); qwen3-*: the same
-# engines over a tiny Qwen3 (its q/k norms inside each sharded layer).
+# engines over a tiny Qwen3 (its q/k norms inside each sharded layer); *-inductor: Inductor, sloth's default, as the
+# inner compiler (the others use aot_eager, to keep the test short).
 ENGINES = ("fsdp2", "fsdp2-per-layer", "ddp", "fsdp2-bf16", "fsdp2-bf16-eager", "fsdp2-ckpt", "qwen3-fsdp2",
-           "qwen3-ddp")
+           "qwen3-ddp", "fsdp2-inductor", "ddp-inductor")
 
 
 def _arch(engine: str) -> str:
@@ -87,7 +88,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             model = tiny_lora_llama(_arch(engine))
             if engine == "fsdp2-ckpt":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            options = {"inner": "aot_eager"}
+            options = {"inner": "inductor" if engine.endswith("-inductor") else "aot_eager"}
             if "fsdp2" in engine:
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
