@@ -30,6 +30,17 @@ def tensor_of(node: Any) -> Optional[torch.Tensor]:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """Graph bodies of higher-order ops (activation checkpointing, autograd.Function, cond, ...).
+
+    Dynamo puts e.g. each gradient-checkpointed decoder layer into such a body; the passes rewrite
+    them like the top-level graph. A rewrite there is safe for the same reason as at top level: it
+    keeps every value the body returns, and an intermediate the body returns (say, one saved for a
+    custom backward) has a user outside the pattern, which makes the guards say no.
+    """
+    return [m for name, m in gm.named_modules() if m is not gm and isinstance(m, fx.GraphModule)]
+
+
 def matrix_width(node: object, dim: int) -> object:
     """Size ``dim`` of ``node``'s value when it is a 2-D tensor (a weight matrix), else None (may be symbolic)."""
     t = tensor_of(node)

@@ -41,6 +41,7 @@ from .canonicalize import canonicalize_pass
 from .cut_sites import cut_sites
 from .dump import GraphDump
 from .families import family_passes, families, register_family
+from .fx_utils import subgraphs
 from .options import PassOptions
 from .recompute import recompute_pass
 from .report import Report
@@ -76,17 +77,6 @@ def resolve_families(patterns: Optional[Iterable[str]]) -> list[str]:
     return chosen
 
 
-def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """Graph bodies of higher-order ops (activation checkpointing, autograd.Function, cond, ...).
-
-    Dynamo puts e.g. each gradient-checkpointed decoder layer into such a body; the passes rewrite
-    them like the top-level graph. A rewrite there is safe for the same reason as at top level: it
-    keeps every value the body returns, and an intermediate the body returns (say, one saved for a
-    custom backward) has a user outside the pattern, which makes the guards say no.
-    """
-    return [m for name, m in gm.named_modules() if m is not gm and isinstance(m, fx.GraphModule)]
-
-
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequence[str],
                report: Report, options: PassOptions = PassOptions(), dump_root: Optional[str] = None,
                refuse: Optional[str] = None) -> fx.GraphModule:
@@ -113,7 +103,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
         finally:
             report.pass_seconds[name] += time.perf_counter() - start
 
-    graph_modules = [gm, *_subgraphs(gm)]
+    graph_modules = [gm, *subgraphs(gm)]
     # A subgraph's outputs feed its caller, so it must keep returning the logits; every other option is
     # the user's there too (a checkpointed layer must honour share_lora_input=False).
     subgraph_options = dataclasses.replace(options, return_logits=True, top_level=False)

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .fx_utils import value_of
+from .fx_utils import subgraphs, value_of
 
 
 def _subclass_name(value: Any) -> Optional[str]:
@@ -29,19 +29,14 @@ def _subclass_name(value: Any) -> Optional[str]:
     return None
 
 
-def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """``gm`` and its subgraph bodies (checkpointed layers)."""
-    return [gm, *(m for _, m in gm.named_modules() if m is not gm and isinstance(m, fx.GraphModule))]
-
-
 def holds_subclass_values(gm: fx.GraphModule) -> bool:
     """Whether any node of ``gm`` or of its subgraph bodies has a tensor-subclass example value."""
-    return any(_subclass_name(value_of(n)) for m in _graph_modules(gm) for n in m.graph.nodes)
+    return any(_subclass_name(value_of(n)) for m in [gm, *subgraphs(gm)] for n in m.graph.nodes)
 
 
 def sloth_op_on_subclass(gm: fx.GraphModule) -> Optional[str]:
     """Why the rewritten ``gm`` cannot run (a sloth op reading a tensor-subclass value), or None."""
-    for module in _graph_modules(gm):
+    for module in [gm, *subgraphs(gm)]:
         for node in module.graph.nodes:
             if node.op != "call_function" or getattr(node.target, "namespace", None) != "sloth":
                 continue  # sloth's ops are OpOverloads of the "sloth" namespace (torch.ops.sloth.*.default)
