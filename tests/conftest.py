@@ -35,3 +35,21 @@ def _fresh_dynamo(request):
     if request.node.get_closest_marker("unexplained_sites") is None:
         unexplained = sloth.report().unexplained
         assert not unexplained, f"sites neither replaced nor explained: {unexplained}"
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group in the test's own process, for tests of distributed wrappers at world size 1
+    (tests/test_dtensor.py, tests/test_ddp_split.py; tests/test_distributed.py starts processes of its own)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -10,12 +10,10 @@ same report for a graph break inside a GLU, where a frozen router-like projectio
 """
 from __future__ import annotations
 
-import socket
 import zlib
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sloth
 from sloth.runtime import proven_masks
@@ -49,18 +47,6 @@ def _loss_and_grads(model: torch.nn.Module, forward) -> tuple[torch.Tensor, dict
     grads = {n.replace("module.", "").replace("_orig_mod.", ""): p.grad.detach().clone()
              for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
-
-
-@pytest.fixture
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_split_pieces_keep_their_sites_or_report_the_cut(one_rank_group) -> None:

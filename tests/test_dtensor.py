@@ -8,11 +8,8 @@ sloth's ops have no sharding rule: the graph must run as written, every site rep
 """
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -36,17 +33,10 @@ class NormGatedMLP(nn.Module):
 
 
 @pytest.fixture
-def mesh():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def mesh(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
 
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def _run(model: nn.Module, compiled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
