@@ -137,8 +137,13 @@ def _is_rope(node: fx.Node) -> bool:
     return False
 
 
+def is_gate_activation(node: object) -> bool:
+    """An activation a GLU gates with (F.silu, gelu in sloth's canonical spelling)."""
+    return is_call(node, F.silu) or is_call(node, gelu)
+
+
 def _is_glu(node: fx.Node) -> bool:
-    if not (is_call(node, F.silu) or is_call(node, gelu)) or len(node.users) != 1:
+    if not is_gate_activation(node) or len(node.users) != 1:
         return False
     product = next(iter(node.users))
     if not (is_call(product, torch.mul) and len(product.args) == 2):

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .canonicalize import gelu
+from .anchors import is_gate_activation
 from .fx_utils import is_call, linear_parts, matrix_width, tensor_of
 
 _WHERE = ("(a graph break, or DDP's split at a gradient bucket: torch._dynamo.config.optimize_ddp = False keeps "
@@ -62,7 +62,7 @@ def cut_sites(gm: fx.GraphModule) -> Iterator[tuple[str, fx.Node, str]]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not _only_returned(node):
             continue
-        if is_call(node, F.silu) or is_call(node, gelu):
+        if is_gate_activation(node):
             yield "glu", node, GLU_CUT
         elif _is_adapter_down_projection(node, linears):
             yield "lora", node, LORA_CUT
