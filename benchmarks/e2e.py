@@ -110,6 +110,12 @@ def _sloth_ops() -> str | None:
     return "triton_op" if registration.TRITON_OP else "custom_op"
 
 
+def _mask_versions() -> dict[str, int]:
+    from sloth.runtime import proven_masks
+
+    return dict(proven_masks.calls)
+
+
 def sloth_op_calls(step: Callable[[], Any]) -> dict[str, int] | None:
     """sloth's op calls in one more ``step``, by op (backward ops included), from a profile of the host only: what
     runs, where the report counts what was compiled. The two differ where Dynamo reuses one compiled graph for
@@ -426,6 +432,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "sloth counts": counts,
         "sloth calls": sum(op_calls.values()) if op_calls is not None else None,
         "sloth op calls": op_calls,
+        # Calls of graphs reading a mask another graph made, by attention version run, and the masks checked on
+        # the device (runtime/proven_masks.py), over the whole run.
+        "mask versions": _mask_versions() if sloth is not None else None,
         # sloth's own share of the warm-up (compile) time, per pass (compiler/pipeline.py run_passes)
         "sloth pass s": dict(report.pass_seconds) if report is not None else None,
         "sloth ops": _sloth_ops() if sloth is not None else None,
@@ -667,7 +676,8 @@ def run_all(args: argparse.Namespace) -> int:
                       f"peak {_gib(row['peak GiB'])}, warm-up {_num(row['warm-up s'], '.1f')} s, "
                       f"first loss {_num(row['first loss'], '.5f')}, loss {_num(row['loss'], '.4f')}, "
                       f"graphs {row['graphs']}, "
-                      f"sloth {row['sloth counts']}, {row.get('sloth calls')} op calls ({wall:.0f} s)",
+                      f"sloth {row['sloth counts']}, {row.get('sloth calls')} op calls, "
+                      f"masks {row.get('mask versions')} ({wall:.0f} s)",
                       flush=True)
                 if row.get("steps ms"):
                     steps = " ".join(f"{t:.1f}" for t in row["steps ms"])

@@ -197,7 +197,7 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     try:
         with sdpa_priority(attention), torch._functorch.config.patch(
                 enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
-            compiled = compile_reading_masks(gm, compile_once)
+            compiled = compile_reading_masks(gm, compile_once, check=pass_options.mask_check)
     finally:
         _publish(graph_report)
     if show_report:

@@ -5,14 +5,16 @@ patterns/causal_mask.py records, in a graph's meta, the SDPA sites that read a m
 module turns both into what runs:
 
     a graph with mask-input sites    compiled with ``is_causal=True`` at them, and as written; each call runs the
-                                     first when every such input is a tensor runtime/proven_masks.py has marked
+                                     first when every such input is a tensor runtime/proven_masks.py knows causal
                                      (unchanged since), the second otherwise
     a graph with proven mask outputs each call marks those outputs (the tensors it returns) as proven
 
-Both checks are on the host, per call, a dictionary lookup each: no device work, no sync. The choice is sound
-because the mark says where the tensor came from: a graph whose proof covered every value it can return (the
-proof is of a closed computation, the same tensor on every call), and nothing has written into it since (its
-version counter). A mask from anywhere else (a padding mask, a window, a tensor the user built) runs as written.
+A tensor is known causal when the graph that made it proved it (a closed computation, the same values on every
+call: a dictionary lookup per call, no device work) or, with the ``mask_check`` option (on by default), when its
+values were compared with the causal mask on the device the first time a reading graph received it (one host
+sync per new mask tensor, whatever the number of layers reading it; the verdict, causal or not, is kept for that
+tensor until it is written). Either way the choice is sound: it rests on the values of that very tensor, unchanged
+since. A mask that is not causal (a padding mask, a window) runs as written.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS, set_causal
 from ..runtime import proven_masks
 
 
-def compile_reading_masks(gm: fx.GraphModule, compile_once: Callable[[bool], Callable]) -> Callable:
+def compile_reading_masks(gm: fx.GraphModule, compile_once: Callable[[bool], Callable], *, check: bool) -> Callable:
     """``gm`` compiled by ``compile_once(first)`` (once, or twice when it reads mask inputs: the ``is_causal``
-    version first), with the per-call choice and the marking of proven outputs around it (module docstring)."""
+    version first), with the per-call choice and the marking of proven outputs around it (module docstring);
+    ``check``: whether a mask input nobody proved is checked on the device."""
     sites = gm.meta.get(MASK_INPUT_SITES)
     if not sites:
         compiled = compile_once(True)
@@ -41,7 +44,7 @@ def compile_reading_masks(gm: fx.GraphModule, compile_once: Callable[[bool], Cal
             node.args, node.kwargs = args, kwargs
         _recompile(gm, modules)
         masked = compile_once(False)
-        compiled = _choose(causal, masked, sorted({position for _, _, position in sites}))
+        compiled = _choose(causal, masked, sorted({position for _, _, position in sites}), check)
     proven = gm.meta.get(PROVEN_OUTPUTS)
     return _marking(compiled, proven) if proven else compiled
 
@@ -54,9 +57,11 @@ def _recompile(gm: fx.GraphModule, modules: list[fx.GraphModule]) -> None:
         gm.recompile()
 
 
-def _choose(causal: Callable, masked: Callable, positions: list[int]) -> Callable:
+def _choose(causal: Callable, masked: Callable, positions: list[int], check: bool) -> Callable:
+    known = proven_masks.check if check else proven_masks.is_proven
+
     def run(*args: Any) -> Any:
-        proven = all(proven_masks.is_proven(args[i]) for i in positions)
+        proven = all(known(args[i]) for i in positions)
         proven_masks.count(proven)
         return (causal if proven else masked)(*args)
 

@@ -25,12 +25,18 @@ class PassOptions:
     intermediate tensors exist one block at a time: memory for long context. ``tiled_mlp_recompute`` (True
     unless the user says otherwise): the op also recomputes each block's gate and up in the backward instead of
     keeping them, so no such tensor outlives a block, at the price of two GEMMs a block.
+
+    ``mask_check``: True lets a graph that reads an attention mask another graph or eager code made, which no
+    compile-time proof covers, compare that tensor's values with the causal mask on the device once (one host
+    sync per new mask tensor) and run ``is_causal`` attention when it is causal (compiler/mask_inputs.py,
+    runtime/proven_masks.py); False runs such masks as written, with no sync.
     """
     return_logits: bool = True
     recompute: bool = True
     share_lora_input: bool = True
     tiled_mlp: int = 0
     tiled_mlp_recompute: bool = True
+    mask_check: bool = True
     # Not a user option: whether the pass may change the graph's outputs (the top-level graph, whose outputs
     # the backend's wrapper sees; compiler/returned_logits.py), False in subgraph bodies.
     top_level: bool = True
@@ -48,8 +54,11 @@ class PassOptions:
         if not isinstance(share_lora_input, bool):
             raise ValueError(f"sloth: share_lora_input must be True or False, got {share_lora_input!r}")
         tiled_mlp, tiled_mlp_recompute = _tiled_mlp(options.pop("tiled_mlp", False))
+        mask_check = options.pop("mask_check", True)
+        if not isinstance(mask_check, bool):
+            raise ValueError(f"sloth: mask_check must be True or False, got {mask_check!r}")
         return cls(return_logits=return_logits, recompute=recompute, share_lora_input=share_lora_input,
-                   tiled_mlp=tiled_mlp, tiled_mlp_recompute=tiled_mlp_recompute)
+                   tiled_mlp=tiled_mlp, tiled_mlp_recompute=tiled_mlp_recompute, mask_check=mask_check)
 
 
 def _tiled_mlp(value: Any) -> tuple[int, bool]:

@@ -37,9 +37,12 @@ bucket splits) the mask is made in one graph and read in others as a graph input
 So the making graph proves each mask-shaped output it returns (``PROVEN_OUTPUTS`` in its meta: the positions),
 and a graph whose SDPA reads a mask input (directly or through slices that keep all of it) records the site
 (``MASK_INPUT_SITES``) and leaves it as it is; the backend then compiles that graph twice, with ``is_causal``
-at those sites and as written, and each call runs the first only when every such input is a tensor the making
-graph's wrapper marked as proven and nobody has written since (runtime/proven_masks.py: a host-side check, no
-sync), the second otherwise.
+at those sites and as written, and each call runs the first only when every such input is a tensor known causal
+and unchanged since (runtime/proven_masks.py), the second otherwise. Known causal: marked by the making graph's
+wrapper as proven (a host-side lookup, no sync), or, where no graph can prove it (under FSDP2 transformers' mask
+is computed from position ids an eager frame made), its values compared with the causal mask on the device the
+first time a reading graph gets it (the ``mask_check`` option, on by default: one sync per new mask tensor). A
+reading graph whose mask, while compiling, is neither is compiled once, as written.
 """
 from __future__ import annotations
 
@@ -383,7 +386,7 @@ def fuse_causal_mask_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, 
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sites: list[tuple[fx.GraphModule, fx.Node, int]] = []
     for graph_module in [gm, *bodies]:
-        _rewrite(graph_module, bodies.get(graph_module), prover, report, inputs, sites)
+        _rewrite(graph_module, bodies.get(graph_module), prover, report, inputs, sites, options.mask_check)
     if bodies:
         gm.recompile()
     if sites:
@@ -429,10 +432,11 @@ def _whole(mask: Any) -> Any:
 
 
 def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.GraphModule, list[Any]]]],
-             prover: _Prover, report: Report, inputs: list[fx.Node], sites: list[tuple[fx.GraphModule, fx.Node, int]]
-             ) -> None:
+             prover: _Prover, report: Report, inputs: list[fx.Node], sites: list[tuple[fx.GraphModule, fx.Node, int]],
+             check: bool) -> None:
     """Rewrite ``graph_module``'s proven masks; append to ``sites`` the SDPA nodes reading a mask that is one of
-    the top-level graph's ``inputs`` (directly or, in a body, through every call site)."""
+    the top-level graph's ``inputs`` (directly or, in a body, through every call site); ``check``: whether a mask
+    input nobody proved may be checked on its device (the ``mask_check`` option)."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     changed = False
     for node in list(graph_module.graph.nodes):
@@ -457,18 +461,22 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
                 report.reject(FAMILY, node, f"attention mask kept: it is the graph input {name!r}, which "
                                             f"{writer.name} writes in place")
                 continue
-            if example is not None and not proven_masks.is_proven(example):
-                report.reject(FAMILY, node, f"attention mask kept: it is the graph input {name!r}, made where no graph "
-                                            "proved it causal (a padding mask, a mask built eagerly, or one computed "
-                                            "from another graph's inputs)")
+            if example is not None and not proven_masks.is_proven(example) and \
+                    not (check and proven_masks.check(example)):
+                why = ("the tensor it got while compiling is not the causal mask (a padding mask or a window)" if check
+                       else "made where no graph proved it causal (a padding mask, a mask built eagerly, or one "
+                            "computed from another graph's inputs), and mask_check is off")
+                report.reject(FAMILY, node, f"attention mask kept: it is the graph input {name!r}, {why}")
                 continue
             sites.append((graph_module, node, from_input))
             report.kept_on_purpose(FAMILY, node)
-            seen = ("the tensor it got now was proven by the graph that made it" if example is not None
-                    else "no tensor to look at while compiling")
+            seen = ("no tensor to look at while compiling" if example is None
+                    else "the tensor it got now is known causal")
+            how = ("another graph returned it proven or its values were checked causal on the device (once per "
+                   "tensor, one sync)" if check else "another graph returned it proven")
             report.replaced(Site(FAMILY, "is_causal=True when proven", module_path(node), source_location(node),
                                  f"{lengths[0]} x {lengths[1]} mask from graph input {name!r} ({seen}): causal when "
-                                 "another graph returned it proven, as written otherwise (checked per call)"))
+                                 f"{how}, as written otherwise (chosen per call)"))
             continue
         if mask.op == "placeholder" and call_sites:
             position = placeholders.index(mask)

@@ -3,7 +3,8 @@ the gloo backend, a tiny Llama and a tiny Qwen3 with peft LoRA, FSDP2 also over 
 also with Inductor inside; and transformers' Trainer under ``torchrun`` (DDP). Each rank trains on its half of a batch; the gradients (averaged
 over the ranks by FSDP2's reduce-scatter and DDP's all-reduce, gathered whole) must equal eager's averaged
 gradients under the whole-model tolerance rule, and each rank's report must count the sites a single-process
-compile counts (under FSDP2 less the causal masks, each reported; with each layer compiled on its own, as
+compile counts (under FSDP2 the layers' causal masks, made in an eager frame, are checked on the device and run
+``is_causal``; with each layer compiled on its own, as
 torchtitan does, less what runs outside the layers: see the test). Under FSDP2's mixed precision (bf16 compute,
 fp32 reduction) the same policy run eagerly on the two ranks is the rule's "eager", at bf16's precision.
 """
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sloth
+from sloth.runtime import proven_masks
 from test_models import assert_model_close
 
 pytest.importorskip("peft")
@@ -85,6 +87,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         for engine in ENGINES:
             torch._dynamo.reset()
             sloth.reset_report()
+            proven_masks.reset()
             model = tiny_lora_llama(_arch(engine))
             if engine == "fsdp2-ckpt":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -111,7 +114,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             losses = [torch.zeros(()) for _ in range(WORLD)]
             dist.all_gather(losses, loss.detach())
             report = sloth.report()
-            results[engine] = {"losses": losses, "grads": grads, "counts": dict(report.counts),
+            results[engine] = {"mask_calls": dict(proven_masks.calls),"losses": losses, "grads": grads, "counts": dict(report.counts),
                                "graphs": report.graphs, "unexplained": report.unexplained,
                                "rejections": [(r.family, r.module, r.reason) for r in report.rejections]}
         if rank == 0:
@@ -187,13 +190,11 @@ def test_two_ranks_match_eager_under_fsdp2_and_ddp(tmp_path):
             assert compiled_layers in (1, LAYERS), (engine, result["counts"])
             expected = {f: c if f == "cross_entropy" else (c - 1) * compiled_layers // LAYERS + 1 if f == "rms_norm"
                         else c * compiled_layers // LAYERS for f, c in expected.items()}
-            # Known gap (issue 21): each layer's graph receives transformers' causal mask as an input, made from
-            # position ids an eager frame computed, which nothing proves causal; every such site is reported with
-            # that reason, and attention runs masked.
-            lost = expected.pop("causal_mask")
-            kept = [r for r in result["rejections"] if r[0] == "causal_mask"]
-            assert len(kept) == lost and all("graph input" in r[2] for r in kept), (engine, result["counts"],
-                                                                                   result["rejections"])
+            # Each layer's graph receives transformers' causal mask as an input, made from position ids an eager
+            # frame computed, which no graph proves causal: its values are checked on the device once a step
+            # (the mask_check option) and every layer call runs is_causal.
+            assert result["mask_calls"]["masked"] == 0 and result["mask_calls"]["causal"] >= LAYERS, (
+                engine, result["mask_calls"])
         assert result["counts"] == expected, (engine, result["counts"], expected, result["rejections"])
         assert not result["unexplained"], (engine, result["unexplained"])
 

@@ -3,10 +3,12 @@ the making graph proves it and marks the tensor it returns, the reading graphs r
 marked, unchanged tensor (patterns/causal_mask.py, compiler/mask_inputs.py, runtime/proven_masks.py).
 
 A hand-written model whose graph breaks between the mask and each layer: the loss and every gradient equal
-eager's, the layers' SDPA sites are reported, and every call took the causal version; a mask the caller builds
-(a sliding window, proven by nobody) is reported kept and runs as written with eager's values; and the runtime
-mark is refused to a
-tensor written in place since, to another tensor of the same values, and is forgotten with its tensor.
+eager's, the layers' SDPA sites are reported, and every call took the causal version. A mask the caller builds
+(proven by nobody) is checked on its device once per tensor (the ``mask_check`` option): a causal one runs
+causal, a sliding window, or a causal mask written in place since, runs as written with eager's values; with the
+option off it is kept without a check. The runtime verdict is refused to a tensor written in place since, to
+another tensor of the same values, and is forgotten with its tensor; the device check reads bool and additive
+masks.
 """
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def test_a_mask_from_another_graph_runs_causal_with_eager_values(split_model):
     assert len(sites) == 2 and all(s.op == "is_causal=True when proven" and f"{T} x {T} mask from graph input"
                                    in s.detail for s in sites), str(report)
     assert not report.unexplained, str(report)
-    assert proven_masks.calls == {"causal": 4, "masked": 0}  # two layer graphs, two steps
+    assert proven_masks.calls == {"causal": 4, "masked": 0, "checked": 0}  # two layer graphs, two steps; all proven
 
 
 def test_a_mask_the_caller_builds_runs_as_written(split_model):
@@ -99,8 +101,76 @@ def test_a_mask_the_caller_builds_runs_as_written(split_model):
         torch.testing.assert_close(mine, theirs)
     report = sloth.report()
     kept = [r.reason for r in report.rejections if r.family == "causal_mask"]
-    assert len(kept) == 2 and all("made where no graph proved it causal" in r for r in kept), str(report)
-    assert proven_masks.calls == {"causal": 0, "masked": 0}  # compiled once, as written: nothing to choose
+    assert len(kept) == 2 and all("is not the causal mask" in r for r in kept), str(report)
+    # Checked once on its device while compiling, then compiled once, as written: nothing to choose per call.
+    assert proven_masks.calls == {"causal": 0, "masked": 0, "checked": 1}
+
+
+def test_a_causal_mask_the_caller_builds_is_checked_once_per_tensor(split_model):
+    model, ids, compiled = split_model
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]  # built eagerly: no graph proves it
+    eager = step(model, model, ids, mask)
+    for _ in range(2):
+        ours = step(compiled, model, ids, mask)
+        torch.testing.assert_close(ours[0], eager[0])
+        for mine, theirs in zip(ours[1], eager[1]):
+            torch.testing.assert_close(mine, theirs)
+    sites = [s for s in sloth.report().sites if s.family == "causal_mask"]
+    assert len(sites) == 2 and all("checked causal on the device" in s.detail for s in sites), str(sloth.report())
+    # One check (while compiling, on the tensor the first call got), then lookups: 2 layers x 2 steps causal.
+    assert proven_masks.calls == {"causal": 4, "masked": 0, "checked": 1}
+    step(compiled, model, ids, mask.clone())  # the same values in a new tensor: checked again, once
+    assert proven_masks.calls == {"causal": 6, "masked": 0, "checked": 2}
+
+
+def test_a_mask_that_stops_being_causal_runs_as_written(split_model):
+    # Compiled with a causal mask (both versions), then given a window of the same shape, then the causal mask
+    # written in place: each is checked on its values and runs masked, with eager's values.
+    model, ids, compiled = split_model
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    step(compiled, model, ids, causal)
+    window = torch.ones(T, T, dtype=torch.bool).tril().triu(-2)[None, None]
+    for mask in (window, causal):
+        eager = step(model, model, ids, mask)
+        ours = step(compiled, model, ids, mask)
+        torch.testing.assert_close(ours[0], eager[0])
+        for mine, theirs in zip(ours[1], eager[1]):
+            torch.testing.assert_close(mine, theirs)
+        causal[..., 0, 1] = True  # token 0 may now see token 1: no longer causal, the same tensor
+    assert proven_masks.calls == {"causal": 2, "masked": 4, "checked": 3}, proven_masks.calls
+
+
+def test_mask_check_off_keeps_a_mask_nobody_proved(split_model):
+    model, ids, _ = split_model
+    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager", "mask_check": False})
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    eager = step(model, model, ids, mask)
+    ours = step(compiled, model, ids, mask)
+    torch.testing.assert_close(ours[0], eager[0])
+    kept = [r.reason for r in sloth.report().rejections if r.family == "causal_mask"]
+    assert len(kept) == 2 and all("mask_check is off" in r for r in kept), kept
+    assert proven_masks.calls == {"causal": 0, "masked": 0, "checked": 0}  # no device check, no sync
+
+
+@pytest.mark.parametrize("rows_per_block", [3, 1024])
+def test_causal_values_reads_bool_and_additive_masks(monkeypatch, rows_per_block):
+    monkeypatch.setattr(proven_masks, "_ROWS_PER_BLOCK", rows_per_block)  # several blocks of rows, and one
+    causal = torch.ones(2, 1, 7, 7, dtype=torch.bool).tril()
+    additive = torch.zeros(2, 1, 7, 7).masked_fill(~causal, float("-inf"))
+    lowest = torch.zeros(2, 1, 7, 7, dtype=torch.bfloat16).masked_fill(~causal, torch.finfo(torch.bfloat16).min)
+    assert proven_masks.causal_values(causal) and proven_masks.causal_values(additive)
+    assert proven_masks.causal_values(lowest)
+    assert proven_masks.causal_values(torch.ones(5, 9, dtype=torch.bool).tril())  # more keys than queries
+    hole = causal.clone()
+    hole[1, 0, 6, 2] = False  # one row of one batch element misses a key: padding-like
+    assert not proven_masks.causal_values(hole)
+    ahead = causal.clone()
+    ahead[0, 0, 5, 6] = True  # a future key
+    assert not proven_masks.causal_values(ahead)
+    bias = additive.clone()
+    bias[0, 0, 3, 1] = -0.5  # an additive bias, not a mask
+    assert not proven_masks.causal_values(bias)
+    assert not proven_masks.causal_values(causal.int())
 
 
 def test_the_mark_holds_for_that_tensor_unchanged_only():
@@ -114,7 +184,7 @@ def test_the_mark_holds_for_that_tensor_unchanged_only():
     proven_masks.mark(mask)
     del mask
     gc.collect()
-    assert not proven_masks._marked  # forgotten with its tensor
+    assert not proven_masks._verdicts  # forgotten with its tensor
 
 
 class WritesItsMask(nn.Module):
@@ -149,3 +219,9 @@ def test_a_mask_written_in_the_reading_graph_runs_as_written():
         torch.testing.assert_close(mine, theirs)
     kept = [r.reason for r in sloth.report().rejections if r.family == "causal_mask"]
     assert len(kept) == 1 and "writes in place" in kept[0], kept
+
+
+def test_mask_check_must_be_a_bool(split_model):
+    model, ids, _ = split_model
+    with pytest.raises(Exception, match="mask_check must be True or False"):  # inside Dynamo's wrapper
+        torch.compile(model, backend="sloth", options={"mask_check": "yes"})(ids)
