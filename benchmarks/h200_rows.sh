@@ -49,6 +49,7 @@
 #                                          # add + norm; issue 21: FSDP2 at world size 1 beside the plain step
 #   bash benchmarks/h200_rows.sh ws1-again # issue 21: DDP after the split fixes, FSDP2 with 8 warm-up steps
 #   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
+#   bash benchmarks/h200_rows.sh long-l4-sloth  # issue 19: 4 layers at 256k and 512k (then long-l4-unsloth)
 #   bash benchmarks/h200_rows.sh norms     # issue 22: ops.layer_norm (eager, inductor, sloth, liger; carry the
 #                                          # liger_kernel wheel) and ops.l2_norm (eager, inductor, sloth), <= 145 s
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
@@ -59,7 +60,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -288,6 +289,18 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}' ;;
     long256-unsloth)  # Unsloth at 256k tokens, one step (carry .whl/unsloth)
         run long256-unsloth 570 --all --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 --variants unsloth ;;
+    long-l4-sloth)  # issue 19, how a step's peak grows with context, where a 32-layer step is too slow for one call
+        # (512k tokens: ~700 s): Llama-3-8B cut to 4 layers (the 32-layer peak adds 28 layers' weights and adapter
+        # state, a fixed sum), sloth with offload, tiled MLP and no logits, at 256k and 512k tokens, one step each
+        run long256-L4-sloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
+            --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
+        run long512-L4-sloth 390 --all --layers 4 --batch 1 --seq 524288 --grad-ckpt --warmup 0 --steps 1 \
+            --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}' ;;
+    long-l4-unsloth)  # the same for Unsloth (carry .whl/unsloth)
+        run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
+            --variants unsloth
+        run long512-L4-unsloth 390 --all --layers 4 --batch 1 --seq 524288 --grad-ckpt --warmup 0 --steps 1 \
+            --variants unsloth ;;
     heads)  # issue 22: the fused loss against TRL 1.16's fused LM head (carry .whl/trl-1.16.0-*.whl; Liger's row needs
         # its wheel), then whether a residual add fused into the RMSNorm would pay (limits add to 290 s)
         op_bench cross_entropy 200 cross_entropy
