@@ -30,14 +30,18 @@ LAYERS = 2
 
 
 def tiny_lora_llama(arch: str = "llama") -> torch.nn.Module:
-    """A two-layer Llama (or, with ``arch="qwen3"``, Qwen3: q/k norms) with peft LoRA on every linear."""
+    """A two-layer Llama (or, with ``arch="qwen3"``, Qwen3: q/k norms) with peft LoRA on every linear; with
+    ``arch="llama-full"`` the Llama without adapters, every weight trained (the lm_head's among them)."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
+    arch, _, full = arch.partition("-")
     config = transformers.AutoConfig.for_model(
         arch, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")
     torch.manual_seed(0)
+    if full:
+        return transformers.AutoModelForCausalLM.from_config(config)
     model = get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
                            LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
     for name, p in model.named_parameters():
@@ -69,13 +73,15 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # held to the same policy run eagerly on the two ranks (fsdp2-bf16-eager, the rule's "eager").
 # fsdp2-ckpt: FSDP2 over a model with gradient checkpointing (non-reentrant, each decoder layer); qwen3-*: the same
 # engines over a tiny Qwen3 (its q/k norms inside each sharded layer); *-inductor: Inductor, sloth's default, as the
-# inner compiler (the others use aot_eager, to keep the test short).
+# inner compiler (the others use aot_eager, to keep the test short); full-fsdp2: full fine-tuning, no adapters, so the
+# fused loss's lm_head weight is a trained sharded parameter (the op sees it gathered; its gradient must reach the
+# shard).
 ENGINES = ("fsdp2", "fsdp2-per-layer", "ddp", "fsdp2-bf16", "fsdp2-bf16-eager", "fsdp2-ckpt", "qwen3-fsdp2",
-           "qwen3-ddp", "fsdp2-inductor", "ddp-inductor")
+           "qwen3-ddp", "fsdp2-inductor", "ddp-inductor", "full-fsdp2")
 
 
 def _arch(engine: str) -> str:
-    return "qwen3" if engine.startswith("qwen3-") else "llama"
+    return "qwen3" if engine.startswith("qwen3-") else "llama-full" if engine.startswith("full-") else "llama"
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -97,7 +103,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
                 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                     if "bf16" in engine else MixedPrecisionPolicy()
-                layers = model.base_model.model.model.layers
+                layers = (model if engine.startswith("full-") else model.base_model.model).model.layers
                 for i, layer in enumerate(layers):
                     if engine == "fsdp2-per-layer":
                         layer = layers[i] = torch.compile(layer, backend="sloth", options=options)
@@ -160,9 +166,10 @@ def test_two_ranks_match_eager_under_fsdp2_and_ddp(tmp_path):
     out = str(tmp_path / "rank0.pt")
     mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, start_method="spawn", join=True)
     results = torch.load(out)
-    eager = {arch: _eager_average(torch.float32, arch) for arch in ("llama", "qwen3")}
-    reference = {arch: _eager_average(torch.float64, arch) for arch in ("llama", "qwen3")}
-    single_counts = {arch: _single_process_counts(arch) for arch in ("llama", "qwen3")}
+    archs = ("llama", "qwen3", "llama-full")
+    eager = {arch: _eager_average(torch.float32, arch) for arch in archs}
+    reference = {arch: _eager_average(torch.float64, arch) for arch in archs}
+    single_counts = {arch: _single_process_counts(arch) for arch in archs}
     bf16_eager = results["fsdp2-bf16-eager"]
     bf16_eager = (torch.stack(bf16_eager["losses"]).mean().float(), bf16_eager["grads"])
     for engine in (e for e in ENGINES if e != "fsdp2-bf16-eager"):
