@@ -58,10 +58,8 @@ def _recompile(gm: fx.GraphModule, modules: list[fx.GraphModule]) -> None:
 
 
 def _choose(causal: Callable, masked: Callable, positions: list[int], check: bool) -> Callable:
-    known = proven_masks.check if check else proven_masks.is_proven
-
     def run(*args: Any) -> Any:
-        proven = all(known(args[i]) for i in positions)
+        proven = all(proven_masks.known_causal(args[i], check) for i in positions)
         proven_masks.count(proven)
         return (causal if proven else masked)(*args)
 

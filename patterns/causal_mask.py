@@ -73,8 +73,6 @@ _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_d
 # producers). A mask beyond that stays, and attention runs masked: the report says so.
 CPU_EVALUATION_BYTES = 4 << 30
 DEVICE_EVALUATION_SHARE = 0.25
-# Rows of the mask compared with the causal one at a time, so the check holds no full-size reference.
-_ROWS_PER_BLOCK = 1024
 
 
 def causal_mask_pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -231,14 +229,11 @@ def causal_reason(mask_value: Any, q_len: int, kv_len: int) -> Optional[str]:
 
 
 def _rows_reason(allowed: torch.Tensor, first_row: int) -> Optional[str]:
-    """None when ``allowed`` ([..., rows, S] bool) is rows ``first_row ..`` of the causal mask, else why not."""
-    keys = torch.arange(allowed.shape[-1], device=allowed.device)
-    for start in range(0, allowed.shape[-2], _ROWS_PER_BLOCK):  # block by block: no [L, S] reference in memory
-        part = allowed[..., start:start + _ROWS_PER_BLOCK, :]
-        rows = torch.arange(first_row + start, first_row + start + part.shape[-2], device=allowed.device)
-        if not torch.equal(part, (keys[None, :] <= rows[:, None]).expand(part.shape)):
-            return "it is not the causal mask (a window, a prefix, a shifted diagonal or padding)"
-    return None
+    """None when ``allowed`` ([..., rows, S] bool) is rows ``first_row ..`` of the causal mask, else why not
+    (compared a block of rows at a time: no [L, S] reference in memory)."""
+    if proven_masks.causal_values(allowed, first_row):
+        return None
+    return "it is not the causal mask (a window, a prefix, a shifted diagonal or padding)"
 
 
 def causal_reason_by_rows(plan: RowBlocks, q_len: int, kv_len: int) -> Optional[str]:
@@ -461,8 +456,7 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
                 report.reject(FAMILY, node, f"attention mask kept: it is the graph input {name!r}, which "
                                             f"{writer.name} writes in place")
                 continue
-            if example is not None and not proven_masks.is_proven(example) and \
-                    not (check and proven_masks.check(example)):
+            if example is not None and not proven_masks.known_causal(example, check):
                 why = ("the tensor it got while compiling is not the causal mask (a padding mask or a window)" if check
                        else "made where no graph proved it causal (a padding mask, a mask built eagerly, or one "
                             "computed from another graph's inputs), and mask_check is off")

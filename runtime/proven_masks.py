@@ -62,6 +62,12 @@ def is_proven(tensor: Any) -> bool:
     return verdict(tensor) is True
 
 
+def known_causal(tensor: Any, check_values: bool) -> bool:
+    """Whether ``tensor`` is known causal: recorded so (``is_proven``), or, with ``check_values`` (the
+    ``mask_check`` option), found so by ``check``."""
+    return check(tensor) if check_values else is_proven(tensor)
+
+
 def check(tensor: Any) -> bool:
     """Whether ``tensor`` is causal: its recorded verdict, else its values compared on its device
     (``causal_values``) and the verdict recorded."""
@@ -76,10 +82,11 @@ def check(tensor: Any) -> bool:
     return causal
 
 
-def causal_values(mask: torch.Tensor) -> bool:
+def causal_values(mask: torch.Tensor, first_row: int = 0) -> bool:
     """Whether ``mask`` ([..., L, S]: bool with True = attend, or additive float with 0 = attend and -inf or the
-    dtype's lowest value = do not) allows exactly j <= i in every row i, SDPA's ``is_causal``. Computed on the
-    mask's device a block of rows at a time into one flag, read once (the only host sync)."""
+    dtype's lowest value = do not), as rows ``first_row ..`` of a mask, allows exactly j <= i in every row i,
+    SDPA's ``is_causal``. Computed on the mask's device a block of rows at a time into one flag, read once (the
+    only host sync). The compile-time proof (patterns/causal_mask.py) compares its evaluated masks with this too."""
     if mask.dim() < 2 or not (mask.dtype == torch.bool or mask.is_floating_point()):
         return False
     q_len, kv_len = mask.shape[-2], mask.shape[-1]
@@ -88,7 +95,7 @@ def causal_values(mask: torch.Tensor) -> bool:
     with torch.no_grad():
         for start in range(0, q_len, _ROWS_PER_BLOCK):
             part = mask[..., start:start + _ROWS_PER_BLOCK, :]
-            rows = torch.arange(start, start + part.shape[-2], device=mask.device)
+            rows = torch.arange(first_row + start, first_row + start + part.shape[-2], device=mask.device)
             if part.dtype == torch.bool:
                 allowed = part
             else:

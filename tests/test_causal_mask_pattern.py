@@ -13,6 +13,7 @@ from torch import nn
 
 import sloth
 from sloth.patterns import causal_mask, mask_rows
+from sloth.runtime import proven_masks
 from sloth.patterns.causal_mask import causal_mask_pattern, causal_reason, causal_reference
 from tests.pattern_checks import forward_backward, graph_of, seeded
 from tests.test_models import VOCAB, assert_model_close, build, loss_and_grads, tiny_config
@@ -297,7 +298,7 @@ def test_causal_reason_checks_every_broadcast_slice() -> None:
 
 def test_causal_reason_block_by_block(monkeypatch) -> None:
     # The check compares rows a block at a time (no full-size reference); blocks of 3 over 7 rows, last one short.
-    monkeypatch.setattr(causal_mask, "_ROWS_PER_BLOCK", 3)
+    monkeypatch.setattr(proven_masks, "_ROWS_PER_BLOCK", 3)
     assert causal_reason(causal_reference(L, L).expand(B, 1, L, L), L, L) is None
     assert causal_reason(causal_reference(L, L)[None, None, :, :], L, L) is None
     for row in range(L - 1):  # a future key seen in any block
