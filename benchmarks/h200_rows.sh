@@ -60,7 +60,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -300,6 +300,12 @@ case $part in
         run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth
         run long512-L4-unsloth 390 --all --layers 4 --batch 1 --seq 524288 --grad-ckpt --warmup 0 --steps 1 \
+            --variants unsloth ;;
+    long256-l4)  # long-l4-sloth and long-l4-unsloth at 256k only, one call (carry .whl: the bitsandbytes wheel cut to
+        # its CPU and CUDA 13.0 libraries by benchmarks/unsloth_wheels.sh, and .whl/unsloth; limits add to 400 s)
+        run long256-L4-sloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
+            --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
+        run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
     long512-l4)  # long-l4-sloth and long-l4-unsloth at 512k only, one call (carry .whl/unsloth; limits add to 580 s)
         run long512-L4-sloth 300 --all --layers 4 --batch 1 --seq 524288 --grad-ckpt --warmup 0 --steps 1 \
