@@ -9,6 +9,18 @@ Layouts as in transformers 5.24 ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]``
 with ``act`` one of ``"silu"``, ``"gelu_tanh"`` (transformers' ``gelu_pytorch_tanh``) or ``"gelu"`` (erf);
 ``moe_experts_pattern`` below is transformers' eager loop, the test oracle.
 
+GPT-OSS's experts (transformers 5.24 ``GptOssExperts``) are the same sum with three differences, each an
+argument: per-expert biases after both GEMMs (``gate_up_bias [E, 2I]``, ``down_bias [E, H]``; the down bias is
+inside the router weighting), gate and up *interleaved* (``interleaved=True``: gate column j is column 2j of
+``gate_up_proj[e] @ x``, up column j is 2j+1) and ``act="swiglu_oai"``, its clamped GLU::
+
+    g' = min(g, limit),  u' = clamp(u, -limit, limit),  h = g' * sigmoid(alpha * g') * (u' + 1)
+
+(``alpha`` 1.702, ``limit`` 7.0 in its config). Its transposed weight layout (``[E, H, 2I]``, ``[E, I, H]``) is
+the caller's view (the pattern passes ``.transpose(1, 2)``, no copy). For these variants the GLU between the
+GEMMs and its backward run in PyTorch (fp32 inside, each output rounded once) instead of a Triton kernel; the
+dispatch, grouped GEMMs, combine and the recompute of h in the backward are the same.
+
 Dispatch, with no host sync and no data-dependent shape: the S assignments are sorted by expert id (stable, so
 rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
 ``searchsorted`` on the sorted ids (no [S, E] one-hot, no ``bincount``, whose size depends on the largest id).
@@ -35,6 +47,13 @@ h_r = a(g_r) * u_r, y_r = W_d[e] h_r and out_t = sum_r w_r y_r; given dout::
     dx_t     = sum_r W_gu[e]^T d gu_r                (grouped GEMM, then the sum over K as in the forward)
     dW_gu[e] = sum_{r in e} d gu_r x_t^T,   dW_d[e] = sum_{r in e} dout_t (w_r h_r)^T    (2d x 2d grouped GEMMs)
 
+With biases (b1 = gate_up_bias, b2 = down_bias) gu_r includes b1[e] and y_r includes b2[e], so
+``d w_r = <c_r, h_r> + <dout_t, b2[e]>``, ``d b1[e] = sum_{r in e} d gu_r`` and ``d b2[e] = sum_{r in e} w_r dout_t``
+(fp32 sums over each expert's rows by ``index_add_``). The clamped GLU's derivative passes where the clamp did
+not bind (``g <= limit``, ``-limit <= u <= limit``, as ``torch.clamp``'s backward): with s = sigmoid(alpha g')::
+
+    d g = dh * (u' + 1) * (s + alpha g' s (1 - s)) * [g <= limit],    d u = dh * g' s * [|u| <= limit]
+
 Saved for backward: x, the routing, the weights, gu [S, 2I] (the pre-activation: recomputing it would repeat the
 largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: dh, the GLU
 backward, d w and (when the down projection trains) w h are one pass over c and gu
@@ -49,13 +68,16 @@ import torch
 import torch.nn.functional as F
 
 from .devices import check_one_device
-from .glu import glu_forward
+from .glu import glu_backward_reference, glu_forward, glu_reference
 from .moe_kernels import combine, glu_backward_weighted, inverse_permutation
 from .registration import define, fake
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Our activation names -> lowering/glu.py's.
+# Our activation names -> lowering/glu.py's (the Triton GLU kernels' activations).
 ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu": "gelu_erf"}
+# Every activation the op takes: those, and GPT-OSS's clamped GLU (module docstring), which is not a function of
+# the gate alone and runs in PyTorch.
+ALL_ACTIVATIONS = (*ACTIVATIONS, "swiglu_oai")
 
 
 def _act(v: torch.Tensor, act: str) -> torch.Tensor:
@@ -64,9 +86,27 @@ def _act(v: torch.Tensor, act: str) -> torch.Tensor:
     return F.gelu(v, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
+def _gate_and_up(gu: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) columns of gu [.., 2I]: halves, or even and odd columns (GPT-OSS's ``[..., ::2]``, ``[..., 1::2]``)."""
+    return (gu[..., 0::2], gu[..., 1::2]) if interleaved else gu.chunk(2, dim=-1)
+
+
+def glu_math(gu: torch.Tensor, act: str, interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0
+             ) -> torch.Tensor:
+    """The expert GLU h of gu [.., 2I], computed in gu's dtype (the pattern's, eager's, rounding)."""
+    gate, up = _gate_and_up(gu, interleaved)
+    if act == "swiglu_oai":
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return _act(gate, act) * up
+
+
 def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    """transformers 5.24 ``Qwen3MoeExperts.forward``, eager loop (host syncs and all): the meaning and the oracle."""
+                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu",
+                        gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                        interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """transformers 5.24 ``Qwen3MoeExperts.forward`` (``GptOssExperts.forward`` with the biases, ``interleaved``
+    and ``"swiglu_oai"``), eager loop (host syncs and all): the meaning and the oracle."""
     num_experts = gate_up_proj.shape[0]
     final = torch.zeros_like(x)
     with torch.no_grad():
@@ -77,8 +117,12 @@ def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         if expert_idx == num_experts:
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-        gate, up = F.linear(x[token_idx], gate_up_proj[expert_idx]).chunk(2, dim=-1)
-        h = F.linear(_act(gate, act) * up, down_proj[expert_idx])
+        gu = F.linear(x[token_idx], gate_up_proj[expert_idx])
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[expert_idx]
+        h = F.linear(glu_math(gu, act, interleaved, alpha, limit), down_proj[expert_idx])
+        if down_bias is not None:
+            h = h + down_bias[expert_idx]
         h = h * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, h.to(final.dtype))
     return final
@@ -164,10 +208,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_ro
 # Forward and backward
 # ---------------------------------------------------------------------------------------------------
 
-def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act) -> None:
+def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias=None,
+                  down_bias=None) -> None:
     op = "sloth.moe_experts"
-    if act not in ACTIVATIONS:
-        raise ValueError(f"{op}: act must be one of {list(ACTIVATIONS)}, got {act!r}")
+    if act not in ALL_ACTIVATIONS:
+        raise ValueError(f"{op}: act must be one of {list(ALL_ACTIVATIONS)}, got {act!r}")
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be [T, H], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -188,11 +233,48 @@ def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act) -
     if down_proj.dim() != 3 or tuple(down_proj.shape) != (n_experts, x.shape[1], n_inter):
         raise ValueError(f"{op}: down_proj must be [E, H, I] = {(n_experts, x.shape[1], n_inter)} (from gate_up_proj "
                          f"and x), got {tuple(down_proj.shape)}")
-    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+    biases = [(name, b, shape) for name, b, shape in (("gate_up_bias", gate_up_bias, (n_experts, 2 * n_inter)),
+                                                       ("down_bias", down_bias, (n_experts, x.shape[1])))
+              if b is not None]
+    for name, b, shape in biases:
+        if tuple(b.shape) != shape:
+            raise ValueError(f"{op}: {name} must be {list(shape)}, got {tuple(b.shape)}")
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj), *((n, b) for n, b, _ in biases)):
         if w.dtype != x.dtype:
             raise TypeError(f"{op}: {name} must have x's dtype {x.dtype}, got {w.dtype}")
     check_one_device(op, ("x", x), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights),
-                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj))
+                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj), *((n, b) for n, b, _ in biases))
+
+
+def _triton_glu(act: str, interleaved: bool, gate_up_bias, down_bias) -> bool:
+    """Whether the GLU and its weighted backward take the Triton kernels: the plain halves-layout activations
+    without biases (a down bias enters d w, which the kernel does not add)."""
+    return act in ACTIVATIONS and not interleaved and gate_up_bias is None and down_bias is None
+
+
+def _glu_general_backward(c: torch.Tensor, gu: torch.Tensor, w_S: torch.Tensor, act: str, interleaved: bool,
+                          alpha: float, limit: float, want_hw: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(d_gu [S, 2I] in gu's dtype and layout, <c_r, h_r> [S] fp32, w_r h_r [S, I] or None) from c [S, I], the
+    saved gu and the sorted rows' router weights w_S [S] (fp32): the variants ``_triton_glu`` leaves out, in fp32
+    with each output rounded once (module docstring)."""
+    g, u = (t.float() for t in _gate_and_up(gu, interleaved))
+    c32 = c.float()
+    dh = c32 * w_S.unsqueeze(1)
+    if act == "swiglu_oai":
+        gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        s = torch.sigmoid(alpha * gc)
+        a = gc * s
+        h = a * (uc + 1)
+        d_gate = dh * (uc + 1) * (s + alpha * a * (1 - s)) * (g <= limit)
+        d_up = dh * a * ((u >= -limit) & (u <= limit))
+    else:  # lowering/glu.py's fp32 references, on the halves
+        halves = torch.cat([g, u], -1)
+        h = glu_reference(halves, None, ACTIVATIONS[act])
+        d_gate, d_up = glu_backward_reference(dh, halves, None, ACTIVATIONS[act])[0].chunk(2, -1)
+    d_gu = torch.stack([d_gate, d_up], -1).flatten(-2) if interleaved else torch.cat([d_gate, d_up], -1)
+    hw = (h * w_S.unsqueeze(1)).to(gu.dtype) if want_hw else None
+    return d_gu.to(gu.dtype), (c32 * h).sum(-1), hw
 
 
 def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,16 +286,25 @@ def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
 
 
 def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str
+                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str,
+                        gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                        interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, H], gu [S, 2I], order [S], offs [E]); the last three are the backward's residuals."""
-    _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)
+    _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias)
     top_k = top_k_index.shape[1]
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
     x_SH = x[order // top_k]
     gu_S2I = grouped_mm(x_SH, gate_up_proj.transpose(1, 2), offs, sorted_ids)
-    h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
+    if gate_up_bias is not None:
+        gu_S2I = gu_S2I + gate_up_bias[sorted_ids]
+    if _triton_glu(act, interleaved, gate_up_bias, down_bias):
+        h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
+    else:
+        h_SI = glu_math(gu_S2I.float(), act, interleaved, alpha, limit).to(x.dtype)
     y_SH = grouped_mm(h_SI, down_proj.transpose(1, 2), offs, sorted_ids)
+    if down_bias is not None:
+        y_SH = y_SH + down_bias[sorted_ids]
     out = combine(y_SH, inverse_permutation(order), top_k, top_k_weights, x.dtype)
     return out, gu_S2I, order, offs
 
@@ -221,16 +312,42 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
 def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gu: torch.Tensor, order: torch.Tensor,
                          offs: torch.Tensor, act: str, compute_dx: bool, compute_dw: bool, compute_d_gate_up: bool,
-                         compute_d_down: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, d top_k_weights, d gate_up_proj, d down_proj), each an empty tensor where not asked for."""
+                         compute_d_down: bool, gate_up_bias: torch.Tensor | None = None,
+                         down_bias: torch.Tensor | None = None, interleaved: bool = False, alpha: float = 1.702,
+                         limit: float = 7.0, compute_d_gate_up_bias: bool = False, compute_d_down_bias: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d top_k_weights, d gate_up_proj, d down_proj, d gate_up_bias, d down_bias), each an empty tensor where
+    not asked for."""
     top_k = top_k_index.shape[1]
     token_of_row = order // top_k
-    # The experts of the sorted rows, which only the reference grouped GEMM reads: formed once, when it first runs.
+    # The experts of the sorted rows, which the reference grouped GEMM and the biases read: formed once, on first use.
     sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
     dout_SH = dout.to(x.dtype)[token_of_row]
     c_SI = grouped_mm(dout_SH, down_proj, offs, sorted_ids)
-    d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS[act], compute_dw,
-                                              compute_d_down)
+    n_experts = gate_up_proj.shape[0]
+    d_gate_up_bias, d_down_bias = x.new_empty(0), x.new_empty(0)
+    if _triton_glu(act, interleaved, gate_up_bias, down_bias):
+        d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS[act], compute_dw,
+                                                  compute_d_down)
+    else:
+        w_S = top_k_weights.reshape(-1)[order].float()
+        d_gu, dw_rows, hw_SI = _glu_general_backward(c_SI, gu, w_S, act, interleaved, alpha, limit, compute_d_down)
+        if down_bias is not None:
+            # y_r = W_d h_r + b2[e], so d w_r gains <dout_t, b2[e]>; d b2[e] sums w_r dout_t over e's rows
+            b2_SH = down_bias[sorted_ids.value()].float()
+            dw_rows = dw_rows + (dout_SH.float() * b2_SH).sum(-1)
+            if compute_d_down_bias:
+                d_down_bias = torch.zeros((n_experts, x.shape[1]), dtype=torch.float32, device=x.device)
+                d_down_bias.index_add_(0, sorted_ids.value(), dout_SH.float() * w_S.unsqueeze(1))
+                d_down_bias = d_down_bias.to(down_bias.dtype)
+        dw_S = None
+        if compute_dw:
+            dw_S = torch.empty(order.shape, dtype=top_k_weights.dtype, device=x.device)
+            dw_S[order] = dw_rows.to(top_k_weights.dtype)
+        if gate_up_bias is not None and compute_d_gate_up_bias:
+            d_gate_up_bias = torch.zeros((n_experts, gu.shape[1]), dtype=torch.float32, device=x.device)
+            d_gate_up_bias.index_add_(0, sorted_ids.value(), d_gu.float())
+            d_gate_up_bias = d_gate_up_bias.to(gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
     dw = dw_S.view(top_k_weights.shape) if compute_dw else x.new_empty(0)
     d_down = grouped_mm(dout_SH.t(), hw_SI, offs, sorted_ids) if compute_d_down else x.new_empty(0)
@@ -241,7 +358,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     d_gate_up = x.new_empty(0)
     if compute_d_gate_up:
         d_gate_up = grouped_mm(d_gu.t(), x[token_of_row], offs, sorted_ids)
-    return dx, dw, d_gate_up, d_down
+    return dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,21 +366,27 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
 # ---------------------------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, top_k_index, top_k_weights, gate_up_proj, down_proj, act = inputs
+    x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias, interleaved, alpha, \
+        limit = inputs
     _, gu, order, offs = output
-    ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs)
+    ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, gate_up_bias,
+                          down_bias)
     ctx.mark_non_differentiable(gu, order, offs)  # residuals returned to be saved, not used
-    ctx.act = act
+    ctx.act, ctx.interleaved, ctx.alpha, ctx.limit = act, interleaved, alpha, limit
 
 
 def _backward(ctx, dout, _dgu, _dorder, _doffs):
-    x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    dx, dw, d_gate_up, d_down = torch.ops.sloth.moe_experts_backward(
+    x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, gate_up_bias, down_bias = \
+        ctx.saved_tensors
+    passed = len(ctx.needs_input_grad)  # the arguments given: the defaults left out have no entry
+    need = (*ctx.needs_input_grad, *(False,) * (11 - passed))
+    dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias = torch.ops.sloth.moe_experts_backward(
         dout, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, ctx.act,
-        need[0], need[2], need[3], need[4])
+        need[0], need[2], need[3], need[4], gate_up_bias, down_bias, ctx.interleaved, ctx.alpha, ctx.limit,
+        need[6], need[7])
     return (dx if need[0] else None, None, dw if need[2] else None, d_gate_up if need[3] else None,
-            d_down if need[4] else None, None)
+            d_down if need[4] else None, None, d_gate_up_bias if need[6] else None,
+            d_down_bias if need[7] else None, None, None, None)[:passed]
 
 
 @functools.cache
@@ -273,8 +396,10 @@ def register() -> None:
     bwd = define("sloth::moe_experts_backward", moe_experts_backward)
 
     @fake(fwd)
-    def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
-        _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)  # shapes only: fake-safe
+    def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias=None, down_bias=None,
+          interleaved=False, alpha=1.702, limit=7.0):
+        _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias,
+                      down_bias)  # shapes only: fake-safe
         n_rows = top_k_index.numel()
         return (x.new_empty(x.shape), x.new_empty((n_rows, gate_up_proj.shape[1])),
                 top_k_index.new_empty((n_rows,), dtype=torch.int64),
@@ -282,17 +407,23 @@ def register() -> None:
 
     @fake(bwd)
     def _(dout, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, act,
-          compute_dx, compute_dw, compute_d_gate_up, compute_d_down):
+          compute_dx, compute_dw, compute_d_gate_up, compute_d_down, gate_up_bias=None, down_bias=None,
+          interleaved=False, alpha=1.702, limit=7.0, compute_d_gate_up_bias=False, compute_d_down_bias=False):
+        with_bias = lambda b, wanted: b.new_empty(b.shape) if b is not None and wanted else x.new_empty(0)  # noqa: E731
         return (x.new_empty(x.shape if compute_dx else 0),
                 top_k_weights.new_empty(top_k_weights.shape) if compute_dw else x.new_empty(0),
                 gate_up_proj.new_empty(gate_up_proj.shape) if compute_d_gate_up else x.new_empty(0),
-                down_proj.new_empty(down_proj.shape) if compute_d_down else x.new_empty(0))
+                down_proj.new_empty(down_proj.shape) if compute_d_down else x.new_empty(0),
+                with_bias(gate_up_bias, compute_d_gate_up_bias), with_bias(down_bias, compute_d_down_bias))
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                down_proj: torch.Tensor, act: str = "silu") -> torch.Tensor:
+                down_proj: torch.Tensor, act: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, interleaved: bool = False, alpha: float = 1.702,
+                limit: float = 7.0) -> torch.Tensor:
     """Fused MoE experts, equal to ``moe_experts_pattern``; see the module docstring for the math."""
     register()
-    return torch.ops.sloth.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act)[0]
+    return torch.ops.sloth.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias,
+                                       down_bias, interleaved, alpha, limit)[0]

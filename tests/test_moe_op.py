@@ -97,6 +97,69 @@ def test_fp32_router_weights_with_low_precision_x(dtype):
     assert actual[2].dtype == torch.float32
 
 
+# ---------------------------------------------------------------------------------------------------
+# GPT-OSS's experts: biases, interleaved gate/up, the clamped GLU
+# ---------------------------------------------------------------------------------------------------
+
+GPT_OSS_GRAD_NAMES = (*GRAD_NAMES, "d_gate_up_bias", "d_down_bias")
+VARIANTS = {  # id -> (act, interleaved, biases)
+    "swiglu_oai-interleaved-biases": ("swiglu_oai", True, True),  # GPT-OSS itself
+    "swiglu_oai-halves": ("swiglu_oai", False, False),
+    "silu-interleaved": ("silu", True, False),
+    "gelu-biases": ("gelu", False, True),
+}
+
+
+def check_variant(masters, biases_masters, dtype, act, interleaved, frozen=False):
+    """Forward and every gradient (x, router weights, expert weights and, when present, both biases) of the op
+    against the pattern at ``dtype`` and in float64; experts and biases frozen when ``frozen``."""
+    x, index, weights, gate_up, down, dout = masters
+
+    def run(fn, cast):
+        x_, w_, gu_, d_ = (cast(t).requires_grad_() for t in (x, weights, gate_up, down))
+        for t in (gu_, d_):
+            t.requires_grad_(not frozen)
+        b = [cast(t).requires_grad_(not frozen) for t in biases_masters]
+        out = fn(x_, index, w_, gu_, d_, act, *(b or (None, None)), interleaved=interleaved, alpha=1.702, limit=7.0)
+        wrt = [x_, w_] + ([] if frozen else [gu_, d_, *b])
+        return [out.detach(), *torch.autograd.grad(out, wrt, cast(dout))]
+
+    actual = run(moe_experts, lambda t: t.to(dtype))
+    eager = run(moe_experts_pattern, lambda t: t.to(dtype))
+    reference = run(moe_experts_pattern, lambda t: t.to(dtype).double())
+    for name, a, e, r in zip(GPT_OSS_GRAD_NAMES, actual, eager, reference):
+        assert_close(name, a, e, r)
+    return actual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["T13-H24-I20-E5-K2-expert3-empty", "T17-H32-I16-E4-K2-aligned"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpt_oss_variants_match_pattern(variant, shape, dtype):
+    act, interleaved, with_biases = VARIANTS[variant]
+    T, H, I, E, K, unused = SHAPES[shape]
+    masters = list(make_inputs(T, H, I, E, K, seed=5, unused_experts=unused))
+    masters[3] = masters[3] * 6  # pre-activations up to ~15: past GPT-OSS's limit of 7, so both clamps bind
+    g = torch.Generator().manual_seed(6)
+    biases = [torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g) * 0.5] if with_biases else []
+    gu = torch.einsum("th,eih->tei", masters[0], masters[3])
+    assert (gu > 7).any() and (gu < -7).any()  # the clamp's masks are exercised, not only its identity
+    out, dx, dw, dgu, ddown, *dbias = check_variant(masters, biases, dtype, act, interleaved)
+    for e in unused:  # an expert with no token: exactly zero gradients, biases' included
+        assert not dgu[e].any() and not ddown[e].any() and all(not d[e].any() for d in dbias)
+    assert len(dbias) == (2 if with_biases else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpt_oss_frozen_experts_and_biases(dtype):
+    # LoRA on attention only: experts and their biases frozen get no gradient; x and the router weights theirs.
+    T, H, I, E, K, unused = SHAPES["T13-H24-I20-E5-K2"]
+    masters = make_inputs(T, H, I, E, K, seed=7)
+    g = torch.Generator().manual_seed(8)
+    biases = [torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)]
+    check_variant(masters, biases, dtype, "swiglu_oai", True, frozen=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_grouped_mm_and_reference_paths_agree(monkeypatch, dtype):
     # The aligned shape runs torch._grouped_mm's CPU kernel; forcing the reference must give the same numbers.
@@ -297,6 +360,10 @@ BAD_INPUTS = [
                  id="down-wrong-E"),
     pytest.param(dict(down_proj=lambda t: t[..., :5]), ValueError, r"down_proj must be \[E, H, I\]", id="down-wrong-I"),
     pytest.param(dict(down_proj=lambda t: t.bfloat16()), TypeError, r"down_proj must have x's dtype", id="down-bf16"),
+    pytest.param(dict(gate_up_bias=torch.zeros(3, 11)), ValueError, r"gate_up_bias must be \[3, 12\], got \(3, 11\)",
+                 id="gate-up-bias-shape"),
+    pytest.param(dict(down_bias=torch.zeros(3, 8, dtype=torch.bfloat16)), TypeError,
+                 r"down_bias must have x's dtype", id="down-bias-bf16"),
 ]
 
 
