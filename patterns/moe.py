@@ -46,11 +46,10 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..compiler.anchors import expert_operand, expert_weight_arg, is_expert_gemm, op_name
 from ..compiler.fx_utils import insert_call, module_path, replace_and_erase, source_location, tensor_of
@@ -90,7 +89,16 @@ class MoeSite:
     w1: fx.Node
     w2: fx.Node
     region: list[fx.Node]
+    b1: Optional[fx.Node] = None  # the gate/up GEMM's per-expert bias [E, 2I]
+    b2: Optional[fx.Node] = None  # the down GEMM's per-expert bias [E, H]
     act: str = ""
+    transposed: bool = False  # weights stored [E, H, 2I] and [E, I, H] (GPT-OSS): the op gets transposed views
+    interleaved: bool = False  # gate and up in alternate columns (GPT-OSS's [..., ::2], [..., 1::2])
+    alpha: float = 1.702  # swiglu_oai's constants, read off the region
+    limit: float = 7.0
+
+    def inputs(self) -> tuple[fx.Node, ...]:
+        return tuple(n for n in (self.x, self.idx, self.w, self.w1, self.w2, self.b1, self.b2) if n is not None)
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
@@ -173,10 +181,30 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[Optional[MoeSite], Optio
     if not ints or not floats:
         return None, f"no [{tokens}, {top_k}] expert ids and router weights found upstream of the experts"
     idx, w = ints[-1], floats[-1]
-    region, why_not = _region(out, {x, idx, w, w1, w2})
+    inputs = {x, idx, w, w1, w2}
+    n_experts, widths = e1[0], {_shape(gemm1)[1], _shape(x)[1]}
+
+    def bias_shaped(node: fx.Node) -> bool:  # [E, 2I] or [E, H], float: a per-expert bias of one of the GEMMs
+        value = _value(node)
+        return value is not None and value.is_floating_point() and value.dim() == 2 \
+            and value.shape[0] == n_experts and value.shape[1] in widths
+
+    biases: list[fx.Node] = []
+    region, why_not = _region(out, inputs, bias_shaped, biases)
     if why_not:
         return None, why_not
-    return MoeSite(out, x, idx, w, w1, w2, region), None
+    # told apart by whether the second GEMM's operands are computed from them (the gate/up bias, added in place or
+    # not; transformers adds the down bias in place into the second GEMM's output, so not the GEMM's own region),
+    # not by width, which is the same for both where 2I = H
+    upstream_of_down: list[fx.Node] = []
+    for operand in gemm2.all_input_nodes:
+        _region(operand, inputs, bias_shaped, upstream_of_down)
+    b1 = [b for b in biases if b in upstream_of_down]
+    b2 = [b for b in biases if b not in upstream_of_down]
+    if len(b1) > 1 or len(b2) > 1:
+        return None, (f"the experts read {len(biases)} per-expert [E, n] inputs "
+                      f"({', '.join(repr(str(b.target)) for b in biases)}): more than one bias a GEMM")
+    return MoeSite(out, x, idx, w, w1, w2, region, b1[0] if b1 else None, b2[0] if b2 else None), None
 
 
 def _nearest(starts: list[fx.Node], shape: tuple) -> Optional[fx.Node]:
@@ -194,13 +222,19 @@ def _nearest(starts: list[fx.Node], shape: tuple) -> Optional[fx.Node]:
     return None
 
 
-def _region(out: fx.Node, inputs: set[fx.Node]) -> tuple[list[fx.Node], Optional[str]]:
-    """The nodes ``out`` is computed from back to ``inputs``, with the writes into them, in graph order."""
+def _region(out: fx.Node, inputs: set[fx.Node], extra: Optional[Callable[[fx.Node], bool]] = None,
+            found: Optional[list[fx.Node]] = None) -> tuple[list[fx.Node], Optional[str]]:
+    """The nodes ``out`` is computed from back to ``inputs``, with the writes into them, in graph order. A graph
+    input for which ``extra`` holds is another input of the region, appended to ``found``; any other is refused."""
     region: set[fx.Node] = set()
     stack = [out]
     while stack:
         node = stack.pop()
         if node in region or node in inputs:
+            continue
+        if node.op == "placeholder" and extra is not None and extra(node):
+            if node not in found:
+                found.append(node)
             continue
         if node.op == "placeholder":
             what = ("an adapter applied beside the expert GEMMs (not merged into their weights, as peft's "
@@ -244,11 +278,17 @@ def _probe(site: MoeSite, seed: int, scale: float) -> dict[fx.Node, torch.Tensor
     n_experts = w1.shape[0]
     tokens, top_k = idx.shape
     choice = torch.rand(tokens, n_experts, generator=g, device=x.device).argsort(-1)[:, :top_k]
-    return {site.x: (scale * torch.randn(x.shape, generator=g, device=x.device)).to(x.dtype),
-            site.idx: choice.to(idx.dtype),
-            site.w: torch.rand(w.shape, generator=g, device=x.device).to(w.dtype),
-            site.w1: (torch.randn(w1.shape, generator=g, device=x.device) / w1.shape[-1] ** 0.5).to(w1.dtype),
-            site.w2: (torch.randn(w2.shape, generator=g, device=x.device) / w2.shape[-1] ** 0.5).to(w2.dtype)}
+    fan_in = (w1.shape[1], w2.shape[1]) if site.transposed else (w1.shape[2], w2.shape[2])
+    probe = {site.x: (scale * torch.randn(x.shape, generator=g, device=x.device)).to(x.dtype),
+             site.idx: choice.to(idx.dtype),
+             site.w: torch.rand(w.shape, generator=g, device=x.device).to(w.dtype),
+             site.w1: (torch.randn(w1.shape, generator=g, device=x.device) / fan_in[0] ** 0.5).to(w1.dtype),
+             site.w2: (torch.randn(w2.shape, generator=g, device=x.device) / fan_in[1] ** 0.5).to(w2.dtype)}
+    for bias in (site.b1, site.b2):
+        if bias is not None:
+            value = _value(bias)
+            probe[bias] = torch.randn(value.shape, generator=g, device=x.device).to(value.dtype)
+    return probe
 
 
 def _accept(site: MoeSite) -> Optional[str]:
@@ -256,16 +296,21 @@ def _accept(site: MoeSite) -> Optional[str]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     x, w1, w2, out = (_value(n) for n in (site.x, site.w1, site.w2, site.out))
-    if w1.shape[2] != x.shape[1] or w2.shape[1] != x.shape[1] or w1.shape[1] != 2 * w2.shape[2]:
+    hidden = x.shape[1]
+    if w1.shape[2] == hidden and w2.shape[1] == hidden and w1.shape[1] == 2 * w2.shape[2]:
+        site.transposed = False
+    elif w1.shape[1] == hidden and w2.shape[2] == hidden and w1.shape[2] == 2 * w2.shape[1]:
+        site.transposed = True  # [E, H, 2I] and [E, I, H], GPT-OSS's: x @ W[e]
+    else:
         return (f"its expert weights {tuple(w1.shape)} and {tuple(w2.shape)} are not [E, 2I, H] and [E, H, I] "
-                f"for hidden size {x.shape[1]} (a transposed or ungated layout)")
+                f"(nor [E, H, 2I] and [E, I, H]) for hidden size {hidden}: an ungated layout")
     if out.dtype not in PROBE_TOLERANCE or x.dtype not in PROBE_TOLERANCE:
         return f"its dtype {out.dtype} is not one the fused op supports"
     needed = 2 * (w1.numel() + w2.numel()) * w1.element_size() + 8 * _value(site.idx).numel() * w1.shape[1] * 4
     if needed > PROBE_BYTES:
         return f"probing it would hold about {needed / 2**30:.1f} GiB, more than sloth allows itself"
     moe = _lowering()
-    rows, inter = _value(site.idx).numel(), w2.shape[2]
+    rows, inter = _value(site.idx).numel(), w2.shape[1 if site.transposed else 2]
     reference_bytes = rows * 2 * inter * x.shape[1] * x.element_size()
     if not moe.grouped_mm_runs(x.device, x.dtype, x.shape[1], inter) and reference_bytes > REFERENCE_BYTES:
         return (f"torch._grouped_mm does not run {str(x.dtype).replace('torch.', '')} experts of width {inter} on "
@@ -279,21 +324,50 @@ def _accept(site: MoeSite) -> Optional[str]:
             values = [_evaluate(site, p).float() for p in probes]
         except Exception as error:  # an op that cannot run outside the graph: leave the site as it was
             return f"evaluating it on a probe failed ({type(error).__name__}: {error})"
-        errors = {}
-        for act in _candidate_activations(site.region):
-            worst = 0.0
-            for probe, value in zip(probes, values):
-                ref = moe.moe_experts_pattern(probe[site.x].float(), probe[site.idx], probe[site.w].float(),
-                                              probe[site.w1].float(), probe[site.w2].float(), act)
-                worst = max(worst, float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
-            errors[act] = worst
+        constants = _swiglu_oai_constants(site.region)
+        acts = _candidate_activations(site.region) + (("swiglu_oai",) if constants else ())
+        alpha, limit = constants or (site.alpha, site.limit)
+        errors: dict[tuple[str, bool], float] = {}
+        for interleaved in (False, True):  # gate/up in halves first; alternate columns only if no halves match
+            for act in acts:
+                worst = 0.0
+                for probe, value in zip(probes, values):
+                    w1p, w2p = (probe[n].float() for n in (site.w1, site.w2))
+                    if site.transposed:
+                        w1p, w2p = w1p.transpose(1, 2), w2p.transpose(1, 2)
+                    b1, b2 = (probe[b].float() if b is not None else None for b in (site.b1, site.b2))
+                    ref = moe.moe_experts_pattern(probe[site.x].float(), probe[site.idx], probe[site.w].float(),
+                                                  w1p, w2p, act, b1, b2, interleaved, alpha, limit)
+                    worst = max(worst, float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+                errors[act, interleaved] = worst
+            if min(errors.values()) <= tolerance:
+                break
     closest = min(errors, key=errors.get)
     if errors[closest] <= tolerance:
-        site.act = closest
+        site.act, site.interleaved = closest
+        site.alpha, site.limit = alpha, limit
         return None
-    return (f"on random probes it is not sum_k w * down(act(gate x) * up x) for any supported activation (closest: "
-            f"{closest}, relative error {errors[closest]:.2g}): a clamped or offset GLU, interleaved gate/up, "
-            "token dropping or a post-expert norm")
+    return (f"on random probes it is not sum_k w * down(act(gate x) * up x) for any supported activation and "
+            f"gate/up layout (closest: {closest[0]}{', interleaved' if closest[1] else ''}, relative error "
+            f"{errors[closest]:.2g}): an offset or clamped GLU other than GPT-OSS's, token dropping or a post-expert "
+            "norm")
+
+
+def _swiglu_oai_constants(region: list[fx.Node]) -> Optional[tuple[float, float]]:
+    """(alpha, limit) of a GPT-OSS clamped GLU in the region, ``g * sigmoid(alpha * g)`` with a clamp at ``limit``,
+    or None: alpha is the constant a ``sigmoid``'s operand is scaled by, limit the largest upper bound of a clamp.
+    The probes then check the function; these only say which constants to check it with."""
+    alphas, limits = [], []
+    for node in region:
+        name = op_name(node)
+        if name == "sigmoid" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "mul":
+            alphas += [a for a in node.args[0].args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        elif name in ("clamp", "clip", "clamp_max"):
+            bound = node.kwargs.get("max", node.args[1] if name == "clamp_max" and len(node.args) > 1 else
+                                    node.args[2] if len(node.args) > 2 else None)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > 0:
+                limits.append(float(bound))
+    return (float(alphas[0]), max(limits)) if len(set(alphas)) == 1 and limits else None
 
 
 def _candidate_activations(region: list[fx.Node]) -> tuple[str, ...]:
@@ -354,17 +428,26 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                 report.rejected_nodes.append((FAMILY, second))
             continue
         out = _value(site.out)
+        w1, w2 = site.w1, site.w2
+        if site.transposed:  # the op's [E, 2I, H] / [E, H, I] as views of [E, H, 2I] / [E, I, H]: no copy
+            w1, w2 = (insert_call(gm.graph, site.out, torch.transpose, (w, 1, 2), meta_from=site.out)
+                      for w in (w1, w2))
         fused = insert_call(gm.graph, site.out, torch.ops.sloth.moe_experts.default,
-                            (site.x, site.idx, site.w, site.w1, site.w2, site.act), meta_from=site.out)
+                            (site.x, site.idx, site.w, w1, w2, site.act, site.b1, site.b2, site.interleaved,
+                             site.alpha, site.limit), meta_from=site.out)
         y = insert_call(gm.graph, site.out, operator.getitem, (fused, 0), meta_from=site.out)
         if _value(y).dtype != out.dtype:
             y = insert_call(gm.graph, site.out, torch.Tensor.to, (y, out.dtype), meta_from=site.out)
-        erased = replace_and_erase(site.out, y, keep=(site.x, site.idx, site.w, site.w1, site.w2))
+        erased = replace_and_erase(site.out, y, keep=site.inputs())
         _erase_dead(site.region, erased)
-        x, w1 = _value(site.x), _value(site.w1)
+        x, w1_value = _value(site.x), _value(site.w1)
         computed = [n for n in (site.w1, site.w2) if n.op != "placeholder"]
+        variant = "".join((f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else "",
+                           ", interleaved gate/up" if site.interleaved else "",
+                           ", biases" if site.b1 is not None or site.b2 is not None else "",
+                           ", transposed weights" if site.transposed else ""))
         report.replaced(Site(FAMILY, "sloth.moe_experts", module_path(anchor), source_location(anchor),
-                             f"{w1.shape[0]} experts, top-{_value(site.idx).shape[1]}, {site.act}, "
+                             f"{w1_value.shape[0]} experts, top-{_value(site.idx).shape[1]}, {site.act}{variant}, "
                              f"{str(x.dtype).replace('torch.', '')}"
                              + (f"; {len(computed)} of its expert weights computed in the graph (an adapter's "
                                 "merged weight, as peft's target_parameters forms it)" if computed else "")))
