@@ -26,21 +26,29 @@ graph, the op reads its result, and the op's weight gradient flows back through 
 weight and its gradient are formed as in eager; the adapters' products are not fused into the GEMMs yet).
 
 The candidate *region* is every node ``out`` is computed from, back to those five (and the in-place writes into
-them, such as transformers' ``inv_perm[perm] = arange``). A region reading anything else (a bias, a shared
-expert, a parameter of a post-expert norm) is refused with its name.
+them, such as transformers' ``inv_perm[perm] = arange`` and its in-place bias adds). It may also read per-expert
+biases: float graph inputs [E, 2I] or [E, H], at most one a GEMM, the gate/up bias being the one the second GEMM's
+operands are computed from (GPT-OSS's). A region reading anything else (a shared expert, a parameter of a
+post-expert norm, an adapter beside the GEMMs) is refused with its name.
 
-How it is accepted: the region is a function of (x, idx, w, W1, W2) alone, so it is evaluated at compile time on
-two random probes of the real shapes (random tokens of size 1 and of size 16, distinct random experts a token,
-random router weights, random expert weights) and compared with ``moe_experts_pattern`` for each activation;
-one that agrees on both probes within the dtype's tolerance is taken. This is a test of the function, as the
-packed-attention family's mask check is, not a proof; it tells apart the activations, gate/up order and
-layouts sloth supports from the variants it does not (GPT-OSS's clamped ``(up + 1)`` GLU, interleaved gate/up,
-transposed layouts, capacity limits that drop tokens), which then stay, with the reason.
+Weights stored transposed, ``[E, H, 2I]`` and ``[E, I, H]`` (GPT-OSS, ``x @ W[e]``), are read as such from the
+shapes; the op then gets ``.transpose(1, 2)`` views (no copy).
 
-Not yet: top-1 routing (K = 1: the sum over k is no reduction to find the output by), expert biases and adapters
-applied beside the expert GEMMs rather than merged into their weights (reported: the region reads another input),
-transformers' ``eager`` expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one
-graph).
+How it is accepted: the region is a function of its inputs alone, so it is evaluated at compile time on two
+random probes of the real shapes (random tokens of size 1 and of size 16, distinct random experts a token, random
+router weights, random expert weights and biases) and compared with ``moe_experts_pattern`` for each candidate:
+the activations an ``F.silu`` / ``F.gelu`` of the region names (else all three), plus GPT-OSS's clamped
+``swiglu_oai`` where the region holds a ``sigmoid`` of a constant times its operand (alpha) and a clamp (its
+largest upper bound: limit), each with gate/up in halves and, if none matches, interleaved. One that agrees on
+both probes within the dtype's tolerance is taken. This is a test of the function, as the packed-attention
+family's mask check is, not a proof; it tells apart the activations, gate/up orders and layouts sloth supports
+from the variants it does not (another offset or clamp, capacity limits that drop tokens, a post-expert norm),
+which then stay, with the reason.
+
+Not yet: top-1 routing (K = 1: the sum over k is no reduction to find the output by), adapters applied beside the
+expert GEMMs rather than merged into their weights (reported: the region reads another input), ungated experts
+(``act(x W1) W2``, Nemotron-H's), expert GEMMs written with ``einsum`` (not an anchor), transformers' ``eager``
+expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one graph).
 """
 from __future__ import annotations
 
