@@ -1,15 +1,20 @@
 """MoE experts benchmark: transformers' eager expert loop and its grouped_mm path against sloth's op.
 
-    python -m benchmarks.ops.moe_experts [--smoke]
+    python -m benchmarks.ops.moe_experts [--smoke] [--gpt-oss]
 
 Qwen3-30B-A3B (Qwen3-MoE) shape: 4096 tokens, H=2048, I=768, E=128 experts, top-8, bf16, SwiGLU; uniform random
 routing. The op is GEMM-bound: FLOPs fwd 6 S H I (S = T K assignments: gate_up 4 S H I, down 2 S H I), bwd about
 twice that (12 S H I with the weight gradients), so a TFLOP/s column is added. Minimal bytes (the "% copy"
 columns): the expert weights once (3 E I H e) plus x and out (2 T H e) forward, twice that backward.
 No inductor provider: Dynamo breaks the eager loop's graph at its data-dependent ``nonzero``.
+
+``--gpt-oss``: GPT-OSS-20B's experts instead (H=2880, I=2880, E=32, top-4): weights stored transposed
+(``[E, H, 2I]``, ``[E, I, H]``), biases on both GEMMs, gate/up interleaved, the clamped GLU (alpha 1.702, limit 7),
+as transformers' ``GptOssExperts`` computes them and as sloth's op takes them (transposed views, ``swiglu_oai``).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -33,10 +38,41 @@ def _transformers_grouped(x, index, weights, gate_up, down):
     return grouped_mm_experts_forward(experts, x, index, weights)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, device = harness.start(__doc__, argv)
+def _transformers_gpt_oss(x, index, weights, gate_up, down, gate_up_bias, down_bias):
+    """transformers 5.x's ``grouped_mm`` forward as ``GptOssExperts`` runs it: transposed weights, biases, its
+    ``_apply_gate`` (interleaved gate/up, clamps, ``(up + 1)``)."""
+    import types
+
+    from transformers.integrations.moe import grouped_mm_experts_forward
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts = types.SimpleNamespace(gate_up_proj=gate_up, down_proj=down, gate_up_proj_bias=gate_up_bias,
+                                    down_proj_bias=down_bias, num_experts=gate_up.shape[0], has_gate=True,
+                                    has_bias=True, is_transposed=True, has_post_expert_norm=False,
+                                    _is_expert_parallel=False, alpha=1.702, limit=7.0)
+    experts._apply_gate = lambda gate_up_out: GptOssExperts._apply_gate(experts, gate_up_out)
+    return grouped_mm_experts_forward(experts, x, index, weights)
+
+
+def _gpt_oss_providers():
+    """(name -> fn of x, index, weights, gate_up [E, H, 2I], down [E, I, H], gate_up_bias, down_bias)."""
     from sloth.lowering.moe import moe_experts, moe_experts_pattern
 
+    def views(fn):
+        return lambda x, i, w, gu, d, b1, b2: fn(x, i, w, gu.transpose(1, 2), d.transpose(1, 2), "swiglu_oai", b1, b2,
+                                                 interleaved=True, alpha=1.702, limit=7.0)
+    return {"eager": views(moe_experts_pattern), "transformers grouped_mm": _transformers_gpt_oss,
+            "sloth": views(moe_experts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpt-oss", action="store_true", help="GPT-OSS-20B's experts (see the docstring)")
+    args, device = harness.start(__doc__, argv, parser)
+    from sloth.lowering.moe import moe_experts, moe_experts_pattern
+
+    if args.gpt_oss:
+        return _main_gpt_oss(args, device)
     T, H, I, E, K = (13, 24, 20, 5, 2) if args.smoke else (4096, 2048, 768, 128, 8)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     copy_gbps = common.copy_bandwidth_gbps()
@@ -61,6 +97,39 @@ def main(argv: list[str] | None = None) -> int:
     print(common.render_text(columns, rows))
     if not args.smoke:
         record = common.result_record("moe_experts", {"dtype": "bfloat16", "copy_gbps": copy_gbps}, columns, rows)
+        for path in common.write_result(record):
+            print(f"wrote {path}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _main_gpt_oss(args, device: str) -> int:
+    T, H, I, E, K = (13, 24, 20, 5, 2) if args.smoke else (4096, 2880, 2880, 32, 4)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    copy_gbps = common.copy_bandwidth_gbps()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)
+    weights = torch.softmax(torch.randn(T, K, generator=gen), -1).to(device, dtype).requires_grad_()
+    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
+    # gate/up scaled so pre-activations pass the clamp at 7 now and then, as trained GPT-OSS weights do
+    gate_up = (torch.randn(E, H, 2 * I, generator=gen) * 3 / H ** 0.5).to(device, dtype).requires_grad_()
+    down = (torch.randn(E, I, H, generator=gen) / I ** 0.5).to(device, dtype).requires_grad_()
+    gate_up_bias = torch.randn(E, 2 * I, generator=gen).to(device, dtype).requires_grad_()
+    down_bias = (torch.randn(E, H, generator=gen) * 0.1).to(device, dtype).requires_grad_()
+    e = x.element_size()
+    fwd_bytes = (3 * E * I * H + 2 * T * H) * e
+    nbytes = {"fwd": fwd_bytes, "bwd": 2 * fwd_bytes, "fwd+bwd": 3 * fwd_bytes}
+    S = T * K
+    flops = {"fwd": 6 * S * H * I, "bwd": 12 * S * H * I, "fwd+bwd": 18 * S * H * I}
+    rows = harness.run(f"gpt-oss T{T} H{H} I{I} E{E} K{K}", _gpt_oss_providers(),
+                       [x, index, weights, gate_up, down, gate_up_bias, down_bias], nbytes, copy_gbps)
+    columns = harness.COLUMNS[:4] + ["TFLOP/s"] + harness.COLUMNS[4:]
+    for row in rows:
+        if row.get("ms"):
+            row["TFLOP/s"] = flops[row["mode"]] / (row["ms"] * 1e-3) / 1e12
+    print(common.render_text(columns, rows))
+    if not args.smoke:
+        record = common.result_record("moe_experts_gpt_oss", {"dtype": "bfloat16", "copy_gbps": copy_gbps}, columns,
+                                      rows)
         for path in common.write_result(record):
             print(f"wrote {path}")
     return 1 if any("error" in r for r in rows) else 0
