@@ -18,8 +18,9 @@ inside the router weighting), gate and up *interleaved* (``interleaved=True``: g
 
 (``alpha`` 1.702, ``limit`` 7.0 in its config). Its transposed weight layout (``[E, H, 2I]``, ``[E, I, H]``) is
 the caller's view (the pattern passes ``.transpose(1, 2)``, no copy). For these variants the GLU between the
-GEMMs and its backward run in PyTorch (fp32 inside, each output rounded once) instead of a Triton kernel; the
-dispatch, grouped GEMMs, combine and the recompute of h in the backward are the same.
+GEMMs is ``moe_kernels.expert_glu_forward`` (the gate/up bias added in it) and its backward the same weighted
+kernel as the others' (lowering/moe_kernels.py); the dispatch, grouped GEMMs, combine and the recompute of h in
+the backward are the same.
 
 Dispatch, with no host sync and no data-dependent shape: the S assignments are sorted by expert id (stable, so
 rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
@@ -68,8 +69,8 @@ import torch
 import torch.nn.functional as F
 
 from .devices import check_one_device
-from .glu import glu_backward_reference, glu_forward, glu_reference
-from .moe_kernels import combine, glu_backward_weighted, inverse_permutation
+from .glu import glu_forward
+from .moe_kernels import combine, expert_glu_forward, expert_glu_math, glu_backward_weighted, inverse_permutation
 from .registration import define, fake
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,21 +85,6 @@ def _act(v: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
         return F.silu(v)
     return F.gelu(v, approximate="tanh" if act == "gelu_tanh" else "none")
-
-
-def _gate_and_up(gu: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate, up) columns of gu [.., 2I]: halves, or even and odd columns (GPT-OSS's ``[..., ::2]``, ``[..., 1::2]``)."""
-    return (gu[..., 0::2], gu[..., 1::2]) if interleaved else gu.chunk(2, dim=-1)
-
-
-def glu_math(gu: torch.Tensor, act: str, interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0
-             ) -> torch.Tensor:
-    """The expert GLU h of gu [.., 2I], computed in gu's dtype (the pattern's, eager's, rounding)."""
-    gate, up = _gate_and_up(gu, interleaved)
-    if act == "swiglu_oai":
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return gate * torch.sigmoid(gate * alpha) * (up + 1)
-    return _act(gate, act) * up
 
 
 def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -120,7 +106,7 @@ def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         gu = F.linear(x[token_idx], gate_up_proj[expert_idx])
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[expert_idx]
-        h = F.linear(glu_math(gu, act, interleaved, alpha, limit), down_proj[expert_idx])
+        h = F.linear(expert_glu_math(gu, act, interleaved, alpha, limit), down_proj[expert_idx])
         if down_bias is not None:
             h = h + down_bias[expert_idx]
         h = h * top_k_weights[token_idx, top_k_pos, None]
@@ -246,35 +232,10 @@ def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, g
                      ("gate_up_proj", gate_up_proj), ("down_proj", down_proj), *((n, b) for n, b, _ in biases))
 
 
-def _triton_glu(act: str, interleaved: bool, gate_up_bias, down_bias) -> bool:
-    """Whether the GLU and its weighted backward take the Triton kernels: the plain halves-layout activations
-    without biases (a down bias enters d w, which the kernel does not add)."""
-    return act in ACTIVATIONS and not interleaved and gate_up_bias is None and down_bias is None
-
-
-def _glu_general_backward(c: torch.Tensor, gu: torch.Tensor, w_S: torch.Tensor, act: str, interleaved: bool,
-                          alpha: float, limit: float, want_hw: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(d_gu [S, 2I] in gu's dtype and layout, <c_r, h_r> [S] fp32, w_r h_r [S, I] or None) from c [S, I], the
-    saved gu and the sorted rows' router weights w_S [S] (fp32): the variants ``_triton_glu`` leaves out, in fp32
-    with each output rounded once (module docstring)."""
-    g, u = (t.float() for t in _gate_and_up(gu, interleaved))
-    c32 = c.float()
-    dh = c32 * w_S.unsqueeze(1)
-    if act == "swiglu_oai":
-        gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-        s = torch.sigmoid(alpha * gc)
-        a = gc * s
-        h = a * (uc + 1)
-        d_gate = dh * (uc + 1) * (s + alpha * a * (1 - s)) * (g <= limit)
-        d_up = dh * a * ((u >= -limit) & (u <= limit))
-    else:  # lowering/glu.py's fp32 references, on the halves
-        halves = torch.cat([g, u], -1)
-        h = glu_reference(halves, None, ACTIVATIONS[act])
-        d_gate, d_up = glu_backward_reference(dh, halves, None, ACTIVATIONS[act])[0].chunk(2, -1)
-    d_gu = torch.stack([d_gate, d_up], -1).flatten(-2) if interleaved else torch.cat([d_gate, d_up], -1)
-    hw = (h * w_S.unsqueeze(1)).to(gu.dtype) if want_hw else None
-    return d_gu.to(gu.dtype), (c32 * h).sum(-1), hw
+def _dense_glu(act: str, interleaved: bool, gate_up_bias) -> bool:
+    """Whether the forward's GLU is lowering/glu.py's (the dense MLP's kernel): a gate-only activation on halves with
+    no gate/up bias; else moe_kernels.expert_glu_forward."""
+    return act in ACTIVATIONS and not interleaved and gate_up_bias is None
 
 
 def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,12 +257,11 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
     x_SH = x[order // top_k]
     gu_S2I = grouped_mm(x_SH, gate_up_proj.transpose(1, 2), offs, sorted_ids)
-    if gate_up_bias is not None:
-        gu_S2I = gu_S2I + gate_up_bias[sorted_ids]
-    if _triton_glu(act, interleaved, gate_up_bias, down_bias):
+    if _dense_glu(act, interleaved, gate_up_bias):
         h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
     else:
-        h_SI = glu_math(gu_S2I.float(), act, interleaved, alpha, limit).to(x.dtype)
+        gu_S2I, h_SI = expert_glu_forward(gu_S2I, gate_up_bias, sorted_ids, ACTIVATIONS.get(act, act), interleaved,
+                                          alpha, limit)
     y_SH = grouped_mm(h_SI, down_proj.transpose(1, 2), offs, sorted_ids)
     if down_bias is not None:
         y_SH = y_SH + down_bias[sorted_ids]
@@ -326,28 +286,20 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     c_SI = grouped_mm(dout_SH, down_proj, offs, sorted_ids)
     n_experts = gate_up_proj.shape[0]
     d_gate_up_bias, d_down_bias = x.new_empty(0), x.new_empty(0)
-    if _triton_glu(act, interleaved, gate_up_bias, down_bias):
-        d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS[act], compute_dw,
-                                                  compute_d_down)
-    else:
-        w_S = top_k_weights.reshape(-1)[order].float()
-        d_gu, dw_rows, hw_SI = _glu_general_backward(c_SI, gu, w_S, act, interleaved, alpha, limit, compute_d_down)
-        if down_bias is not None:
-            # y_r = W_d h_r + b2[e], so d w_r gains <dout_t, b2[e]>; d b2[e] sums w_r dout_t over e's rows
-            b2_SH = down_bias[sorted_ids.value()].float()
-            dw_rows = dw_rows + (dout_SH.float() * b2_SH).sum(-1)
-            if compute_d_down_bias:
-                d_down_bias = torch.zeros((n_experts, x.shape[1]), dtype=torch.float32, device=x.device)
-                d_down_bias.index_add_(0, sorted_ids.value(), dout_SH.float() * w_S.unsqueeze(1))
-                d_down_bias = d_down_bias.to(down_bias.dtype)
-        dw_S = None
-        if compute_dw:
-            dw_S = torch.empty(order.shape, dtype=top_k_weights.dtype, device=x.device)
-            dw_S[order] = dw_rows.to(top_k_weights.dtype)
-        if gate_up_bias is not None and compute_d_gate_up_bias:
-            d_gate_up_bias = torch.zeros((n_experts, gu.shape[1]), dtype=torch.float32, device=x.device)
-            d_gate_up_bias.index_add_(0, sorted_ids.value(), d_gu.float())
-            d_gate_up_bias = d_gate_up_bias.to(gate_up_bias.dtype)
+    d_w_add = None
+    if down_bias is not None:
+        # y_r = W_d h_r + b2[e], so d w_r gains <dout_t, b2[e]>; d b2[e] sums w_r dout_t over e's rows
+        b2_SH = down_bias[sorted_ids.value()].float()
+        d_w_add = (dout_SH.float() * b2_SH).sum(-1) if compute_dw else None
+        if compute_d_down_bias:
+            w_S1 = top_k_weights.reshape(-1)[order].float().unsqueeze(1)
+            d_down_bias = torch.zeros((n_experts, x.shape[1]), dtype=torch.float32, device=x.device)
+            d_down_bias = d_down_bias.index_add_(0, sorted_ids.value(), dout_SH.float() * w_S1).to(down_bias.dtype)
+    d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS.get(act, act), compute_dw,
+                                              compute_d_down, interleaved, alpha, limit, d_w_add)
+    if gate_up_bias is not None and compute_d_gate_up_bias:
+        d_gate_up_bias = torch.zeros((n_experts, gu.shape[1]), dtype=torch.float32, device=x.device)
+        d_gate_up_bias = d_gate_up_bias.index_add_(0, sorted_ids.value(), d_gu.float()).to(gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
     dw = dw_S.view(top_k_weights.shape) if compute_dw else x.new_empty(0)
     d_down = grouped_mm(dout_SH.t(), hw_SI, offs, sorted_ids) if compute_d_down else x.new_empty(0)

@@ -23,7 +23,19 @@ forward and h_r = a(g_r) * u_r::
     hw_r  = w_r h_r                     (only when the down projection trains: its weight gradient's operand)
 
 all in fp32 from the loaded values, each output rounded once (the first version rounded dh and h to the input dtype
-before using them again).
+before using them again). ``d_w_add`` [S] (fp32, sorted-row order), when given, is added to d w_r before its
+rounding: the down bias's term <dout_t, b2[e]> (lowering/moe.py).
+
+GPT-OSS's experts (lowering/moe.py's docstring) add two things both kernels take as constexprs: gate and up
+*interleaved* (gate column j of a row at 2j, up at 2j+1, and d_gu written in the same layout) and the activation
+``swiglu_oai``, a function of gate and up together::
+
+    g' = min(g, limit),  u' = clamp(u, -limit, limit),  s = sigmoid(alpha g'),  h = g' s (u' + 1)
+    dh/dg = (u' + 1)(s + alpha g' s (1 - s)) [g <= limit],    dh/du = g' s [-limit <= u <= limit]
+
+(the masks are ``torch.clamp``'s backward's). ``expert_glu_forward`` is the forward of those variants: the GLU
+with the gate/up bias of each row's expert added first, the biased pre-activation written back over gu (it is what
+the backward reads) rounded to gu's dtype, as eager's ``gu + b[e]`` is, and h computed from the rounded values.
 """
 from __future__ import annotations
 
@@ -32,7 +44,8 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
-from .glu import ACTIVATIONS, _activation_and_derivative, glu_backward_reference, glu_reference
+from .glu import ACTIVATIONS, _activation, _activation_and_derivative, _sigmoid_pair, glu_backward_reference, \
+    glu_reference
 from .host_math import cdiv, next_power_of_2
 from .registration import launch
 from .rounding import round_to
@@ -99,15 +112,145 @@ def combine(rows: torch.Tensor, inverse: torch.Tensor, top_k: int, scale: torch.
 
 
 # ---------------------------------------------------------------------------------------------------
+# The expert GLU's variants: interleaved gate/up, GPT-OSS's clamped GLU, the gate/up bias
+# ---------------------------------------------------------------------------------------------------
+
+_SWIGLU_OAI = tl.constexpr(3)  # after lowering/glu.py's activations 0-2
+# The kernels' activation codes by lowering/glu.py's names, and swiglu_oai.
+EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value}
+
+
+@triton.jit
+def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
+    """(h, dh/dg, dh/du) in fp32 (module docstring)."""
+    if ACTIVATION == _SWIGLU_OAI:
+        b_gc = tl.minimum(b_g, limit)
+        b_uc = tl.minimum(tl.maximum(b_u, -limit), limit)
+        b_av = alpha * b_gc  # named: see glu.py's _activation
+        b_s, b_1ms = _sigmoid_pair(b_av)
+        b_a = b_gc * b_s
+        b_h = b_a * (b_uc + 1.0)
+        b_dg = tl.where(b_g <= limit, (b_uc + 1.0) * (b_s + alpha * b_a * b_1ms), 0.0)
+        b_du = tl.where((b_u >= -limit) & (b_u <= limit), b_a, 0.0)
+    else:
+        b_a, b_da = _activation_and_derivative(b_g, ACTIVATION)
+        b_h = b_a * b_u
+        b_dg = b_u * b_da
+        b_du = b_a
+    return b_h, b_dg, b_du
+
+
+@triton.jit
+def _expert_glu(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
+    """h in fp32 (module docstring)."""
+    if ACTIVATION == _SWIGLU_OAI:
+        b_gc = tl.minimum(b_g, limit)
+        b_uc = tl.minimum(tl.maximum(b_u, -limit), limit)
+        b_av = alpha * b_gc
+        b_s, _ = _sigmoid_pair(b_av)
+        b_h = b_gc * b_s * (b_uc + 1.0)
+    else:
+        b_h = _activation(b_g, ACTIVATION) * b_u
+    return b_h
+
+
+@triton.jit
+def _gate_up_columns(o_n, n_cols, INTERLEAVED: tl.constexpr):
+    """The columns of gu holding gate column o_n and up column o_n."""
+    if INTERLEAVED:
+        o_g = 2 * o_n
+        o_u = 2 * o_n + 1
+    else:
+        o_g = o_n
+        o_u = n_cols + o_n
+    return o_g, o_u
+
+
+@triton.jit
+def _expert_glu_fwd_kernel(
+    p_gu, p_bias, p_ids, p_h,
+    n_rows, n_cols, stride_gu, stride_bias, stride_h, alpha, limit,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """A BLOCK_M x BLOCK_N tile of h (and, with HAS_BIAS, of the biased gu written back in place)."""
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mn = (o_m < n_rows)[:, None] & (o_n < n_cols)[None, :]
+    o_g, o_u = _gate_up_columns(o_n, n_cols, INTERLEAVED)
+    p_g = p_gu + o_m[:, None] * stride_gu + o_g[None, :]
+    p_u = p_gu + o_m[:, None] * stride_gu + o_u[None, :]
+    b_g = tl.load(p_g, mask=m_mn, other=0.0).to(tl.float32)
+    b_u = tl.load(p_u, mask=m_mn, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        o_e = tl.load(p_ids + o_m, mask=o_m < n_rows, other=0).to(tl.int64)
+        p_b = p_bias + o_e[:, None] * stride_bias
+        b_g = round_to(b_g + tl.load(p_b + o_g[None, :], mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+        b_u = round_to(b_u + tl.load(p_b + o_u[None, :], mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+        # each element is loaded and stored by the same program, and its loads are consumed above
+        tl.debug_barrier()
+        tl.store(p_g, b_g, mask=m_mn)
+        tl.store(p_u, b_u, mask=m_mn)
+        b_g = b_g.to(tl.float32)
+        b_u = b_u.to(tl.float32)
+    b_h = _expert_glu(b_g, b_u, alpha, limit, ACTIVATION)
+    tl.store(p_h + o_m[:, None] * stride_h + o_n[None, :], round_to(b_h, p_h.dtype.element_ty), mask=m_mn)
+
+
+def expert_glu_math(gu: torch.Tensor, activation: str, interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
+    """h of gu [.., 2I] (``activation`` one of EXPERT_ACTIVATIONS' names), in gu's dtype's arithmetic: eager's."""
+    import torch.nn.functional as F
+
+    gate, up = (gu[..., 0::2], gu[..., 1::2]) if interleaved else gu.chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+
+
+def expert_glu_forward_reference(gu: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, activation: str,
+                                 interleaved: bool, alpha: float, limit: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_glu_forward`` in plain PyTorch (fp32 inside, each output rounded once)."""
+    if bias is not None:
+        gu = gu + bias[ids]
+    return gu, expert_glu_math(gu.float(), activation, interleaved, alpha, limit).to(gu.dtype)
+
+
+def expert_glu_forward(gu: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, activation: str,
+                       interleaved: bool, alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gu + bias[ids] (gu itself, written in place, when Triton runs), h [S, I]) from gu [S, 2I], the gate/up
+    bias [E, 2I] or None and the sorted rows' experts ``ids`` [S] (module docstring)."""
+    n_rows, n_cols = gu.shape[0], gu.shape[1] // 2
+    if not use_triton(gu) or gu.stride(1) != 1 or (bias is not None and bias.stride(1) != 1):
+        return expert_glu_forward_reference(gu, bias, ids, activation, interleaved, alpha, limit)
+    h = torch.empty((n_rows, n_cols), dtype=gu.dtype, device=gu.device)
+    if n_rows and n_cols:
+        # Tiles of ~4K elements as lowering/glu.py's (not swept)
+        block_n = min(next_power_of_2(n_cols), 256)
+        block_m = max(1, min(16, 4096 // block_n))
+        launch(_expert_glu_fwd_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+            gu, bias if bias is not None else gu, ids, h, n_rows, n_cols, gu.stride(0),
+            bias.stride(0) if bias is not None else 0, h.stride(0), float(alpha), float(limit),
+            ACTIVATION=EXPERT_ACTIVATIONS[activation], INTERLEAVED=interleaved, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        )
+    return gu, h
+
+
+# ---------------------------------------------------------------------------------------------------
 # glu_backward_weighted
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
 def _glu_backward_weighted_kernel(
-    p_c, p_gu, p_weights, p_order, p_dgu, p_dw, p_hw,
-    n_rows, n_cols, stride_c, stride_gu, stride_dgu, stride_hw,
+    p_c, p_gu, p_weights, p_order, p_dgu, p_dw, p_hw, p_dw_add,
+    n_rows, n_cols, stride_c, stride_gu, stride_dgu, stride_hw, alpha, limit,
     ACTIVATION: tl.constexpr, STORE_DW: tl.constexpr, STORE_HW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr = False, HAS_DW_ADD: tl.constexpr = False,
 ):
     """BLOCK_M sorted rows a program, their n_cols = I columns in BLOCK_N chunks (d w_r sums over all of them)."""
     i_m = tl.program_id(0)
@@ -119,49 +262,70 @@ def _glu_backward_weighted_kernel(
     for i_n in range(0, tl.cdiv(n_cols, BLOCK_N)):
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mn = m_m[:, None] & (o_n < n_cols)[None, :]
+        o_g, o_u = _gate_up_columns(o_n, n_cols, INTERLEAVED)
         b_c = tl.load(p_c + o_m[:, None] * stride_c + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
-        b_g = tl.load(p_gu + o_m[:, None] * stride_gu + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
-        b_u = tl.load(p_gu + o_m[:, None] * stride_gu + n_cols + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
-        b_a, b_da = _activation_and_derivative(b_g, ACTIVATION)
-        b_h = b_a * b_u
+        b_g = tl.load(p_gu + o_m[:, None] * stride_gu + o_g[None, :], mask=m_mn, other=0.0).to(tl.float32)
+        b_u = tl.load(p_gu + o_m[:, None] * stride_gu + o_u[None, :], mask=m_mn, other=0.0).to(tl.float32)
+        b_h, b_dhdg, b_dhdu = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
         b_dh = b_c * b_w[:, None]
-        tl.store(p_dgu + o_m[:, None] * stride_dgu + o_n[None, :], round_to(b_dh * b_u * b_da,
-                 p_dgu.dtype.element_ty), mask=m_mn)
-        tl.store(p_dgu + o_m[:, None] * stride_dgu + n_cols + o_n[None, :], round_to(b_dh * b_a,
-                 p_dgu.dtype.element_ty), mask=m_mn)
+        tl.store(p_dgu + o_m[:, None] * stride_dgu + o_g[None, :], round_to(b_dh * b_dhdg, p_dgu.dtype.element_ty),
+                 mask=m_mn)
+        tl.store(p_dgu + o_m[:, None] * stride_dgu + o_u[None, :], round_to(b_dh * b_dhdu, p_dgu.dtype.element_ty),
+                 mask=m_mn)
         if STORE_DW:
             b_dw += tl.sum(b_c * b_h, axis=1)
         if STORE_HW:
             tl.store(p_hw + o_m[:, None] * stride_hw + o_n[None, :], round_to(b_h * b_w[:, None],
                      p_hw.dtype.element_ty), mask=m_mn)
     if STORE_DW:
+        if HAS_DW_ADD:
+            b_dw += tl.load(p_dw_add + o_m, mask=m_m, other=0.0)
         tl.store(p_dw + o_src, round_to(b_dw, p_dw.dtype.element_ty), mask=m_m)
 
 
 def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
-                                    activation: str, want_dw: bool, want_hw: bool
+                                    activation: str, want_dw: bool, want_hw: bool, interleaved: bool = False,
+                                    alpha: float = 1.702, limit: float = 7.0, d_w_add: torch.Tensor | None = None
                                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``glu_backward_weighted`` in plain PyTorch (fp32 inside, each output rounded once)."""
     w_S1 = weights.reshape(-1)[order].float().unsqueeze(1)
     dh = c.float() * w_S1
-    d_gu, _ = glu_backward_reference(dh, gu.float(), None, activation)
-    h = glu_reference(gu.float(), None, activation)
+    gate, up = ((gu[:, 0::2], gu[:, 1::2]) if interleaved else gu.chunk(2, -1))
+    g, u = gate.float(), up.float()
+    if activation == "swiglu_oai":
+        gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        s = torch.sigmoid(alpha * gc)
+        a = gc * s
+        h = a * (uc + 1)
+        d_gate = dh * (uc + 1) * (s + alpha * a * (1 - s)) * (g <= limit)
+        d_up = dh * a * ((u >= -limit) & (u <= limit))
+    else:  # lowering/glu.py's fp32 references, on the halves
+        halves = torch.cat([g, u], -1)
+        h = glu_reference(halves, None, activation)
+        d_gate, d_up = glu_backward_reference(dh, halves, None, activation)[0].chunk(2, -1)
+    d_gu = torch.stack([d_gate, d_up], -1).flatten(-2) if interleaved else torch.cat([d_gate, d_up], -1)
     dw = None
     if want_dw:
+        dw_rows = (c.float() * h).sum(-1)
+        if d_w_add is not None:
+            dw_rows = dw_rows + d_w_add
         dw = torch.empty(order.shape, dtype=weights.dtype, device=c.device)
-        dw[order] = (c.float() * h).sum(-1).to(weights.dtype)
+        dw[order] = dw_rows.to(weights.dtype)
     hw = (h * w_S1).to(gu.dtype) if want_hw else None
     return d_gu.to(gu.dtype), dw, hw
 
 
 def glu_backward_weighted(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
-                          activation: str, want_dw: bool, want_hw: bool
+                          activation: str, want_dw: bool, want_hw: bool, interleaved: bool = False,
+                          alpha: float = 1.702, limit: float = 7.0, d_w_add: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(d_gu [S, 2I] in gu's dtype, dw [T*K] in weights' dtype or None, hw [S, I] in gu's dtype or None) from
-    c [S, I], gu [S, 2I] (gate half first), the router weights [T, K] and the sort order [S] (module docstring)."""
+    """(d_gu [S, 2I] in gu's dtype and layout, dw [T*K] in weights' dtype or None, hw [S, I] in gu's dtype or None)
+    from c [S, I], gu [S, 2I], the router weights [T, K], the sort order [S] and, for a down bias, ``d_w_add`` [S]
+    (module docstring); ``activation`` one of EXPERT_ACTIVATIONS' names."""
     n_rows, n_cols = c.shape
     if not use_triton(c) or c.stride(1) != 1 or gu.stride(1) != 1:
-        return glu_backward_weighted_reference(c, gu, weights, order, activation, want_dw, want_hw)
+        return glu_backward_weighted_reference(c, gu, weights, order, activation, want_dw, want_hw, interleaved,
+                                               alpha, limit, d_w_add)
     weights_flat = weights.reshape(-1)
     d_gu = torch.empty((n_rows, 2 * n_cols), dtype=gu.dtype, device=c.device)
     dw = torch.empty((n_rows,), dtype=weights.dtype, device=c.device) if want_dw else None
@@ -170,10 +334,13 @@ def glu_backward_weighted(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tens
         # Tiles of 16 rows x up to 256 columns (~4K elements, the GLU kernels' size) looping over I; not swept.
         block_n = min(next_power_of_2(n_cols), 256)
         block_m = max(1, min(16, 4096 // block_n))
+        d_w_add = d_w_add.float().contiguous() if d_w_add is not None else None
         launch(_glu_backward_weighted_kernel)[(cdiv(n_rows, block_m),)](
             c, gu, weights_flat, order, d_gu, dw if dw is not None else d_gu, hw if hw is not None else d_gu,
+            d_w_add if d_w_add is not None else d_gu,
             n_rows, n_cols, c.stride(0), gu.stride(0), d_gu.stride(0), hw.stride(0) if hw is not None else 0,
-            ACTIVATION=ACTIVATIONS[activation], STORE_DW=want_dw, STORE_HW=want_hw,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            float(alpha), float(limit),
+            ACTIVATION=EXPERT_ACTIVATIONS[activation], STORE_DW=want_dw, STORE_HW=want_hw,
+            BLOCK_M=block_m, BLOCK_N=block_n, INTERLEAVED=interleaved, HAS_DW_ADD=d_w_add is not None, num_warps=4,
         )
     return d_gu, dw, hw

@@ -278,7 +278,13 @@ def test_the_kernels_run_where_triton_runs(monkeypatch):
 
     monkeypatch.setattr(moe_kernels, "combine_reference", refuse)
     monkeypatch.setattr(moe_kernels, "glu_backward_weighted_reference", refuse)
+    monkeypatch.setattr(moe_kernels, "expert_glu_forward_reference", refuse)
     check_against_pattern(make_inputs(13, 24, 20, 5, 2), torch.float32, "silu")
+    masters = list(make_inputs(13, 24, 20, 5, 2))
+    masters[3] = masters[3] * 6
+    g = torch.Generator().manual_seed(6)
+    check_variant(masters, [torch.randn(5, 40, generator=g), torch.randn(5, 24, generator=g)], torch.bfloat16,
+                  "swiglu_oai", True)
 
 
 # ---------------------------------------------------------------------------------------------------
