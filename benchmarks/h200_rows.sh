@@ -304,7 +304,10 @@ case $part in
         run long512-L4-unsloth 390 --all --layers 4 --batch 1 --seq 524288 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
     moe-gpt-oss)  # issue 20: the moe_experts op at GPT-OSS-20B's experts (biases, interleaved, clamped GLU, transposed)
-        # beside transformers' grouped_mm path, then at Qwen3-MoE's (the default path, unchanged; limits add to 260 s)
+        # beside transformers' grouped_mm path, then at Qwen3-MoE's (the default path), after the MoE CUDA op checks
+        # (limits add to 410 s)
+        [ -z "${DRY:-}" ] && { timeout 150 python -m pytest tests/test_cuda_ops.py -q -x -p no:cacheprovider -k moe \
+            > "$out/logs/cuda_ops_moe.log" 2>&1; echo "cuda_ops moe: rc $?"; tail -3 "$out/logs/cuda_ops_moe.log"; }
         op_bench moe_experts_gpt_oss 150 moe_experts --gpt-oss
         op_bench moe_experts 110 moe_experts ;;
     long256-l4)  # long-l4-sloth and long-l4-unsloth at 256k only, one call (carry .whl: the bitsandbytes wheel cut to

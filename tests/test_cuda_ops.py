@@ -41,6 +41,21 @@ def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype):
     moe_tests.check_against_pattern(masters, dtype, "gelu_tanh", frozen=True)
 
 
+@pytest.mark.parametrize("T,H,I,E,K,unused,dtype", [
+    pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),
+    pytest.param(13, 24, 20, 5, 2, (3,), torch.bfloat16, id="odd-bf16"),
+    pytest.param(300, 256, 96, 16, 4, (5,), torch.bfloat16, id="aligned-bf16"),
+    pytest.param(1024, 2880, 2880, 32, 4, (), torch.bfloat16, id="gpt-oss-20b-bf16")])  # GPT-OSS-20B's experts
+def test_moe_gpt_oss_on_cuda(T, H, I, E, K, unused, dtype):
+    # GPT-OSS's variant (biases, interleaved gate/up, the clamped GLU), its two kernels compiled for the GPU
+    masters = list(_cuda(moe_tests.make_inputs(T, H, I, E, K, seed=5, unused_experts=unused)))
+    masters[3] = masters[3] * 6  # pre-activations past the clamp at 7
+    g = torch.Generator().manual_seed(6)
+    biases = _cuda([torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g) * 0.5])
+    moe_tests.check_variant(masters, biases, dtype, "swiglu_oai", True)
+    moe_tests.check_variant(masters, biases, dtype, "swiglu_oai", True, frozen=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 33), (13, 100), (4096, 2048)], ids=["7x33", "13x100", "4096x2048"])
 def test_layer_norm_on_cuda(shape, dtype):
