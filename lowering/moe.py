@@ -50,7 +50,7 @@ h_r = a(g_r) * u_r, y_r = W_d[e] h_r and out_t = sum_r w_r y_r; given dout::
 
 With biases (b1 = gate_up_bias, b2 = down_bias) gu_r includes b1[e] and y_r includes b2[e], so
 ``d w_r = <c_r, h_r> + <dout_t, b2[e]>``, ``d b1[e] = sum_{r in e} d gu_r`` and ``d b2[e] = sum_{r in e} w_r dout_t``
-(fp32 sums over each expert's rows by ``index_add_``). The clamped GLU's derivative passes where the clamp did
+(fp32 sums over each expert's sorted rows, ``moe_kernels.segment_sum``: no atomics). The clamped GLU's derivative passes where the clamp did
 not bind (``g <= limit``, ``-limit <= u <= limit``, as ``torch.clamp``'s backward): with s = sigmoid(alpha g')::
 
     d g = dh * (u' + 1) * (s + alpha g' s (1 - s)) * [g <= limit],    d u = dh * g' s * [|u| <= limit]
@@ -70,7 +70,8 @@ import torch.nn.functional as F
 
 from .devices import check_one_device
 from .glu import glu_forward
-from .moe_kernels import combine, expert_glu_forward, expert_glu_math, glu_backward_weighted, inverse_permutation
+from .moe_kernels import (combine, expert_glu_forward, expert_glu_math, glu_backward_weighted, inverse_permutation,
+                          segment_sum)
 from .registration import define, fake
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -284,7 +285,6 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
     dout_SH = dout.to(x.dtype)[token_of_row]
     c_SI = grouped_mm(dout_SH, down_proj, offs, sorted_ids)
-    n_experts = gate_up_proj.shape[0]
     d_gate_up_bias, d_down_bias = x.new_empty(0), x.new_empty(0)
     d_w_add = None
     if down_bias is not None:
@@ -292,14 +292,12 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
         b2_SH = down_bias[sorted_ids.value()].float()
         d_w_add = (dout_SH.float() * b2_SH).sum(-1) if compute_dw else None
         if compute_d_down_bias:
-            w_S1 = top_k_weights.reshape(-1)[order].float().unsqueeze(1)
-            d_down_bias = torch.zeros((n_experts, x.shape[1]), dtype=torch.float32, device=x.device)
-            d_down_bias = d_down_bias.index_add_(0, sorted_ids.value(), dout_SH.float() * w_S1).to(down_bias.dtype)
+            d_down_bias = segment_sum(dout_SH, offs, sorted_ids.value(), top_k_weights.reshape(-1)[order],
+                                      down_bias.dtype)
     d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS.get(act, act), compute_dw,
                                               compute_d_down, interleaved, alpha, limit, d_w_add)
     if gate_up_bias is not None and compute_d_gate_up_bias:
-        d_gate_up_bias = torch.zeros((n_experts, gu.shape[1]), dtype=torch.float32, device=x.device)
-        d_gate_up_bias = d_gate_up_bias.index_add_(0, sorted_ids.value(), d_gu.float()).to(gate_up_bias.dtype)
+        d_gate_up_bias = segment_sum(d_gu, offs, sorted_ids.value(), None, gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
     dw = dw_S.view(top_k_weights.shape) if compute_dw else x.new_empty(0)
     d_down = grouped_mm(dout_SH.t(), hw_SI, offs, sorted_ids) if compute_d_down else x.new_empty(0)

@@ -242,6 +242,61 @@ def expert_glu_forward(gu: torch.Tensor, bias: torch.Tensor | None, ids: torch.T
 
 
 # ---------------------------------------------------------------------------------------------------
+# segment_sum: the per-expert biases' gradients
+# ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _segment_sum_kernel(
+    p_rows, p_scale, p_offs, p_out, n_cols, stride_rows, stride_out,
+    HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One expert (program 0) by one column block (program 1): out[e, cols] = sum over its sorted rows."""
+    i_e, i_n = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < n_cols
+    i_end = tl.load(p_offs + i_e).to(tl.int64)
+    i_start = tl.load(p_offs + i_e - 1, mask=i_e > 0, other=0).to(tl.int64)
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i_m in range(i_start, i_end, BLOCK_M):
+        o_m = i_m + tl.arange(0, BLOCK_M).to(tl.int64)
+        m_m = o_m < i_end
+        b_row = tl.load(p_rows + o_m[:, None] * stride_rows + o_n[None, :], mask=m_m[:, None] & m_n[None, :],
+                        other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            b_row = b_row * tl.load(p_scale + o_m, mask=m_m, other=0.0).to(tl.float32)[:, None]
+        b_acc += b_row
+    tl.store(p_out + i_e * stride_out + o_n, round_to(tl.sum(b_acc, axis=0), p_out.dtype.element_ty), mask=m_n)
+
+
+def segment_sum_reference(rows: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor | None,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """``segment_sum`` in plain PyTorch (fp32 ``index_add_`` by each row's expert ``ids``, one rounding)."""
+    values = rows.float() if scale is None else rows.float() * scale.float().unsqueeze(1)
+    out = torch.zeros((offs.shape[0], rows.shape[1]), dtype=torch.float32, device=rows.device)
+    return out.index_add_(0, ids, values).to(out_dtype)
+
+
+def segment_sum(rows: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """[E, N] in ``out_dtype``: out[e] = sum of (scale[r] *) rows[r] over expert e's sorted rows r, those below
+    ``offs[e]`` (int32 ends) and from ``offs[e-1]``; ``ids`` [S] is each row's expert (for the reference only).
+    In fp32 in row order, rounded once: deterministic, with no atomics. ``index_add_`` onto E rows from S = T*K
+    rows (32 of 16384 for GPT-OSS-20B) makes every atomic add contend for the same few addresses."""
+    n_cols = rows.shape[1]
+    if not use_triton(rows) or rows.stride(1) != 1:
+        return segment_sum_reference(rows, offs, ids, scale, out_dtype)
+    out = torch.empty((offs.shape[0], n_cols), dtype=out_dtype, device=rows.device)
+    if out.numel():
+        # 32 rows x 128 columns a step; the grid is E x column blocks (GPT-OSS-20B: 32 x 45 programs for d b1)
+        block_n = min(next_power_of_2(n_cols), 128)
+        launch(_segment_sum_kernel)[(offs.shape[0], cdiv(n_cols, block_n))](
+            rows, scale if scale is not None else rows, offs, out, n_cols, rows.stride(0), out.stride(0),
+            HAS_SCALE=scale is not None, BLOCK_M=32, BLOCK_N=block_n, num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # glu_backward_weighted
 # ---------------------------------------------------------------------------------------------------
 

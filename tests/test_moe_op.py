@@ -151,6 +151,24 @@ def test_gpt_oss_variants_match_pattern(variant, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+def test_segment_sum_sums_each_experts_rows(dtype, scaled):
+    # The biases' gradients: each expert's sorted rows summed in fp32 (no atomics), empty experts (first, middle and
+    # last) exactly zero, against the fp64 sum by expert id.
+    g = torch.Generator().manual_seed(3)
+    ids = torch.sort(torch.tensor([1, 1, 2, 4, 4, 4, 5, 1, 2, 2, 5, 4, 1, 1, 1, 2, 4] * 3)).values
+    offs = torch.searchsorted(ids, torch.arange(7), right=True, out_int32=True)
+    rows = torch.randn(ids.shape[0], 37, generator=g).to(dtype)
+    scale = torch.rand(ids.shape[0], generator=g) if scaled else None
+    out = moe_kernels.segment_sum(rows, offs, ids, scale, dtype)
+    eager = moe_kernels.segment_sum_reference(rows, offs, ids, scale, dtype)
+    values = rows.double() * (scale.double()[:, None] if scaled else 1)
+    reference = torch.zeros(7, 37, dtype=torch.float64).index_add_(0, ids, values)
+    assert out.dtype == dtype and not out[[0, 3, 6]].any()
+    assert_close("segment_sum", out, eager, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpt_oss_frozen_experts_and_biases(dtype):
     # LoRA on attention only: experts and their biases frozen get no gradient; x and the router weights theirs.
     T, H, I, E, K, unused = SHAPES["T13-H24-I20-E5-K2"]
@@ -279,6 +297,7 @@ def test_the_kernels_run_where_triton_runs(monkeypatch):
     monkeypatch.setattr(moe_kernels, "combine_reference", refuse)
     monkeypatch.setattr(moe_kernels, "glu_backward_weighted_reference", refuse)
     monkeypatch.setattr(moe_kernels, "expert_glu_forward_reference", refuse)
+    monkeypatch.setattr(moe_kernels, "segment_sum_reference", refuse)
     check_against_pattern(make_inputs(13, 24, 20, 5, 2), torch.float32, "silu")
     masters = list(make_inputs(13, 24, 20, 5, 2))
     masters[3] = masters[3] * 6
