@@ -16,7 +16,8 @@ inside the router weighting), gate and up *interleaved* (``interleaved=True``: g
 
     g' = min(g, limit),  u' = clamp(u, -limit, limit),  h = g' * sigmoid(alpha * g') * (u' + 1)
 
-(``alpha`` 1.702, ``limit`` 7.0 in its config). Its transposed weight layout (``[E, H, 2I]``, ``[E, I, H]``) is
+(``alpha`` 1.702, ``limit`` 7.0 in its config). DeepSeek-V4 and Hunyuan-V4 clamp the same way around a plain
+SwiGLU, without alpha or the ``+ 1``: ``act="silu_clamped"``, ``h = silu(g') * u'``. Its transposed weight layout (``[E, H, 2I]``, ``[E, I, H]``) is
 the caller's view (the pattern passes ``.transpose(1, 2)``, no copy). For these variants the GLU between the
 GEMMs is ``moe_kernels.expert_glu_forward`` (the gate/up bias added in it) and its backward the same weighted
 kernel as the others' (lowering/moe_kernels.py); the dispatch, grouped GEMMs, combine and the recompute of h in
@@ -77,9 +78,9 @@ from .registration import define, fake
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Our activation names -> lowering/glu.py's (the Triton GLU kernels' activations).
 ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu": "gelu_erf"}
-# Every activation the op takes: those, and GPT-OSS's clamped GLU (module docstring), which is not a function of
-# the gate alone and runs in PyTorch.
-ALL_ACTIVATIONS = (*ACTIVATIONS, "swiglu_oai")
+# Every activation the op takes: those, GPT-OSS's clamped GLU and DeepSeek-V4's clamped SwiGLU (module docstring),
+# functions of gate and up together (lowering/moe_kernels.py's expert GLU kernels).
+ALL_ACTIVATIONS = (*ACTIVATIONS, "swiglu_oai", "silu_clamped")
 
 
 def _act(v: torch.Tensor, act: str) -> torch.Tensor:

@@ -33,7 +33,9 @@ GPT-OSS's experts (lowering/moe.py's docstring) add two things both kernels take
     g' = min(g, limit),  u' = clamp(u, -limit, limit),  s = sigmoid(alpha g'),  h = g' s (u' + 1)
     dh/dg = (u' + 1)(s + alpha g' s (1 - s)) [g <= limit],    dh/du = g' s [-limit <= u <= limit]
 
-(the masks are ``torch.clamp``'s backward's). ``expert_glu_forward`` is the forward of those variants: the GLU
+(the masks are ``torch.clamp``'s backward's), and ``silu_clamped`` (DeepSeek-V4's, Hunyuan-V4's), the same clamps
+around a plain SwiGLU: ``h = silu(g') u'``, ``dh/dg = u' s (1 + g' (1 - s)) [g <= limit]`` with s = sigmoid(g'),
+``dh/du = silu(g') [-limit <= u <= limit]``. ``expert_glu_forward`` is the forward of those variants: the GLU
 with the gate/up bias of each row's expert added first, the biased pre-activation written back over gu (it is what
 the backward reads) rounded to gu's dtype, as eager's ``gu + b[e]`` is, and h computed from the rounded values.
 """
@@ -116,8 +118,9 @@ def combine(rows: torch.Tensor, inverse: torch.Tensor, top_k: int, scale: torch.
 # ---------------------------------------------------------------------------------------------------
 
 _SWIGLU_OAI = tl.constexpr(3)  # after lowering/glu.py's activations 0-2
-# The kernels' activation codes by lowering/glu.py's names, and swiglu_oai.
-EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value}
+_SILU_CLAMPED = tl.constexpr(4)
+# The kernels' activation codes by lowering/glu.py's names, swiglu_oai and silu_clamped.
+EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value, "silu_clamped": _SILU_CLAMPED.value}
 
 
 @triton.jit
@@ -131,6 +134,14 @@ def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr
         b_a = b_gc * b_s
         b_h = b_a * (b_uc + 1.0)
         b_dg = tl.where(b_g <= limit, (b_uc + 1.0) * (b_s + alpha * b_a * b_1ms), 0.0)
+        b_du = tl.where((b_u >= -limit) & (b_u <= limit), b_a, 0.0)
+    elif ACTIVATION == _SILU_CLAMPED:
+        b_gc = tl.minimum(b_g, limit)
+        b_uc = tl.minimum(tl.maximum(b_u, -limit), limit)
+        b_s, b_1ms = _sigmoid_pair(b_gc)
+        b_a = b_gc * b_s
+        b_h = b_a * b_uc
+        b_dg = tl.where(b_g <= limit, b_uc * b_s * (1.0 + b_gc * b_1ms), 0.0)
         b_du = tl.where((b_u >= -limit) & (b_u <= limit), b_a, 0.0)
     else:
         b_a, b_da = _activation_and_derivative(b_g, ACTIVATION)
@@ -149,6 +160,11 @@ def _expert_glu(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
         b_av = alpha * b_gc
         b_s, _ = _sigmoid_pair(b_av)
         b_h = b_gc * b_s * (b_uc + 1.0)
+    elif ACTIVATION == _SILU_CLAMPED:
+        b_gc = tl.minimum(b_g, limit)
+        b_uc = tl.minimum(tl.maximum(b_u, -limit), limit)
+        b_s, _ = _sigmoid_pair(b_gc)
+        b_h = b_gc * b_s * b_uc
     else:
         b_h = _activation(b_g, ACTIVATION) * b_u
     return b_h
@@ -206,6 +222,8 @@ def expert_glu_math(gu: torch.Tensor, activation: str, interleaved: bool, alpha:
     if activation == "swiglu_oai":
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    if activation == "silu_clamped":
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     if activation == "silu":
         return F.silu(gate) * up
     return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
@@ -353,6 +371,13 @@ def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: 
         a = gc * s
         h = a * (uc + 1)
         d_gate = dh * (uc + 1) * (s + alpha * a * (1 - s)) * (g <= limit)
+        d_up = dh * a * ((u >= -limit) & (u <= limit))
+    elif activation == "silu_clamped":
+        gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        s = torch.sigmoid(gc)
+        a = gc * s
+        h = a * uc
+        d_gate = dh * uc * s * (1 + gc * torch.sigmoid(-gc)) * (g <= limit)
         d_up = dh * a * ((u >= -limit) & (u <= limit))
     else:  # lowering/glu.py's fp32 references, on the halves
         halves = torch.cat([g, u], -1)

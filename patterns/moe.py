@@ -39,7 +39,8 @@ random probes of the real shapes (random tokens of size 1 and of size 16, distin
 router weights, random expert weights and biases) and compared with ``moe_experts_pattern`` for each candidate:
 the activations an ``F.silu`` / ``F.gelu`` of the region names (else all three), plus GPT-OSS's clamped
 ``swiglu_oai`` where the region holds a ``sigmoid`` of a constant times its operand (alpha) and a clamp (its
-largest upper bound: limit), each with gate/up in halves and, if none matches, interleaved. One that agrees on
+largest upper bound: limit), and DeepSeek-V4's ``silu_clamped`` where it holds a clamp, each with gate/up in
+halves and, if none matches, interleaved. One that agrees on
 both probes within the dtype's tolerance is taken. This is a test of the function, as the packed-attention
 family's mask check is, not a proof; it tells apart the activations, gate/up orders and layouts sloth supports
 from the variants it does not (another offset or clamp, capacity limits that drop tokens, a post-expert norm),
@@ -332,9 +333,12 @@ def _accept(site: MoeSite) -> Optional[str]:
             values = [_evaluate(site, p).float() for p in probes]
         except Exception as error:  # an op that cannot run outside the graph: leave the site as it was
             return f"evaluating it on a probe failed ({type(error).__name__}: {error})"
-        constants = _swiglu_oai_constants(site.region)
-        acts = _candidate_activations(site.region) + (("swiglu_oai",) if constants else ())
-        alpha, limit = constants or (site.alpha, site.limit)
+        limit = _clamp_limit(site.region)
+        alpha = _sigmoid_scale(site.region)
+        acts = _candidate_activations(site.region)
+        if limit is not None:  # a clamp in the region: the clamped GLUs, GPT-OSS's where a sigmoid is scaled
+            acts = acts + (("swiglu_oai",) if alpha is not None else ()) + ("silu_clamped",)
+        alpha, limit = alpha if alpha is not None else site.alpha, limit if limit is not None else site.limit
         errors: dict[tuple[str, bool], float] = {}
         for interleaved in (False, True):  # gate/up in halves first; alternate columns only if no halves match
             for act in acts:
@@ -361,21 +365,27 @@ def _accept(site: MoeSite) -> Optional[str]:
             "norm")
 
 
-def _swiglu_oai_constants(region: list[fx.Node]) -> Optional[tuple[float, float]]:
-    """(alpha, limit) of a GPT-OSS clamped GLU in the region, ``g * sigmoid(alpha * g)`` with a clamp at ``limit``,
-    or None: alpha is the constant a ``sigmoid``'s operand is scaled by, limit the largest upper bound of a clamp.
-    The probes then check the function; these only say which constants to check it with."""
-    alphas, limits = [], []
+def _sigmoid_scale(region: list[fx.Node]) -> Optional[float]:
+    """The constant a ``sigmoid``'s operand is scaled by in the region (GPT-OSS's alpha in ``g * sigmoid(alpha *
+    g)``), or None. It, like ``_clamp_limit``, only says which constants the probes check a clamped GLU with."""
+    alphas = set()
+    for node in region:
+        if op_name(node) == "sigmoid" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "mul":
+            alphas |= {float(a) for a in node.args[0].args if isinstance(a, (int, float)) and not isinstance(a, bool)}
+    return alphas.pop() if len(alphas) == 1 else None
+
+
+def _clamp_limit(region: list[fx.Node]) -> Optional[float]:
+    """The largest upper bound of a clamp in the region (``clamp``, ``clip``, ``clamp_max``), or None."""
+    limits = []
     for node in region:
         name = op_name(node)
-        if name == "sigmoid" and isinstance(node.args[0], fx.Node) and op_name(node.args[0]) == "mul":
-            alphas += [a for a in node.args[0].args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-        elif name in ("clamp", "clip", "clamp_max"):
+        if name in ("clamp", "clip", "clamp_max"):
             bound = node.kwargs.get("max", node.args[1] if name == "clamp_max" and len(node.args) > 1 else
                                     node.args[2] if len(node.args) > 2 else None)
             if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > 0:
                 limits.append(float(bound))
-    return (float(alphas[0]), max(limits)) if len(set(alphas)) == 1 and limits else None
+    return max(limits) if limits else None
 
 
 def _candidate_activations(region: list[fx.Node]) -> tuple[str, ...]:
@@ -450,7 +460,8 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
         _erase_dead(site.region, erased)
         x, w1_value = _value(site.x), _value(site.w1)
         computed = [n for n in (site.w1, site.w2) if n.op != "placeholder"]
-        variant = "".join((f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else "",
+        variant = "".join((f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else
+                           f" (limit {site.limit:g})" if site.act == "silu_clamped" else "",
                            ", interleaved gate/up" if site.interleaved else "",
                            ", biases" if site.b1 is not None or site.b2 is not None else "",
                            ", transposed weights" if site.transposed else ""))

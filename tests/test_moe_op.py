@@ -107,6 +107,8 @@ VARIANTS = {  # id -> (act, interleaved, biases)
     "swiglu_oai-halves": ("swiglu_oai", False, False),
     "silu-interleaved": ("silu", True, False),
     "gelu-biases": ("gelu", False, True),
+    "silu_clamped-halves": ("silu_clamped", False, False),  # DeepSeek-V4, Hunyuan-V4
+    "silu_clamped-interleaved-biases": ("silu_clamped", True, True),
 }
 
 

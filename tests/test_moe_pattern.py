@@ -167,13 +167,14 @@ def test_hand_written_moe_is_fused() -> None:
 
 
 class HandWrittenClampedMoe(nn.Module):
-    """GPT-OSS's expert math written unlike transformers: weights stored [E, H, 2I], gathered per assignment and
+    """GPT-OSS's expert math (``style="oai"``; ``"silu"``: DeepSeek-V4's, the clamps around a plain SwiGLU) written
+    unlike transformers: weights stored [E, H, 2I], gathered per assignment and
     applied by ``@`` on row vectors, gate and up interleaved and split by ``unflatten(-1, (I, 2)).unbind(-1)``, the clamps as
     ``clip`` and ``clamp_max``, the constant on the left of the sigmoid's product, biases added out of place, and
     the tokens' sum by ``scatter_add`` over a flattened index."""
 
     def __init__(self, hidden: int = 24, inter: int = 12, experts: int = 5, top_k: int = 2, limit: float = 6.0,
-                 alpha: float = 1.5):
+                 alpha: float = 1.5, style: str = "oai"):
         super().__init__()
         g = seeded(11)
         self.router = nn.Parameter(torch.randn(experts, hidden, generator=g) / hidden ** 0.5)
@@ -181,7 +182,7 @@ class HandWrittenClampedMoe(nn.Module):
         self.b_in = nn.Parameter(torch.randn(experts, 2 * inter, generator=g))
         self.w_out = nn.Parameter(torch.randn(experts, inter, hidden, generator=g) / inter ** 0.5)
         self.b_out = nn.Parameter(torch.randn(experts, hidden, generator=g) * 0.5)
-        self.top_k, self.inter, self.limit, self.alpha = top_k, inter, limit, alpha
+        self.top_k, self.inter, self.limit, self.alpha, self.style = top_k, inter, limit, alpha, style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = F.linear(x, self.router).softmax(-1)
@@ -192,20 +193,26 @@ class HandWrittenClampedMoe(nn.Module):
         gu = (x[token].unsqueeze(1) @ self.w_in[expert]).squeeze(1) + self.b_in[expert]
         gate, up = gu.unflatten(-1, (self.inter, 2)).unbind(-1)
         gate, up = torch.clamp_max(gate, self.limit), up.clip(-self.limit, self.limit)
-        h = gate * torch.sigmoid(self.alpha * gate) * (1 + up)
+        if self.style == "oai":  # GPT-OSS's
+            h = gate * torch.sigmoid(self.alpha * gate) * (1 + up)
+        else:  # DeepSeek-V4's: the clamps around a plain SwiGLU
+            h = F.silu(gate) * up
         y = ((h.unsqueeze(1) @ self.w_out[expert]).squeeze(1) + self.b_out[expert]) * weights.reshape(-1, 1)
         return torch.zeros_like(x).scatter_add(0, token[:, None].expand_as(y), y) + x
 
 
-def test_hand_written_clamped_moe_is_fused() -> None:
-    module = HandWrittenClampedMoe()
+@pytest.mark.parametrize("style, expected", [
+    ("oai", "swiglu_oai (alpha 1.5, limit 6), interleaved gate/up, biases, transposed weights"),
+    ("silu", "silu_clamped (limit 6), interleaved gate/up, biases, transposed weights")])
+def test_hand_written_clamped_moe_is_fused(style, expected) -> None:
+    module = HandWrittenClampedMoe(style=style)
     x = torch.randn(13, 24, generator=seeded(12))
     sloth.reset_report()
     ours = _hand_written_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
     report = sloth.report()
     assert report.counts.get("moe_route") == 1, str(report)
     detail = next(s.detail for s in report.sites if s.family == "moe_route")
-    assert "swiglu_oai (alpha 1.5, limit 6), interleaved gate/up, biases, transposed weights" in detail, detail
+    assert expected in detail, detail
     eager = _hand_written_grads(module, x)
     reference = _hand_written_grads(module.double(), x.double())
     module.float()
