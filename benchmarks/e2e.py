@@ -17,6 +17,7 @@ lr * sign(g), which turns rounding-level gradient differences into lr-sized weig
     python -m benchmarks.e2e --all --model llama3-8b --batch 2 --seq 2048             # every variant
     python -m benchmarks.e2e --smoke --all                                            # CPU, 2-layer toy
     python -m benchmarks.e2e --all --model qwen3-moe --batch 2 --seq 2048             # the MoE row
+    python -m benchmarks.e2e --all --model gpt-oss-20b --layers 8                     # GPT-OSS-20B on 8 layers
 
 `--all` runs each variant in its own process (a fresh CUDA allocator, Dynamo cache and peak counter),
 one after another, and writes JSON and a markdown table to benchmarks/results/ (and $OUT if set).
@@ -76,6 +77,13 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
                                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                                     vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=32768,
                                     tie_word_embeddings=False), ATTENTION_TARGETS),
+    # GPT-OSS-20B (24 layers, 32 experts, top-4; experts with biases, interleaved gate/up and the clamped GLU):
+    # attention with sinks has no SDPA path in transformers, so it runs "eager" ([B, heads, T, T] scores), and
+    # its sliding-window layers are counted in the MFU as full ones (the FLOPs overstate them). --layers cuts it.
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, vocab_size=201088, rms_norm_eps=1e-5,
+                                    max_position_embeddings=131072, tie_word_embeddings=False), ATTENTION_TARGETS),
     # The smoke models: every code path of the big ones (GQA, gated MLP or experts, RMSNorm, RoPE), seconds
     # on a CPU.
     "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -86,8 +94,14 @@ MODELS: dict[str, tuple[str, dict[str, Any], list[str]]] = {
                                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                                          vocab_size=256, rms_norm_eps=1e-6, max_position_embeddings=256,
                                          tie_word_embeddings=False), ATTENTION_TARGETS),
+    "tiny-gpt-oss": ("gpt_oss", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                     vocab_size=256, rms_norm_eps=1e-5, max_position_embeddings=256,
+                                     tie_word_embeddings=False), ATTENTION_TARGETS),
 }
-SMOKE_MODEL = {"llama3-8b": "tiny-llama", "qwen3-moe": "tiny-qwen3-moe"}
+SMOKE_MODEL = {"llama3-8b": "tiny-llama", "qwen3-moe": "tiny-qwen3-moe", "gpt-oss-20b": "tiny-gpt-oss"}
+# Architectures whose experts are transformers 5.x stacked [E, ...] parameters (peft target_parameters LoRA).
+MOE_ARCHS = ("qwen3_moe", "gpt_oss")
 COLUMNS = ["variant", "step ms", "tok/s", "MFU %", "x eager", "peak GiB", "reserved GiB", "warm-up s", "first loss", "loss", "graphs",
            "sloth sites", "sloth calls",
            "error"]
@@ -156,15 +170,15 @@ def _quantize_linears_nf4(model: torch.nn.Module) -> int:
 def random_base_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module, Any]:
     """The random-weight bf16 model of ``args.model`` (seed 0, so every variant gets the same weights) on
     ``device``, and its config; SDPA attention, no KV cache."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, Qwen3MoeConfig
 
     arch, fields, _ = MODELS[args.model]
     fields = dict(fields)
     if args.layers:
         fields["num_hidden_layers"] = args.layers
     fields["max_position_embeddings"] = max(fields["max_position_embeddings"], args.seq)
-    cfg = {"llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[arch](**fields)
-    cfg._attn_implementation = "sdpa"
+    cfg = {"llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig, "gpt_oss": GptOssConfig}[arch](**fields)
+    cfg._attn_implementation = "eager" if arch == "gpt_oss" else "sdpa"  # GPT-OSS's sinks: no SDPA path
     cfg.use_cache = False  # training: no KV cache (checkpointing would turn it off with a warning anyway)
     torch.manual_seed(0)
     # Built on the device: an 8B model initialises in seconds there, minutes on the CPU.
@@ -177,7 +191,7 @@ def expert_targets(args: argparse.Namespace) -> list[str] | None:
     """peft ``target_parameters`` for --lora-experts: the stacked expert weights of transformers 5.x MoE blocks."""
     if not args.lora_experts:
         return None
-    if MODELS[args.model][0] != "qwen3_moe":
+    if MODELS[args.model][0] not in MOE_ARCHS:
         raise SystemExit(f"--lora-experts needs an MoE model, not {args.model}")
     return ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -211,6 +225,11 @@ def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module,
     return model, cfg
 
 
+def _n_experts(cfg: Any) -> Optional[int]:
+    """The routed experts of an MoE config (Qwen3-MoE's ``num_experts``, GPT-OSS's ``num_local_experts``), or None."""
+    return getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+
+
 def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[str, float]:
     """Model FLOPs of one training step, split as in the module docstring."""
     tokens = batch * seq
@@ -223,11 +242,11 @@ def step_flops(model: torch.nn.Module, cfg: Any, batch: int, seq: int) -> dict[s
                 trainable += params
             else:
                 frozen += params
-        elif getattr(cfg, "num_experts", None) and hasattr(module, "gate_up_proj"):
+        elif _n_experts(cfg) and hasattr(module, "gate_up_proj"):
             # Experts stored as [E, ...] parameters: each token multiplies by top-k of the E experts.
             per_expert = sum(p[0].numel() for p in module.parameters(recurse=False) if p.dim() == 3)
             frozen += per_expert * cfg.num_experts_per_tok
-        elif getattr(cfg, "num_experts", None) and module.__class__.__name__.endswith("Router"):
+        elif _n_experts(cfg) and module.__class__.__name__.endswith("Router"):
             frozen += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 2)  # [E, H]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = 6 * batch * seq**2 * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers

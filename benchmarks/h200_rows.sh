@@ -52,6 +52,7 @@
 #   bash benchmarks/h200_rows.sh long-l4-sloth  # issue 19: 4 layers at 256k and 512k (then long-l4-unsloth)
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-gpt-oss  # issue 20: the moe_experts op at GPT-OSS-20B's and Qwen3-MoE's shapes
+#   bash benchmarks/h200_rows.sh gpt-oss gpt-oss-unsloth  # issue 20: the GPT-OSS-20B step on 8 layers, then Unsloth's
 #   bash benchmarks/h200_rows.sh norms     # issue 22: ops.layer_norm (eager, inductor, sloth, liger; carry the
 #                                          # liger_kernel wheel) and ops.l2_norm (eager, inductor, sloth), <= 145 s
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
@@ -62,7 +63,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|gpt-oss|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -303,6 +304,12 @@ case $part in
             --variants unsloth
         run long512-L4-unsloth 390 --all --layers 4 --batch 1 --seq 524288 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
+    gpt-oss)  # issue 20: GPT-OSS-20B cut to 8 layers (its attention eager: sinks have no SDPA path), LoRA r=16 on
+        # attention, bs 2 x 2048: eager and Inductor, then sloth (not yet run; limits add to 560 s)
+        run gpt-oss-peers 400 --all --model gpt-oss-20b --layers 8 --variants eager,inductor
+        run gpt-oss-sloth 160 --all --model gpt-oss-20b --layers 8 --variants sloth ;;
+    gpt-oss-unsloth)  # Unsloth's GPT-OSS step, to follow gpt-oss on the same machine (carry .whl; not yet run)
+        run gpt-oss-unsloth 300 --all --model gpt-oss-20b --layers 8 --variants unsloth ;;
     moe-gpt-oss)  # issue 20: the moe_experts op at GPT-OSS-20B's experts (biases, interleaved, clamped GLU, transposed)
         # beside transformers' grouped_mm path, then at Qwen3-MoE's (the default path), after the MoE CUDA op checks
         # (limits add to 300 s)
