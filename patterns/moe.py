@@ -40,11 +40,10 @@ router weights, random expert weights and biases) and compared with ``moe_expert
 the activations an ``F.silu`` / ``F.gelu`` of the region names (else all three), plus GPT-OSS's clamped
 ``swiglu_oai`` where the region holds a ``sigmoid`` of a constant times its operand (alpha) and a clamp (its
 largest upper bound: limit), and DeepSeek-V4's ``silu_clamped`` where it holds a clamp, each with gate/up in
-halves and, if none matches, interleaved. One that agrees on
-both probes within the dtype's tolerance is taken. This is a test of the function, as the packed-attention
-family's mask check is, not a proof; it tells apart the activations, gate/up orders and layouts sloth supports
-from the variants it does not (another offset or clamp, capacity limits that drop tokens, a post-expert norm),
-which then stay, with the reason.
+halves and, if none matches, interleaved. One that agrees on both probes within the dtype's tolerance is taken.
+This is a test of the function, as the packed-attention family's mask check is, not a proof; it tells apart the
+activations, gate/up orders and layouts sloth supports from the variants it does not (another offset or clamp,
+capacity limits that drop tokens, a post-expert norm), which then stay, with the reason.
 
 Not yet: top-1 routing (K = 1: the sum over k is no reduction to find the output by), adapters applied beside the
 expert GEMMs rather than merged into their weights (reported: the region reads another input), ungated experts
@@ -103,7 +102,7 @@ class MoeSite:
     act: str = ""
     transposed: bool = False  # weights stored [E, H, 2I] and [E, I, H] (GPT-OSS): the op gets transposed views
     interleaved: bool = False  # gate and up in alternate columns (GPT-OSS's [..., ::2], [..., 1::2])
-    alpha: float = 1.702  # swiglu_oai's constants, read off the region
+    alpha: float = 1.702  # swiglu_oai's and silu_clamped's constants, read off the region
     limit: float = 7.0
 
     def inputs(self) -> tuple[fx.Node, ...]:
