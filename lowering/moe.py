@@ -271,6 +271,22 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     return out, gu_S2I, order, offs
 
 
+def _transposed(w: torch.Tensor) -> bool:
+    """Whether the [E, k, n] weight is a transposed view of an [E, n, k] tensor (GPT-OSS's layout, as the pattern
+    passes it): its last two dimensions column-major."""
+    return w.stride(1) == 1 and w.stride(2) != 1
+
+
+def _weight_grad(left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor, ids, like: torch.Tensor) -> torch.Tensor:
+    """d W[e] = sum over e's rows of left_r^T right_r ([E, k, n] from left [S, k] and right [S, n]), laid out as
+    ``like`` (``torch.empty_like``'s strides, which the fake implementation gives): for a transposed weight it is
+    formed as [E, n, k] and transposed, so the gradient reaches the [E, n, k] parameter with no copy (at
+    GPT-OSS-20B's experts the copies would move 1.6 GB a backward)."""
+    if _transposed(like):
+        return grouped_mm(right.t(), left, offs, ids).transpose(1, 2)
+    return grouped_mm(left.t(), right, offs, ids)
+
+
 def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gu: torch.Tensor, order: torch.Tensor,
                          offs: torch.Tensor, act: str, compute_dx: bool, compute_dw: bool, compute_d_gate_up: bool,
@@ -301,14 +317,14 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
         d_gate_up_bias = segment_sum(d_gu, offs, sorted_ids.value(), None, gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
     dw = dw_S.view(top_k_weights.shape) if compute_dw else x.new_empty(0)
-    d_down = grouped_mm(dout_SH.t(), hw_SI, offs, sorted_ids) if compute_d_down else x.new_empty(0)
+    d_down = _weight_grad(dout_SH, hw_SI, offs, sorted_ids, down_proj) if compute_d_down else x.new_empty(0)
     dx = x.new_empty(0)
     if compute_dx:
         dx = combine(grouped_mm(d_gu, gate_up_proj, offs, sorted_ids), inverse_permutation(order), top_k, None,
                      x.dtype)
     d_gate_up = x.new_empty(0)
     if compute_d_gate_up:
-        d_gate_up = grouped_mm(d_gu.t(), x[token_of_row], offs, sorted_ids)
+        d_gate_up = _weight_grad(d_gu, x[token_of_row], offs, sorted_ids, gate_up_proj)
     return dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias
 
 
@@ -363,8 +379,8 @@ def register() -> None:
         with_bias = lambda b, wanted: b.new_empty(b.shape) if b is not None and wanted else x.new_empty(0)  # noqa: E731
         return (x.new_empty(x.shape if compute_dx else 0),
                 top_k_weights.new_empty(top_k_weights.shape) if compute_dw else x.new_empty(0),
-                gate_up_proj.new_empty(gate_up_proj.shape) if compute_d_gate_up else x.new_empty(0),
-                down_proj.new_empty(down_proj.shape) if compute_d_down else x.new_empty(0),
+                torch.empty_like(gate_up_proj) if compute_d_gate_up else x.new_empty(0),  # its layout: _weight_grad
+                torch.empty_like(down_proj) if compute_d_down else x.new_empty(0),
                 with_bias(gate_up_bias, compute_d_gate_up_bias), with_bias(down_bias, compute_d_down_bias))
 
     fwd.register_autograd(_backward, setup_context=_setup_context)

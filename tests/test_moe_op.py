@@ -344,6 +344,42 @@ def test_opcheck_backward():
                               (dout, x, index, weights, gate_up, down, gu, order, offs, "gelu", *flags))
 
 
+def _gpt_oss_inputs():
+    """GPT-OSS's layout: weights stored [E, H, 2I] / [E, I, H] and passed as transposed views, with biases."""
+    x, index, weights, gate_up, down, dout = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,))
+    gate_up_t = (gate_up * 6).transpose(1, 2).contiguous().requires_grad_(True)
+    down_t = down.transpose(1, 2).contiguous().requires_grad_(True)
+    g = torch.Generator().manual_seed(4)
+    biases = (torch.randn(5, 40, generator=g).requires_grad_(True), torch.randn(5, 24, generator=g).requires_grad_(True))
+    return x, index, weights, gate_up_t, down_t, biases, dout
+
+
+def test_opcheck_gpt_oss_layout():
+    # The transposed views' weight gradients come back in the stored layout: fake and real strides must agree.
+    register()
+    x, index, weights, gate_up_t, down_t, (b1, b2), _ = _gpt_oss_inputs()
+    args = (x.requires_grad_(True), index, weights.requires_grad_(True), gate_up_t.transpose(1, 2),
+            down_t.transpose(1, 2), "swiglu_oai", b1, b2, True, 1.702, 7.0)
+    torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
+
+
+def test_gpt_oss_layout_weight_gradients_need_no_copy():
+    register()
+    x, index, weights, gate_up_t, down_t, (b1, b2), dout = _gpt_oss_inputs()
+    _, gu, order, offs = torch.ops.sloth.moe_experts(x, index, weights, gate_up_t.transpose(1, 2),
+                                                     down_t.transpose(1, 2), "swiglu_oai", b1, b2, True, 1.702, 7.0)
+    grads = torch.ops.sloth.moe_experts_backward(dout, x, index, weights, gate_up_t.transpose(1, 2),
+                                                 down_t.transpose(1, 2), gu, order, offs, "swiglu_oai", True, True,
+                                                 True, True, b1, b2, True, 1.702, 7.0, True, True)
+    d_gate_up, d_down = grads[2], grads[3]
+    assert d_gate_up.transpose(1, 2).is_contiguous() and d_down.transpose(1, 2).is_contiguous()
+    out = moe_experts(x, index, weights, gate_up_t.transpose(1, 2), down_t.transpose(1, 2), "swiglu_oai", b1, b2,
+                      True, 1.702, 7.0)
+    out.backward(dout)
+    assert gate_up_t.grad.is_contiguous() and down_t.grad.is_contiguous()
+    torch.testing.assert_close(gate_up_t.grad, d_gate_up.transpose(1, 2))
+
+
 def test_fake_shapes_on_meta():
     register()
     x, index, weights, gate_up, down, _ = (t.to("meta") for t in make_inputs(13, 24, 20, 5, 3))
