@@ -45,8 +45,12 @@ This is a test of the function, as the packed-attention family's mask check is, 
 activations, gate/up orders and layouts sloth supports from the variants it does not (another offset or clamp,
 capacity limits that drop tokens, a post-expert norm), which then stay, with the reason.
 
-Not yet: top-1 routing (K = 1: the sum over k is no reduction to find the output by), adapters applied beside the
-expert GEMMs rather than merged into their weights (reported: the region reads another input), ungated experts
+Top-1 routing (K = 1) has no sum over k to find the output by: there the first TOP_1_CANDIDATES values of the
+rows' shape after the second GEMM are each a candidate, the first the probes accept is taken, and x is the nearest
+[T, H] value before the first GEMM, followed back through row gathers by an integer index (the tokens gathered in
+expert order have x's shape too).
+
+Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (reported: the region reads another input), ungated experts
 (``act(x W1) W2``, Nemotron-H's), expert GEMMs written with ``einsum`` (not an anchor), transformers' ``eager``
 expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one graph).
 """
@@ -156,39 +160,71 @@ def _weight_value(gemm: fx.Node, base: fx.Node) -> fx.Node:
     return base
 
 
-def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[Optional[MoeSite], Optional[str]]:
-    """Read (x, idx, w, W1, W2, out) off two expert GEMMs, or say why not."""
+# Top-1 routing (S = T): how many [T, H] values after the second GEMM are tried as the experts' output, first to
+# last, each by the probes (with K > 1 the sum over k tells the output apart and one is tried).
+TOP_1_CANDIDATES = 4
+
+
+def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[str]]:
+    """Read (x, idx, w, W1, W2, out) off two expert GEMMs: the candidate sites (one, or with top-1 routing up to
+    TOP_1_CANDIDATES, for the probes to choose from), or say why none."""
     w1, w2 = expert_operand(gemm1), expert_operand(gemm2)
     w1, w2 = _weight_value(gemm1, w1), _weight_value(gemm2, w2)
     e1, e2 = _shape(w1), _shape(w2)
     if e1[0] != e2[0]:
-        return None, f"its two expert weights hold {e1[0]} and {e2[0]} experts"
+        return [], f"its two expert weights hold {e1[0]} and {e2[0]} experts"
     rows = _shape(gemm1)[0]
     order = {n: i for i, n in enumerate(gemm2.graph.nodes)}
     below = sorted(_descendants(gemm2), key=order.__getitem__)
     data = [a for a in gemm1.all_input_nodes if a is not w1 and w1 not in _ancestors(a, set())]
     why_not = "no [tokens, hidden] value follows the second expert GEMM (the experts' sum over k)"
-    for hidden in dict.fromkeys((e2[1], e2[2])):  # [E, H, I], or transposed [E, I, H] (_accept refuses it, saying so)
-        out = next((n for n in below if (shape := _shape(n)) is not None and len(shape) == 2 and shape[1] == hidden
-                    and shape[0] < rows and rows % shape[0] == 0), None)
-        if out is None:
+    for hidden in dict.fromkeys((e2[1], e2[2])):  # [E, H, I], or transposed [E, I, H]
+        outs = [n for n in below if (shape := _shape(n)) is not None and len(shape) == 2 and shape[1] == hidden
+                and shape[0] < rows and rows % shape[0] == 0][:1]
+        top_1 = not outs
+        if top_1:  # the experts' output has the rows' count; which of those values it is, the probes say
+            outs = [n for n in below if _shape(n) == (rows, hidden)][:TOP_1_CANDIDATES]
+        if not outs:
             continue
-        while len(out.users) == 1 and op_name(next(iter(out.users))) in ("to", "cast", "type_as") \
-                and _shape(next(iter(out.users))) == _shape(out):
-            out = next(iter(out.users))
-        tokens, top_k = _shape(out)[0], rows // _shape(out)[0]
-        x = _nearest(data, (tokens, hidden))
+        x = _nearest(data, (_shape(outs[0])[0], hidden))
+        while top_1 and x is not None and _gathered_from(x) is not None:
+            x = _gathered_from(x)  # the tokens gathered in expert order have x's shape too: x is their source
         if x is not None:
             break
-        why_not = f"no [{tokens}, {hidden}] input found upstream of the first expert GEMM"
+        why_not = f"no [{_shape(outs[0])[0]}, {hidden}] input found upstream of the first expert GEMM"
     else:
-        return None, why_not
+        return [], why_not
+    sites, reasons = [], []
+    for out in dict.fromkeys(_through_casts(o) for o in outs):
+        site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order)
+        if site is not None:
+            sites.append(site)
+        else:
+            reasons.append(why_not)
+    return sites, (reasons[0] if not sites else None)
+
+
+def _through_casts(out: fx.Node) -> fx.Node:
+    """``out`` extended through the same-shape casts its only user makes."""
+    while len(out.users) == 1 and op_name(next(iter(out.users))) in ("to", "cast", "type_as") \
+            and _shape(next(iter(out.users))) == _shape(out):
+        out = next(iter(out.users))
+    return out
+
+
+def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, gemm2: fx.Node, rows: int,
+          order: dict[fx.Node, int]) -> tuple[Optional[MoeSite], Optional[str]]:
+    """The site whose output is ``out``: its router ids and weights, biases and region, or why not."""
+    e1 = _shape(w1)
+    tokens, top_k = _shape(out)[0], rows // _shape(out)[0]
     upstream = sorted(_ancestors(out, {x, w1, w2}), key=order.__getitem__)
     ints = [n for n in upstream if _shape(n) == (tokens, top_k) and not _value(n).is_floating_point()]
     floats = [n for n in upstream if _shape(n) == (tokens, top_k) and _value(n).is_floating_point()]
     if not ints or not floats:
         return None, f"no [{tokens}, {top_k}] expert ids and router weights found upstream of the experts"
     idx, w = ints[-1], floats[-1]
+    if top_k == 1:  # the router weights gathered in expert order are [T, 1] too: prefer those not computed from idx
+        w = next((f for f in reversed(floats) if idx not in _ancestors(f, set())), w)
     inputs = {x, idx, w, w1, w2}
     n_experts, widths = e1[0], {_shape(gemm1)[1], _shape(x)[1]}
 
@@ -213,6 +249,21 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[Optional[MoeSite], Optio
         return None, (f"the experts read {len(biases)} per-expert [E, n] inputs "
                       f"({', '.join(repr(str(b.target)) for b in biases)}): more than one bias a GEMM")
     return MoeSite(out, x, idx, w, w1, w2, region, b1[0] if b1 else None, b2[0] if b2 else None), None
+
+
+def _gathered_from(node: fx.Node) -> Optional[fx.Node]:
+    """The value ``node`` gathers its rows from by an integer index (``x[perm]``, ``index_select``), when that value
+    has ``node``'s shape; else None."""
+    if node.op not in ("call_function", "call_method") or op_name(node) not in ("getitem", "index", "index_select") \
+            or not node.args or not isinstance(node.args[0], fx.Node) or _shape(node.args[0]) != _shape(node):
+        return None
+    index = node.args[2] if op_name(node) == "index_select" and len(node.args) > 2 else node.args[1] \
+        if len(node.args) > 1 else None
+    indices = index if isinstance(index, (list, tuple)) else [index]
+    if any(isinstance(i, fx.Node) and _value(i) is not None and not _value(i).is_floating_point()
+           and _value(i).dtype != torch.bool for i in indices):
+        return node.args[0]
+    return None
 
 
 def _nearest(starts: list[fx.Node], shape: tuple) -> Optional[fx.Node]:
@@ -401,8 +452,9 @@ def _candidate_activations(region: list[fx.Node]) -> tuple[str, ...]:
     return tuple(a for a in ACTIVATIONS if a in named) if len(named) == 1 else ACTIVATIONS
 
 
-def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], Optional[MoeSite], Optional[str]]]:
-    """(first expert GEMM, second or None, site or None, why not) per pair of expert GEMMs, in graph order."""
+def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[MoeSite], Optional[str]]]:
+    """(first expert GEMM, second or None, candidate sites (the probes choose), why none) per pair of expert GEMMs,
+    in graph order."""
     gemms = [n for n in gm.graph.nodes if is_expert_gemm(n)]
     used: set[fx.Node] = set()
     found = []
@@ -412,14 +464,14 @@ def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], Optiona
         below = _descendants(first)
         second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
         if second is None:
-            found.append((first, None, None, "an expert GEMM without a second one after it in this graph: not a "
+            found.append((first, None, [], "an expert GEMM without a second one after it in this graph: not a "
                           "gated expert MLP (up, act, down), or a loop over experts split by graph breaks "
                           "(transformers' 'eager' experts: set config._experts_implementation = 'grouped_mm')"))
             used.add(first)
             continue
         used |= {first, second}
-        site, why_not = _interface(first, second)
-        found.append((first, second, site, why_not))
+        sites, why_not = _interface(first, second)
+        found.append((first, second, sites, why_not))
     return found
 
 
@@ -436,10 +488,15 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
     moe = _lowering()
     moe.register()
     changed = False
-    for anchor, second, site, why_not in candidates:
-        if site is not None:
-            why_not = _accept(site)
-        if why_not:
+    for anchor, second, sites, why_not in candidates:
+        site = None
+        for candidate in sites or ():  # the first candidate the probes accept (top-1: up to TOP_1_CANDIDATES)
+            reason = _accept(candidate)
+            if reason is None:
+                site, why_not = candidate, None
+                break
+            why_not = why_not or reason
+        if site is None:
             report.reject(FAMILY, anchor, why_not)
             if second is not None:  # one site, one reason: the second GEMM's anchor is explained by it too
                 report.rejected_nodes.append((FAMILY, second))

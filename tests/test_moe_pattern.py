@@ -60,6 +60,22 @@ def test_transformers_moe_experts_are_fused(model_type: str, experts: str) -> No
     assert_model_close(ours, eager, reference, torch.float32)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_top_1_routing_is_fused(model_type: str) -> None:
+    # K = 1: no sum over k marks the experts' output, and the tokens gathered in expert order have x's shape; the
+    # probes choose among the candidates. Every layer fused, loss and gradients eager's.
+    model = moe_model(model_type, "grouped_mm")
+    model.config.num_experts_per_tok = 1
+    for module in model.modules():
+        for name in ("top_k", "num_experts_per_tok"):
+            if isinstance(getattr(module, name, None), int):
+                setattr(module, name, 1)
+    ours, eager, reference, report = _compare(model, torch.float32)
+    assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
+    assert all("experts, top-1, silu" in s.detail for s in report.sites if s.family == "moe_route"), str(report)
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
 def test_transformers_moe_bf16() -> None:
     model = moe_model("qwen3_moe", "grouped_mm", torch.bfloat16)
     ours, eager, reference, report = _compare(model, torch.bfloat16)
@@ -148,14 +164,15 @@ def _hand_written_grads(module: nn.Module, x: torch.Tensor, run=None) -> tuple:
     return out.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
 
 
-def test_hand_written_moe_is_fused() -> None:
-    module = HandWrittenMoe()
+@pytest.mark.parametrize("top_k", [2, 1])
+def test_hand_written_moe_is_fused(top_k: int) -> None:
+    module = HandWrittenMoe(top_k=top_k)
     x = torch.randn(13, 24, generator=seeded(4))
     sloth.reset_report()
     ours = _hand_written_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
     report = sloth.report()
     assert report.counts.get("moe_route") == 1, str(report)
-    assert "5 experts, top-2, gelu_tanh" in next(s.detail for s in report.sites if s.family == "moe_route")
+    assert f"5 experts, top-{top_k}, gelu_tanh" in next(s.detail for s in report.sites if s.family == "moe_route")
     eager = _hand_written_grads(module, x)
     reference = _hand_written_grads(module.double(), x.double())
     module.float()
