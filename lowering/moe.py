@@ -83,12 +83,6 @@ ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu": "gelu_erf"}
 ALL_ACTIVATIONS = (*ACTIVATIONS, "swiglu_oai", "silu_clamped")
 
 
-def _act(v: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "silu":
-        return F.silu(v)
-    return F.gelu(v, approximate="tanh" if act == "gelu_tanh" else "none")
-
-
 def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu",
                         gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,

@@ -46,8 +46,7 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
-from .glu import ACTIVATIONS, _activation, _activation_and_derivative, _sigmoid_pair, glu_backward_reference, \
-    glu_reference
+from .glu import ACTIVATIONS, _activation_and_derivative, _sigmoid_pair, glu_backward_reference, glu_reference
 from .host_math import cdiv, next_power_of_2
 from .registration import launch
 from .rounding import round_to
@@ -153,20 +152,8 @@ def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr
 
 @triton.jit
 def _expert_glu(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
-    """h in fp32 (module docstring)."""
-    if ACTIVATION == _SWIGLU_OAI:
-        b_gc = tl.minimum(b_g, limit)
-        b_uc = tl.minimum(tl.maximum(b_u, -limit), limit)
-        b_av = alpha * b_gc
-        b_s, _ = _sigmoid_pair(b_av)
-        b_h = b_gc * b_s * (b_uc + 1.0)
-    elif ACTIVATION == _SILU_CLAMPED:
-        b_gc = tl.minimum(b_g, limit)
-        b_uc = tl.minimum(tl.maximum(b_u, -limit), limit)
-        b_s, _ = _sigmoid_pair(b_gc)
-        b_h = b_gc * b_s * b_uc
-    else:
-        b_h = _activation(b_g, ACTIVATION) * b_u
+    """h in fp32 (module docstring); the derivatives, unused, are dead code the compiler drops."""
+    b_h, _, _ = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
     return b_h
 
 

@@ -257,25 +257,30 @@ def test_combine_sums_each_tokens_rows(T, K, H, dtype, scaled):
 
 @pytest.mark.parametrize("want_dw,want_hw", [(True, True), (True, False), (False, False)], ids=["dw-hw", "dw", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("act,interleaved", [(a, False) for a in ACTIVATIONS]
+                         + [("swiglu_oai", True), ("silu_clamped", False), ("silu", True)],
+                         ids=[*ACTIVATIONS, "swiglu_oai-interleaved", "silu_clamped", "silu-interleaved"])
 @pytest.mark.parametrize("T,K,I", [(7, 3, 37), (3, 2, 300)])  # 300: the column loop runs twice
-def test_glu_backward_weighted_matches_autograd(T, K, I, act, dtype, want_dw, want_hw):
+def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, dtype, want_dw, want_hw):
+    # The manual derivative against autograd of the expert GLU's eager math; a limit of 3 so that the clamped
+    # GLUs' clamps bind on these pre-activations (up to ~6).
     g = torch.Generator().manual_seed(I + K)
     S = T * K
     c, gu = torch.randn(S, I, generator=g), torch.randn(S, 2 * I, generator=g) * 2
     weights = torch.softmax(torch.randn(T, K, generator=g), -1)
     order = _permutation(S, I)
+    alpha, limit = 1.702, 3.0
 
-    def eager(c, gu, weights):  # autograd of w_r * <c_r, a(g_r) u_r> at the tested dtype: (d_gu, dw, w h)
+    def eager(c, gu, weights):  # autograd of w_r * <c_r, h(gu_r)> at the tested dtype: (d_gu, dw, w h)
         gu, weights = gu.detach().requires_grad_(), weights.detach().requires_grad_()
         w = weights.reshape(-1)[order].unsqueeze(1)
-        gate, up = gu.chunk(2, -1)
-        h = lowering._act(gate, act) * up
+        h = moe_kernels.expert_glu_math(gu, act, interleaved, alpha, limit)
         d_gu, dw = torch.autograd.grad((w * h * c).sum(), (gu, weights))
         return d_gu, dw.reshape(-1), (h * w).detach()
 
     d_gu, dw, hw = moe_kernels.glu_backward_weighted(c.to(dtype), gu.to(dtype), weights.to(dtype), order,
-                                                     lowering.ACTIVATIONS[act], want_dw, want_hw)
+                                                     lowering.ACTIVATIONS.get(act, act), want_dw, want_hw,
+                                                     interleaved, alpha, limit)
     expected = eager(c.to(dtype), gu.to(dtype), weights.to(dtype))
     reference = eager(c.double(), gu.double(), weights.double())
     assert_close("d_gu", d_gu, expected[0], reference[0])

@@ -179,6 +179,20 @@ def _llama_launches() -> None:
             moe_kernels.glu_backward_weighted(torch.empty(rows, width, dtype=bf16),
                                               torch.empty(rows, 2 * width, dtype=bf16), torch.empty(n, top_k, dtype=f32),
                                               order, "silu", want, want)
+    # GPT-OSS-20B's experts (top-4, H 2880, I 2880, 32 experts): the expert GLU forward with its bias, the weighted
+    # backward interleaved with the down bias's d w term, the biases' segment sums; DeepSeek-V4's clamped SwiGLU
+    rows, hidden, width, experts = n * 4, 2880, 2880, 32
+    ids, offs = torch.empty(rows, dtype=torch.int64), torch.empty(experts, dtype=torch.int32)
+    order = torch.empty(rows, dtype=torch.int64)
+    for act, interleaved in (("swiglu_oai", True), ("silu_clamped", False)):
+        moe_kernels.expert_glu_forward(torch.empty(rows, 2 * width, dtype=bf16), torch.empty(experts, 2 * width,
+                                       dtype=bf16), ids, act, interleaved, 1.702, 7.0)
+        moe_kernels.glu_backward_weighted(torch.empty(rows, width, dtype=bf16), torch.empty(rows, 2 * width, dtype=bf16),
+                                          torch.empty(n, 4, dtype=bf16), order, act, True, True, interleaved, 1.702,
+                                          7.0, torch.empty(rows, dtype=f32))
+    moe_kernels.expert_glu_forward(torch.empty(rows, 2 * width, dtype=bf16), None, ids, "swiglu_oai", True, 1.702, 7.0)
+    moe_kernels.segment_sum(torch.empty(rows, 2 * width, dtype=bf16), offs, ids, None, bf16)
+    moe_kernels.segment_sum(torch.empty(rows, hidden, dtype=bf16), offs, ids, torch.empty(rows, dtype=f32), bf16)
 
 
 _COMPILE = r"""
