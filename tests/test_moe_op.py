@@ -210,13 +210,18 @@ def test_frozen_experts_get_no_gradient(dtype):
     check_against_pattern(masters, dtype, "silu", frozen=True)
 
 
-def test_no_host_sync_and_nothing_of_size_T_by_E():
-    # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward.
+@pytest.mark.parametrize("variant", ["qwen3", "gpt-oss"])
+def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
+    # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
+    # GPT-OSS's variant with its biases and their gradients too.
     T, H, I, E, K = 13, 24, 20, 7, 2
     x, index, weights, gate_up, down, dout = (t.requires_grad_(True) if t.is_floating_point() and i != 5 else t
                                                for i, t in enumerate(make_inputs(T, H, I, E, K)))
+    g = torch.Generator().manual_seed(1)
+    extra = (("swiglu_oai", torch.randn(E, 2 * I, generator=g).requires_grad_(True),
+              torch.randn(E, H, generator=g).requires_grad_(True), True) if variant == "gpt-oss" else ("silu",))
     with RecordOps() as rec:
-        moe_experts(x, index, weights, gate_up, down, "silu").backward(dout)
+        moe_experts(x, index, weights, gate_up, down, *extra).backward(dout)
     names = [str(func) for func, _, _ in rec.calls]
     assert not [n for n in names if "_local_scalar_dense" in n or "nonzero" in n], names
     for func, _, out in rec.calls:
