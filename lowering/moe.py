@@ -17,11 +17,12 @@ inside the router weighting), gate and up *interleaved* (``interleaved=True``: g
     g' = min(g, limit),  u' = clamp(u, -limit, limit),  h = g' * sigmoid(alpha * g') * (u' + 1)
 
 (``alpha`` 1.702, ``limit`` 7.0 in its config). DeepSeek-V4 and Hunyuan-V4 clamp the same way around a plain
-SwiGLU, without alpha or the ``+ 1``: ``act="silu_clamped"``, ``h = silu(g') * u'``. Its transposed weight layout (``[E, H, 2I]``, ``[E, I, H]``) is
-the caller's view (the pattern passes ``.transpose(1, 2)``, no copy). For these variants the GLU between the
-GEMMs is ``moe_kernels.expert_glu_forward`` (the gate/up bias added in it) and its backward the same weighted
-kernel as the others' (lowering/moe_kernels.py); the dispatch, grouped GEMMs, combine and the recompute of h in
-the backward are the same.
+SwiGLU, without alpha or the ``+ 1``: ``act="silu_clamped"``, ``h = silu(g') * u'``. GPT-OSS's transposed weight
+layout (``[E, H, 2I]``, ``[E, I, H]``) is the caller's view (the pattern passes ``.transpose(1, 2)``, no copy), and
+the weight gradients are formed in that layout (``_weight_grad``). For these variants the GLU between the GEMMs is
+``moe_kernels.expert_glu_forward`` (the gate/up bias added in it) and its backward the same weighted kernel as the
+others' (lowering/moe_kernels.py); the dispatch, grouped GEMMs, combine and the recompute of h in the backward are
+the same.
 
 Dispatch, with no host sync and no data-dependent shape: the S assignments are sorted by expert id (stable, so
 rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
@@ -51,8 +52,9 @@ h_r = a(g_r) * u_r, y_r = W_d[e] h_r and out_t = sum_r w_r y_r; given dout::
 
 With biases (b1 = gate_up_bias, b2 = down_bias) gu_r includes b1[e] and y_r includes b2[e], so
 ``d w_r = <c_r, h_r> + <dout_t, b2[e]>``, ``d b1[e] = sum_{r in e} d gu_r`` and ``d b2[e] = sum_{r in e} w_r dout_t``
-(fp32 sums over each expert's sorted rows, ``moe_kernels.segment_sum``: no atomics). The clamped GLU's derivative passes where the clamp did
-not bind (``g <= limit``, ``-limit <= u <= limit``, as ``torch.clamp``'s backward): with s = sigmoid(alpha g')::
+(fp32 sums over each expert's sorted rows, ``moe_kernels.segment_sum``: no atomics). The clamped GLU's derivative
+passes where the clamp did not bind (``g <= limit``, ``-limit <= u <= limit``, as ``torch.clamp``'s backward): with
+s = sigmoid(alpha g')::
 
     d g = dh * (u' + 1) * (s + alpha g' s (1 - s)) * [g <= limit],    d u = dh * g' s * [|u| <= limit]
 
@@ -300,8 +302,8 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     d_w_add = None
     if down_bias is not None:
         # y_r = W_d h_r + b2[e], so d w_r gains <dout_t, b2[e]>; d b2[e] sums w_r dout_t over e's rows
-        b2_SH = down_bias[sorted_ids.value()].float()
-        d_w_add = (dout_SH.float() * b2_SH).sum(-1) if compute_dw else None
+        if compute_dw:
+            d_w_add = (dout_SH.float() * down_bias[sorted_ids.value()].float()).sum(-1)
         if compute_d_down_bias:
             d_down_bias = segment_sum(dout_SH, offs, sorted_ids.value(), top_k_weights.reshape(-1)[order],
                                       down_bias.dtype)

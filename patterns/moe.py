@@ -50,7 +50,8 @@ rows' shape after the second GEMM are each a candidate, the first the probes acc
 [T, H] value before the first GEMM, followed back through row gathers by an integer index (the tokens gathered in
 expert order have x's shape too).
 
-Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (reported: the region reads another input), ungated experts
+Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (reported: the region
+reads another input), ungated experts
 (``act(x W1) W2``, Nemotron-H's), expert GEMMs written with ``einsum`` (not an anchor), transformers' ``eager``
 expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one graph).
 """

@@ -360,7 +360,8 @@ def _gpt_oss_inputs():
     gate_up_t = (gate_up * 6).transpose(1, 2).contiguous().requires_grad_(True)
     down_t = down.transpose(1, 2).contiguous().requires_grad_(True)
     g = torch.Generator().manual_seed(4)
-    biases = (torch.randn(5, 40, generator=g).requires_grad_(True), torch.randn(5, 24, generator=g).requires_grad_(True))
+    biases = (torch.randn(5, 40, generator=g).requires_grad_(True),
+              torch.randn(5, 24, generator=g).requires_grad_(True))
     return x, index, weights, gate_up_t, down_t, biases, dout
 
 

@@ -185,10 +185,10 @@ def test_hand_written_moe_is_fused(top_k: int) -> None:
 
 class HandWrittenClampedMoe(nn.Module):
     """GPT-OSS's expert math (``style="oai"``; ``"silu"``: DeepSeek-V4's, the clamps around a plain SwiGLU) written
-    unlike transformers: weights stored [E, H, 2I], gathered per assignment and
-    applied by ``@`` on row vectors, gate and up interleaved and split by ``unflatten(-1, (I, 2)).unbind(-1)``, the clamps as
-    ``clip`` and ``clamp_max``, the constant on the left of the sigmoid's product, biases added out of place, and
-    the tokens' sum by ``scatter_add`` over a flattened index."""
+    unlike transformers: weights stored [E, H, 2I], gathered per assignment and applied by ``@`` on row vectors,
+    gate and up interleaved and split by ``unflatten(-1, (I, 2)).unbind(-1)``, the clamps as ``clip`` and
+    ``clamp_max``, the constant on the left of the sigmoid's product, biases added out of place, and the tokens'
+    sum by ``scatter_add`` over a flattened index."""
 
     def __init__(self, hidden: int = 24, inter: int = 12, experts: int = 5, top_k: int = 2, limit: float = 6.0,
                  alpha: float = 1.5, style: str = "oai"):

@@ -187,9 +187,10 @@ def _llama_launches() -> None:
     for act, interleaved in (("swiglu_oai", True), ("silu_clamped", False)):
         moe_kernels.expert_glu_forward(torch.empty(rows, 2 * width, dtype=bf16), torch.empty(experts, 2 * width,
                                        dtype=bf16), ids, act, interleaved, 1.702, 7.0)
-        moe_kernels.glu_backward_weighted(torch.empty(rows, width, dtype=bf16), torch.empty(rows, 2 * width, dtype=bf16),
-                                          torch.empty(n, 4, dtype=bf16), order, act, True, True, interleaved, 1.702,
-                                          7.0, torch.empty(rows, dtype=f32))
+        moe_kernels.glu_backward_weighted(torch.empty(rows, width, dtype=bf16),
+                                          torch.empty(rows, 2 * width, dtype=bf16), torch.empty(n, 4, dtype=bf16),
+                                          order, act, True, True, interleaved, 1.702, 7.0,
+                                          torch.empty(rows, dtype=f32))
     moe_kernels.expert_glu_forward(torch.empty(rows, 2 * width, dtype=bf16), None, ids, "swiglu_oai", True, 1.702, 7.0)
     moe_kernels.segment_sum(torch.empty(rows, 2 * width, dtype=bf16), offs, ids, None, bf16)
     moe_kernels.segment_sum(torch.empty(rows, hidden, dtype=bf16), offs, ids, torch.empty(rows, dtype=f32), bf16)
