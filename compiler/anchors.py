@@ -220,7 +220,7 @@ def _is_packed_attention(node: fx.Node) -> bool:
 
 # MoE experts: a matmul-like call reading stacked [E, ., .] expert weights (patterns/moe.py).
 _GROUPED_GEMMS = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
-_GEMM_NAMES = _GROUPED_GEMMS | {"bmm", "matmul", "linear", "mm"}
+_GEMM_NAMES = _GROUPED_GEMMS | {"bmm", "matmul", "linear", "mm", "einsum"}
 _VIEWS = {"transpose", "permute", "t", "view", "reshape", "contiguous", "to", "getitem", "cast", "expand",
           "unsqueeze", "squeeze", "index_select"}
 
@@ -259,8 +259,8 @@ def expert_weight(node: Any, indexed: bool = False, depth: int = 6) -> Optional[
 def expert_weight_arg(node: fx.Node) -> tuple[Optional[Any], Optional[fx.Node]]:
     """(the argument of a matmul-like ``node`` that carries a stacked expert weight, that weight's graph input), or
     (None, None): the weight operand of a grouped GEMM (``grouped_mm(x, W, offs)``), or an indexed one (``W[e]``,
-    ``W[ids]``) of ``bmm`` / ``matmul`` / ``linear`` (a 3-D activation such as the hidden states [B, S, H] is no
-    expert weight)."""
+    ``W[ids]``) of ``bmm`` / ``matmul`` / ``linear`` / ``einsum`` (a 3-D activation such as the hidden states
+    [B, S, H] is no expert weight)."""
     if node.op not in ("call_function", "call_method") or op_name(node) not in _GEMM_NAMES:
         return None, None
     if op_name(node) in _GROUPED_GEMMS:

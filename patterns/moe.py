@@ -10,9 +10,9 @@ with ``W_gate_up = [W_gate; W_up]`` stacked as ``[E, 2I, H]`` and ``W_down`` as 
 gelu (tanh) or gelu (erf).
 
 How a site is found (on the canonical graph): an *expert GEMM* is a matmul-like call (``torch._grouped_mm``,
-``F.grouped_mm``, transformers' ``grouped_mm_fallback``, ``bmm``, ``matmul``, ``linear``) one of whose operands is
-a 3-D float graph input (the stacked expert weights, through views and indexing). Two expert GEMMs in a row, the
-second downstream of the first, are a candidate, and its interface is read off the shapes:
+``F.grouped_mm``, transformers' ``grouped_mm_fallback``, ``bmm``, ``matmul``, ``linear``, ``einsum``) one of whose
+operands is a 3-D float graph input (the stacked expert weights, through views and indexing). Two expert GEMMs in
+a row, the second downstream of the first, are a candidate, and its interface is read off the shapes:
 
     W1 = the first GEMM's 3-D weight [E, 2I, H];   W2 = the second's [E, H, I];   S = the first GEMM's rows
     out = the first value downstream of the second GEMM of shape [T, H] with S = T * K (K >= 1),
@@ -52,7 +52,7 @@ expert order have x's shape too).
 
 Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (reported: the region
 reads another input), ungated experts
-(``act(x W1) W2``, Nemotron-H's), expert GEMMs written with ``einsum`` (not an anchor), transformers' ``eager``
+(``act(x W1) W2``, Nemotron-H's), transformers' ``eager``
 expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one graph).
 """
 from __future__ import annotations

@@ -185,7 +185,8 @@ def test_hand_written_moe_is_fused(top_k: int) -> None:
 
 class HandWrittenClampedMoe(nn.Module):
     """GPT-OSS's expert math (``style="oai"``; ``"silu"``: DeepSeek-V4's, the clamps around a plain SwiGLU) written
-    unlike transformers: weights stored [E, H, 2I], gathered per assignment and applied by ``@`` on row vectors,
+    unlike transformers: weights stored [E, H, 2I], gathered per assignment and applied by ``@`` on row vectors
+    (the first GEMM by ``einsum`` in the silu style),
     gate and up interleaved and split by ``unflatten(-1, (I, 2)).unbind(-1)``, the clamps as ``clip`` and
     ``clamp_max``, the constant on the left of the sigmoid's product, biases added out of place, and the tokens'
     sum by ``scatter_add`` over a flattened index."""
@@ -207,7 +208,10 @@ class HandWrittenClampedMoe(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         expert = chosen.reshape(-1)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
-        gu = (x[token].unsqueeze(1) @ self.w_in[expert]).squeeze(1) + self.b_in[expert]
+        if self.style == "silu":  # the first GEMM by einsum
+            gu = torch.einsum("sh,shn->sn", x[token], self.w_in[expert]) + self.b_in[expert]
+        else:
+            gu = (x[token].unsqueeze(1) @ self.w_in[expert]).squeeze(1) + self.b_in[expert]
         gate, up = gu.unflatten(-1, (self.inter, 2)).unbind(-1)
         gate, up = torch.clamp_max(gate, self.limit), up.clip(-self.limit, self.limit)
         if self.style == "oai":  # GPT-OSS's
