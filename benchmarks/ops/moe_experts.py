@@ -75,61 +75,56 @@ def main(argv: list[str] | None = None) -> int:
         return _main_gpt_oss(args, device)
     T, H, I, E, K = (13, 24, 20, 5, 2) if args.smoke else (4096, 2048, 768, 128, 8)
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    copy_gbps = common.copy_bandwidth_gbps()
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)
-    weights = torch.softmax(torch.randn(T, K, generator=gen), -1).to(device, dtype).requires_grad_()
-    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
+    gen, index, weights, x = _routed_tokens(T, H, E, K, device, dtype)
     gate_up = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(device, dtype).requires_grad_()
     down = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(device, dtype).requires_grad_()
     providers = {"eager": lambda *a: moe_experts_pattern(*a, "silu"), "transformers grouped_mm": _transformers_grouped,
                  "sloth": lambda *a: moe_experts(*a, "silu")}
-    e = x.element_size()
-    fwd_bytes = (3 * E * I * H + 2 * T * H) * e
-    nbytes = {"fwd": fwd_bytes, "bwd": 2 * fwd_bytes, "fwd+bwd": 3 * fwd_bytes}
-    S = T * K
-    flops = {"fwd": 6 * S * H * I, "bwd": 12 * S * H * I, "fwd+bwd": 18 * S * H * I}
-    rows = harness.run(f"T{T} H{H} I{I} E{E} K{K}", providers, [x, index, weights, gate_up, down], nbytes, copy_gbps)
-    columns = harness.COLUMNS[:4] + ["TFLOP/s"] + harness.COLUMNS[4:]
-    for row in rows:
-        if row.get("ms"):
-            row["TFLOP/s"] = flops[row["mode"]] / (row["ms"] * 1e-3) / 1e12
-    print(common.render_text(columns, rows))
-    if not args.smoke:
-        record = common.result_record("moe_experts", {"dtype": "bfloat16", "copy_gbps": copy_gbps}, columns, rows)
-        for path in common.write_result(record):
-            print(f"wrote {path}")
-    return 1 if any("error" in r for r in rows) else 0
+    return _measure(args, "moe_experts", f"T{T} H{H} I{I} E{E} K{K}", providers,
+                    [x, index, weights, gate_up, down], (T, H, I, E, K))
 
 
 def _main_gpt_oss(args, device: str) -> int:
     T, H, I, E, K = (13, 24, 20, 5, 2) if args.smoke else (4096, 2880, 2880, 32, 4)
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    copy_gbps = common.copy_bandwidth_gbps()
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)
-    weights = torch.softmax(torch.randn(T, K, generator=gen), -1).to(device, dtype).requires_grad_()
-    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
+    gen, index, weights, x = _routed_tokens(T, H, E, K, device, dtype)
     # gate/up scaled so pre-activations pass the clamp at 7 now and then, as trained GPT-OSS weights do
     gate_up = (torch.randn(E, H, 2 * I, generator=gen) * 3 / H ** 0.5).to(device, dtype).requires_grad_()
     down = (torch.randn(E, I, H, generator=gen) / I ** 0.5).to(device, dtype).requires_grad_()
     gate_up_bias = torch.randn(E, 2 * I, generator=gen).to(device, dtype).requires_grad_()
     down_bias = (torch.randn(E, H, generator=gen) * 0.1).to(device, dtype).requires_grad_()
-    e = x.element_size()
+    return _measure(args, "moe_experts_gpt_oss", f"gpt-oss T{T} H{H} I{I} E{E} K{K}", _gpt_oss_providers(),
+                    [x, index, weights, gate_up, down, gate_up_bias, down_bias], (T, H, I, E, K))
+
+
+def _routed_tokens(T: int, H: int, E: int, K: int, device: str, dtype: torch.dtype) -> tuple:
+    """(the seeded generator, for the weights drawn next; uniform random routing, K distinct experts a token
+    [T, K]; softmax router weights [T, K]; tokens [T, H]), the last two requiring grad."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)
+    weights = torch.softmax(torch.randn(T, K, generator=gen), -1).to(device, dtype).requires_grad_()
+    x = torch.randn(T, H, generator=gen).to(device, dtype).requires_grad_()
+    return gen, index, weights, x
+
+
+def _measure(args, benchmark: str, label: str, providers: dict, inputs: list, shape: tuple) -> int:
+    """Time ``providers`` on ``inputs`` (harness.run), add the TFLOP/s column, print the table and, unless --smoke,
+    write the ``benchmark`` record; the exit status (1 when a provider failed)."""
+    T, H, I, E, K = shape
+    copy_gbps = common.copy_bandwidth_gbps()
+    e = inputs[0].element_size()
     fwd_bytes = (3 * E * I * H + 2 * T * H) * e
     nbytes = {"fwd": fwd_bytes, "bwd": 2 * fwd_bytes, "fwd+bwd": 3 * fwd_bytes}
     S = T * K
     flops = {"fwd": 6 * S * H * I, "bwd": 12 * S * H * I, "fwd+bwd": 18 * S * H * I}
-    rows = harness.run(f"gpt-oss T{T} H{H} I{I} E{E} K{K}", _gpt_oss_providers(),
-                       [x, index, weights, gate_up, down, gate_up_bias, down_bias], nbytes, copy_gbps)
+    rows = harness.run(label, providers, inputs, nbytes, copy_gbps)
     columns = harness.COLUMNS[:4] + ["TFLOP/s"] + harness.COLUMNS[4:]
     for row in rows:
         if row.get("ms"):
             row["TFLOP/s"] = flops[row["mode"]] / (row["ms"] * 1e-3) / 1e12
     print(common.render_text(columns, rows))
     if not args.smoke:
-        record = common.result_record("moe_experts_gpt_oss", {"dtype": "bfloat16", "copy_gbps": copy_gbps}, columns,
-                                      rows)
+        record = common.result_record(benchmark, {"dtype": "bfloat16", "copy_gbps": copy_gbps}, columns, rows)
         for path in common.write_result(record):
             print(f"wrote {path}")
     return 1 if any("error" in r for r in rows) else 0
