@@ -42,6 +42,7 @@ the backward reads) rounded to gu's dtype, as eager's ``gu + b[e]`` is, and h co
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -203,8 +204,6 @@ def _expert_glu_fwd_kernel(
 
 def expert_glu_math(gu: torch.Tensor, activation: str, interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
     """h of gu [.., 2I] (``activation`` one of EXPERT_ACTIVATIONS' names), in gu's dtype's arithmetic: eager's."""
-    import torch.nn.functional as F
-
     gate, up = (gu[..., 0::2], gu[..., 1::2]) if interleaved else gu.chunk(2, dim=-1)
     if activation == "swiglu_oai":
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
