@@ -5,10 +5,12 @@
     print(sloth.report())                                  # what it replaced in everything compiled
     sloth.register_family("mine", my_pass, after="glu")    # a pattern family of your own (compiler/families.py)
 
-See README.md. Importing sloth defines functions and registers one thing: the name "sloth" with
+See README.md. Importing sloth defines functions and registers two things: the name "sloth" with
 accelerate, when it is installed, so that ``TrainingArguments(torch_compile_backend="sloth")`` passes
-accelerate's check (compiler/accelerate_name.py). The custom ops register the first time a pass inserts
-them.
+accelerate's check (compiler/accelerate_name.py); and, once peft is loaded, a traceable form of peft's
+``ParamWrapper.forward`` (LoRA on stacked expert weights), which Dynamo traces in one graph while eager runs
+peft's own code (compiler/peft_experts.py; ``SLOTH_PEFT_TRACEABLE=0`` turns it off). The custom ops register the
+first time a pass inserts them.
 """
 from .compiler.backend import last_report, report, reset_report, sloth_backend
 from .compiler.explain import explain
@@ -16,8 +18,10 @@ from .compiler.families import families, register_family, unregister_family
 from .compiler.pipeline import FAMILIES
 from .compiler.report import Rejection, Report, Site
 from .compiler.accelerate_name import register_with_accelerate
+from .compiler.peft_experts import install as _install_traceable_peft
 
 register_with_accelerate()
+_install_traceable_peft()
 
 __all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "families", "register_family",
            "unregister_family", "Report", "Site", "Rejection"]

@@ -53,6 +53,8 @@
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-gpt-oss  # issue 20: the moe_experts op at GPT-OSS-20B's and Qwen3-MoE's shapes
 #   bash benchmarks/h200_rows.sh gpt-oss gpt-oss-unsloth  # issue 20: the GPT-OSS-20B step on 8 layers, then Unsloth's
+#   bash benchmarks/h200_rows.sh moe-lora moe-lora-peers  # issue 20: LoRA on the experts: checks, the op, the step;
+#                                          # then eager, Inductor and Unsloth with LoRA on the experts (carry .whl)
 #   bash benchmarks/h200_rows.sh norms     # issue 22: ops.layer_norm (eager, inductor, sloth, liger; carry the
 #                                          # liger_kernel wheel) and ops.l2_norm (eager, inductor, sloth), <= 145 s
 #   DRY=1 bash benchmarks/h200_rows.sh lora   # print the commands only
@@ -63,7 +65,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|gpt-oss|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -319,6 +321,22 @@ case $part in
                                echo "cuda_ops moe: rc $?"; tail -3 "$out/logs/cuda_ops_moe.log"; }
         op_bench moe_experts_gpt_oss 100 moe_experts --gpt-oss
         op_bench moe_experts 80 moe_experts ;;
+    moe-lora)  # issue 20: LoRA on the experts as the op's factors: the CUDA MoE checks (LoRA's among them) and torch
+        # 2.11's Dynamo on sloth's peft polyfill (one graph), the op with LoRA r=16 at Qwen3-MoE's shape and GPT-OSS's
+        # op (the segment-sum bias gradients), then the Qwen3-MoE step with LoRA on attention + experts, sloth
+        # (limits add to 560 s)
+        [ -z "${DRY:-}" ] && { mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/sloth
+                               PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 150 python -m pytest \
+                                   tests/test_cuda_ops.py tests/test_peft_experts.py -q -n 4 -k "moe or graph or first" \
+                                   -p no:cacheprovider > "$out/logs/cuda_ops_moe_lora.log" 2>&1
+                               echo "cuda_ops moe + peft polyfill: rc $?"; tail -3 "$out/logs/cuda_ops_moe_lora.log"; }
+        op_bench moe_experts_lora 80 moe_experts --lora
+        op_bench moe_experts_gpt_oss 100 moe_experts --gpt-oss
+        run moe-lora-experts-sloth 220 --all --model qwen3-moe --lora-experts --variants sloth ;;
+    moe-lora-peers)  # its peers, chained onto the same machine (carry .whl: Unsloth's set and bitsandbytes): eager and
+        # Inductor (peft's own forward, graph breaks and all), then Unsloth's MoE path (limits add to 570 s)
+        run moe-lora-experts-peers 330 --all --model qwen3-moe --lora-experts --variants eager,inductor
+        run moe-lora-experts-unsloth 240 --all --model qwen3-moe --lora-experts --variants unsloth ;;
     long256-l4)  # long-l4-sloth and long-l4-unsloth at 256k only, one call (carry .whl: the bitsandbytes wheel cut to
         # its CPU and CUDA 13.0 libraries by benchmarks/unsloth_wheels.sh, and .whl/unsloth; limits add to 400 s)
         run long256-L4-sloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \

@@ -127,11 +127,17 @@ def replace_and_erase(old: fx.Node, new: fx.Node, keep: Iterable[Any]) -> set[fx
     erased nodes, so a pass iterating over a snapshot of the graph can skip them. ``new``'s value takes
     ``old``'s requires_grad (``inherit_requires_grad``).
     """
-    graph, keep = old.graph, set(keep)
     inherit_requires_grad(old, new)
     old.replace_all_uses_with(new)
+    return erase_unused(old, keep)
+
+
+def erase_unused(node: fx.Node, keep: Iterable[Any]) -> set[fx.Node]:
+    """Erase ``node`` if nothing reads it, and then what fed only it, walking back (``keep``, placeholders and
+    anything impure stay); the erased nodes."""
+    graph, keep = node.graph, set(keep)
     erased: set[fx.Node] = set()
-    stack = [old]
+    stack = [node]
     while stack:
         node = stack.pop()
         if node in erased or node in keep or node.users or node.op != "call_function" or node.is_impure():

@@ -58,6 +58,20 @@ s = sigmoid(alpha g')::
 
     d g = dh * (u' + 1) * (s + alpha g' s (1 - s)) * [g <= limit],    d u = dh * g' s * [|u| <= limit]
 
+LoRA on the experts (peft's ``target_parameters`` on the stacked weights, in the op's layout ``W_eff[e] = W[e] +
+s B[e] A[e]``, B ``[E, n, r]``, A ``[E, r, k]``, one pair a GEMM, ``*_lora_b`` / ``*_lora_a`` / ``*_lora_scale``): the
+adapter's share of each GEMM is two more grouped GEMMs at rank r, so neither the merged ``[E, n, k]`` weight nor its
+gradient is ever formed (peft forms both each step: 1.2 GB a layer at Qwen3-30B-A3B's experts in bf16)::
+
+    gu_r  += s1 B1 (A1 x_t),        y_r += s2 B2 (A2 h_r)
+    c_r   += s2 A2^T (B2^T dout_t)                                   (the down adapter's share of W_d_eff^T dout)
+    dx_t  += sum_r s1 A1^T (B1^T d gu_r)
+    dB1[e] = sum_{r in e} d gu_r (s1 A1 x_t)^T,    dA1[e] = sum_{r in e} (s1 B1^T d gu_r) x_t^T
+    dB2[e] = sum_{r in e} dout_t (s2 A2 w_r h_r)^T,  dA2[e] = sum_{r in e} (s2 B2^T dout_t) (w_r h_r)^T
+
+(the rank-r products A x and A (w h) are recomputed in the backward, not saved; ``d w_r = <c_r, h_r>`` holds with
+the adapter's share in c). The factors are made contiguous first: peft hands permuted views, E*n*r elements.
+
 Saved for backward: x, the routing, the weights, gu [S, 2I] (the pre-activation: recomputing it would repeat the
 largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: dh, the GLU
 backward, d w and (when the down projection trains) w h are one pass over c and gu
@@ -88,9 +102,17 @@ ALL_ACTIVATIONS = (*ACTIVATIONS, "swiglu_oai", "silu_clamped")
 def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu",
                         gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                        interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                        interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
+                        gate_up_lora_b: torch.Tensor | None = None, gate_up_lora_a: torch.Tensor | None = None,
+                        down_lora_b: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
+                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0) -> torch.Tensor:
     """transformers 5.24 ``Qwen3MoeExperts.forward`` (``GptOssExperts.forward`` with the biases, ``interleaved``
-    and ``"swiglu_oai"``), eager loop (host syncs and all): the meaning and the oracle."""
+    and ``"swiglu_oai"``), eager loop (host syncs and all): the meaning and the oracle. LoRA factors, where given,
+    are merged first as peft's ``target_parameters`` does (``baddbmm(W, B, A, alpha=scale)``)."""
+    if gate_up_lora_b is not None:
+        gate_up_proj = torch.baddbmm(gate_up_proj, gate_up_lora_b, gate_up_lora_a, alpha=gate_up_lora_scale)
+    if down_lora_b is not None:
+        down_proj = torch.baddbmm(down_proj, down_lora_b, down_lora_a, alpha=down_lora_scale)
     num_experts = gate_up_proj.shape[0]
     final = torch.zeros_like(x)
     with torch.no_grad():
@@ -193,7 +215,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_ro
 # ---------------------------------------------------------------------------------------------------
 
 def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias=None,
-                  down_bias=None) -> None:
+                  down_bias=None, gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None, down_lora_a=None) -> None:
     op = "sloth.moe_experts"
     if act not in ALL_ACTIVATIONS:
         raise ValueError(f"{op}: act must be one of {list(ALL_ACTIVATIONS)}, got {act!r}")
@@ -226,8 +248,34 @@ def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, g
     for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj), *((n, b) for n, b, _ in biases)):
         if w.dtype != x.dtype:
             raise TypeError(f"{op}: {name} must have x's dtype {x.dtype}, got {w.dtype}")
+    adapters = _check_adapters(op, x.dtype, (("gate_up", gate_up_proj, gate_up_lora_b, gate_up_lora_a),
+                                             ("down", down_proj, down_lora_b, down_lora_a)))
     check_one_device(op, ("x", x), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights),
-                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj), *((n, b) for n, b, _ in biases))
+                     ("gate_up_proj", gate_up_proj), ("down_proj", down_proj), *((n, b) for n, b, _ in biases),
+                     *adapters)
+
+
+def _check_adapters(op: str, dtype: torch.dtype, weights) -> list[tuple[str, torch.Tensor]]:
+    """Each (name, weight [E, n, k], B, A): B [E, n, r] and A [E, r, k] both given or both None, in x's dtype;
+    the (name, tensor) pairs given, for the device check."""
+    given = []
+    for name, w, b, a in weights:
+        if (b is None) != (a is None):
+            raise ValueError(f"{op}: {name}_lora_b and {name}_lora_a must be given together (one was None)")
+        if b is None:
+            continue
+        n_experts, n, k = w.shape
+        if b.dim() != 3 or tuple(b.shape[:2]) != (n_experts, n):
+            raise ValueError(f"{op}: {name}_lora_b must be [E, n, r] with (E, n) = {(n_experts, n)} (from "
+                             f"{name}_proj), got {tuple(b.shape)}")
+        if a.dim() != 3 or tuple(a.shape) != (n_experts, b.shape[2], k):
+            raise ValueError(f"{op}: {name}_lora_a must be [E, r, k] = {(n_experts, b.shape[2], k)} (from "
+                             f"{name}_proj and {name}_lora_b), got {tuple(a.shape)}")
+        for part, t in (("b", b), ("a", a)):
+            if t.dtype != dtype:
+                raise TypeError(f"{op}: {name}_lora_{part} must have x's dtype {dtype}, got {t.dtype}")
+        given += [(f"{name}_lora_b", b), (f"{name}_lora_a", a)]
+    return given
 
 
 def _dense_glu(act: str, interleaved: bool, gate_up_bias) -> bool:
@@ -244,23 +292,47 @@ def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
     return order, sorted_ids, offs
 
 
+def _adapter_rows(rows: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float, offs: torch.Tensor,
+                  ids) -> torch.Tensor:
+    """scale * B[e] A[e] rows_r for each sorted row r of expert e ([S, k] -> [S, n]): a LoRA adapter's share of an
+    expert GEMM, two grouped GEMMs at rank r, the [E, n, k] product never formed."""
+    u = grouped_mm(rows, lora_a.transpose(1, 2), offs, ids)
+    return grouped_mm(u * scale, lora_b.transpose(1, 2), offs, ids)
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An adapter factor in its [E, ., .] layout, contiguous (peft's are permuted views; at rank r a copy is
+    E*n*r elements, and grouped GEMMs want row- or column-major operands)."""
+    return t.contiguous() if t is not None else None
+
+
 def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str,
                         gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                        interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0
+                        interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
+                        gate_up_lora_b: torch.Tensor | None = None, gate_up_lora_a: torch.Tensor | None = None,
+                        down_lora_b: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
+                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, H], gu [S, 2I], order [S], offs [E]); the last three are the backward's residuals."""
-    _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias)
+    _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias,
+                  gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a)
     top_k = top_k_index.shape[1]
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
     x_SH = x[order // top_k]
     gu_S2I = grouped_mm(x_SH, gate_up_proj.transpose(1, 2), offs, sorted_ids)
+    if gate_up_lora_b is not None:
+        gu_S2I = gu_S2I + _adapter_rows(x_SH, _contiguous(gate_up_lora_b), _contiguous(gate_up_lora_a),
+                                        gate_up_lora_scale, offs, sorted_ids)
     if _dense_glu(act, interleaved, gate_up_bias):
         h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
     else:
         gu_S2I, h_SI = expert_glu_forward(gu_S2I, gate_up_bias, sorted_ids, ACTIVATIONS.get(act, act), interleaved,
                                           alpha, limit)
     y_SH = grouped_mm(h_SI, down_proj.transpose(1, 2), offs, sorted_ids)
+    if down_lora_b is not None:
+        y_SH = y_SH + _adapter_rows(h_SI, _contiguous(down_lora_b), _contiguous(down_lora_a), down_lora_scale, offs,
+                                    sorted_ids)
     if down_bias is not None:
         y_SH = y_SH + down_bias[sorted_ids]
     out = combine(y_SH, inverse_permutation(order), top_k, top_k_weights, x.dtype)
@@ -288,16 +360,27 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
                          offs: torch.Tensor, act: str, compute_dx: bool, compute_dw: bool, compute_d_gate_up: bool,
                          compute_d_down: bool, gate_up_bias: torch.Tensor | None = None,
                          down_bias: torch.Tensor | None = None, interleaved: bool = False, alpha: float = 1.702,
-                         limit: float = 7.0, compute_d_gate_up_bias: bool = False, compute_d_down_bias: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, d top_k_weights, d gate_up_proj, d down_proj, d gate_up_bias, d down_bias), each an empty tensor where
-    not asked for."""
+                         limit: float = 7.0, compute_d_gate_up_bias: bool = False, compute_d_down_bias: bool = False,
+                         gate_up_lora_b: torch.Tensor | None = None, gate_up_lora_a: torch.Tensor | None = None,
+                         down_lora_b: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
+                         gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0,
+                         compute_d_gate_up_lora: bool = False, compute_d_down_lora: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d top_k_weights, d gate_up_proj, d down_proj, d gate_up_bias, d down_bias, d gate_up_lora_b,
+    d gate_up_lora_a, d down_lora_b, d down_lora_a), each an empty tensor where not asked for (an adapter's two
+    factors are asked for together)."""
     top_k = top_k_index.shape[1]
     token_of_row = order // top_k
     # The experts of the sorted rows, which the reference grouped GEMM and the biases read: formed once, on first use.
     sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
+    b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
+    s1, s2 = gate_up_lora_scale, down_lora_scale
     dout_SH = dout.to(x.dtype)[token_of_row]
     c_SI = grouped_mm(dout_SH, down_proj, offs, sorted_ids)
+    if b2 is not None:  # c = W_d_eff^T dout = W_d^T dout + s2 A2^T (B2^T dout)
+        v2_Sr = grouped_mm(dout_SH, b2, offs, sorted_ids) * s2
+        c_SI = c_SI + grouped_mm(v2_Sr, a2, offs, sorted_ids)
     d_gate_up_bias, d_down_bias = x.new_empty(0), x.new_empty(0)
     d_w_add = None
     if down_bias is not None:
@@ -307,49 +390,77 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
         if compute_d_down_bias:
             d_down_bias = segment_sum(dout_SH, offs, sorted_ids.value(), top_k_weights.reshape(-1)[order],
                                       down_bias.dtype)
+    down_lora_trains = b2 is not None and compute_d_down_lora
     d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS.get(act, act), compute_dw,
-                                              compute_d_down, interleaved, alpha, limit, d_w_add)
+                                              compute_d_down or down_lora_trains, interleaved, alpha, limit, d_w_add)
     if gate_up_bias is not None and compute_d_gate_up_bias:
         d_gate_up_bias = segment_sum(d_gu, offs, sorted_ids.value(), None, gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
     dw = dw_S.view(top_k_weights.shape) if compute_dw else x.new_empty(0)
     d_down = _weight_grad(dout_SH, hw_SI, offs, sorted_ids, down_proj) if compute_d_down else x.new_empty(0)
+    d_b2, d_a2 = x.new_empty(0), x.new_empty(0)
+    if down_lora_trains:  # d B2[e] = sum_r dout_t (s2 A2 w_r h_r)^T,  d A2[e] = sum_r (s2 B2^T dout_t) (w_r h_r)^T
+        d_b2 = grouped_mm(dout_SH.t(), grouped_mm(hw_SI, a2.transpose(1, 2), offs, sorted_ids) * s2, offs,
+                          sorted_ids)
+        d_a2 = grouped_mm(v2_Sr.t(), hw_SI, offs, sorted_ids)
+    gate_up_lora_trains = b1 is not None and compute_d_gate_up_lora
+    v1_Sr = None
+    if b1 is not None and (compute_dx or gate_up_lora_trains):  # s1 B1^T d gu_r
+        v1_Sr = grouped_mm(d_gu, b1, offs, sorted_ids) * s1
     dx = x.new_empty(0)
     if compute_dx:
-        dx = combine(grouped_mm(d_gu, gate_up_proj, offs, sorted_ids), inverse_permutation(order), top_k, None,
-                     x.dtype)
-    d_gate_up = x.new_empty(0)
-    if compute_d_gate_up:
-        d_gate_up = _weight_grad(d_gu, x[token_of_row], offs, sorted_ids, gate_up_proj)
-    return dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias
+        dx_SH = grouped_mm(d_gu, gate_up_proj, offs, sorted_ids)
+        if v1_Sr is not None:  # dx_t gains sum_r s1 A1^T B1^T d gu_r
+            dx_SH = dx_SH + grouped_mm(v1_Sr, a1, offs, sorted_ids)
+        dx = combine(dx_SH, inverse_permutation(order), top_k, None, x.dtype)
+    d_gate_up, d_b1, d_a1 = x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    if compute_d_gate_up or gate_up_lora_trains:
+        x_SH = x[token_of_row]
+        if compute_d_gate_up:
+            d_gate_up = _weight_grad(d_gu, x_SH, offs, sorted_ids, gate_up_proj)
+        if gate_up_lora_trains:  # d B1[e] = sum_r d gu_r (s1 A1 x_t)^T,  d A1[e] = sum_r (s1 B1^T d gu_r) x_t^T
+            d_b1 = grouped_mm(d_gu.t(), grouped_mm(x_SH, a1.transpose(1, 2), offs, sorted_ids) * s1, offs,
+                              sorted_ids)
+            d_a1 = grouped_mm(v1_Sr.t(), x_SH, offs, sorted_ids)
+    return dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias, d_b1, d_a1, d_b2, d_a2
 
 
 # ---------------------------------------------------------------------------------------------------
 # Registration with torch.library: a graph citizen with a fake implementation and its own backward.
 # ---------------------------------------------------------------------------------------------------
 
+# moe_experts_forward's arguments from gate_up_bias on, as their defaults (a call may leave them out)
+_DEFAULTS = (None, None, False, 1.702, 7.0, None, None, None, None, 1.0, 1.0)
+_N_INPUTS = 6 + len(_DEFAULTS)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias, interleaved, alpha, \
-        limit = inputs
+        limit, gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale = \
+        (*inputs, *_DEFAULTS[len(inputs) - 6:])
     _, gu, order, offs = output
     ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, gate_up_bias,
-                          down_bias)
+                          down_bias, gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a)
     ctx.mark_non_differentiable(gu, order, offs)  # residuals returned to be saved, not used
     ctx.act, ctx.interleaved, ctx.alpha, ctx.limit = act, interleaved, alpha, limit
+    ctx.scales = (gate_up_lora_scale, down_lora_scale)
 
 
 def _backward(ctx, dout, _dgu, _dorder, _doffs):
-    x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, gate_up_bias, down_bias = \
-        ctx.saved_tensors
+    x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, gate_up_bias, down_bias, \
+        gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a = ctx.saved_tensors
     passed = len(ctx.needs_input_grad)  # the arguments given: the defaults left out have no entry
-    need = (*ctx.needs_input_grad, *(False,) * (11 - passed))
-    dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias = torch.ops.sloth.moe_experts_backward(
+    need = (*ctx.needs_input_grad, *(False,) * (_N_INPUTS - passed))
+    grads = torch.ops.sloth.moe_experts_backward(
         dout, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, ctx.act,
         need[0], need[2], need[3], need[4], gate_up_bias, down_bias, ctx.interleaved, ctx.alpha, ctx.limit,
-        need[6], need[7])
-    return (dx if need[0] else None, None, dw if need[2] else None, d_gate_up if need[3] else None,
-            d_down if need[4] else None, None, d_gate_up_bias if need[6] else None,
-            d_down_bias if need[7] else None, None, None, None)[:passed]
+        need[6], need[7], gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, *ctx.scales,
+        need[11] or need[12], need[13] or need[14])
+    dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias, d_b1, d_a1, d_b2, d_a2 = grads
+    wanted = lambda i, g: g if need[i] else None  # noqa: E731
+    return (wanted(0, dx), None, wanted(2, dw), wanted(3, d_gate_up), wanted(4, d_down), None,
+            wanted(6, d_gate_up_bias), wanted(7, d_down_bias), None, None, None, wanted(11, d_b1), wanted(12, d_a1),
+            wanted(13, d_b2), wanted(14, d_a2), None, None)[:passed]
 
 
 @functools.cache
@@ -360,9 +471,10 @@ def register() -> None:
 
     @fake(fwd)
     def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias=None, down_bias=None,
-          interleaved=False, alpha=1.702, limit=7.0):
-        _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias,
-                      down_bias)  # shapes only: fake-safe
+          interleaved=False, alpha=1.702, limit=7.0, gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None,
+          down_lora_a=None, gate_up_lora_scale=1.0, down_lora_scale=1.0):
+        _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias,
+                      gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a)  # shapes only: fake-safe
         n_rows = top_k_index.numel()
         return (x.new_empty(x.shape), x.new_empty((n_rows, gate_up_proj.shape[1])),
                 top_k_index.new_empty((n_rows,), dtype=torch.int64),
@@ -371,13 +483,17 @@ def register() -> None:
     @fake(bwd)
     def _(dout, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, act,
           compute_dx, compute_dw, compute_d_gate_up, compute_d_down, gate_up_bias=None, down_bias=None,
-          interleaved=False, alpha=1.702, limit=7.0, compute_d_gate_up_bias=False, compute_d_down_bias=False):
+          interleaved=False, alpha=1.702, limit=7.0, compute_d_gate_up_bias=False, compute_d_down_bias=False,
+          gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None, down_lora_a=None, gate_up_lora_scale=1.0,
+          down_lora_scale=1.0, compute_d_gate_up_lora=False, compute_d_down_lora=False):
         with_bias = lambda b, wanted: b.new_empty(b.shape) if b is not None and wanted else x.new_empty(0)  # noqa: E731
         return (x.new_empty(x.shape if compute_dx else 0),
                 top_k_weights.new_empty(top_k_weights.shape) if compute_dw else x.new_empty(0),
                 torch.empty_like(gate_up_proj) if compute_d_gate_up else x.new_empty(0),  # its layout: _weight_grad
                 torch.empty_like(down_proj) if compute_d_down else x.new_empty(0),
-                with_bias(gate_up_bias, compute_d_gate_up_bias), with_bias(down_bias, compute_d_down_bias))
+                with_bias(gate_up_bias, compute_d_gate_up_bias), with_bias(down_bias, compute_d_down_bias),
+                with_bias(gate_up_lora_b, compute_d_gate_up_lora), with_bias(gate_up_lora_a, compute_d_gate_up_lora),
+                with_bias(down_lora_b, compute_d_down_lora), with_bias(down_lora_a, compute_d_down_lora))
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
 
@@ -385,8 +501,12 @@ def register() -> None:
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, act: str = "silu", gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, interleaved: bool = False, alpha: float = 1.702,
-                limit: float = 7.0) -> torch.Tensor:
+                limit: float = 7.0, gate_up_lora_b: torch.Tensor | None = None,
+                gate_up_lora_a: torch.Tensor | None = None, down_lora_b: torch.Tensor | None = None,
+                down_lora_a: torch.Tensor | None = None, gate_up_lora_scale: float = 1.0,
+                down_lora_scale: float = 1.0) -> torch.Tensor:
     """Fused MoE experts, equal to ``moe_experts_pattern``; see the module docstring for the math."""
     register()
     return torch.ops.sloth.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias,
-                                       down_bias, interleaved, alpha, limit)[0]
+                                       down_bias, interleaved, alpha, limit, gate_up_lora_b, gate_up_lora_a,
+                                       down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale)[0]

@@ -159,45 +159,48 @@ def _expert_glu(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_columns(o_n, n_cols, INTERLEAVED: tl.constexpr):
-    """The columns of gu holding gate column o_n and up column o_n."""
-    if INTERLEAVED:
-        o_g = 2 * o_n
-        o_u = 2 * o_n + 1
-    else:
-        o_g = o_n
-        o_u = n_cols + o_n
-    return o_g, o_u
-
-
-@triton.jit
 def _expert_glu_fwd_kernel(
     p_gu, p_bias, p_ids, p_h,
     n_rows, n_cols, stride_gu, stride_bias, stride_h, alpha, limit,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """A BLOCK_M x BLOCK_N tile of h (and, with HAS_BIAS, of the biased gu written back in place)."""
+    """A BLOCK_M x BLOCK_N tile of h (and, with HAS_BIAS, of the biased gu written back in place). Interleaved
+    gate/up are read as one contiguous [BLOCK_M, 2 BLOCK_N] tile and split in registers: two stride-2 loads
+    instead cost GPT-OSS-20B's kernel 0.80 ms for 0.47 GB (2026-12-03 profile, 7x its copy time)."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mn = (o_m < n_rows)[:, None] & (o_n < n_cols)[None, :]
-    o_g, o_u = _gate_up_columns(o_n, n_cols, INTERLEAVED)
-    p_g = p_gu + o_m[:, None] * stride_gu + o_g[None, :]
-    p_u = p_gu + o_m[:, None] * stride_gu + o_u[None, :]
-    b_g = tl.load(p_g, mask=m_mn, other=0.0).to(tl.float32)
-    b_u = tl.load(p_u, mask=m_mn, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        o_e = tl.load(p_ids + o_m, mask=o_m < n_rows, other=0).to(tl.int64)
-        p_b = p_bias + o_e[:, None] * stride_bias
-        b_g = round_to(b_g + tl.load(p_b + o_g[None, :], mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
-        b_u = round_to(b_u + tl.load(p_b + o_u[None, :], mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
-        # each element is loaded and stored by the same program, and its loads are consumed above
-        tl.debug_barrier()
-        tl.store(p_g, b_g, mask=m_mn)
-        tl.store(p_u, b_u, mask=m_mn)
-        b_g = b_g.to(tl.float32)
-        b_u = b_u.to(tl.float32)
+    m_m = o_m < n_rows
+    m_mn = m_m[:, None] & (o_n < n_cols)[None, :]
+    if INTERLEAVED:  # columns 2j (gate) and 2j + 1 (up) of this tile, as one tile
+        o_gu = 2 * i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        m_gu = m_m[:, None] & (o_gu < 2 * n_cols)[None, :]
+        p_tile = p_gu + o_m[:, None] * stride_gu + o_gu[None, :]
+        b_gu = tl.load(p_tile, mask=m_gu, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
+            b_gu = round_to(b_gu + tl.load(p_bias + o_e[:, None] * stride_bias + o_gu[None, :], mask=m_gu,
+                                           other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+            tl.debug_barrier()  # each element is loaded and stored by the same program, its load consumed above
+            tl.store(p_tile, b_gu, mask=m_gu)
+            b_gu = b_gu.to(tl.float32)
+        b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        p_g = p_gu + o_m[:, None] * stride_gu + o_n[None, :]
+        p_u = p_g + n_cols
+        b_g = tl.load(p_g, mask=m_mn, other=0.0).to(tl.float32)
+        b_u = tl.load(p_u, mask=m_mn, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
+            p_b = p_bias + o_e[:, None] * stride_bias + o_n[None, :]
+            b_g = round_to(b_g + tl.load(p_b, mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+            b_u = round_to(b_u + tl.load(p_b + n_cols, mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+            tl.debug_barrier()  # as above
+            tl.store(p_g, b_g, mask=m_mn)
+            tl.store(p_u, b_u, mask=m_mn)
+            b_g = b_g.to(tl.float32)
+            b_u = b_u.to(tl.float32)
     b_h = _expert_glu(b_g, b_u, alpha, limit, ACTIVATION)
     tl.store(p_h + o_m[:, None] * stride_h + o_n[None, :], round_to(b_h, p_h.dtype.element_ty), mask=m_mn)
 
@@ -321,16 +324,26 @@ def _glu_backward_weighted_kernel(
     for i_n in range(0, tl.cdiv(n_cols, BLOCK_N)):
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mn = m_m[:, None] & (o_n < n_cols)[None, :]
-        o_g, o_u = _gate_up_columns(o_n, n_cols, INTERLEAVED)
         b_c = tl.load(p_c + o_m[:, None] * stride_c + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
-        b_g = tl.load(p_gu + o_m[:, None] * stride_gu + o_g[None, :], mask=m_mn, other=0.0).to(tl.float32)
-        b_u = tl.load(p_gu + o_m[:, None] * stride_gu + o_u[None, :], mask=m_mn, other=0.0).to(tl.float32)
+        if INTERLEAVED:  # one contiguous [BLOCK_M, 2 BLOCK_N] tile of gu and of d gu (the forward kernel's why)
+            o_gu = 2 * i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+            m_gu = m_m[:, None] & (o_gu < 2 * n_cols)[None, :]
+            b_gu = tl.load(p_gu + o_m[:, None] * stride_gu + o_gu[None, :], mask=m_gu, other=0.0).to(tl.float32)
+            b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_M, BLOCK_N, 2)))
+        else:
+            b_g = tl.load(p_gu + o_m[:, None] * stride_gu + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
+            b_u = tl.load(p_gu + o_m[:, None] * stride_gu + n_cols + o_n[None, :], mask=m_mn,
+                          other=0.0).to(tl.float32)
         b_h, b_dhdg, b_dhdu = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
         b_dh = b_c * b_w[:, None]
-        tl.store(p_dgu + o_m[:, None] * stride_dgu + o_g[None, :], round_to(b_dh * b_dhdg, p_dgu.dtype.element_ty),
-                 mask=m_mn)
-        tl.store(p_dgu + o_m[:, None] * stride_dgu + o_u[None, :], round_to(b_dh * b_dhdu, p_dgu.dtype.element_ty),
-                 mask=m_mn)
+        b_dg = round_to(b_dh * b_dhdg, p_dgu.dtype.element_ty)
+        b_du = round_to(b_dh * b_dhdu, p_dgu.dtype.element_ty)
+        if INTERLEAVED:
+            tl.store(p_dgu + o_m[:, None] * stride_dgu + o_gu[None, :],
+                     tl.reshape(tl.join(b_dg, b_du), (BLOCK_M, 2 * BLOCK_N)), mask=m_gu)
+        else:
+            tl.store(p_dgu + o_m[:, None] * stride_dgu + o_n[None, :], b_dg, mask=m_mn)
+            tl.store(p_dgu + o_m[:, None] * stride_dgu + n_cols + o_n[None, :], b_du, mask=m_mn)
         if STORE_DW:
             b_dw += tl.sum(b_c * b_h, axis=1)
         if STORE_HW:

@@ -20,10 +20,13 @@ a row, the second downstream of the first, are a candidate, and its interface is
     x = the nearest [T, H] float value upstream of the first GEMM's other operand
     idx = the last [T, K] integer value upstream of ``out``;   w = the last [T, K] float value upstream of ``out``
 
-Where a stacked weight is computed from its graph input before the GEMM reads it (peft's ``target_parameters``
-LoRA forms ``W + s B A`` by ``baddbmm`` each step), W1 / W2 are that computed value: the computation stays in the
-graph, the op reads its result, and the op's weight gradient flows back through it to the adapters (the merged
-weight and its gradient are formed as in eager; the adapters' products are not fused into the GEMMs yet).
+Where a stacked weight is computed from its graph input before the GEMM reads it, W1 / W2 are that computed value
+(for the probes). When it is ``baddbmm(W, lhs, rhs, alpha=s)`` with W the graph input (peft's ``target_parameters``
+LoRA as compiler/peft_experts.py has Dynamo trace it: ``W + s B A`` each step), the op takes W and the factors
+(``lhs``, ``rhs``; for the transposed layout ``rhs^T``, ``lhs^T``) and forms the adapters' products as grouped GEMMs
+at rank r, and the merged weight goes unformed (erased with what fed only it). Any other computed weight (a sum
+of several adapters, a hand-written merge) is passed as it is: the computation stays in the graph, the op reads
+its result, and the op's weight gradient flows back through it.
 
 The candidate *region* is every node ``out`` is computed from, back to those five (and the in-place writes into
 them, such as transformers' ``inv_perm[perm] = arange`` and its in-place bias adds). It may also read per-expert
@@ -50,8 +53,8 @@ rows' shape after the second GEMM are each a candidate, the first the probes acc
 [T, H] value before the first GEMM, followed back through row gathers by an integer index (the tokens gathered in
 expert order have x's shape too).
 
-Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (reported: the region
-reads another input), ungated experts
+Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (per-expert hand-written
+adapters; reported: the region reads another input), ungated experts
 (``act(x W1) W2``, Nemotron-H's), transformers' ``eager``
 expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one graph).
 """
@@ -65,7 +68,8 @@ import torch
 import torch.fx as fx
 
 from ..compiler.anchors import expert_operand, expert_weight_arg, is_expert_gemm, op_name
-from ..compiler.fx_utils import insert_call, module_path, replace_and_erase, source_location, tensor_of
+from ..compiler.fx_utils import erase_unused, insert_call, module_path, replace_and_erase, source_location, \
+    tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..compiler.writes import written
@@ -109,6 +113,8 @@ class MoeSite:
     interleaved: bool = False  # gate and up in alternate columns (GPT-OSS's [..., ::2], [..., 1::2])
     alpha: float = 1.702  # swiglu_oai's and silu_clamped's constants, read off the region
     limit: float = 7.0
+    base1: Optional[fx.Node] = None  # the graph inputs W1 / W2 are computed from (themselves if not computed)
+    base2: Optional[fx.Node] = None
 
     def inputs(self) -> tuple[fx.Node, ...]:
         return tuple(n for n in (self.x, self.idx, self.w, self.w1, self.w2, self.b1, self.b2) if n is not None)
@@ -161,6 +167,34 @@ def _weight_value(gemm: fx.Node, base: fx.Node) -> fx.Node:
     return base
 
 
+@dataclasses.dataclass
+class Adapter:
+    """A stacked weight computed as ``baddbmm(W, lhs, rhs, alpha=scale)`` = W + scale lhs @ rhs, W the graph
+    input [E, n, k], lhs [E, n, r], rhs [E, r, k] (peft's ``target_parameters`` fold, as compiler/peft_experts.py
+    has Dynamo trace it)."""
+    lhs: fx.Node
+    rhs: fx.Node
+    scale: float
+
+
+def _adapter(weight: fx.Node, base: Optional[fx.Node]) -> Optional[Adapter]:
+    """``weight``'s LoRA factors when it is ``baddbmm(base, lhs, rhs, alpha=s)`` with beta 1; else None (the op
+    then takes the computed weight as it is)."""
+    if base is None or weight is base or op_name(weight) != "baddbmm" or len(weight.args) != 3 \
+            or weight.args[0] is not base or weight.kwargs.get("beta", 1) != 1 or set(weight.kwargs) - {"alpha", "beta"}:
+        return None
+    lhs, rhs = weight.args[1], weight.args[2]
+    scale = weight.kwargs.get("alpha", 1)
+    shapes = [_shape(n) if isinstance(n, fx.Node) else None for n in (base, lhs, rhs)]
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or None in shapes \
+            or any(len(shape) != 3 for shape in shapes):
+        return None
+    (e, n, k), (e1, n1, r), (e2, r2, k2) = shapes
+    if (e1, n1, e2, r2, k2) != (e, n, e, r, k) or len({_value(n).dtype for n in (base, lhs, rhs)}) != 1:
+        return None  # (factors in another dtype than W: the merged weight, as computed, is what the op can take)
+    return Adapter(lhs, rhs, float(scale))
+
+
 # Top-1 routing (S = T): how many [T, H] values after the second GEMM are tried as the experts' output, first to
 # last, each by the probes (with K > 1 the sum over k tells the output apart and one is tried).
 TOP_1_CANDIDATES = 4
@@ -169,8 +203,8 @@ TOP_1_CANDIDATES = 4
 def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[str]]:
     """Read (x, idx, w, W1, W2, out) off two expert GEMMs: the candidate sites (one, or with top-1 routing up to
     TOP_1_CANDIDATES, for the probes to choose from), or say why none."""
-    w1, w2 = expert_operand(gemm1), expert_operand(gemm2)
-    w1, w2 = _weight_value(gemm1, w1), _weight_value(gemm2, w2)
+    base1, base2 = expert_operand(gemm1), expert_operand(gemm2)
+    w1, w2 = _weight_value(gemm1, base1), _weight_value(gemm2, base2)
     e1, e2 = _shape(w1), _shape(w2)
     if e1[0] != e2[0]:
         return [], f"its two expert weights hold {e1[0]} and {e2[0]} experts"
@@ -199,6 +233,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[
     for out in dict.fromkeys(_through_casts(o) for o in outs):
         site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order)
         if site is not None:
+            site.base1, site.base2 = base1, base2
             sites.append(site)
         else:
             reasons.append(why_not)
@@ -503,25 +538,44 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                 report.rejected_nodes.append((FAMILY, second))
             continue
         out = _value(site.out)
-        w1, w2 = site.w1, site.w2
+        adapters = [_adapter(w, base) for w, base in ((site.w1, site.base1), (site.w2, site.base2))]
+        # an adapted weight: the op takes its graph input and the factors, and the merged weight goes unformed
+        w1, w2 = (base if adapter is not None else w
+                  for w, base, adapter in zip((site.w1, site.w2), (site.base1, site.base2), adapters))
+        factors: list[Any] = []
+        for adapter in adapters:
+            lhs, rhs = (adapter.lhs, adapter.rhs) if adapter is not None else (None, None)
+            if adapter is not None and site.transposed:  # (W + s L R)^T = W^T + s R^T L^T: B = R^T, A = L^T
+                lhs, rhs = (insert_call(gm.graph, site.out, torch.transpose, (n, 1, 2), meta_from=site.out)
+                            for n in (adapter.rhs, adapter.lhs))
+            factors += [lhs, rhs]
+        scales = [adapter.scale if adapter is not None else 1.0 for adapter in adapters]
         if site.transposed:  # the op's [E, 2I, H] / [E, H, I] as views of [E, H, 2I] / [E, I, H]: no copy
             w1, w2 = (insert_call(gm.graph, site.out, torch.transpose, (w, 1, 2), meta_from=site.out)
                       for w in (w1, w2))
         fused = insert_call(gm.graph, site.out, torch.ops.sloth.moe_experts.default,
                             (site.x, site.idx, site.w, w1, w2, site.act, site.b1, site.b2, site.interleaved,
-                             site.alpha, site.limit), meta_from=site.out)
+                             site.alpha, site.limit, *factors, *scales), meta_from=site.out)
         y = insert_call(gm.graph, site.out, operator.getitem, (fused, 0), meta_from=site.out)
         if _value(y).dtype != out.dtype:
             y = insert_call(gm.graph, site.out, torch.Tensor.to, (y, out.dtype), meta_from=site.out)
-        erased = replace_and_erase(site.out, y, keep=site.inputs())
+        merged = {w for w, adapter in zip((site.w1, site.w2), adapters) if adapter is not None}
+        keep = {*site.inputs(), *(n for n in factors if n is not None), site.base1, site.base2} - merged
+        erased = replace_and_erase(site.out, y, keep=keep)
         _erase_dead(site.region, erased)
+        for weight in merged - erased:  # what fed only the merged weights (peft's factor views) goes too
+            erased |= erase_unused(weight, keep)
         x, w1_value = _value(site.x), _value(site.w1)
-        computed = [n for n in (site.w1, site.w2) if n.op != "placeholder"]
+        computed = [n for n, a in zip((site.w1, site.w2), adapters) if n.op != "placeholder" and a is None]
+        adapted = [name for name, a in zip(("gate_up", "down"), adapters) if a is not None]
+        rank = next((_shape(a.lhs)[2] for a in adapters if a is not None), None)
         variant = "".join((f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else
                            f" (limit {site.limit:g})" if site.act == "silu_clamped" else "",
                            ", interleaved gate/up" if site.interleaved else "",
                            ", biases" if site.b1 is not None or site.b2 is not None else "",
-                           ", transposed weights" if site.transposed else ""))
+                           ", transposed weights" if site.transposed else "",
+                           f", LoRA r={rank} on {' and '.join(adapted)} (its products inside the op, no merged "
+                           "weight)" if adapted else ""))
         report.replaced(Site(FAMILY, "sloth.moe_experts", module_path(anchor), source_location(anchor),
                              f"{w1_value.shape[0]} experts, top-{_value(site.idx).shape[1]}, {site.act}{variant}, "
                              f"{str(x.dtype).replace('torch.', '')}"

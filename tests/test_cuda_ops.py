@@ -56,6 +56,17 @@ def test_moe_gpt_oss_on_cuda(T, H, I, E, K, unused, dtype):
     moe_tests.check_variant(masters, biases, dtype, "swiglu_oai", True, frozen=True)
 
 
+@pytest.mark.parametrize("T,H,I,E,K,r,dtype", [
+    pytest.param(13, 24, 20, 5, 2, 3, torch.float32, id="odd-fp32"),
+    pytest.param(13, 24, 20, 5, 2, 3, torch.bfloat16, id="odd-bf16"),
+    pytest.param(300, 256, 96, 16, 4, 16, torch.bfloat16, id="aligned-bf16"),
+    pytest.param(1024, 2048, 768, 128, 8, 16, torch.bfloat16, id="qwen3-moe-r16-bf16")])
+def test_moe_lora_on_cuda(T, H, I, E, K, r, dtype):
+    # LoRA on both expert GEMMs (peft's target_parameters), the adapters' grouped products on the GPU, base frozen
+    masters = _cuda(moe_tests.make_inputs(T, H, I, E, K))
+    moe_tests.check_lora(masters, _cuda(moe_tests.make_adapters(E, H, I, r, permuted=True)), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 33), (13, 100), (4096, 2048)], ids=["7x33", "13x100", "4096x2048"])
 def test_layer_norm_on_cuda(shape, dtype):

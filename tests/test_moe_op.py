@@ -210,24 +210,24 @@ def test_frozen_experts_get_no_gradient(dtype):
     check_against_pattern(masters, dtype, "silu", frozen=True)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gpt-oss"])
+@pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora"])
 def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
     # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
-    # GPT-OSS's variant with its biases and their gradients too.
+    # GPT-OSS's variant with its biases and their gradients, and LoRA on the experts, too.
     T, H, I, E, K = 13, 24, 20, 7, 2
-    x, index, weights, gate_up, down, dout = (t.requires_grad_(True) if t.is_floating_point() and i != 5 else t
-                                               for i, t in enumerate(make_inputs(T, H, I, E, K)))
+    x, index, weights, gate_up, down, _ = make_inputs(T, H, I, E, K)
     g = torch.Generator().manual_seed(1)
-    extra = (("swiglu_oai", torch.randn(E, 2 * I, generator=g).requires_grad_(True),
-              torch.randn(E, H, generator=g).requires_grad_(True), True) if variant == "gpt-oss" else ("silu",))
-    with RecordOps() as rec:
-        moe_experts(x, index, weights, gate_up, down, *extra).backward(dout)
-    names = [str(func) for func, _, _ in rec.calls]
+    extra = {"gpt-oss": ("swiglu_oai", torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g), True),
+             "lora": ("silu", None, None, False, 1.702, 7.0, *make_adapters(E, H, I, 3), 2.0, 0.5)
+             }.get(variant, ("silu",))
+    calls = _recorded_forward_backward(x, index, weights, gate_up, down, *extra)
+    names = [name for name, _ in calls]
+    assert "aten._grouped_mm.default" in names or "aten.bmm.default" in names, names  # the op's own calls
     assert not [n for n in names if "_local_scalar_dense" in n or "nonzero" in n], names
-    for func, _, out in rec.calls:
-        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+    for name, outs in calls:
+        for o in outs:
             if isinstance(o, torch.Tensor) and o.dim() >= 2:
-                assert o.shape[-1] != E or o.shape[-2] not in (T, T * K), f"{func} made {tuple(o.shape)}"
+                assert o.shape[-1] != E or o.shape[-2] not in (T, T * K), f"{name} made {tuple(o.shape)}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,6 +337,111 @@ def test_compiles_without_graph_break():
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# LoRA on the experts: W_eff = W + s B A per expert, the adapters' products inside the op
+# ---------------------------------------------------------------------------------------------------
+
+def make_adapters(E, H, I, r, seed=7, permuted=False):
+    """(B1 [E, 2I, r], A1 [E, r, H], B2 [E, H, r], A2 [E, r, I]) fp32 masters, B nonzero so A's gradient is not zero
+    (peft starts B at zero); ``permuted``: B as peft's ``reshape(n, r, E).permute(2, 0, 1)`` views."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((E, 2 * I, r), (E, r, H), (E, H, r), (E, r, I))
+    factors = [torch.randn(shape, generator=g) / shape[-1] ** 0.5 for shape in shapes]
+    if permuted:
+        factors = [f.permute(1, 2, 0).contiguous().permute(2, 0, 1) if i % 2 == 0 else f
+                   for i, f in enumerate(factors)]
+    return factors
+
+
+def check_lora(masters, adapters, dtype, on=("gate_up", "down"), base_trains=False, scales=(2.0, 0.5)):
+    """Forward and every gradient (x, router weights, each given adapter factor and, when ``base_trains``, the
+    expert weights) of the op against the pattern (the adapters merged by baddbmm, as peft does) at ``dtype`` and
+    in float64."""
+    x, index, weights, gate_up, down, dout = masters
+
+    def run(fn, cast):
+        x_, w_ = (cast(t).requires_grad_() for t in (x, weights))
+        gu_, d_ = (cast(t).requires_grad_(base_trains) for t in (gate_up, down))
+        factors = [cast(t).requires_grad_() if (i < 2 and "gate_up" in on) or (i >= 2 and "down" in on) else None
+                   for i, t in enumerate(adapters)]
+        out = fn(x_, index, w_, gu_, d_, "silu", None, None, False, 1.702, 7.0, *factors, *scales)
+        wrt = [x_, w_, *([gu_, d_] if base_trains else []), *(f for f in factors if f is not None)]
+        return [out.detach(), *torch.autograd.grad(out, wrt, cast(dout))]
+
+    # the factors' views kept: .to() of a permuted view keeps its strides
+    actual = run(moe_experts, lambda t: t.detach().to(dtype))
+    eager = run(moe_experts_pattern, lambda t: t.detach().to(dtype))
+    reference = run(moe_experts_pattern, lambda t: t.detach().to(dtype).double())
+    names = ["out", "dx", "d_top_k_weights", *(["d_gate_up_proj", "d_down_proj"] if base_trains else []),
+             *(n for part in on for n in (f"d_{part}_lora_b", f"d_{part}_lora_a"))]
+    for name, a, e, r in zip(names, actual, eager, reference, strict=True):
+        assert_close(name, a, e, r)
+    return actual
+
+
+LORA_CASES = {  # id -> (T, H, I, E, K, r, unused experts)
+    "T13-H24-I20-E5-K2-r3-expert3-empty": (13, 24, 20, 5, 2, 3, (3,)),
+    "T17-H32-I16-E4-K2-r8-aligned": (17, 32, 16, 4, 2, 8, ()),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(LORA_CASES))
+@pytest.mark.parametrize("on", [("gate_up", "down"), ("gate_up",), ("down",)], ids=["both", "gate_up", "down"])
+def test_lora_on_experts_matches_merged_weights(on, case, dtype):
+    T, H, I, E, K, r, unused = LORA_CASES[case]
+    grads = check_lora(make_inputs(T, H, I, E, K, unused_experts=unused), make_adapters(E, H, I, r), dtype, on)
+    for grad in grads[3:]:
+        assert grad.abs().max() > 0  # every adapter factor trains
+        for e in unused:  # an expert with no token: an exactly zero adapter gradient
+            assert not grad[e].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_on_experts_with_training_base_and_peft_views(dtype):
+    # The expert weights training beside their adapters, and the B factors as the permuted views peft hands.
+    masters = make_inputs(13, 24, 20, 5, 2)
+    check_lora(masters, make_adapters(5, 24, 20, 4, permuted=True), dtype, base_trains=True)
+
+
+def _recorded_forward_backward(*args):
+    """The aten calls of the op's own forward and backward functions (lowering.moe_experts_forward /
+    moe_experts_backward; a dispatch mode does not see inside the registered custom op), every gradient asked
+    for: a list of (op name, outputs)."""
+    x, index, weights, gate_up, down, act, *rest = args
+    rest = (*rest, *lowering._DEFAULTS[len(rest):])
+    b1, b2, interleaved, alpha, limit, lb1, la1, lb2, la2, s1, s2 = rest
+    with RecordOps() as rec:
+        out, gu, order, offs = lowering.moe_experts_forward(*args)
+        lowering.moe_experts_backward(torch.ones_like(out), x, index, weights, gate_up, down, gu, order, offs, act,
+                                      True, True, True, True, b1, b2, interleaved, alpha, limit, b1 is not None,
+                                      b2 is not None, lb1, la1, lb2, la2, s1, s2, lb1 is not None, lb2 is not None)
+    return [(str(func), out if isinstance(out, (tuple, list)) else (out,)) for func, _, out in rec.calls]
+
+
+def test_lora_on_experts_forms_no_merged_weight():
+    # Nothing of the expert stack's size [E, n, k] is formed (views of the weights aside) in the forward or the backward but the expert
+    # weights' own gradients (asked for here): peft's merged weight and its gradient are what the adapters'
+    # products inside the op avoid.
+    x, index, weights, gate_up, down, _ = make_inputs(13, 32, 16, 4, 2)
+    calls = _recorded_forward_backward(x, index, weights, gate_up, down, "silu", None, None, False, 1.702, 7.0,
+                                       *make_adapters(4, 32, 16, 8), 2.0, 0.5)
+    stacks = {(4, 32, 32), (4, 32, 16), (4, 16, 32)}  # either stack, in either layout
+    made = [(name, tuple(o.shape)) for name, outs in calls for o in outs
+            if isinstance(o, torch.Tensor) and tuple(o.shape) in stacks and not o._is_view()]
+    assert len(made) == 2, made  # d gate_up_proj and d down_proj, which the call asked for
+    assert any("_grouped_mm" in name for name, _ in calls)  # the calls inside the op are the ones recorded
+
+
+def test_opcheck_lora():
+    register()
+    x, index, weights, gate_up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,))
+    b1, a1, b2, a2 = (t.requires_grad_(True) for t in make_adapters(5, 24, 20, 3, permuted=True))
+    args = (x.requires_grad_(True), index, weights.requires_grad_(True), gate_up, down, "silu", None, None, False,
+            1.702, 7.0, b1, a1, b2, a2, 2.0, 0.5)
+    torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
+
+
 def test_opcheck():
     register()
     x, index, weights, gate_up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,))
@@ -438,6 +543,14 @@ BAD_INPUTS = [
                  id="gate-up-bias-shape"),
     pytest.param(dict(down_bias=torch.zeros(3, 8, dtype=torch.bfloat16)), TypeError,
                  r"down_bias must have x's dtype", id="down-bias-bf16"),
+    pytest.param(dict(gate_up_lora_b=torch.zeros(3, 12, 2)), ValueError,
+                 r"gate_up_lora_b and gate_up_lora_a must be given together", id="lora-a-missing"),
+    pytest.param(dict(down_lora_b=torch.zeros(3, 6, 2), down_lora_a=torch.zeros(3, 2, 6)), ValueError,
+                 r"down_lora_b must be \[E, n, r\] with \(E, n\) = \(3, 8\)", id="lora-b-wrong-n"),
+    pytest.param(dict(gate_up_lora_b=torch.zeros(3, 12, 2), gate_up_lora_a=torch.zeros(3, 3, 8)), ValueError,
+                 r"gate_up_lora_a must be \[E, r, k\] = \(3, 2, 8\)", id="lora-a-wrong-r"),
+    pytest.param(dict(gate_up_lora_b=torch.zeros(3, 12, 2, dtype=torch.bfloat16), gate_up_lora_a=torch.zeros(3, 2, 8)),
+                 TypeError, r"gate_up_lora_b must have x's dtype", id="lora-b-bf16"),
 ]
 
 

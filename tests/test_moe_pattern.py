@@ -2,6 +2,8 @@
 loss and every gradient equal eager's; the variants the op does not compute stay, with the reason."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,12 +34,12 @@ def moe_model(model_type: str, experts: str, dtype: torch.dtype = torch.float32)
     return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 
-def _compare(model: nn.Module, dtype: torch.dtype) -> tuple:
-    """(sloth's, eager's, fp64 eager's) loss and gradients, and sloth's report; the fp64 reference runs
-    transformers' eager expert loop (grouped_mm has no float64 kernel)."""
+def _compare(model: nn.Module, dtype: torch.dtype, **options) -> tuple:
+    """(sloth's, eager's, fp64 eager's) loss and gradients, and sloth's report (sloth given ``options`` too); the
+    fp64 reference runs transformers' eager expert loop (grouped_mm has no float64 kernel)."""
     ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
     sloth.reset_report()
-    ours = loss_and_grads(model, ids, torch.compile(model, backend="sloth", options={"inner": "aot_eager"}))
+    ours = loss_and_grads(model, ids, torch.compile(model, backend="sloth", options={"inner": "aot_eager", **options}))
     report = sloth.report()
     eager = loss_and_grads(model, ids)
     experts = model.config._experts_implementation
@@ -266,28 +268,39 @@ def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
     assert "torch._grouped_mm does not run" in reason and "GiB of expert weights" in reason, reason
 
 
-def test_peft_lora_on_experts_is_fused_and_every_adapter_trains() -> None:
-    # peft's target_parameters puts LoRA on the stacked expert weights (a parametrization: W + B @ A by baddbmm,
-    # formed each step). The op takes that computed weight, so every layer's experts are fused, and every expert
-    # adapter (A and B of gate_up and of down, each layer) gets a nonzero gradient within the tolerance rule of
-    # eager's (B starts random here so A's gradient is not zero). Unsloth's GPT-OSS LoRA once left every expert
-    # adapter frozen while saying it had enabled them: this is the test that would have caught it. fp32, the tighter
-    # rule (the op's bf16 path: test_transformers_moe_bf16; bf16 here passed too, 30 s of CI).
+@pytest.mark.parametrize("model_type,dtype", [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16),
+                                              ("gpt_oss", torch.float32), ("mixtral", torch.bfloat16)],
+                         ids=["qwen3_moe-fp32", "qwen3_moe-bf16", "gpt_oss-fp32", "mixtral-bf16"])
+def test_peft_lora_on_experts_is_one_graph_and_every_adapter_trains(model_type, dtype, tmp_path) -> None:
+    # peft's target_parameters puts LoRA on the stacked expert weights (W + s B A, a parametrization formed each
+    # step). Dynamo traces sloth's traceable form of it (compiler/peft_experts.py) in one graph, the op takes the
+    # factors (no merged weight), and every expert adapter (A and B of gate_up and of down, each layer) gets a
+    # nonzero gradient within the tolerance rule of eager's (B starts random here so A's gradient is not zero).
+    # Unsloth's GPT-OSS LoRA once left every expert adapter frozen while saying it had enabled them: this is the
+    # test that would have caught it.
     from peft import LoraConfig, get_peft_model
 
-    dtype = torch.float32
-
-    model = get_peft_model(moe_model("qwen3_moe", "grouped_mm", dtype), LoraConfig(
+    # GPT-OSS: its transposed [E, H, 2I] layout, biases and clamped GLU, the factors transposed for the op
+    model = get_peft_model(moe_model(model_type, "grouped_mm", dtype), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj"],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.1, generator=seeded(5))
-    ours, eager, reference, report = _compare(model, dtype)
+    ours, eager, reference, report = _compare(model, dtype, dump=str(tmp_path))
+    assert report.graphs == 1, str(report)  # peft's own forward: 7 graph breaks a layer
+    [folder] = report.dumps  # the graph before sloth's passes and after the last: the merged weights, then none
+    stages = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    before, after = ([line for line in open(os.path.join(folder, f)) if not line.lstrip().startswith("#")]
+                     for f in (stages[0], stages[-1]))  # the code, not the source-line comments
+    merges = lambda code: sum("= torch.baddbmm(" in line for line in code)  # noqa: E731
+    assert merges(before) == 2 * model.config.num_hidden_layers and merges(after) == 0
+    assert any("sloth.moe_experts" in line for line in after)
     assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
     assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
-    assert all("adapter" in s.detail for s in report.sites if s.family == "moe_route"), str(report)
+    assert all("LoRA r=4 on gate_up and down (its products inside the op, no merged weight)" in s.detail
+               for s in report.sites if s.family == "moe_route"), str(report)
     adapters = [n for n in eager[1] if "experts" in n and "lora_" in n]
     assert len(adapters) == 4 * model.config.num_hidden_layers, adapters  # A and B of gate_up and down
     for name in adapters:

@@ -1,6 +1,6 @@
 """MoE experts benchmark: transformers' eager expert loop and its grouped_mm path against sloth's op.
 
-    python -m benchmarks.ops.moe_experts [--smoke] [--gpt-oss]
+    python -m benchmarks.ops.moe_experts [--smoke] [--gpt-oss | --lora]
 
 Qwen3-30B-A3B (Qwen3-MoE) shape: 4096 tokens, H=2048, I=768, E=128 experts, top-8, bf16, SwiGLU; uniform random
 routing. The op is GEMM-bound: FLOPs fwd 6 S H I (S = T K assignments: gate_up 4 S H I, down 2 S H I), bwd about
@@ -11,6 +11,11 @@ No inductor provider: Dynamo breaks the eager loop's graph at its data-dependent
 ``--gpt-oss``: GPT-OSS-20B's experts instead (H=2880, I=2880, E=32, top-4): weights stored transposed
 (``[E, H, 2I]``, ``[E, I, H]``), biases on both GEMMs, gate/up interleaved, the clamped GLU (alpha 1.702, limit 7),
 as transformers' ``GptOssExperts`` computes them and as sloth's op takes them (transposed views, ``swiglu_oai``).
+
+``--lora``: the Qwen3-MoE shape with LoRA r=16 on both expert weights (peft's ``target_parameters``), the experts
+frozen and the adapters training: peft's way (the merged weight ``baddbmm(W, B, A)`` each step, then transformers'
+grouped_mm path), sloth's op on that merged weight (sloth before the factors), and sloth's op on the factors (what
+the pattern now gives it). FLOPs and bytes columns count the base experts only.
 """
 from __future__ import annotations
 
@@ -68,11 +73,14 @@ def _gpt_oss_providers():
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpt-oss", action="store_true", help="GPT-OSS-20B's experts (see the docstring)")
+    parser.add_argument("--lora", action="store_true", help="LoRA r=16 on Qwen3-MoE's experts (see the docstring)")
     args, device = harness.start(__doc__, argv, parser)
     from sloth.lowering.moe import moe_experts, moe_experts_pattern
 
     if args.gpt_oss:
         return _main_gpt_oss(args, device)
+    if args.lora:
+        return _main_lora(args, device)
     T, H, I, E, K = (13, 24, 20, 5, 2) if args.smoke else (4096, 2048, 768, 128, 8)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     gen, index, weights, x = _routed_tokens(T, H, E, K, device, dtype)
@@ -95,6 +103,31 @@ def _main_gpt_oss(args, device: str) -> int:
     down_bias = (torch.randn(E, H, generator=gen) * 0.1).to(device, dtype).requires_grad_()
     return _measure(args, "moe_experts_gpt_oss", f"gpt-oss T{T} H{H} I{I} E{E} K{K}", _gpt_oss_providers(),
                     [x, index, weights, gate_up, down, gate_up_bias, down_bias], (T, H, I, E, K))
+
+
+def _main_lora(args, device: str) -> int:
+    from sloth.lowering.moe import moe_experts
+
+    T, H, I, E, K, r = (13, 24, 20, 5, 2, 4) if args.smoke else (4096, 2048, 768, 128, 8, 16)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    gen, index, weights, x = _routed_tokens(T, H, E, K, device, dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(device, dtype)  # frozen
+    down = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(device, dtype)
+    # peft's factors in the op's layout ([E, n, r] and [E, r, k]), B nonzero as after some training
+    factors = [(torch.randn(shape, generator=gen) / shape[-1] ** 0.5).to(device, dtype).requires_grad_()
+               for shape in ((E, 2 * I, r), (E, r, H), (E, H, r), (E, r, I))]
+    scale = 2.0
+
+    def merged(gu, d, b1, a1, b2, a2):  # what peft's parametrization forms each step
+        return torch.baddbmm(gu, b1, a1, alpha=scale), torch.baddbmm(d, b2, a2, alpha=scale)
+
+    providers = {
+        "peft + transformers grouped_mm": lambda x_, i, w, gu, d, *f: _transformers_grouped(x_, i, w, *merged(gu, d, *f)),
+        "sloth, merged weight": lambda x_, i, w, gu, d, *f: moe_experts(x_, i, w, *merged(gu, d, *f), "silu"),
+        "sloth, factors": lambda x_, i, w, gu, d, *f: moe_experts(x_, i, w, gu, d, "silu", None, None, False, 1.702,
+                                                                  7.0, *f, scale, scale)}
+    return _measure(args, "moe_experts_lora", f"lora r{r} T{T} H{H} I{I} E{E} K{K}", providers,
+                    [x, index, weights, gate_up, down, *factors], (T, H, I, E, K))
 
 
 def _routed_tokens(T: int, H: int, E: int, K: int, device: str, dtype: torch.dtype) -> tuple:
