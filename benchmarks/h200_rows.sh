@@ -116,6 +116,18 @@ op_bench() {  # op_bench NAME SECONDS MODULE ARGS...: one benchmarks/ops module 
     grep -E "^ *shape |  fwd\+bwd  |^wrote " "$out/logs/$name.log" | grep -v "GB/s$"
 }
 
+gpu_tests() {  # gpu_tests NAME SECONDS K-EXPRESSION FILE...: tests selected by -k, with a time limit, their log kept
+    # (the checkout imported as sloth through a symlink: the device copy's folder is not named sloth)
+    local name=$1 limit=$2 expression=$3
+    shift 3
+    if [ -n "${DRY:-}" ]; then echo "pytest $* -k '$expression'"; return; fi
+    mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/sloth
+    PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout "$limit" python -m pytest "$@" -q -n 4 -k "$expression" \
+        -p no:cacheprovider > "$out/logs/$name.log" 2>&1
+    echo "$name: rc $?"
+    tail -3 "$out/logs/$name.log"
+}
+
 versus20() {  # versus with 20 timed steps each (per-step times, the GPU's clock, power and throttle reasons in
     # every record), after a 20 s matmul burn so the first run meets a GPU as warm as the later ones
     [ -z "${DRY:-}" ] && timeout 60 python -c "$BURN"
@@ -272,10 +284,7 @@ case $part in
         run moe-unsloth 200 --all --model qwen3-moe --variants unsloth ;;
     tiled)  # issue 19, first call: sloth's CUDA op checks (the tiled MLP's among them), then Llama-3-8B LoRA with
         # checkpointing, offload and the MLP tiled at 16k (beside offload alone, same lease) and 64k tokens
-        [ -z "${DRY:-}" ] && { mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/sloth
-                               PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 150 python -m pytest \
-                                   tests/test_cuda_ops.py -q -n 6 -p no:cacheprovider > "$out/logs/cuda_ops.log" 2>&1
-                               echo "cuda_ops: rc $?"; tail -3 "$out/logs/cuda_ops.log"; }
+        gpu_tests cuda_ops 150 "" tests/test_cuda_ops.py  # every test of the file (an empty -k selects all)
         run long16-offload 170 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 4 --variants sloth \
             --sloth-options '{"offload": true}'
         run long16-tiled 170 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 4 --variants sloth \
@@ -315,21 +324,14 @@ case $part in
     moe-gpt-oss)  # issue 20: the moe_experts op at GPT-OSS-20B's experts (biases, interleaved, clamped GLU, transposed)
         # beside transformers' grouped_mm path, then at Qwen3-MoE's (the default path), after the MoE CUDA op checks
         # (limits add to 300 s)
-        [ -z "${DRY:-}" ] && { mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/sloth
-                               PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 120 python -m pytest \
-                                   tests/test_cuda_ops.py -q -n 4 -k moe -p no:cacheprovider > "$out/logs/cuda_ops_moe.log" 2>&1
-                               echo "cuda_ops moe: rc $?"; tail -3 "$out/logs/cuda_ops_moe.log"; }
+        gpu_tests cuda_ops_moe 120 moe tests/test_cuda_ops.py
         op_bench moe_experts_gpt_oss 100 moe_experts --gpt-oss
         op_bench moe_experts 80 moe_experts ;;
     moe-lora)  # issue 20: LoRA on the experts as the op's factors: the CUDA MoE checks (LoRA's among them) and torch
         # 2.11's Dynamo on sloth's peft polyfill (one graph), the op with LoRA r=16 at Qwen3-MoE's shape and GPT-OSS's
         # op (the segment-sum bias gradients), then the Qwen3-MoE step with LoRA on attention + experts, sloth
         # (limits add to 560 s)
-        [ -z "${DRY:-}" ] && { mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/sloth
-                               PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 150 python -m pytest \
-                                   tests/test_cuda_ops.py tests/test_peft_experts.py -q -n 4 -k "moe or graph or first" \
-                                   -p no:cacheprovider > "$out/logs/cuda_ops_moe_lora.log" 2>&1
-                               echo "cuda_ops moe + peft polyfill: rc $?"; tail -3 "$out/logs/cuda_ops_moe_lora.log"; }
+        gpu_tests cuda_ops_moe_lora 150 "moe or graph or first" tests/test_cuda_ops.py tests/test_peft_experts.py
         op_bench moe_experts_lora 80 moe_experts --lora
         op_bench moe_experts_gpt_oss 100 moe_experts --gpt-oss
         run moe-lora-experts-sloth 220 --all --model qwen3-moe --lora-experts --variants sloth ;;

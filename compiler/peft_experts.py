@@ -20,8 +20,9 @@ family then finds ``baddbmm(W, B, A)`` feeding the expert GEMMs and gives the op
 
 Every other case traces peft's own forward, graph breaks and all, so it stays correct: adapters disabled or
 merged, several active adapters on one parameter, ``adapter_names`` in the call, a 2-D target, a parameter not
-in float32 / bfloat16 / float16 (peft upcasts float8 weights), or a peft without ``get_delta_factors`` (before
-0.19). ``SLOTH_PEFT_TRACEABLE=0`` leaves ``ParamWrapper`` alone.
+in float32 / bfloat16 / float16 (peft upcasts float8 weights); a peft whose ``ParamWrapper`` has no
+``get_delta_factors`` (older releases; 0.21.0 has it) is left alone. ``SLOTH_PEFT_TRACEABLE=0`` leaves ``ParamWrapper``
+alone too.
 
 When. At ``import sloth`` (which ``torch.compile(backend="sloth")`` causes through the entry point, before Dynamo
 traces anything): at once if peft's LoRA layer module is loaded, else right after it is (an import hook that
