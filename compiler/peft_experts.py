@@ -36,7 +36,6 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-import types
 
 import torch
 
@@ -60,9 +59,9 @@ def _factors(wrapper) -> tuple | None:
     return wrapper.parameter_name, param, lhs, rhs, scaling
 
 
-def _make_traceable_forward(param_wrapper: type, peft_forward: types.FunctionType):
-    """The function Dynamo traces for ``param_wrapper.forward``; ``peft_forward`` is a copy of peft's own (a
-    distinct function object, so tracing it does not land back here)."""
+def _make_traceable_forward(param_wrapper: type, peft_forward):
+    """The function Dynamo traces for ``param_wrapper.forward``; ``peft_forward`` is peft's own, for the cases it
+    does not cover."""
 
     def _traceable_forward(self, x, *args, **kwargs):
         if "adapter_names" in kwargs:
@@ -95,13 +94,10 @@ def register() -> bool:
     param_wrapper = getattr(sys.modules.get(_MODULE), "ParamWrapper", None)
     if param_wrapper is None or not hasattr(param_wrapper, "get_delta_factors"):
         return False
-    original = param_wrapper.forward
-    peft_forward = types.FunctionType(original.__code__, original.__globals__, original.__name__,
-                                      original.__defaults__, original.__closure__)
-    peft_forward.__kwdefaults__ = original.__kwdefaults__
+    peft_forward = param_wrapper.forward
     traceable_forward = _make_traceable_forward(param_wrapper, peft_forward)
 
-    @functools.wraps(original)
+    @functools.wraps(peft_forward)
     def forward(self, x, *args, **kwargs):
         # Dynamo reads is_compiling() as True and traces the first branch only; eager takes peft's own. (Not
         # torch.compiler.substitute_in_graph: its entry in Dynamo's rule map is dropped when
