@@ -9,8 +9,10 @@ See README.md. Importing sloth defines functions and registers two things: the n
 accelerate, when it is installed, so that ``TrainingArguments(torch_compile_backend="sloth")`` passes
 accelerate's check (compiler/accelerate_name.py); and, once peft is loaded, a traceable form of peft's
 ``ParamWrapper.forward`` (LoRA on stacked expert weights), which Dynamo traces in one graph while eager runs
-peft's own code (compiler/peft_experts.py; ``SLOTH_PEFT_TRACEABLE=0`` turns it off). The custom ops register the
-first time a pass inserts them.
+peft's own code (compiler/peft_experts.py; ``SLOTH_PEFT_TRACEABLE=0`` turns it off); and, once Hugging Face's
+``kernels`` package is loaded (transformers 5.25 depends on it), a routing store that Dynamo skips where it routes
+nowhere, so gradient-checkpointed layers stay in one graph (compiler/hub_kernels.py;
+``SLOTH_HUB_KERNELS_TRACEABLE=0`` turns it off). The custom ops register the first time a pass inserts them.
 """
 from .compiler.backend import last_report, report, reset_report, sloth_backend
 from .compiler.explain import explain
@@ -19,9 +21,11 @@ from .compiler.pipeline import FAMILIES
 from .compiler.report import Rejection, Report, Site
 from .compiler.accelerate_name import register_with_accelerate
 from .compiler.peft_experts import install as _install_traceable_peft
+from .compiler.hub_kernels import install as _install_traceable_hub_kernels
 
 register_with_accelerate()
 _install_traceable_peft()
+_install_traceable_hub_kernels()
 
 __all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "families", "register_family",
            "unregister_family", "Report", "Site", "Rejection"]

@@ -25,19 +25,18 @@ in float32 / bfloat16 / float16 (peft upcasts float8 weights); a peft whose ``Pa
 alone too.
 
 When. At ``import sloth`` (which ``torch.compile(backend="sloth")`` causes through the entry point, before Dynamo
-traces anything): at once if peft's LoRA layer module is loaded, else right after it is (an import hook that
-imports nothing itself), so peft is never imported on sloth's account.
+traces anything): at once if peft's LoRA layer module is loaded, else right after it is (compiler/import_hooks.py),
+so peft is never imported on sloth's account.
 """
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
 
 import torch
+
+from .import_hooks import when_imported
 
 _MODULE = "peft.tuners.lora.layer"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -111,30 +110,7 @@ def register() -> bool:
     return True
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when peft's LoRA layer module is imported, it has the path finder find it and has
-    ``register`` run once its code has run."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _MODULE:
-            return None
-        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_register(module):
-            exec_module(module)
-            register()
-
-        spec.loader.exec_module = exec_and_register
-        return spec
-
-
 def install() -> None:
     """Register now if peft's LoRA layers are loaded, else once they are (``SLOTH_PEFT_TRACEABLE=0``: never)."""
-    if os.environ.get("SLOTH_PEFT_TRACEABLE", "1") == "0" or register():
-        return
-    if importlib.util.find_spec("peft") is not None and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    if os.environ.get("SLOTH_PEFT_TRACEABLE", "1") != "0":
+        when_imported(_MODULE, lambda module: register(), package="peft")
