@@ -65,7 +65,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -319,6 +319,13 @@ case $part in
         # attention, bs 2 x 2048: eager and Inductor, then sloth (not yet run; limits add to 560 s)
         run gpt-oss-peers 400 --all --model gpt-oss-20b --layers 8 --variants eager,inductor
         run gpt-oss-sloth 160 --all --model gpt-oss-20b --layers 8 --variants sloth ;;
+    gpt-oss-sinks)  # issue 20: the sink_attention family: its CUDA op checks, the op against the eager math at
+        # GPT-OSS-20B's attention, then the GPT-OSS step with sloth's default options (limits add to 460 s)
+        gpu_tests cuda_ops_sink 150 sink tests/test_cuda_ops.py
+        op_bench sink_attention 130 sink_attention
+        run gpt-oss-sloth 180 --all --model gpt-oss-20b --layers 8 --variants sloth ;;
+    gpt-oss-peers)  # its peers on the same machine: eager and Inductor (then gpt-oss-unsloth)
+        run gpt-oss-peers 400 --all --model gpt-oss-20b --layers 8 --variants eager,inductor ;;
     gpt-oss-unsloth)  # Unsloth's GPT-OSS step, to follow gpt-oss on the same machine (carry .whl; not yet run)
         run gpt-oss-unsloth 300 --all --model gpt-oss-20b --layers 8 --variants unsloth ;;
     moe-gpt-oss)  # issue 20: the moe_experts op at GPT-OSS-20B's experts (biases, interleaved, clamped GLU, transposed)

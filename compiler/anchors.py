@@ -11,7 +11,8 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
     l2_norm         F.normalize, and rsqrt(sum(square(x)) [+ eps])
     rope            rotate-half: cat([neg(narrow(x)), narrow(x)]); an interleaved pair: stack([neg(a), b]);
                     a complex rotation: view_as_real(view_as_complex(x) * f); even/odd slices rotated and
-                    concatenated: cat([x0 * c - x1 * s, x1 * c + x0 * s]) (DeepSeek's interleaved form)
+                    concatenated: cat([x0 * c - x1 * s, x1 * c + x0 * s]) (DeepSeek's interleaved form); the
+                    same on the two halves of x (GPT-OSS's rotate-half written out)
     moe_route       a matmul-like call (grouped_mm, bmm, matmul, linear) reading a 3-D float graph input (stacked
                     expert weights) through views or indexing
     glu             an activation (F.silu, gelu) whose one user is a product: act(gate) * up
@@ -21,6 +22,8 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
                     value (through casts and constant scales) is an operand of an add
     causal_mask     scaled_dot_product_attention with an attn_mask node and is_causal False
     packed_attention  the same, its mask computed from an integer graph input (position ids, document ids)
+    sink_attention  a softmax over the last dim of cat([x, c], -1) with c one column wide (through a subtraction
+                    of anything: the row max): attention with a sink logit per row (GPT-OSS)
 
 A replaced site no longer holds its anchor (the pass erased it, or, for the causal mask, dropped the mask),
 so after the passes every anchor left must have a reason: a rejection of its family at the anchor or a few
@@ -122,8 +125,23 @@ def is_deinterleaving_rotation(node: fx.Node) -> bool:
             and any(_is_even_odd_slice(a, 1) for a in operands))
 
 
+def is_halves_rotation(node: fx.Node) -> bool:
+    """Rotate-half RoPE written out on the two halves (GPT-OSS's ``_apply_rotary_emb``):
+    cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), x1 and x2 the first and second half of x's last dim (a
+    ``chunk``, ``split`` or slices: ``narrow`` in the canonical graph). The products may come in either order."""
+    if not (is_call(node, torch.cat) and len(node.args) == 2 and isinstance(node.args[0], (list, tuple))
+            and len(node.args[0]) == 2):
+        return False
+    first, second = node.args[0]
+    if not (is_call(first, torch.sub) and is_call(second, torch.add)):
+        return False
+    operands = [a for term in (*first.args, *second.args) if is_call(term, torch.mul) for a in term.args]
+    halves = {(a.args[0], a.args[2]) for a in operands if is_call(a, torch.narrow) and a.args[1] == -1}
+    return len(operands) == 8 and len(halves) == 2 and len({x for x, _ in halves}) == 1
+
+
 def _is_rope(node: fx.Node) -> bool:
-    if is_deinterleaving_rotation(node):
+    if is_deinterleaving_rotation(node) or is_halves_rotation(node):
         return True
     if is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
         first, second = node.args[0]
@@ -218,6 +236,22 @@ def _is_packed_attention(node: fx.Node) -> bool:
     return reads_integer_input(params["attn_mask"])
 
 
+def _is_sink_attention(node: fx.Node) -> bool:
+    is_softmax = (node.op == "call_function" and node.target in (F.softmax, torch.softmax)) or \
+        (node.op == "call_method" and node.target == "softmax")
+    if not is_softmax or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    x = node.args[0]
+    if x.op in ("call_function", "call_method") and op_name(x) == "sub" and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    if not (x.op == "call_function" and x.target is torch.cat and x.args and isinstance(x.args[0], (list, tuple))):
+        return False
+    value, last = tensor_of(x), tensor_of(x.args[0][-1])
+    dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+    return value is not None and last is not None and dim in (-1, value.dim() - 1) and last.shape[-1] == 1 \
+        and len(x.args[0]) >= 2
+
+
 # MoE experts: a matmul-like call reading stacked [E, ., .] expert weights (patterns/moe.py).
 _GROUPED_GEMMS = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
 _GEMM_NAMES = _GROUPED_GEMMS | {"bmm", "matmul", "linear", "mm", "einsum"}
@@ -295,6 +329,7 @@ ANCHORS = {
     "lora": _is_lora,
     "packed_attention": _is_packed_attention,
     "causal_mask": _is_masked_attention,
+    "sink_attention": _is_sink_attention,
 }
 
 

@@ -147,11 +147,12 @@ def _allowed(o_m, o_n, start):
 
 @triton.jit
 def _fwd_kernel(
-    p_q, p_k, p_v, p_o, p_lse, p_bounds,
+    p_q, p_k, p_v, p_o, p_lse, p_bounds, p_sink2,
     n_tok, n_heads, group, head_dim,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
     scale_log2e,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -184,6 +185,13 @@ def _fwd_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(round_to(p, b_v.dtype), b_v, IEEE)
+        m_i = m_new
+    if HAS_SINK:  # one more logit per head, sink2[h] (base 2), with no value: it only joins the denominator
+        sink2 = tl.load(p_sink2 + h)
+        m_new = tl.maximum(m_i, sink2)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink2 - m_new)
+        acc = acc * alpha[:, None]
         m_i = m_new
     l_safe = tl.where(m_m, l_i, 1.0)
     b_o = acc / l_safe[:, None]
@@ -361,6 +369,13 @@ def _document_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     _check_inputs(q, k, v, bounds)
     if not use_triton(q):
         return document_attention_reference(q, k, v, bounds, scale)
+    return forward_kernel(q, k, v, bounds, scale, None)
+
+
+def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
+                   sink2: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse2) from the Triton forward; with ``sink2`` (fp32 [H], the sinks times log2(e)) each head's
+    softmax has that one more logit in its denominator (lowering/sink_attention.py)."""
     q, k, v, bounds = _unit_last(q), _unit_last(k), _unit_last(v), bounds.contiguous()
     b, heads, t, d = q.shape
     out = _empty_output(q, q.dtype)
@@ -370,12 +385,13 @@ def _document_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     blocks = _blocks(q.device, d)
     bm, bn, warps, stages = blocks["fwd"]
     launch(_fwd_kernel)[(cdiv(t, bm), b * heads)](
-        q, k, v, out, lse, bounds,
+        q, k, v, out, lse, bounds, lse if sink2 is None else sink2,
         t, heads, heads // k.shape[1], d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         float(scale) * _LOG2E,
-        IEEE=_ieee(q.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=blocks["block_d"], num_warps=warps, num_stages=stages,
+        IEEE=_ieee(q.dtype), HAS_SINK=sink2 is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=blocks["block_d"],
+        num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -386,6 +402,18 @@ def _document_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     _check_inputs(q, k, v, bounds)
     if not use_triton(q):
         return document_attention_backward_reference(dout, q, k, v, out, lse, bounds, scale)
+    return backward_kernels(dout, q, k, v, lse, row_delta(out, dout), bounds, scale)
+
+
+def row_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(out * dout), fp32 [B, H, T]: the softmax backward's per-row term."""
+    return (out.float() * dout.float()).sum(-1).contiguous()
+
+
+def backward_kernels(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                     delta: torch.Tensor, bounds: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the Triton backward, given the saved ``lse`` (base 2) and ``delta`` (``row_delta``)."""
     q, k, v, dout, bounds = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout), bounds.contiguous()
     b, heads, t, d = q.shape
     kv_heads = k.shape[1]
@@ -394,7 +422,6 @@ def _document_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     dv = torch.empty((b, kv_heads, t, d), dtype=v.dtype, device=v.device)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = (out.float() * dout.float()).sum(-1).contiguous()  # [B, H, T]: rowsum(out * dout)
     lse = lse.contiguous()
     blocks = _blocks(q.device, d)
     group = heads // kv_heads

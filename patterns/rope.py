@@ -27,6 +27,12 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
         out = add(mul(x, repeat_interleave(c, 2, -1)), mul(flatten(stack((neg(x[..., 1::2]), x[..., ::2]), -1), -2),
                                                            repeat_interleave(s, 2, -1)))
         -> the same op with c and s [..., d/2] (the repeated tables are left to whoever else reads them)
+    halves (GPT-OSS's ``_apply_rotary_emb``, ``halves_rope_pattern``), cos/sin [..., d/2], one entry per pair
+    (x[i], x[i + d/2]):
+        x1, x2 = narrow(x, -1, 0, d/2), narrow(x, -1, d/2, d/2)      chunk, split or slices
+        out = cat([x1*c - x2*s, x2*c + x1*s], -1)      mul operands and the add in any order
+        -> the rotate-half op with cat([c, c], -1) and cat([s, s], -1), two graph nodes inserted once per
+           (c, s) pair (so q and k still share them)
     complex (Meta's reference Llama, ``complex_rope_pattern``), freqs_cis complex64 [..., d/2], x float32
     (``x.float()`` in bf16 code: the cast stays, and the site starts after it):
         out = flatten(view_as_real(view_as_complex(reshape(x, ..., d/2, 2)) * freqs_cis), -2)
@@ -43,8 +49,7 @@ that require grad, float64, intermediates read by someone else.
 
 Partial rotary is absorbed for the rotate-half and both real interleaved forms (GPT-J rotates the first
 ``rotary_dim`` dims of each head in pairs). Knowingly left unmatched (no rejection, no wrong match):
-complex RoPE in complex128 or with a division, and the explicit ``cat((x1*c - x2*s, x2*c + x1*s))``
-spelling of rotate-half. A flipped sign, swapped parities or a stack over another dim in the interleaved
+complex RoPE in complex128 or with a division. A flipped sign, swapped parities or a stack over another dim in the interleaved
 form is simply not matched. In bf16 Meta code q.float() and k.float() are separate nodes defined after
 q's site, so q and k become two ``rope_single`` launches there (fp32 code pairs them).
 """
@@ -57,7 +62,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import is_deinterleaving_rotation
+from ..compiler.anchors import is_deinterleaving_rotation, is_halves_rotation
 from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, module_path, replace_and_erase,
                                  same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
@@ -191,6 +196,53 @@ def _match_interleaved(stack: fx.Node) -> Optional[RopeMatch]:
                 continue
             return RopeMatch(x, c, s, user, stack, interleaved=True)
     return None
+
+
+def halves_rope_pattern(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the two halves (GPT-OSS): pair i is (x[i], x[i + d/2]); cos/sin are [..., d/2]."""
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _half_of(node: Any, x: fx.Node) -> Optional[int]:
+    """0 for the first half of x's last dim (``narrow(x, -1, 0, d/2)``), 1 for the second; else None."""
+    xt = tensor_of(x)
+    d = xt.shape[-1] if xt is not None and xt.dim() else None
+    if not is_call(node, torch.narrow) or node.args[0] is not x or not isinstance(d, int) or d % 2:
+        return None
+    dim, start, length = node.args[1:]
+    if dim not in (-1, xt.dim() - 1) or length != d // 2 or start not in (0, d // 2):
+        return None
+    return 0 if start == 0 else 1
+
+
+def _match_halves(cat: fx.Node) -> Union[RopeMatch, str]:
+    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 the halves of x (an anchor: ``is_halves_rotation``): a
+    RopeMatch whose cos and sin are the half tables (the caller doubles them), or why not."""
+    first, second = cat.args[0]
+    for x1, c in (first.args[0].args, first.args[0].args[::-1]):
+        for x2, s in (first.args[1].args, first.args[1].args[::-1]):
+            if not is_call(x1, torch.narrow):
+                continue
+            x = x1.args[0]
+            if _half_of(x1, x) != 0 or _half_of(x2, x) != 1:
+                continue
+            a, b = second.args
+            if not ((_mul_of(a, x2, c) and _mul_of(b, x1, s)) or (_mul_of(b, x2, c) and _mul_of(a, x1, s))):
+                return "the halves are rotated with the wrong sign or tables (not x1*cos - x2*sin, x2*cos + x1*sin)"
+            ot = tensor_of(cat)
+            if cat.args[1] not in (-1, ot.dim() - 1) or not same_shape(ot, tensor_of(x)):
+                return "the rotated halves are concatenated over another dim than the last"
+            inner = [first, second, *first.args, *second.args]
+            if any(len(n.users) != 1 for n in inner) or len(x1.users) != 2 or len(x2.users) != 2:
+                return "an intermediate (x1 * cos, x2 * sin, a half of x, their difference or sum) has other users"
+            xt, ct, st = tensor_of(x), tensor_of(c), tensor_of(s)
+            refused = _operand_guard(xt, ct, st) or _pair_shapes_guard(xt, ct)
+            if refused:
+                return refused
+            return RopeMatch(x, c, s, cat, cat)
+    return ("the halves of x are not rotated as x1 * cos - x2 * sin, x2 * cos + x1 * sin with x1, x2 the first and "
+            "second half of one tensor's last dim (another split, or a partial rotary of halves)")
 
 
 def _operand_guard(xt: Optional[torch.Tensor], ct: Optional[torch.Tensor], st: Optional[torch.Tensor]) -> Optional[str]:
@@ -533,6 +585,7 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     _lowering().register()
     matches: list[RopeMatch] = []
     parts: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # freqs_cis -> (real, imag), shared by q and k
+    tables: dict[tuple[fx.Node, fx.Node], tuple[fx.Node, fx.Node]] = {}  # half (cos, sin) -> full, shared too
     for node in list(gm.graph.nodes):
         if is_call(node, torch.view_as_real):
             found = _match_complex(node)
@@ -548,6 +601,14 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
             found = found if found is None else _guard_interleaved(found)
         elif is_call(node, torch.add):
             found = _match_add(node)
+        elif is_halves_rotation(node):
+            found = _match_halves(node)
+            if isinstance(found, RopeMatch):  # full tables cat([c, c]) for the rotate-half op, once per (c, s)
+                key = (found.cos, found.sin)
+                if key not in tables:  # before the first site (nodes are visited in order): it dominates the rest
+                    tables[key] = tuple(insert_call(gm.graph, node, torch.cat, ([t, t], -1), meta_from=node)
+                                        for t in key)
+                found = _extend_partial(RopeMatch(found.x, *tables[key], found.out, node))
         elif is_deinterleaving_rotation(node):
             found = _DEINTERLEAVING
         else:

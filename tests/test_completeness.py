@@ -25,7 +25,8 @@ class EveryFamily(nn.Module):
     """One site of each family, written by hand: RMSNorm, rotate-half RoPE on q and k, a causal mask given to
     SDPA, a LoRA linear, an nn.LayerNorm-style norm before SwiGLU, an L2-norm of the final hidden state, the
     lm_head + cross-entropy, a second attention under a packed-document mask built from position ids
-    (documents start where the position is 0), and an MoE block (top-2 of 3 experts, one gathered expert weight
+    (documents start where the position is 0), a third attention with a sink logit per head under the same causal
+    mask (``masked_fill``), and an MoE block (top-2 of 3 experts, one gathered expert weight
     per assignment through ``bmm``, ``index_add_`` back to the tokens)."""
 
     def __init__(self, d: int = 32, heads: int = 2, vocab: int = 40, rank: int = 4):
@@ -45,6 +46,7 @@ class EveryFamily(nn.Module):
         self.router = nn.Parameter(torch.randn(3, d, generator=g) / d**0.5)
         self.experts_in = nn.Parameter(torch.randn(3, 2 * 8, d, generator=g) / d**0.5)
         self.experts_out = nn.Parameter(torch.randn(3, d, 8, generator=g) / 8**0.5)
+        self.sinks = nn.Parameter(torch.randn(heads, generator=g))
 
     def forward(self, x, cos, sin, labels, pos):
         b, t, d = x.shape
@@ -61,6 +63,9 @@ class EveryFamily(nn.Module):
         doc = (pos == 0).cumsum(-1)
         packed = (doc[:, None, :, None] == doc[:, None, None, :]) & mask
         a = a + F.scaled_dot_product_attention(q, k, v, attn_mask=packed).transpose(1, 2).reshape(b, t, d)
+        s = (q @ k.transpose(-2, -1) * (d // self.heads) ** -0.5).masked_fill(~mask, float("-inf"))
+        s = torch.cat([s, self.sinks.view(1, -1, 1, 1).expand(b, -1, t, 1)], dim=-1)
+        a = a + (s.softmax(-1)[..., :t] @ v).transpose(1, 2).reshape(b, t, d)
         x = x + (F.linear(a, self.o_base) + F.linear(F.linear(a, self.o_a), self.o_b) * 2.0)
         gate, up = F.linear(F.layer_norm(x, (d,), self.ln_w, self.ln_b, 1e-5), self.gate_up).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, self.down)

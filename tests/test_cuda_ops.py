@@ -1,5 +1,6 @@
 """The op checks of the families added since the last GPU run, on CUDA tensors: the same oracles and tolerance rule as
-their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py), whose
+their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py,
+test_sink_attention_op.py), whose
 inputs are CPU tensors and so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels
 run compiled for the GPU, and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the
 Qwen3-MoE layer's shape among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels
@@ -13,6 +14,7 @@ import torch
 import test_l2_norm_op as l2_tests
 import test_layer_norm_op as ln_tests
 import test_moe_op as moe_tests
+import test_sink_attention_op as sink_tests
 import test_tiled_mlp_op as tiled_tests
 import sloth.lowering.moe as moe
 
@@ -65,6 +67,15 @@ def test_moe_lora_on_cuda(T, H, I, E, K, r, dtype):
     # LoRA on both expert GEMMs (peft's target_parameters), the adapters' grouped products on the GPU, base frozen
     masters = _cuda(moe_tests.make_inputs(T, H, I, E, K))
     moe_tests.check_lora(masters, _cuda(moe_tests.make_adapters(E, H, I, r, permuted=True)), dtype)
+
+
+# The CPU cases, then GPT-OSS-20B's attention (64 query heads over 8, head_dim 64) at 1024 tokens: a sliding layer
+# (window 128) and a full one.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [*sink_tests.CASES.values(), (1, 64, 8, 64, 1024, 128), (2, 64, 8, 64, 1024, 1024)],
+                         ids=[*sink_tests.CASES, "gpt-oss-window-128", "gpt-oss-full"])
+def test_sink_attention_on_cuda(shape, dtype):
+    sink_tests.check(shape, dtype, device="cuda", name=str(shape))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -199,6 +199,38 @@ def interleaved_q_only(qp, kp, inv_freq, pos):
     return gptj_rotate(q, cos, sin), k * 2
 
 
+def halves_rotate(x, cos, sin):
+    # GPT-OSS's _apply_rotary_emb: rotate-half written out on the two halves, per-pair tables [..., d/2].
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def halves_gpt_oss(qp, kp, inv_freq, pos):
+    q, k = heads(qp, HQ), heads(kp, HK)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    return halves_rotate(q, cos, sin), halves_rotate(k, cos, sin)
+
+
+def halves_respelled(qp, kp, inv_freq, pos):
+    # Slices instead of chunk, every product's operands swapped, bshd layout with [b, s, 1, d/2] tables.
+    q, k = heads(qp, HQ, "bshd"), heads(kp, HK, "bshd")
+    freqs = pos[..., None] * inv_freq
+    cos, sin = freqs.cos().to(qp.dtype)[:, :, None], freqs.sin().to(qp.dtype)[:, :, None]
+
+    def rot(x):
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return torch.cat([cos * x1 - sin * x2, sin * x1 + cos * x2], -1)
+    return rot(q), rot(k)
+
+
+def halves_wrong_tables(qp, kp, inv_freq, pos):
+    # The second half rotated with the tables swapped (x2 * sin + x1 * cos): not a rotation. Must stay.
+    q = heads(qp, HQ)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    x1, x2 = torch.chunk(q, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * sin + x1 * cos), dim=-1)
+
+
 def meta_complex(qp, kp, inv_freq, pos):
     # Meta's reference Llama: view_as_complex(x.float()) * freqs_cis, back to real, type_as(x).
     q, k = heads(qp, HQ), heads(kp, HK)
@@ -321,6 +353,8 @@ MATCHES = [
     Case("interleaved-q-only", interleaved_q_only, 1, {"sloth.rope_single": 1}),
     Case("interleaved-gptj-rotate-every-two", interleaved_gptj, 2, {"sloth.rope_single": 2}),
     Case("interleaved-partial-rotary", interleaved_partial, 1, PAIR),
+    Case("halves-gpt-oss", halves_gpt_oss, 1, PAIR),
+    Case("halves-respelled-bshd", halves_respelled, 1, PAIR),
     # bf16: q.float() and k.float() are two nodes, k's after q's site, so two single launches.
     Case("meta-complex", meta_complex, None, reference=meta_complex_reference),
 ]
@@ -551,6 +585,7 @@ NEAR_MISSES = [
     Case("interleaved-parity-swapped", interleaved_parity_swapped, 0),
     Case("interleaved-stacked-over-pairs", interleaved_stacked_over_pairs, 0),
     Case("even-odd-concatenated", even_odd_concatenated, 0, reason="de-interleaved"),
+    Case("halves-wrong-tables", halves_wrong_tables, 0, reason="wrong sign or tables"),
 ]
 
 
@@ -649,3 +684,17 @@ def test_report_module_path():
     torch.compile(Layer(), backend="sloth", options={"inner": "eager"})(*make_args(MATCHES[0], torch.float32, False))
     (site,) = sloth.last_report().sites
     assert site.module == "self_attn" and site.op == "sloth.rope"
+
+
+def halves_partial(qp, kp, inv_freq, pos):
+    # The halves form on the first D/2 dims of each head, the rest passed through.
+    q, k = heads(qp, HQ), heads(kp, HK)
+    cos, sin = interleaved_cos_sin(inv_freq[: D // 4], pos, qp.dtype)
+    r = D // 2
+    return (torch.cat([halves_rotate(q[..., :r], cos, sin), q[..., r:]], -1),
+            torch.cat([halves_rotate(k[..., :r], cos, sin), k[..., r:]], -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_halves_partial_rotary(dtype):
+    check_case(Case("halves-partial-rotary", halves_partial, 1, PAIR), dtype)
