@@ -92,14 +92,22 @@ def assert_model_close(actual: tuple, eager: tuple, reference: tuple, dtype: tor
     against eager's and the float64 model's. The loss within ``loss_units`` units of ``dtype``'s precision
     of the reference. The gradients, all together, 2x eager's error (each tensor's error relative to its RMS,
     pooled over every element of every gradient); each tensor alone 3x eager's error plus half a unit of
-    roundoff (in its own dtype) of its RMS.
+    roundoff (in its own dtype) of its RMS, 6x for a tensor of fewer than 64 elements.
 
     Why two bounds: each fused op is held to 2x by its own tests, but a model compounds several, and one
     small tensor's ratio is noisy. Measured on correct kernels (transformers 5.24, 2026-12-01): Qwen3's
     16-element q_norm weight gradient at 2.66x with every family on (1.0-1.5x with any one family alone),
     Gemma3 bf16's q_proj LoRA A at 2.05x (2.00x with the norms alone, whose forward is bit-exact with eager's);
     pooled, both models are within 2x. A wrong op is orders of magnitude off (a 1% error in one norm's dx:
-    44,000x in fp32), which either bound catches."""
+    44,000x in fp32), which either bound catches.
+
+    Why 6x below 64 elements: the ratio of two RMS errors over n elements of equally good roundoff noise is
+    spread like sqrt(F(n, n)), whose 99th percentile is 4.0 at n = 4 (1.4 at n = 64). GPT-OSS's 4 sinks of its
+    last layer (a gradient summed over every row, of mixed sign: |g| 4e-5 where layer 0's is 6e-3) measured,
+    fp32, over token seeds 1-6: 4.35, 2.23, 0.75, 1.26, 1.52, 0.89x with every family on, 1.72, 2.15, 0.93, 1.41,
+    1.01, 1.06x without sink_attention, 3.31, 1.42, 0.83, 1.69, 1.23, 1.08x with it alone (2026-12-04; the
+    sink kernel's own forward error at those shapes is 1.09x eager's, and its d_sink did not move with exact
+    fp64 out and lse fed in)."""
     (loss, grads), (eager_loss, eager_grads), (ref_loss, ref_grads) = actual, eager, reference
     assert_close("loss", loss, eager_loss, ref_loss, atol=loss_units * torch.finfo(dtype).eps * ref_loss.abs().item())
     pooled_ours = pooled_eager = 0.0
@@ -107,7 +115,7 @@ def assert_model_close(actual: tuple, eager: tuple, reference: tuple, dtype: tor
         ref = ref_grads[name]
         scale = ref.pow(2).mean().sqrt().item()
         assert_close(f"grad {name}", grad, eager_grads[name], ref, atol=0.5 * torch.finfo(grad.dtype).eps * scale,
-                     factor=3.0)
+                     factor=3.0 if ref.numel() >= 64 else 6.0)
         if scale:
             pooled_ours += rms_err(grad, ref) ** 2 * ref.numel() / scale**2
             pooled_eager += rms_err(eager_grads[name], ref) ** 2 * ref.numel() / scale**2
