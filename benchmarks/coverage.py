@@ -252,7 +252,8 @@ def sweep(model_types: list[str], timeout: float, jobs: int, done: Any = None) -
     return [rows[m] for m in model_types]
 
 
-FAMILY_COLUMNS = ("layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "glu", "cross_entropy", "causal_mask")
+FAMILY_COLUMNS = ("layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "moe_router", "glu", "cross_entropy",
+                  "causal_mask")
 _NO_SITES = {"replaced": 0, "left": 0, "unexplained": []}  # a family a row's sloth did not have
 
 

@@ -27,6 +27,8 @@
 #   bash benchmarks/h200_rows.sh longest-2 # issue 19: sloth at 256k, Unsloth at 128k
 #   bash benchmarks/h200_rows.sh moe-family moe-unsloth  # issue 20: the moe_experts op, the Qwen3-MoE step with and
 #                                          # without moe_route; then Unsloth's (carry .whl/unsloth)
+#   bash benchmarks/h200_rows.sh moe-router moe-unsloth  # issue 20: the moe_router op and the Qwen3-MoE step with and
+#                                          # without the router family; then Unsloth's (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
@@ -65,7 +67,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -276,6 +278,14 @@ case $part in
         run moe-sloth 170 --all --model qwen3-moe --variants sloth
         run moe-sloth-no-moe 170 --all --model qwen3-moe --variants sloth --sloth-options \
             '{"patterns": ["layer_norm", "rms_norm", "l2_norm", "rope", "glu", "cross_entropy", "lora", "packed_attention", "causal_mask"]}' ;;
+    moe-router)  # issue 20: the moe_router family: its CUDA op checks, the op against the eager router and Inductor,
+        # then the Qwen3-MoE step with sloth's default options (the router fused) and with only the router family off
+        # (limits add to 530 s; Unsloth: moe-unsloth)
+        gpu_tests cuda_ops_router 120 router tests/test_cuda_ops.py
+        op_bench moe_router 90 moe_router
+        run moe-sloth 160 --all --model qwen3-moe --variants sloth
+        run moe-sloth-no-router 160 --all --model qwen3-moe --variants sloth --sloth-options \
+            '{"patterns": ["layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "glu", "cross_entropy", "lora", "packed_attention", "causal_mask", "sink_attention"]}' ;;
     moe-host)  # issue 20: where the MoE step's GPU waits (its kernel table and idle gaps), then the step under CUDA
         # graphs (the step without its host: what the GPU alone needs)
         run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile

@@ -24,6 +24,8 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
     packed_attention  the same, its mask computed from an integer graph input (position ids, document ids)
     sink_attention  a softmax over the last dim of cat([x, c], -1) with c one column wide (through a subtraction
                     of anything: the row max): attention with a sink logit per row (GPT-OSS)
+    moe_router      torch.topk (function or method) of a float tensor of 2 or more dims: a router's choice of
+                    experts, whatever scores it ranks
 
 A replaced site no longer holds its anchor (the pass erased it, or, for the causal mask, dropped the mask),
 so after the passes every anchor left must have a reason: a rejection of its family at the anchor or a few
@@ -252,6 +254,15 @@ def _is_sink_attention(node: fx.Node) -> bool:
         and len(x.args[0]) >= 2
 
 
+def is_topk(node: fx.Node) -> bool:
+    """A ``topk`` of a float tensor of 2 or more dims: the ``moe_router`` family's anchor."""
+    if not ((node.op == "call_function" and node.target is torch.topk)
+            or (node.op == "call_method" and node.target == "topk")) or not node.args:
+        return False
+    value = tensor_of(node.args[0])
+    return value is not None and value.is_floating_point() and value.dim() >= 2
+
+
 # MoE experts: a matmul-like call reading stacked [E, ., .] expert weights (patterns/moe.py).
 _GROUPED_GEMMS = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
 _GEMM_NAMES = _GROUPED_GEMMS | {"bmm", "matmul", "linear", "mm", "einsum"}
@@ -324,6 +335,7 @@ ANCHORS = {
     "l2_norm": _is_l2_norm,
     "rope": _is_rope,
     "moe_route": is_expert_gemm,
+    "moe_router": is_topk,
     "glu": _is_glu,
     "cross_entropy": _is_cross_entropy,
     "lora": _is_lora,

@@ -33,6 +33,7 @@ from ..patterns.l2_norm import fuse_l2_norm_pass
 from ..patterns.layer_norm import fuse_layer_norm_pass
 from ..patterns.lora import fuse_lora_pass
 from ..patterns.moe import fuse_moe_pass
+from ..patterns.moe_router import fuse_moe_router_pass
 from ..patterns.packed_attention import fuse_packed_attention_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
@@ -55,7 +56,8 @@ log = logging.getLogger("sloth")
 # moe_route before glu, whose pass would otherwise take the experts' GLU out of the region moe_route replaces.
 for _name, _run, _whole_module in (("layer_norm", fuse_layer_norm_pass, False), ("rms_norm", fuse_rms_norm_pass, False),
                                    ("l2_norm", fuse_l2_norm_pass, False), ("rope", fuse_rope_pass, False),
-                                   ("moe_route", fuse_moe_pass, False), ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
+                                   ("moe_route", fuse_moe_pass, False),
+                                   ("moe_router", fuse_moe_router_pass, False), ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
                                    ("lora", fuse_lora_pass, False), ("packed_attention", fuse_packed_attention_pass, True),
                                    ("causal_mask", fuse_causal_mask_pass, True),
                                    ("sink_attention", fuse_sink_attention_pass, True)):

@@ -23,11 +23,17 @@ class RecordOps(TorchDispatchMode):
 
 
 class StayFloat64(TorchFunctionMode):
-    """Make a pattern's fp32 upcasts (``.float()``, ``.to(torch.float32)``) no-ops on float64 tensors, so that the
-    pattern run on float64 inputs stays float64 end to end: the reference of the tolerance rule."""
+    """Make a pattern's fp32 upcasts (``.float()``, ``.to(torch.float32)``, a softmax's ``dtype=torch.float32``)
+    no-ops on float64 tensors, so that the pattern run on float64 inputs stays float64 end to end: the reference
+    of the tolerance rule."""
+
+    _SOFTMAX = (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in self._SOFTMAX and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64 \
+                and kwargs.get("dtype") is torch.float32:
+            kwargs = {**kwargs, "dtype": torch.float64}
         if func in (torch.Tensor.float, torch.Tensor.to) and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype == torch.float64:
             if func is torch.Tensor.float:

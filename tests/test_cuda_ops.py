@@ -1,6 +1,6 @@
 """The op checks of the families added since the last GPU run, on CUDA tensors: the same oracles and tolerance rule as
 their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py,
-test_sink_attention_op.py), whose
+test_sink_attention_op.py, test_moe_router_op.py), whose
 inputs are CPU tensors and so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels
 run compiled for the GPU, and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the
 Qwen3-MoE layer's shape among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels
@@ -14,6 +14,7 @@ import torch
 import test_l2_norm_op as l2_tests
 import test_layer_norm_op as ln_tests
 import test_moe_op as moe_tests
+import test_moe_router_op as router_tests
 import test_sink_attention_op as sink_tests
 import test_tiled_mlp_op as tiled_tests
 import sloth.lowering.moe as moe
@@ -76,6 +77,14 @@ def test_moe_lora_on_cuda(T, H, I, E, K, r, dtype):
                          ids=[*sink_tests.CASES, "gpt-oss-window-128", "gpt-oss-full"])
 def test_sink_attention_on_cuda(shape, dtype):
     sink_tests.check(shape, dtype, device="cuda", name=str(shape))
+
+
+# The CPU cases, then Qwen3-MoE's router over a bs 2 x 2048 step's 4096 tokens.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", list(router_tests.MODES))
+@pytest.mark.parametrize("case", [*router_tests.CASES.values(), (4096, 128, 8)], ids=[*router_tests.CASES, "qwen3-moe-4096"])
+def test_moe_router_on_cuda(case, mode, dtype):
+    router_tests.check(case, router_tests.MODES[mode], dtype, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

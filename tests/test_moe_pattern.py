@@ -1,5 +1,7 @@
 """The MoE experts family (``moe_route``): routed experts, whatever code ran them, become ``sloth.moe_experts``;
-loss and every gradient equal eager's; the variants the op does not compute stay, with the reason."""
+loss and every gradient equal eager's; the variants the op does not compute stay, with the reason. The routers
+of these models are checked here too (``moe_router``: one per layer, in the model's form); the router family's
+own forms and refusals are in tests/test_moe_router_pattern.py."""
 from __future__ import annotations
 
 import os
@@ -18,15 +20,22 @@ from tests.test_models import VOCAB, assert_model_close, loss_and_grads, tiny_co
 # a sigmoid-gated shared expert outside the routed ones, Mixtral and MiniMax renormalise the top-k, OLMoE and
 # Granite-MoE have their own routers.
 MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax", "granitemoe"]
+# Their routers' form, as the moe_router family reports it (patterns/moe_router.py).
+ROUTER_FORMS = {"qwen3_moe": "softmax, top-2, 4", "qwen2_moe": "softmax, top-2, 4", "olmoe": "softmax, top-2, 4",
+                "mixtral": "softmax, top-2, renormalised, 4", "minimax": "softmax, top-2, renormalised, 4",
+                "granitemoe": "top-2, softmax over the k, 4", "gpt_oss": "top-2, softmax over the k, 4"}
 
 
-def moe_model(model_type: str, experts: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A tiny MoE model: 4 experts, top-2, width 16, every layer sparse, experts run by ``experts``."""
+def moe_model(model_type: str, experts: str, dtype: torch.dtype = torch.float32, **config) -> nn.Module:
+    """A tiny MoE model: 4 experts, top-2, width 16, every layer sparse, experts run by ``experts``; ``config``
+    sets more of its config's attributes."""
     cfg = tiny_config(model_type)
     for key, value in dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                            shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]).items():
         if hasattr(cfg, key):
             setattr(cfg, key, value)
+    for key, value in config.items():
+        setattr(cfg, key, value)
     if model_type == "gpt_oss":
         cfg._attn_implementation = "eager"  # GPT-OSS has no SDPA path (sinks)
     cfg._experts_implementation = experts
@@ -58,6 +67,9 @@ def test_transformers_moe_experts_are_fused(model_type: str, experts: str) -> No
     assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
     assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
     assert all("experts, top-2, silu" in s.detail for s in report.sites if s.family == "moe_route")
+    routers = [s.detail for s in report.sites if s.family == "moe_router"]  # the router before them too
+    assert len(routers) == model.config.num_hidden_layers and all(ROUTER_FORMS[model_type] in d for d in routers), \
+        str(report)
     assert any("experts.gate_up_proj" in name for name in ours[1])
     assert_model_close(ours, eager, reference, torch.float32)
 
@@ -82,6 +94,7 @@ def test_transformers_moe_bf16() -> None:
     model = moe_model("qwen3_moe", "grouped_mm", torch.bfloat16)
     ours, eager, reference, report = _compare(model, torch.bfloat16)
     assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
+    assert report.counts.get("moe_router") == model.config.num_hidden_layers, str(report)
     assert_model_close(ours, eager, reference, torch.bfloat16)
 
 
@@ -121,7 +134,8 @@ def test_gpt_oss_experts_are_fused(dtype, frozen) -> None:
             p.requires_grad_("experts" not in name)
     ours, eager, reference, report = _compare(model, dtype)
     assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
-    assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
+    assert not [r for r in report.rejections if r.family in ("moe_route", "moe_router")], str(report)
+    assert report.counts.get("moe_router") == model.config.num_hidden_layers, str(report)
     assert all("swiglu_oai (alpha 1.702, limit 7), interleaved gate/up, biases, transposed weights" in s.detail
                for s in report.sites if s.family == "moe_route"), str(report)
     trained = [n for n in ours[1] if "experts" in n]
@@ -186,7 +200,7 @@ def _hand_written_through_sloth(module: nn.Module, x: torch.Tensor) -> tuple:
 @pytest.mark.parametrize("top_k", [2, 1])
 def test_hand_written_moe_is_fused(top_k: int) -> None:
     _, report = _hand_written_through_sloth(HandWrittenMoe(top_k=top_k), torch.randn(13, 24, generator=seeded(4)))
-    assert report.counts.get("moe_route") == 1, str(report)
+    assert report.counts.get("moe_route") == 1 and report.counts.get("moe_router") == 1, str(report)
     assert f"5 experts, top-{top_k}, gelu_tanh" in next(s.detail for s in report.sites if s.family == "moe_route")
 
 

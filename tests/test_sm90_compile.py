@@ -28,6 +28,7 @@ import sloth.lowering.linear_cross_entropy as lce
 import sloth.lowering.lora as lora
 import sloth.lowering.lora_members as lora_members
 import sloth.lowering.moe_kernels as moe_kernels
+import sloth.lowering.moe_router as moe_router
 import sloth.lowering.nf4 as nf4
 import sloth.lowering.nf4_matmul as nf4_matmul
 import sloth.lowering.rms_norm as rms_norm
@@ -86,8 +87,8 @@ def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tupl
 
 def _record(monkeypatch) -> list:
     launches: list = []
-    for module in (glu, l2_norm, layer_norm, lce, lora, lora_members, moe_kernels, nf4, nf4_matmul, rms_norm,
-                   rope):
+    for module in (glu, l2_norm, layer_norm, lce, lora, lora_members, moe_kernels, moe_router, nf4, nf4_matmul,
+                   rms_norm, rope):
         for name, value in list(vars(module).items()):
             if name.endswith("_kernel") and hasattr(value, "arg_names"):
                 monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
@@ -194,6 +195,15 @@ def _llama_launches() -> None:
     moe_kernels.expert_glu_forward(torch.empty(rows, 2 * width, dtype=bf16), None, ids, "swiglu_oai", True, 1.702, 7.0)
     moe_kernels.segment_sum(torch.empty(rows, 2 * width, dtype=bf16), offs, ids, None, bf16)
     moe_kernels.segment_sum(torch.empty(rows, hidden, dtype=bf16), offs, ids, torch.empty(rows, dtype=f32), bf16)
+    # The routers: Qwen3-MoE's (128 experts, top-8, renormalised or not), Mixtral's (8, top-2), GPT-OSS's (32,
+    # top-4, softmax over the k) and the kernel's limits (512 experts, top-32), bf16 logits, fp32 weights.
+    for experts, top_k, modes in ((128, 8, ((True, False), (True, True))), (8, 2, ((True, True),)),
+                                  (32, 4, ((False, False),)), (512, 32, ((True, True),))):
+        logits = torch.empty(n, experts, dtype=bf16)
+        for softmax_first, renorm in modes:
+            moe_router._moe_router_fwd(logits, top_k, softmax_first, renorm, f32)
+            moe_router._moe_router_bwd(torch.empty(n, top_k, dtype=f32), logits,
+                                       torch.zeros(n, top_k, dtype=torch.int64), softmax_first, renorm)
 
 
 _COMPILE = r"""
@@ -252,7 +262,8 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
             "_lora_grad_kernel", "_lce_rows_kernel", "_dequantize_4bit_kernel", "_split_members_kernel",
             "_down_members_kernel", "_up_add_members_kernel", "_dequantize_4bit_members_kernel",
             "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_l2_norm_fwd_kernel", "_l2_norm_bwd_kernel",
-            "_combine_kernel", "_glu_backward_weighted_kernel"} <= kernels, kernels
+            "_combine_kernel", "_glu_backward_weighted_kernel", "_moe_router_fwd_kernel",
+            "_moe_router_bwd_kernel"} <= kernels, kernels
     assert sum(launch[1] == "_nf4_matmul_kernel" for launch in unique) == len(nf4_matmul.CONFIGS), unique
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(unique), env=env,

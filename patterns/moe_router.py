@@ -1,0 +1,237 @@
+"""MoE router family (``"moe_router"`` in the report): the top-k that routes tokens to experts, with the scoring
+around it, becomes one ``torch.ops.sloth.moe_router`` (lowering/moe_router.py: one kernel forward, one backward).
+
+The meaning (``moe_router_reference`` in lowering/moe_router.py), on router logits ``l`` [T, E]::
+
+    w, idx = topk(softmax(l, -1), k, -1)                       softmax_first, not renorm  (Qwen3-MoE, OLMoE)
+    w, idx = topk(softmax(l, -1), k, -1);  w = w / w.sum(-1)   softmax_first, renorm      (Mixtral, Qwen3 norm_topk)
+    top, idx = topk(l, k, -1);  w = softmax(top, -1)           not softmax_first          (GPT-OSS)
+
+What is matched (the canonical graph, whatever module wrote it): the anchor is a ``topk`` over the last dim of a
+2-D float tensor, largest first. Its input a softmax over the last dim (function or method, any dtype argument)
+of ``l``, an fp32 upcast of ``l`` taken off (the op computes in fp32), gives the first two forms, renormalised when
+the values' only readers are ``sum(w, -1, keepdim=True)`` and a division of w by it (in place too, transformers'
+``w /= w.sum(...)``); otherwise the values the topk returned are the op's, and what reads them reads the op's.
+Its values read only by a softmax over the last dim gives the third form. The softmax over all experts may have
+other readers (an aux loss reading the router's probabilities): it stays for them, and its gradient adds to the
+op's in autograd, as it would have.
+
+The weights come out in the dtype the graph had them in. Between equal scores the op picks the lower expert
+index, where ``torch.topk`` leaves the choice to its implementation.
+
+Reported, left as written: scores that are not a softmax of the logits and are not softmaxed after the topk
+(sigmoid routers: DeepSeek-V3 and GLM-4.5's grouped top-k with a score correction bias, Llama 4's sigmoid of the
+top-1 logit), the smallest-k, another dim, a k over the kernel's limit, more experts than one pass holds,
+the top-k logits read by anything but the softmax, only one of values and indices read, float64.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..compiler.anchors import is_topk
+from ..compiler.canonicalize import cast
+from ..compiler.fx_utils import insert_call, module_path, source_location, tensor_of
+from ..compiler.options import PassOptions
+from ..compiler.report import Report, Site
+
+FAMILY = "moe_router"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
+_DIVIDE = (torch.div, operator.truediv, operator.itruediv, torch.true_divide)
+
+
+def _lowering():
+    from ..lowering import moe_router
+
+    return moe_router
+
+
+def _call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _method(node: Any, *names: str) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def _arg(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def _last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+def _softmax_of(node: Any) -> Optional[fx.Node]:
+    """The input of ``node`` when it is a softmax over the last dim, else None."""
+    if not (_call(node, *_SOFTMAX) or _method(node, "softmax")) or not node.args:
+        return None
+    value = tensor_of(node.args[0])
+    if value is None or not _last_dim(_arg(node, 1, "dim"), value.dim()):
+        return None
+    return node.args[0]
+
+
+def _uncast(x: fx.Node) -> fx.Node:
+    """``x`` with an fp32 upcast of a float tensor taken off (the op computes in fp32)."""
+    if _call(x, cast) and x.args[1] == torch.float32:
+        source = tensor_of(x.args[0])
+        if source is not None and source.dtype in _DTYPES:
+            return x.args[0]
+    return x
+
+
+@dataclasses.dataclass
+class _Match:
+    topk: fx.Node
+    logits: fx.Node       # the op's input
+    k: int
+    softmax_first: bool
+    renorm: bool
+    weights: fx.Node      # the node whose value is the op's weights
+    indices: fx.Node      # topk's indices
+    chain: list[fx.Node]  # the nodes the op replaces (erased once unread)
+
+
+def _items(topk: fx.Node) -> tuple[list[fx.Node], list[fx.Node], bool]:
+    """(readers of the values, readers of the indices, whether anything else reads the topk's result)."""
+    values, indices, other = [], [], False
+    for user in topk.users:
+        if _call(user, operator.getitem) and user.args[1] == 0:
+            values.append(user)
+        elif _call(user, operator.getitem) and user.args[1] == 1:
+            indices.append(user)
+        elif _method(user, "values") or _method(user, "indices"):
+            (values if user.target == "values" else indices).append(user)
+        else:
+            other = True
+    return values, indices, other
+
+
+def _renormalised(values: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(the division node, its sum) when ``values``' only readers are ``sum(values, -1, keepdim)`` and a division
+    of ``values`` by that sum, else None."""
+    readers = list(values.users)
+    if len(readers) != 2:
+        return None
+    total = next((n for n in readers if _call(n, torch.sum) or _method(n, "sum")), None)
+    divide = next((n for n in readers if _call(n, *_DIVIDE) or _method(n, "div", "div_", "true_divide")), None)
+    if total is None or divide is None or total.args[0] is not values or len(divide.args) != 2 \
+            or divide.args[0] is not values or divide.args[1] is not total or divide.kwargs:
+        return None
+    dims = _arg(total, 1, "dim")
+    dims = dims[0] if isinstance(dims, (tuple, list)) and len(dims) == 1 else dims
+    if not _last_dim(dims, tensor_of(values).dim()) or not _arg(total, 2, "keepdim", False) \
+            or set(total.kwargs) - {"dim", "keepdim"}:
+        return None
+    return divide, total
+
+
+def _match(topk: fx.Node) -> Union[_Match, str]:
+    scores = topk.args[0]
+    value = tensor_of(scores)
+    k = _arg(topk, 1, "k")
+    if value.dim() != 2:
+        return f"the scores are {value.dim()}-D, not [tokens, experts]"
+    if not _last_dim(_arg(topk, 2, "dim", -1), 2):
+        return "the top-k is not over the last dim (the experts)"
+    if not _arg(topk, 3, "largest", True):
+        return "the smallest k, not the largest"
+    if not isinstance(k, int):
+        return "k is not a constant"
+    experts = value.shape[1]
+    lowering = _lowering()
+    if not isinstance(experts, int):
+        return "the number of experts is symbolic"
+    if experts > lowering.MAX_EXPERTS or k > lowering.MAX_TOP_K or not 1 <= k <= experts:
+        return (f"top-{k} of {experts} experts is outside the kernel's limits "
+                f"(k <= {lowering.MAX_TOP_K}, experts <= {lowering.MAX_EXPERTS})")
+    values, indices, other = _items(topk)
+    if other or len(values) > 1 or len(indices) > 1:
+        return "the top-k's result is read other than as one values and one indices"
+    if not values or not indices:
+        return "only the " + ("indices" if indices else "values") + " of the top-k are read"
+    values, indices = values[0], indices[0]
+    logits = _softmax_of(scores)
+    if logits is not None:
+        chain = [topk, values]
+        if _uncast(logits) is not logits:  # the upcast the op does itself
+            chain.insert(0, logits)
+            logits = _uncast(logits)
+        found = _renormalised(values)
+        if found is not None:
+            weights, total = found
+            chain += [total, weights]
+        else:
+            weights = values
+        softmax_first, renorm = True, found is not None
+        chain.append(scores)
+    else:
+        after = list(values.users)
+        if len(after) != 1 or _softmax_of(after[0]) is not values:
+            if any(_call(n, torch.sigmoid) or _method(n, "sigmoid") for n in (scores, *after)):
+                return "sigmoid scores (a sigmoid router): not fused yet"
+            return ("the scores are not a softmax of the logits, and the top-k values are not softmaxed after it "
+                    "(read elsewhere or another function)")
+        logits, weights, chain = _uncast(scores), after[0], [topk, values, after[0]]
+        if logits is not scores:
+            chain.insert(0, scores)
+        softmax_first, renorm = False, False
+    logits_value, weights_value = tensor_of(logits), tensor_of(weights)
+    if logits_value is None or logits_value.dtype not in _DTYPES or weights_value is None \
+            or weights_value.dtype not in _DTYPES:
+        return "dtypes other than fp32, bf16 and fp16"
+    if tuple(weights_value.shape) != (value.shape[0], k):
+        return f"the weights' shape {tuple(weights_value.shape)} is not [tokens, k]"
+    return _Match(topk, logits, k, softmax_first, renorm, weights, indices, chain)
+
+
+def _replace(graph: fx.Graph, m: _Match) -> None:
+    w_value, l_value = tensor_of(m.weights), tensor_of(m.logits)
+    value = (l_value.new_empty((l_value.shape[0], m.k), dtype=w_value.dtype,
+                               requires_grad=bool(w_value.requires_grad)),
+             l_value.new_empty((l_value.shape[0], m.k), dtype=torch.int64))
+    pair = insert_call(graph, m.topk, torch.ops.sloth.moe_router.default,
+                       (m.logits, m.k, m.softmax_first, m.renorm, w_value.dtype), meta_from=m.topk, value=value)
+    weights = insert_call(graph, m.topk, operator.getitem, (pair, 0), meta_from=m.topk, value=value[0])
+    indices = insert_call(graph, m.topk, operator.getitem, (pair, 1), meta_from=m.topk, value=value[1])
+    m.weights.replace_all_uses_with(weights)
+    m.indices.replace_all_uses_with(indices)
+    graph.erase_node(m.indices)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(m.chain), key=order.__getitem__, reverse=True):  # readers first; a softmax or cast
+        if not node.users:                                                   # another reader keeps stays
+            graph.erase_node(node)
+
+
+def fuse_moe_router_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                         options: PassOptions = PassOptions()) -> fx.GraphModule:
+    """Replace every router top-k of a supported form with ``torch.ops.sloth.moe_router`` (module docstring).
+
+    before:  p = softmax(l, -1, float32);  v, idx = topk(p, 8, -1);  w = v / v.sum(-1, keepdim=True)
+    after:   w, idx = sloth.moe_router(l, 8, True, True, float32)
+    """
+    _lowering().register()
+    for node in list(gm.graph.nodes):
+        if not is_topk(node):
+            continue
+        found = _match(node)
+        if isinstance(found, str):
+            report.reject(FAMILY, node, found)
+            continue
+        form = ("softmax, top-" + str(found.k) + (", renormalised" if found.renorm else "") if found.softmax_first
+                else f"top-{found.k}, softmax over the k")
+        detail = f"{form}, {tensor_of(found.logits).shape[1]} experts, {tensor_of(found.logits).dtype}".replace(
+            "torch.", "")
+        site = Site(FAMILY, "sloth.moe_router", module_path(node), source_location(node), detail)
+        _replace(gm.graph, found)
+        report.replaced(site)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,170 @@
+"""The fused op ``sloth.lowering.moe_router``: routing weights, chosen experts and d logits against the pattern.
+
+Oracle: the router as transformers writes it (``router_pattern`` below: softmax over the experts in fp32, top-k,
+the optional renormalisation; or top-k of the logits, softmax over the k), run eagerly at the tested dtype
+("eager") and in float64 (the reference). The indices must equal the reference's exactly; the weights and the
+logits' gradient follow the tolerance rule.
+
+Logits are tie-free by construction (each row a random choice of distinct values representable in bf16), so that
+the experts chosen do not depend on rounding or on how ``torch.topk`` breaks ties; ties are tested on their own
+(the op takes the lower index). Shapes: the experts of Qwen3-MoE (128, top-8), Mixtral (8, top-2), OLMoE (64,
+top-8), GPT-OSS (32, top-4), Qwen2-MoE's 60, top-1, k = E, the kernel's limits (512 experts, top-32), token
+counts that leave a partial last program and several programs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sloth.lowering.moe_router as lowering
+from sloth.lowering.moe_router import moe_router
+from tolerance import assert_close
+from op_checks import force_fallback
+
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+# (tokens, experts, k)
+CASES = {
+    "qwen3-moe": (37, 128, 8),
+    "mixtral": (19, 8, 2),
+    "olmoe": (23, 64, 8),
+    "gpt-oss": (13, 32, 4),
+    "qwen2-moe-top1": (11, 60, 1),
+    "k-equals-experts": (6, 5, 5),
+    "many-programs": (601, 16, 3),  # 256 rows a program at 16 experts: three programs, the last partial
+    "limits": (3, 512, 32),
+}
+# (softmax_first, renorm)
+MODES = {"softmax-topk": (True, False), "softmax-topk-renorm": (True, True), "topk-softmax": (False, False)}
+
+# 2**12 distinct bf16 values in [-6, 6]: any choice of them without repeats is a tie-free row in every dtype.
+_DISTINCT = torch.linspace(-6, 6, 2 ** 14).bfloat16().unique().float()
+
+
+def tie_free_logits(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.stack([torch.randperm(len(_DISTINCT), generator=g)[:experts] for _ in range(tokens)]) \
+        if tokens else torch.empty(0, experts, dtype=torch.int64)
+    return _DISTINCT[picks]
+
+
+def router_pattern(logits: torch.Tensor, k: int, softmax_first: bool, renorm: bool):
+    """The router as transformers' MoE blocks write it, computing in the dtype it is given when that is float64
+    (the reference) and in fp32 otherwise."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if softmax_first:
+        w, idx = torch.topk(torch.nn.functional.softmax(logits, dim=-1, dtype=dtype), k, dim=-1)
+        if renorm:
+            w = w / w.sum(dim=-1, keepdim=True)
+    else:
+        top, idx = torch.topk(logits, k, dim=-1)
+        w = torch.nn.functional.softmax(top, dim=-1, dtype=dtype)
+    return w, idx
+
+
+def run(fn, logits: torch.Tensor, dw: torch.Tensor):
+    logits = logits.detach().requires_grad_(True)
+    w, idx = fn(logits)
+    (dl,) = torch.autograd.grad(w, logits, dw.to(w.dtype))
+    return w.detach(), idx, dl
+
+
+def check(case, mode, dtype, device="cpu", out_dtype=None, seed=0):
+    tokens, experts, k = case
+    softmax_first, renorm = mode
+    logits = tie_free_logits(tokens, experts, seed).to(device)
+    dw = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+
+    def eager(l):
+        w, idx = router_pattern(l, k, softmax_first, renorm)
+        return (w if l.dtype == torch.float64 else w.to(out_dtype)), idx
+
+    ours = run(lambda l: moe_router(l, k, softmax_first, renorm, out_dtype), logits.to(dtype), dw)
+    theirs = run(eager, logits.to(dtype), dw)
+    ref = run(eager, logits.double(), dw)
+    assert ours[1].dtype == torch.int64 and torch.equal(ours[1], ref[1]), f"{case} {mode}: other experts chosen"
+    assert torch.equal(theirs[1], ref[1])  # the logits are tie-free: eager picks the same
+    assert_close(f"{case} {mode} weights", ours[0], theirs[0], ref[0])
+    assert_close(f"{case} {mode} d logits", ours[2], theirs[2], ref[2])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=list(DTYPE_IDS.values()))
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_pattern(case, mode, dtype):
+    check(CASES[case], MODES[mode], dtype)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_weights_in_bf16_from_fp32_logits(mode):
+    # The graph may hold the weights in another dtype than the logits (a bf16 model whose router upcasts).
+    check(CASES["olmoe"], MODES[mode], torch.float32, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=list(DTYPE_IDS.values()))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fallback_matches_pattern(monkeypatch, mode, dtype):
+    # The plain-PyTorch path (a CPU without the interpreter) is held to the same rule, and launches nothing.
+    force_fallback(monkeypatch, lowering, "_moe_router_fwd_kernel", "_moe_router_bwd_kernel")
+    check(CASES["qwen3-moe"], MODES[mode], dtype)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ties_pick_the_lower_index(mode):
+    # Equal scores: the first k experts, in index order, each weighted 1/k (renormalised or softmaxed over the k)
+    # or 1/E (the softmax over all, not renormalised); the gradient is the pattern's at those indices.
+    softmax_first, renorm = MODES[mode]
+    logits = torch.zeros(4, 6).requires_grad_(True)
+    w, idx = moe_router(logits, 3, softmax_first, renorm)
+    assert idx.tolist() == [[0, 1, 2]] * 4
+    expected = 1 / 6 if softmax_first and not renorm else 1 / 3
+    torch.testing.assert_close(w, torch.full((4, 3), expected))
+    dw = torch.randn(4, 3)
+    (dl,) = torch.autograd.grad(w, logits, dw)
+    torch.testing.assert_close(dl, lowering.moe_router_backward_reference(dw, logits.detach(), idx, softmax_first,
+                                                                          renorm))
+    # A row with a tie among the leaders only: the tied pair comes lower index first.
+    row = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0]])
+    assert moe_router(row, 3, softmax_first, renorm)[1].tolist() == [[1, 3, 4]]
+
+
+def test_strided_logits():
+    # Logits sliced out of a wider projection (a row stride past the experts) and a transposed view (its experts
+    # not contiguous) give what their contiguous copy gives.
+    wide = tie_free_logits(9, 40)
+    for view in (wide[:, 3:35], tie_free_logits(32, 9).t()):
+        for mode in MODES.values():
+            w, idx = moe_router(view, 4, *mode)
+            w_c, idx_c = moe_router(view.contiguous(), 4, *mode)
+            assert torch.equal(idx, idx_c) and torch.equal(w, w_c)
+
+
+def test_no_tokens():
+    logits = torch.zeros(0, 8, requires_grad=True)
+    w, idx = moe_router(logits, 2, True, True)
+    assert w.shape == (0, 2) and idx.shape == (0, 2)
+    (dl,) = torch.autograd.grad(w.sum(), logits, allow_unused=True)
+    assert dl is None or dl.shape == (0, 8)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"\[tokens, experts\]"):
+        moe_router(torch.zeros(2, 3, 8), 2)
+    with pytest.raises(ValueError, match=r"\[tokens, experts\]"):
+        moe_router(torch.zeros(4, 8, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="k must be in"):
+        moe_router(torch.zeros(4, 8), 0)
+    with pytest.raises(ValueError, match="k must be in"):
+        moe_router(torch.zeros(4, 8), 9)
+    with pytest.raises(ValueError, match="k must be in"):
+        moe_router(torch.zeros(4, 64), lowering.MAX_TOP_K + 1)
+    with pytest.raises(ValueError, match="one-pass limit"):
+        moe_router(torch.zeros(4, lowering.MAX_EXPERTS + 1), 2)
+
+
+def test_opcheck():
+    lowering.register()
+    logits = tie_free_logits(7, 12).requires_grad_()
+    for mode in MODES.values():
+        torch.library.opcheck(torch.ops.sloth.moe_router.default, (logits, 3, *mode, torch.float32))
