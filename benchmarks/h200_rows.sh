@@ -29,6 +29,7 @@
 #                                          # without moe_route; then Unsloth's (carry .whl/unsloth)
 #   bash benchmarks/h200_rows.sh moe-router moe-unsloth  # issue 20: the moe_router op and the Qwen3-MoE step with and
 #                                          # without the router family; then Unsloth's (carry .whl)
+#   bash benchmarks/h200_rows.sh moe-router-ab  # issue 20: that A/B again under CUDA graphs and plain, 12-16 steps each
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
@@ -67,7 +68,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -286,6 +287,16 @@ case $part in
         run moe-sloth 160 --all --model qwen3-moe --variants sloth
         run moe-sloth-no-router 160 --all --model qwen3-moe --variants sloth --sloth-options \
             '{"patterns": ["layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "glu", "cross_entropy", "lora", "packed_attention", "causal_mask", "sink_attention"]}' ;;
+    moe-router-ab)  # issue 20: the router family's effect on the Qwen3-MoE step, A/B twice: under CUDA graphs (the GPU's
+        # time alone: the host-bound step's wall time moves by more than the op's share between runs), then plain
+        # (limits add to 650 s with the op benchmark first)
+        op_bench moe_router 90 moe_router
+        no_router='{"patterns": ["layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "glu", "cross_entropy", "lora", "packed_attention", "causal_mask", "sink_attention"]'
+        run moe-sloth-cg 140 --all --model qwen3-moe --variants sloth --steps 12 --sloth-options '{"triton.cudagraphs": true}'
+        run moe-sloth-cg-no-router 140 --all --model qwen3-moe --variants sloth --steps 12 \
+            --sloth-options "$no_router, \"triton.cudagraphs\": true}"
+        run moe-sloth-2 140 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-sloth-no-router-2 140 --all --model qwen3-moe --variants sloth --steps 16 --sloth-options "$no_router}" ;;
     moe-host)  # issue 20: where the MoE step's GPU waits (its kernel table and idle gaps), then the step under CUDA
         # graphs (the step without its host: what the GPU alone needs)
         run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile
