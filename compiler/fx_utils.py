@@ -165,6 +165,41 @@ def is_call(node: Any, *targets: Callable) -> bool:
             and not node.kwargs)
 
 
+def is_function(node: Any, *targets: Callable) -> bool:
+    """A ``call_function`` of one of ``targets``, keywords allowed (unlike ``is_call``): for patterns that read
+    calls canonicalisation leaves as written (softmax, topk)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_method(node: Any, *names: str) -> bool:
+    """A ``call_method`` of one of ``names``."""
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def arg_of(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
+    """The argument of ``node`` at ``position``, or passed as keyword ``name``, else ``default``."""
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def is_last_dim(dim: Any, ndim: int) -> bool:
+    """``dim`` names the last of ``ndim`` dims (-1 or ndim - 1)."""
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+_SOFTMAX = (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax)
+
+
+def softmax_input(node: Any) -> Optional[fx.Node]:
+    """The input of ``node`` when it is a softmax over the last dim (function or method, any dtype argument),
+    else None."""
+    if not (is_function(node, *_SOFTMAX) or is_method(node, "softmax")) or not node.args:
+        return None
+    value = tensor_of(node.args[0])
+    if value is None or not is_last_dim(arg_of(node, 1, "dim"), value.dim()):
+        return None
+    return node.args[0]
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 

@@ -86,20 +86,26 @@ def _weights(b_l, b_val, o_k, K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENO
 
 
 @triton.jit
+def _program_rows(p_l, n_rows, n_experts, stride_l, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """This program's rows and their logits: (row offsets, expert offsets, k offsets, row mask, logits [BLOCK_M,
+    BLOCK_E] fp32 with -inf past the experts). Rows past the end read the last row (nothing of theirs is stored):
+    an all -inf row would make NaNs."""
+    o_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    o_e = tl.arange(0, BLOCK_E)
+    o_r = tl.minimum(o_m, n_rows - 1)
+    b_l = tl.load(p_l + o_r[:, None] * stride_l + o_e[None, :], mask=(o_e < n_experts)[None, :],
+                  other=float("-inf")).to(tl.float32)
+    return o_m, o_e, tl.arange(0, BLOCK_K), o_m < n_rows, b_l
+
+
+@triton.jit
 def _moe_router_fwd_kernel(
     p_l, p_w, p_idx, n_rows, n_experts, stride_l,
     K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    i_m = tl.program_id(0)
-    o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    o_e = tl.arange(0, BLOCK_E)
-    o_k = tl.arange(0, BLOCK_K)
-    m_m = o_m < n_rows
-    # Rows past the end read the last row (their results are not stored): an all -inf row would make NaNs.
-    o_r = tl.minimum(o_m, n_rows - 1)
-    b_l = tl.load(p_l + o_r[:, None] * stride_l + o_e[None, :], mask=(o_e < n_experts)[None, :],
-                  other=float("-inf")).to(tl.float32)
+    o_m, o_e, o_k, m_m, b_l = _program_rows(p_l, n_rows, n_experts, stride_l, BLOCK_M, BLOCK_E, BLOCK_K)
     b_idx, b_val = _select(b_l, o_e, K, BLOCK_K, BLOCK_E)
     b_w, _ = _weights(b_l, b_val, o_k, K, SOFTMAX_FIRST, RENORM)
     m_mk = m_m[:, None] & (o_k < K)[None, :]
@@ -113,16 +119,9 @@ def _moe_router_bwd_kernel(
     K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    i_m = tl.program_id(0)
-    o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    o_e = tl.arange(0, BLOCK_E)
-    o_k = tl.arange(0, BLOCK_K)
-    m_m = o_m < n_rows
+    o_m, o_e, o_k, m_m, b_l = _program_rows(p_l, n_rows, n_experts, stride_l, BLOCK_M, BLOCK_E, BLOCK_K)
     m_me = m_m[:, None] & (o_e < n_experts)[None, :]
     m_mk = m_m[:, None] & (o_k < K)[None, :]
-    o_r = tl.minimum(o_m, n_rows - 1)  # as in the forward: no all -inf rows
-    b_l = tl.load(p_l + o_r[:, None] * stride_l + o_e[None, :], mask=(o_e < n_experts)[None, :],
-                  other=float("-inf")).to(tl.float32)
     b_idx = tl.load(p_idx + o_m[:, None] * K + o_k[None, :], mask=m_mk, other=BLOCK_E).to(tl.int32)
     b_dw = tl.load(p_dw + o_m[:, None] * stride_dw + o_k[None, :], mask=m_mk, other=0.0).to(tl.float32)
     # The selected logits, gathered from the row by index (k passes over the row; k is small).

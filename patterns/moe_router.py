@@ -32,17 +32,16 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..compiler.anchors import is_topk
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import insert_call, module_path, source_location, tensor_of
+from ..compiler.fx_utils import (arg_of, insert_call, is_function, is_last_dim, is_method, module_path, softmax_input,
+                                 source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 
 FAMILY = "moe_router"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
 _DIVIDE = (torch.div, operator.truediv, operator.itruediv, torch.true_divide)
 
 
@@ -52,35 +51,9 @@ def _lowering():
     return moe_router
 
 
-def _call(node: Any, *targets: Any) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _method(node: Any, *names: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
-
-
-def _arg(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
-    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-
-def _last_dim(dim: Any, ndim: int) -> bool:
-    return isinstance(dim, int) and dim in (-1, ndim - 1)
-
-
-def _softmax_of(node: Any) -> Optional[fx.Node]:
-    """The input of ``node`` when it is a softmax over the last dim, else None."""
-    if not (_call(node, *_SOFTMAX) or _method(node, "softmax")) or not node.args:
-        return None
-    value = tensor_of(node.args[0])
-    if value is None or not _last_dim(_arg(node, 1, "dim"), value.dim()):
-        return None
-    return node.args[0]
-
-
 def _uncast(x: fx.Node) -> fx.Node:
     """``x`` with an fp32 upcast of a float tensor taken off (the op computes in fp32)."""
-    if _call(x, cast) and x.args[1] == torch.float32:
+    if is_function(x, cast) and x.args[1] == torch.float32:
         source = tensor_of(x.args[0])
         if source is not None and source.dtype in _DTYPES:
             return x.args[0]
@@ -103,11 +76,11 @@ def _items(topk: fx.Node) -> tuple[list[fx.Node], list[fx.Node], bool]:
     """(readers of the values, readers of the indices, whether anything else reads the topk's result)."""
     values, indices, other = [], [], False
     for user in topk.users:
-        if _call(user, operator.getitem) and user.args[1] == 0:
+        if is_function(user, operator.getitem) and user.args[1] == 0:
             values.append(user)
-        elif _call(user, operator.getitem) and user.args[1] == 1:
+        elif is_function(user, operator.getitem) and user.args[1] == 1:
             indices.append(user)
-        elif _method(user, "values") or _method(user, "indices"):
+        elif is_method(user, "values") or is_method(user, "indices"):
             (values if user.target == "values" else indices).append(user)
         else:
             other = True
@@ -120,14 +93,14 @@ def _renormalised(values: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
     readers = list(values.users)
     if len(readers) != 2:
         return None
-    total = next((n for n in readers if _call(n, torch.sum) or _method(n, "sum")), None)
-    divide = next((n for n in readers if _call(n, *_DIVIDE) or _method(n, "div", "div_", "true_divide")), None)
+    total = next((n for n in readers if is_function(n, torch.sum) or is_method(n, "sum")), None)
+    divide = next((n for n in readers if is_function(n, *_DIVIDE) or is_method(n, "div", "div_", "true_divide")), None)
     if total is None or divide is None or total.args[0] is not values or len(divide.args) != 2 \
             or divide.args[0] is not values or divide.args[1] is not total or divide.kwargs:
         return None
-    dims = _arg(total, 1, "dim")
+    dims = arg_of(total, 1, "dim")
     dims = dims[0] if isinstance(dims, (tuple, list)) and len(dims) == 1 else dims
-    if not _last_dim(dims, tensor_of(values).dim()) or not _arg(total, 2, "keepdim", False) \
+    if not is_last_dim(dims, tensor_of(values).dim()) or not arg_of(total, 2, "keepdim", False) \
             or set(total.kwargs) - {"dim", "keepdim"}:
         return None
     return divide, total
@@ -136,12 +109,12 @@ def _renormalised(values: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
 def _match(topk: fx.Node) -> Union[_Match, str]:
     scores = topk.args[0]
     value = tensor_of(scores)
-    k = _arg(topk, 1, "k")
+    k = arg_of(topk, 1, "k")
     if value.dim() != 2:
         return f"the scores are {value.dim()}-D, not [tokens, experts]"
-    if not _last_dim(_arg(topk, 2, "dim", -1), 2):
+    if not is_last_dim(arg_of(topk, 2, "dim", -1), 2):
         return "the top-k is not over the last dim (the experts)"
-    if not _arg(topk, 3, "largest", True):
+    if not arg_of(topk, 3, "largest", True):
         return "the smallest k, not the largest"
     if not isinstance(k, int):
         return "k is not a constant"
@@ -158,7 +131,7 @@ def _match(topk: fx.Node) -> Union[_Match, str]:
     if not values or not indices:
         return "only the " + ("indices" if indices else "values") + " of the top-k are read"
     values, indices = values[0], indices[0]
-    logits = _softmax_of(scores)
+    logits = softmax_input(scores)
     if logits is not None:
         chain = [topk, values]
         if _uncast(logits) is not logits:  # the upcast the op does itself
@@ -174,8 +147,8 @@ def _match(topk: fx.Node) -> Union[_Match, str]:
         chain.append(scores)
     else:
         after = list(values.users)
-        if len(after) != 1 or _softmax_of(after[0]) is not values:
-            if any(_call(n, torch.sigmoid) or _method(n, "sigmoid") for n in (scores, *after)):
+        if len(after) != 1 or softmax_input(after[0]) is not values:
+            if any(is_function(n, torch.sigmoid) or is_method(n, "sigmoid") for n in (scores, *after)):
                 return "sigmoid scores (a sigmoid router): not fused yet"
             return ("the scores are not a softmax of the logits, and the top-k values are not softmaxed after it "
                     "(read elsewhere or another function)")

@@ -35,7 +35,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import insert_call, is_number, module_path, replace_and_erase, source_location, tensor_of
+from ..compiler.fx_utils import (arg_of, insert_call, is_function, is_last_dim, is_method, is_number, module_path,
+                                 replace_and_erase, softmax_input, source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..lowering import document_attention as document_attention_op
@@ -46,7 +47,6 @@ from .mask_rows import RowBlocks
 
 FAMILY = "sink_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
 _MATMUL = (torch.matmul, operator.matmul)
 
 
@@ -65,49 +65,22 @@ def sink_attention_pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, si
 # Reading the chain.
 # ---------------------------------------------------------------------------------------------------
 
-def _call(node: Any, *targets: Any) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _method(node: Any, *names: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
-
-
-def _arg(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
-    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-
-def _last_dim(dim: Any, ndim: int) -> bool:
-    return isinstance(dim, int) and dim in (-1, ndim - 1)
-
-
-def softmax_input(node: fx.Node) -> Optional[fx.Node]:
-    """The input of a softmax over the last dim (function or method, any dtype argument), or None."""
-    if not (_call(node, *_SOFTMAX) or _method(node, "softmax")) or not node.args:
-        return None
-    x = node.args[0]
-    value = tensor_of(x)
-    if value is None or not _last_dim(_arg(node, 1, "dim"), value.dim()):
-        return None
-    return x
-
-
 def _unstabilised(x: fx.Node) -> fx.Node:
     """``x`` with a subtraction of its own row max taken off (``x - x.max(-1, keepdim=True).values``, ``amax``)."""
-    if not _call(x, torch.sub, operator.sub) or len(x.args) != 2 or x.kwargs:
+    if not is_function(x, torch.sub, operator.sub) or len(x.args) != 2 or x.kwargs:
         return x
     base, peak = x.args
-    if _call(peak, operator.getitem) and peak.args[1] == 0 and (_method(peak.args[0], "max")
-                                                                 or _call(peak.args[0], torch.max)):
+    if is_function(peak, operator.getitem) and peak.args[1] == 0 and (is_method(peak.args[0], "max")
+                                                                 or is_function(peak.args[0], torch.max)):
         peak = peak.args[0]
-    elif not (_method(peak, "amax") or _call(peak, torch.amax)):
+    elif not (is_method(peak, "amax") or is_function(peak, torch.amax)):
         return x
     if not peak.args or peak.args[0] is not base:
         return x
     value = tensor_of(base)
-    dim = _arg(peak, 1, "dim")
+    dim = arg_of(peak, 1, "dim")
     dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
-    if value is None or not _last_dim(dim, value.dim()) or not _arg(peak, 2, "keepdim", False):
+    if value is None or not is_last_dim(dim, value.dim()) or not arg_of(peak, 2, "keepdim", False):
         return x
     return base
 
@@ -119,11 +92,11 @@ def sink_cat(node: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
     if x is None:
         return None
     x = _unstabilised(x)
-    if not _call(x, torch.cat) or len(x.args) < 1 or not isinstance(x.args[0], (list, tuple)) \
+    if not is_function(x, torch.cat) or len(x.args) < 1 or not isinstance(x.args[0], (list, tuple)) \
             or len(x.args[0]) != 2:
         return None
     value = tensor_of(x)
-    if value is None or not _last_dim(_arg(x, 1, "dim", 0), value.dim()):
+    if value is None or not is_last_dim(arg_of(x, 1, "dim", 0), value.dim()):
         return None
     scores, column = x.args[0]
     column_value = tensor_of(column)
@@ -140,25 +113,25 @@ def is_sink_attention(node: fx.Node) -> bool:
 def _repeated_from(node: Any) -> Any:
     """The key / value heads ``node`` repeats to every query head (transformers' ``repeat_kv``:
     ``x[:, :, None].expand(B, Hk, G, T, D).reshape(B, Hk * G, T, D)``, or ``repeat_interleave(x, G, 1)``)."""
-    if (_method(node, "reshape", "view") or _call(node, torch.reshape)) and _method(node.args[0], "expand"):
+    if (is_method(node, "reshape", "view") or is_function(node, torch.reshape)) and is_method(node.args[0], "expand"):
         expanded = node.args[0]
         source = expanded.args[0]
-        if _call(source, operator.getitem) and isinstance(source.args[1], tuple) and len(source.args[1]) == 5 \
+        if is_function(source, operator.getitem) and isinstance(source.args[1], tuple) and len(source.args[1]) == 5 \
                 and source.args[1][2] is None and all(isinstance(i, slice) and i == slice(None) for i in
                                                       source.args[1][:2] + source.args[1][3:]):
             return source.args[0]
-        if _method(source, "unsqueeze") and source.args[1] == 2:
+        if is_method(source, "unsqueeze") and source.args[1] == 2:
             return source.args[0]
         return node
-    if (_method(node, "repeat_interleave") or _call(node, torch.repeat_interleave)) and len(node.args) >= 2 \
-            and _arg(node, 2, "dim") == 1:
+    if (is_method(node, "repeat_interleave") or is_function(node, torch.repeat_interleave)) and len(node.args) >= 2 \
+            and arg_of(node, 2, "dim") == 1:
         return node.args[0]
     return node
 
 
 def _transposed(node: Any) -> Optional[Any]:
     """x for x.transpose(-2, -1) of a 4-D x (any spelling of the two last dims), else None."""
-    if not (_method(node, "transpose") or _call(node, torch.transpose)) or len(node.args) != 3:
+    if not (is_method(node, "transpose") or is_function(node, torch.transpose)) or len(node.args) != 3:
         return None
     value = tensor_of(node.args[0])
     if value is None or value.dim() != 4 or {d % 4 for d in node.args[1:] if isinstance(d, int)} != {2, 3}:
@@ -170,16 +143,16 @@ def _scaled_scores(node: Any) -> Optional[tuple[fx.Node, Any, float, list[fx.Nod
     """(q, k before repeat_kv, scale, the chain's nodes) of ``(q @ k.T) * scale`` (or ``/ d``, or no scale)."""
     chain = []
     scale = 1.0
-    if _call(node, torch.mul, operator.mul) and len(node.args) == 2:
+    if is_function(node, torch.mul, operator.mul) and len(node.args) == 2:
         a, b = node.args
         if is_number(b):
             chain, scale, node = [node], float(b), a
         elif is_number(a):
             chain, scale, node = [node], float(a), b
-    elif _call(node, torch.div, operator.truediv) and len(node.args) == 2 and is_number(node.args[1]) \
+    elif is_function(node, torch.div, operator.truediv) and len(node.args) == 2 and is_number(node.args[1]) \
             and not node.kwargs:
         chain, scale, node = [node], 1.0 / float(node.args[1]), node.args[0]
-    if not _call(node, *_MATMUL) or len(node.args) != 2:
+    if not is_function(node, *_MATMUL) or len(node.args) != 2:
         return None
     k_t = _transposed(node.args[1])
     if k_t is None:
@@ -197,13 +170,13 @@ def _masked_scores(node: Any) -> Optional[tuple[Any, fx.Node, str]]:
     """(the scores, the mask, how it reads) of a masked score node: ``s + M`` ("additive": 0 / -inf),
     ``s.masked_fill(M, -inf)`` ("blocked": True where not attended), ``where(M, s, -inf)`` ("allowed"); else
     None."""
-    if _call(node, torch.add, operator.add) and len(node.args) == 2 and not node.kwargs:
+    if is_function(node, torch.add, operator.add) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         return (a, b, "additive") if _scaled_scores(a) is not None else (b, a, "additive")
-    if (_method(node, "masked_fill") or _call(node, torch.masked_fill)) and len(node.args) == 3 \
+    if (is_method(node, "masked_fill") or is_function(node, torch.masked_fill)) and len(node.args) == 3 \
             and isinstance(node.args[1], fx.Node) and _blocking(node.args[2]):
         return node.args[0], node.args[1], "blocked"
-    if _call(node, torch.where) and len(node.args) == 3 and isinstance(node.args[0], fx.Node) \
+    if is_function(node, torch.where) and len(node.args) == 3 and isinstance(node.args[0], fx.Node) \
             and _blocking(node.args[2]):
         return node.args[1], node.args[0], "allowed"
     return None
@@ -230,14 +203,14 @@ def _match(softmax: fx.Node) -> tuple[Optional[_Site], Optional[str]]:
     if stabilised is not concatenated:
         peak = stabilised.args[1]
         site.chain += [stabilised, peak]
-        if _call(peak, operator.getitem):  # max's (values, indices): the indices unread (Dynamo keeps them in bodies)
+        if is_function(peak, operator.getitem):  # max's (values, indices): the indices unread (Dynamo keeps them in bodies)
             site.chain += [peak.args[0], *(u for u in peak.args[0].users if u is not peak and not u.users)]
     # After the softmax: drop the sink's column, an optional dropout of 0 and cast, then @ v.
     users = list(softmax.users)
     after = users[0] if len(users) == 1 else None
     value = tensor_of(scores)
     t_keys = value.shape[-1]
-    if not (_call(after, torch.narrow) and after.args[1:] in ((-1, 0, t_keys), (value.dim() - 1, 0, t_keys))):
+    if not (is_function(after, torch.narrow) and after.args[1:] in ((-1, 0, t_keys), (value.dim() - 1, 0, t_keys))):
         return None, "the softmax's output is read other than by dropping the sink's column ([..., :-1])"
     site.chain.append(after)
     node = after
@@ -247,15 +220,15 @@ def _match(softmax: fx.Node) -> tuple[Optional[_Site], Optional[str]]:
             return None, ("the attention probabilities are read outside the attention (output_attentions, or "
                           "another use)")
         user = users[0]
-        if _call(user, F.dropout, torch.dropout):
-            p, training = _arg(user, 1, "p", 0.5), _arg(user, 2, "training", True)
+        if is_function(user, F.dropout, torch.dropout):
+            p, training = arg_of(user, 1, "p", 0.5), arg_of(user, 2, "training", True)
             if not (is_number(p) and p == 0) and training is not False:
                 return None, f"attention dropout ({p}) is on"
-        elif not (_call(user, cast) or _method(user, "to", "type_as")):
+        elif not (is_function(user, cast) or is_method(user, "to", "type_as")):
             break
         site.chain.append(user)
         node = user
-    if not _call(user, *_MATMUL) or len(user.args) != 2 or user.args[0] is not node:
+    if not is_function(user, *_MATMUL) or len(user.args) != 2 or user.args[0] is not node:
         return None, "the probabilities are not multiplied by the values (p @ v)"
     site.out = user
     site.v = _repeated_from(user.args[1])
@@ -273,7 +246,7 @@ def _match(softmax: fx.Node) -> tuple[Optional[_Site], Optional[str]]:
     site.chain += chain
     # The sink column: one value per head, broadcast over the batch and the tokens.
     source = column
-    while _method(source, "expand") or _call(source, torch.broadcast_to):
+    while is_method(source, "expand") or is_function(source, torch.broadcast_to):
         source = source.args[0]
     heads = tensor_of(site.q).shape[1]
     sink_value = tensor_of(source)

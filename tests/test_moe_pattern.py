@@ -177,7 +177,9 @@ def _hand_written_grads(module: nn.Module, x: torch.Tensor, run=None) -> tuple:
     x = x.detach().clone().requires_grad_()
     out = (module if run is None else run)(x)
     out.pow(2).mean().backward()
-    return out.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
+    # Copies: a caller may change the module's dtype after (``.double()`` converts the .grad it holds in place).
+    return out.detach(), {"x": x.grad, **{n: None if p.grad is None else p.grad.clone()
+                                         for n, p in module.named_parameters()}}
 
 
 def _hand_written_through_sloth(module: nn.Module, x: torch.Tensor) -> tuple:

@@ -15,7 +15,7 @@ from torch import nn
 
 import sloth
 from tests.pattern_checks import seeded
-from tests.test_moe_pattern import _compare, moe_model
+from tests.test_moe_pattern import _compare, _hand_written_grads, moe_model
 from tests.test_models import assert_model_close
 from op_checks import StayFloat64
 from tolerance import assert_close
@@ -78,25 +78,16 @@ FORMS = {
 }
 
 
-def _output_and_grads(module: nn.Module, x: torch.Tensor, run=None) -> tuple:
-    module.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    out = (module if run is None else run)(x)
-    out.pow(2).mean().backward()
-    # Copies: the module's dtype changes after (``.double()`` converts the .grad it holds in place).
-    return out.detach(), {"x": x.grad, **{n: p.grad.clone() for n, p in module.named_parameters()}}
-
-
 def _through_sloth(module: nn.Module, tokens: int = 29) -> tuple:
     """(sloth's output and gradients, sloth's report), after checking each against eager's and float64's (the
     forms' fp32 upcasts kept float64) by the tolerance rule."""
     x = torch.randn(tokens, HIDDEN, generator=seeded(8))
     sloth.reset_report()
-    ours = _output_and_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
+    ours = _hand_written_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
     report = sloth.report()
-    eager = _output_and_grads(module, x)
+    eager = _hand_written_grads(module, x)
     with StayFloat64():
-        reference = _output_and_grads(module.double(), x.double())
+        reference = _hand_written_grads(module.double(), x.double())
     module.float()
     assert_close("output", ours[0], eager[0], reference[0])
     for name in eager[1]:
