@@ -30,6 +30,7 @@
 #   bash benchmarks/h200_rows.sh moe-router moe-unsloth  # issue 20: the moe_router op and the Qwen3-MoE step with and
 #                                          # without the router family; then Unsloth's (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-router-ab  # issue 20: that A/B again under CUDA graphs and plain, 12-16 steps each
+#   bash benchmarks/h200_rows.sh moe-hostprof  # issue 20: the default-options MoE step's host cProfile, idle gaps
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
@@ -68,7 +69,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -301,6 +302,12 @@ case $part in
         # graphs (the step without its host: what the GPU alone needs)
         run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile
         run moe-sloth-cg 170 --all --model qwen3-moe --variants sloth --sloth-options '{"triton.cudagraphs": true}' ;;
+    moe-hostprof)  # issue 20: where the host's time goes in the default-options Qwen3-MoE step: the router's CUDA
+        # checks (the kernels of dc4f000), a cProfile of two steps, the GPU's idle gaps, 16 plain steps
+        gpu_tests moe-router-cuda 120 router tests/test_cuda_ops.py
+        run moe-sloth-hostprof 170 --all --model qwen3-moe --variants sloth --host-profile
+        run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile
+        run moe-sloth 120 --all --model qwen3-moe --variants sloth --steps 16 ;;
     moe-unsloth)  # issue 20: Unsloth's Qwen3-MoE step, to follow moe-family on the same machine (carry .whl/unsloth)
         run moe-unsloth 200 --all --model qwen3-moe --variants unsloth ;;
     tiled)  # issue 19, first call: sloth's CUDA op checks (the tiled MLP's among them), then Llama-3-8B LoRA with
