@@ -108,8 +108,9 @@ def tiny_config(model_type: str) -> Any:
     return cfg
 
 
-def run_one(model_type: str) -> dict[str, Any]:
-    """One model type's row (see the module docstring); never raises: errors go into the row."""
+def run_one(model_type: str, overrides: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One model type's row (see the module docstring); never raises: errors go into the row. ``overrides``
+    sets more config fields after the shrinking (on the text config too), e.g. a grouped router's n_group."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -124,6 +125,10 @@ def run_one(model_type: str) -> dict[str, Any]:
     try:
         torch.manual_seed(0)
         cfg = tiny_config(model_type)
+        for target in {id(cfg): cfg, id(getattr(cfg, "text_config", None) or cfg): getattr(cfg, "text_config", None)
+                       or cfg}.values():
+            for name, value in (overrides or {}).items():
+                _set(target, name, value)
         try:
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
         except (ValueError, TypeError):  # no SDPA path: eager attention is the same math
@@ -133,6 +138,11 @@ def run_one(model_type: str) -> dict[str, Any]:
             for name, p in model.named_parameters():
                 if "norm" in name:  # random, not unit, norm weights: an ignored weight would pass unnoticed
                     p.normal_(0.0, 0.5)
+                elif p.dim() >= 2 and not name.endswith("bias") and not p.any():
+                    # A weight matrix initialised to zeros (AFMoE's router) makes every score tie, and which
+                    # of equal experts a top-k takes is the implementation's choice (torch.topk's differs
+                    # between CPU and CUDA; sloth's router ops take the lower index): random, as a trained one.
+                    p.normal_(0.0, 0.02)
         ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
         stage = "eager"
         reference = copy.deepcopy(model).double()

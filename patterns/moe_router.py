@@ -19,9 +19,13 @@ op's in autograd, as it would have.
 The weights come out in the dtype the graph had them in. Between equal scores the op picks the lower expert
 index, where ``torch.topk`` leaves the choice to its implementation.
 
+A top-k whose indices alone are read is a bias-corrected router (DeepSeek-V3, GLM-4.5 and their kin: scores plus
+a bias choose, within the best groups or not, and the weights are gathered from the scores) when
+patterns/moe_router_biased.py matches it: it becomes ``sloth.moe_router_biased``. Those are matched first, the
+last top-k first, so that a grouped router's top-ks over its groups go with it.
+
 Reported, left as written: scores that are not a softmax of the logits and are not softmaxed after the topk
-(sigmoid routers: DeepSeek-V3 and GLM-4.5's grouped top-k with a score correction bias, Llama 4's sigmoid of the
-top-1 logit), the smallest-k, another dim, a k over the kernel's limit, more experts than one pass holds,
+(the top-k values of sigmoid scores, Llama 4's sigmoid of the top-1 logit), the smallest-k, another dim, a k over the kernel's limit, more experts than one pass holds,
 the top-k logits read by anything but the softmax, only one of values and indices read, float64.
 """
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..compiler.fx_utils import (arg_of, insert_call, is_function, is_last_dim, 
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
+from .moe_router_biased import BiasedMatch, match_biased, replace_biased
 
 FAMILY = "moe_router"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,7 +111,7 @@ def _renormalised(values: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
     return divide, total
 
 
-def _match(topk: fx.Node) -> Union[_Match, str]:
+def _match(topk: fx.Node) -> Union[_Match, BiasedMatch, str]:
     scores = topk.args[0]
     value = tensor_of(scores)
     k = arg_of(topk, 1, "k")
@@ -128,8 +133,11 @@ def _match(topk: fx.Node) -> Union[_Match, str]:
     values, indices, other = _items(topk)
     if other or len(values) > 1 or len(indices) > 1:
         return "the top-k's result is read other than as one values and one indices"
-    if not values or not indices:
-        return "only the " + ("indices" if indices else "values") + " of the top-k are read"
+    if indices and not values:
+        found = match_biased(topk, indices[0])
+        return "only the indices of the top-k are read" if found is None else found
+    if not indices:
+        return "only the values of the top-k are read"
     values, indices = values[0], indices[0]
     logits = softmax_input(scores)
     if logits is not None:
@@ -149,7 +157,8 @@ def _match(topk: fx.Node) -> Union[_Match, str]:
         after = list(values.users)
         if len(after) != 1 or softmax_input(after[0]) is not values:
             if any(is_function(n, torch.sigmoid) or is_method(n, "sigmoid") for n in (scores, *after)):
-                return "sigmoid scores (a sigmoid router): not fused yet"
+                return ("sigmoid scores read as the top-k's values: not fused yet (sigmoid routers that gather "
+                        "their weights by the indices are)")
             return ("the scores are not a softmax of the logits, and the top-k values are not softmaxed after it "
                     "(read elsewhere or another function)")
         logits, weights, chain = _uncast(scores), after[0], [topk, values, after[0]]
@@ -191,10 +200,23 @@ def fuse_moe_router_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, r
     after:   w, idx = sloth.moe_router(l, 8, True, True, float32)
     """
     _lowering().register()
+    # The bias-corrected routers first, last top-k first: a grouped router's own top-ks over its groups go with
+    # it, and are not reported as routers of their own.
+    for node in reversed(list(gm.graph.nodes)):
+        if is_topk(node) and node in set(gm.graph.nodes):
+            found = _match(node)
+            if isinstance(found, BiasedMatch):
+                site = Site(FAMILY, "sloth.moe_router_biased", module_path(node), source_location(node),
+                            f"{found.form()}, {tensor_of(found.logits).shape[1]} experts, "
+                            f"{tensor_of(found.logits).dtype}".replace("torch.", ""))
+                replace_biased(gm.graph, found)
+                report.replaced(site)
     for node in list(gm.graph.nodes):
         if not is_topk(node):
             continue
         found = _match(node)
+        if isinstance(found, BiasedMatch):  # the first loop took every one
+            continue
         if isinstance(found, str):
             report.reject(FAMILY, node, found)
             continue

@@ -15,6 +15,7 @@ import test_l2_norm_op as l2_tests
 import test_layer_norm_op as ln_tests
 import test_moe_op as moe_tests
 import test_moe_router_op as router_tests
+import test_moe_router_biased_op as biased_router_tests
 import test_sink_attention_op as sink_tests
 import test_tiled_mlp_op as tiled_tests
 import sloth.lowering.moe as moe
@@ -85,6 +86,15 @@ def test_sink_attention_on_cuda(shape, dtype):
 @pytest.mark.parametrize("case", [*router_tests.CASES.values(), (4096, 128, 8)], ids=[*router_tests.CASES, "qwen3-moe-4096"])
 def test_moe_router_on_cuda(case, mode, dtype):
     router_tests.check(case, router_tests.MODES[mode], dtype, device="cuda")
+
+
+# The CPU cases, then DeepSeek-V3's grouped router (256 experts, 8 groups, top-4 groups, top-8) over 4096 tokens.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", list(biased_router_tests.FORMS))
+@pytest.mark.parametrize("case", [*biased_router_tests.CASES.values(), (4096, 256, 8, 8, 4)],
+                         ids=[*biased_router_tests.CASES, "deepseek-v3-4096"])
+def test_moe_router_biased_on_cuda(case, form, dtype):
+    biased_router_tests.check(case, biased_router_tests.FORMS[form], dtype, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -123,7 +123,8 @@ def test_qwen3_moe_norm_topk_prob_is_fused():
     assert_model_close(ours, eager, reference, torch.float32)
 
 
-def sigmoid_router(logits, k):  # DeepSeek-V3 without its grouping: not a softmax
+def sigmoid_router(logits, k):  # the top-k's values of sigmoid scores (tests/test_moe_router_biased_pattern.py
+    # has the gathered form, which is fused)
     scores = logits.sigmoid()
     w, idx = scores.topk(k, dim=-1)
     return w / w.sum(-1, keepdim=True), idx
@@ -134,10 +135,9 @@ def smallest_k(logits, k):
     return w, idx
 
 
-def indices_only(logits, k):  # the weights gathered from the probabilities: another form
-    probs = logits.softmax(-1)
-    idx = torch.topk(probs, k, dim=-1).indices
-    return probs.gather(1, idx), idx
+def indices_only_gathered_elsewhere(logits, k):  # the indices alone read; the weights gathered from other scores
+    idx = torch.topk(logits.softmax(-1), k, dim=-1).indices
+    return torch.sigmoid(logits).gather(1, idx), idx
 
 
 def logits_read_twice(logits, k):
@@ -153,7 +153,7 @@ def batched_scores(logits, k):  # [1, T, E]: the op takes [tokens, experts]
 REFUSED = {
     "sigmoid": (sigmoid_router, "sigmoid scores"),
     "smallest": (smallest_k, "the smallest k"),
-    "indices-only": (indices_only, "only the indices"),
+    "indices-only": (indices_only_gathered_elsewhere, "only the indices"),
     "logits-read-twice": (logits_read_twice, "not softmaxed after it"),
     "3-d": (batched_scores, "3-D"),
 }

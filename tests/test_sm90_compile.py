@@ -29,6 +29,7 @@ import sloth.lowering.lora as lora
 import sloth.lowering.lora_members as lora_members
 import sloth.lowering.moe_kernels as moe_kernels
 import sloth.lowering.moe_router as moe_router
+import sloth.lowering.moe_router_biased as moe_router_biased
 import sloth.lowering.nf4 as nf4
 import sloth.lowering.nf4_matmul as nf4_matmul
 import sloth.lowering.rms_norm as rms_norm
@@ -87,8 +88,8 @@ def _describe(module: str, name: str, kernel, args: tuple, kwargs: dict) -> tupl
 
 def _record(monkeypatch) -> list:
     launches: list = []
-    for module in (glu, l2_norm, layer_norm, lce, lora, lora_members, moe_kernels, moe_router, nf4, nf4_matmul,
-                   rms_norm, rope):
+    for module in (glu, l2_norm, layer_norm, lce, lora, lora_members, moe_kernels, moe_router, moe_router_biased,
+                   nf4, nf4_matmul, rms_norm, rope):
         for name, value in list(vars(module).items()):
             if name.endswith("_kernel") and hasattr(value, "arg_names"):
                 monkeypatch.setattr(module, name, _Recorder(module.__name__, name, value, launches))
@@ -204,6 +205,18 @@ def _llama_launches() -> None:
             moe_router._moe_router_fwd(logits, top_k, softmax_first, renorm, f32)
             moe_router._moe_router_bwd(torch.empty(n, top_k, dtype=f32), logits,
                                        torch.zeros(n, top_k, dtype=torch.int64), softmax_first, renorm)
+    # The bias-corrected routers: DeepSeek-V3's (256 experts, 8 groups by top-2 sum, top-4 groups, top-8, renormalised
+    # + 1e-20), GLM-4.5-Air-like flat 128 top-8, ERNIE-4.5's softmax with a clamp, Kolibri's logits choice; fp32.
+    for experts, top_k, score, choose, groups, top2, fill, renorm, eps in (
+            (256, 8, "sigmoid", False, (8, 4), True, float("-inf"), 1, 1e-20),
+            (128, 8, "sigmoid", False, (1, 1), True, float("-inf"), 1, 0.0),
+            (64, 6, "softmax", False, (1, 1), True, float("-inf"), 2, 1e-12),
+            (64, 8, "sigmoid", True, (8, 2), False, 0.0, 0, 0.0)):
+        logits = torch.empty(n, experts, dtype=f32)
+        moe_router_biased._moe_router_biased_fwd(logits, torch.empty(experts, dtype=f32), top_k, score, choose,
+                                                 *groups, top2, fill, renorm, eps, f32)
+        moe_router_biased._moe_router_biased_bwd(torch.empty(n, top_k, dtype=f32), logits,
+                                                 torch.zeros(n, top_k, dtype=torch.int64), score, renorm, eps)
 
 
 _COMPILE = r"""
@@ -263,7 +276,7 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
             "_down_members_kernel", "_up_add_members_kernel", "_dequantize_4bit_members_kernel",
             "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_l2_norm_fwd_kernel", "_l2_norm_bwd_kernel",
             "_combine_kernel", "_glu_backward_weighted_kernel", "_moe_router_fwd_kernel",
-            "_moe_router_bwd_kernel"} <= kernels, kernels
+            "_moe_router_bwd_kernel", "_moe_router_biased_fwd_kernel", "_moe_router_biased_bwd_kernel"} <= kernels, kernels
     assert sum(launch[1] == "_nf4_matmul_kernel" for launch in unique) == len(nf4_matmul.CONFIGS), unique
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=pickle.dumps(unique), env=env,

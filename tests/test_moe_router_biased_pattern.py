@@ -1,0 +1,213 @@
+"""The bias-corrected routers of the ``moe_router`` family: a top-k that only chooses the experts, over sigmoid or
+softmax scores plus a bias, within the best groups or not, becomes ``sloth.moe_router_biased``; output and every
+gradient within the tolerance rule of eager's; the forms the op does not compute stay, with the reason.
+
+Transformers' routers of this kind (DeepSeek-V3 and GLM-4.5 grouped, MiniMax-M2's in-place renormalisation,
+Kolibri's choice by the logits, ERNIE-4.5's softmax with a clamped renormalisation, Laguna) run through
+benchmarks/coverage.py's one-model check (the whole model's loss and gradients against eager and float64);
+routers written by hand in forms no transformers class uses run through ``BiasedRouter``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sloth
+from tests.pattern_checks import seeded
+from tests.test_moe_pattern import _hand_written_grads
+from op_checks import StayFloat64
+from tolerance import assert_close
+
+EXPERTS, HIDDEN, GROUPS, KEPT = 8, 16, 4, 2
+
+
+class BiasedRouter(nn.Module):
+    """A router with a score correction bias and a stand-in for its experts: each token's output is
+    ``x + sum_i w_i * table[idx_i]``, so the weights' gradient reaches the router's projection and the indices
+    decide which rows of ``table`` train. ``route(logits, k, bias) -> (w, idx)`` is the form under test."""
+
+    def __init__(self, route, top_k: int = 2, aux: bool = False):
+        super().__init__()
+        g = seeded(7)
+        self.proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, generator=g))
+        self.table = nn.Parameter(torch.randn(EXPERTS, HIDDEN, generator=g))
+        self.register_buffer("bias", (torch.rand(EXPERTS, generator=g) - 0.5) * 0.4)
+        self.route, self.top_k, self.aux = route, top_k, aux
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x @ self.proj.t()
+        w, idx = self.route(logits, self.top_k, self.bias)
+        out = x + (w.unsqueeze(-1).to(x.dtype) * self.table[idx]).sum(1)
+        if self.aux:  # a load-balancing term reading the scores over all experts: they stay for it
+            counts = F.one_hot(idx, EXPERTS).sum((0, 1)).to(x.dtype)
+            out = out + (torch.sigmoid(logits).mean(0) * counts).sum() * 0.1
+        return out
+
+
+def grouped_by_ranks(logits, k, bias):
+    # DeepSeek-V3's math, its group mask written as ranks compared with the kept count, expanded by
+    # repeat_interleave, the weights gathered by torch.gather, renormalised and scaled.
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    group_scores = choice.unflatten(-1, (GROUPS, EXPERTS // GROUPS)).topk(2, dim=-1).values.sum(-1)
+    ranks = group_scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+    outside = (ranks >= KEPT).repeat_interleave(EXPERTS // GROUPS, dim=-1)
+    idx = choice.masked_fill(outside, float("-inf")).topk(k, dim=-1, sorted=False).indices
+    w = torch.gather(scores, -1, idx)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * 2.5, idx
+
+
+def grouped_by_max_one_hot(logits, k, bias):
+    # Groups scored by their max (DeepSeek-V2's way), the kept groups as a summed one-hot, masked with 0.0. The
+    # bias made positive: a kept expert's choice below the fill would tie the masked ones at 0 for the last places,
+    # where eager's pick is torch.topk's own (the op takes the lower index).
+    scores = logits.sigmoid()
+    choice = bias.abs() + scores
+    group_scores = choice.view(-1, GROUPS, EXPERTS // GROUPS).amax(dim=-1)
+    kept = F.one_hot(group_scores.topk(KEPT, dim=-1)[1], GROUPS).sum(1).bool()
+    outside = ~kept[:, :, None].expand(-1, GROUPS, EXPERTS // GROUPS).reshape(-1, EXPERTS)
+    _, idx = torch.topk(torch.masked_fill(choice, outside, 0.0), k, dim=-1)
+    return scores.gather(1, idx), idx
+
+
+def flat_scores_written_twice(logits, k, bias):
+    idx = (torch.sigmoid(logits) + bias).topk(k).indices
+    w = torch.sigmoid(logits).gather(1, idx)
+    return w / w.sum(dim=-1, keepdim=True), idx
+
+
+def logits_choose(logits, k, bias):  # Kolibri: the biased logits choose; the weights are the sigmoid of the k
+    idx = torch.topk(logits + bias, k, dim=-1)[1]
+    w = logits.gather(1, idx).sigmoid()
+    return torch.div(w, w.sum(-1, keepdim=True)), idx
+
+
+def softmax_clamped(logits, k, bias):  # ERNIE-4.5: softmax scores, the bias as [1, E], a clamped renormalisation
+    probs = F.softmax(logits, dim=-1)
+    idx = torch.topk(probs + bias[None], k, dim=-1).indices
+    w = probs.gather(-1, idx)
+    return w / w.sum(-1, keepdim=True).clamp(min=1e-12), idx
+
+
+def softmax_indices_only(logits, k, bias):  # no bias: the weights gathered from the probabilities
+    probs = logits.softmax(-1)
+    idx = torch.topk(probs, k, dim=-1).indices
+    return probs.gather(1, idx), idx
+
+
+FORMS = {
+    "grouped-by-ranks": (grouped_by_ranks, f"sigmoid scores, top-{{k}} of sigmoid + bias, best {KEPT} of {GROUPS} "
+                                           "groups by top-2 sum, renormalised (+1e-20)"),
+    "grouped-by-max-one-hot": (grouped_by_max_one_hot, f"best {KEPT} of {GROUPS} groups by max"),
+    "flat-scores-written-twice": (flat_scores_written_twice, "top-{k} of sigmoid + bias, renormalised (+0)"),
+    "logits-choose": (logits_choose, "top-{k} of logits + bias, renormalised (+0)"),
+    "softmax-clamped": (softmax_clamped, "softmax scores, top-{k} of softmax + bias, renormalised (clamp 1e-12)"),
+    "softmax-indices-only": (softmax_indices_only, "softmax scores, top-{k} of softmax, 8 experts"),
+}
+
+
+def _through_sloth(module: nn.Module, tokens: int = 29) -> tuple:
+    """(sloth's output and gradients, sloth's report), after checking each against eager's and float64's by the
+    tolerance rule."""
+    x = torch.randn(tokens, HIDDEN, generator=seeded(8))
+    sloth.reset_report()
+    ours = _hand_written_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
+    report = sloth.report()
+    eager = _hand_written_grads(module, x)
+    with StayFloat64():
+        reference = _hand_written_grads(module.double(), x.double())
+    module.float()
+    assert_close("output", ours[0], eager[0], reference[0])
+    for name in eager[1]:
+        assert_close(f"d {name}", ours[1][name], eager[1][name], reference[1][name])
+    return ours, report
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_hand_written_routers_are_fused(form, top_k):
+    route, expected = FORMS[form]
+    (_, grads), report = _through_sloth(BiasedRouter(route, top_k))
+    [site] = [s for s in report.sites if s.family == "moe_router"]
+    assert site.op == "sloth.moe_router_biased" and expected.format(k=top_k) in site.detail, site.detail
+    assert not [r for r in report.rejections if r.family == "moe_router"], str(report)
+    assert grads["proj"].abs().sum() > 0 and grads["table"].abs().sum() > 0
+
+
+def test_scores_an_aux_loss_reads_stay():
+    (_, grads), report = _through_sloth(BiasedRouter(flat_scores_written_twice, aux=True))
+    assert report.counts.get("moe_router") == 1, str(report)
+    assert grads["proj"].abs().sum() > 0
+
+
+def worst_groups(logits, k, bias):  # the mask keeps the worst groups: not the op's function
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    group_scores = choice.view(-1, GROUPS, EXPERTS // GROUPS).topk(2, dim=-1)[0].sum(-1)
+    mask = torch.zeros_like(group_scores)
+    mask.scatter_(1, torch.topk(group_scores, KEPT, dim=-1, largest=False)[1], 1)
+    outside = ~mask.unsqueeze(-1).expand(-1, GROUPS, EXPERTS // GROUPS).reshape(-1, EXPERTS).bool()
+    idx = torch.topk(choice.masked_fill(outside, float("-inf")), k, dim=-1)[1]
+    return scores.gather(1, idx), idx
+
+
+def bias_from_logits(logits, k, bias):
+    scores = torch.sigmoid(logits)
+    idx = torch.topk(scores + logits.mean(0), k, dim=-1)[1]
+    return scores.gather(1, idx), idx
+
+
+def bf16_scores(logits, k, bias):
+    scores = torch.sigmoid(logits.bfloat16())
+    idx = torch.topk(scores + bias.bfloat16(), k, dim=-1)[1]
+    return scores.gather(1, idx).float(), idx
+
+
+REFUSED = {
+    "worst-groups": (worst_groups, "is not 'outside the best groups'"),
+    "bias-from-logits": (bias_from_logits, "the bias is computed from the router's logits"),
+    "bf16-scores": (bf16_scores, "the scores are not float32"),
+}
+
+
+@pytest.mark.parametrize("form", list(REFUSED))
+def test_other_forms_stay_with_reason(form):
+    route, reason = REFUSED[form]
+    x = torch.randn(29, HIDDEN, generator=seeded(8))
+    module = BiasedRouter(route)
+    sloth.reset_report()
+    ours = _hand_written_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
+    report = sloth.report()
+    eager = _hand_written_grads(module, x)
+    torch.testing.assert_close(ours[0], eager[0])  # left as written: eager's numbers
+    assert report.counts.get("moe_router", 0) == 0, str(report)
+    reasons = [r.reason for r in report.rejections if r.family == "moe_router"]
+    assert any(reason in r for r in reasons), reasons
+
+
+# model type: config fields set after benchmarks/coverage.py's shrinking (8 experts, grouped where it groups)
+MODELS = {
+    "deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2),
+    "glm4_moe": dict(n_routed_experts=8, n_group=2, topk_group=1),
+    "minimax_m2": dict(num_local_experts=8),
+    "kolibri1": dict(num_experts=8, norm_topk_prob=True),
+    "ernie4_5_moe": dict(moe_num_experts=8),
+    "laguna": dict(num_experts=8),
+}
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_transformers_routers_are_fused(model_type):
+    from transformers import CONFIG_MAPPING
+
+    from benchmarks.coverage import run_one
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers has no {model_type} in this version")
+    row = run_one(model_type, MODELS[model_type])
+    assert row["status"] == "ok", row.get("traceback", row)
+    family = row["families"]["moe_router"]
+    assert family["replaced"] >= 1 and family["left"] == 0, family
+    assert row["parity"] == "pass", row["parity"]
