@@ -92,10 +92,19 @@ def _strip(node: Any) -> Any:
     return node
 
 
-def _stripped(node: Any) -> list[fx.Node]:
-    """The detaches and upcasts ``_strip`` takes off ``node``."""
+def _uncast(node: Any) -> Any:
+    """``node`` with fp32 upcasts of a float tensor taken off (not detaches: the op's gradient would pass them)."""
+    while is_function(node, cast) and node.args[1] == torch.float32 and tensor_of(node.args[0]) is not None \
+            and tensor_of(node.args[0]).dtype in _FLOAT_DTYPES:
+        node = node.args[0]
+    return node
+
+
+def _stripped(node: Any, strip=None) -> list[fx.Node]:
+    """The nodes ``strip`` (``_strip`` by default) takes off ``node``."""
+    strip = strip or _strip
     nodes = []
-    while node is not _strip(node):
+    while node is not strip(node):
         nodes.append(node)
         node = node.args[0]
     return nodes
@@ -104,10 +113,46 @@ def _stripped(node: Any) -> list[fx.Node]:
 def _scores(node: Any) -> Optional[tuple[str, fx.Node, fx.Node]]:
     """(score function, logits, the score node) when ``node`` is sigmoid(l) or softmax(l, -1), else None."""
     if (is_function(node, *_SIGMOID) or is_method(node, "sigmoid")) and len(node.args) == 1 and not node.kwargs:
-        return "sigmoid", _strip(node.args[0]), node
+        return "sigmoid", _uncast(node.args[0]), node
     logits = softmax_input(node)
     if logits is not None:
-        return "softmax", _strip(logits), node
+        return "softmax", _uncast(logits), node
+    return None
+
+
+_VIEWS = {"view", "reshape", "unflatten", "flatten", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "t",
+          "permute", "narrow", "select", "as_strided", "detach", "view_as", "unbind", "split", "chunk", "movedim",
+          "contiguous", "getitem", "diagonal", "swapaxes", "alias"}
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _writes(node: Any) -> bool:
+    """An in-place write into its first argument: a method or function named ``*_``, ``operator.setitem``, an
+    in-place operator (``/=``), or an ``out=``."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    name = _name(node)
+    return ((name.endswith("_") and not name.startswith("__")) or name == "setitem" or "out" in node.kwargs
+            or node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                               operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imod))
+
+
+def _written(node: Any, allowed: set) -> Optional[fx.Node]:
+    """A write not in ``allowed`` into ``node`` or a view of it (a view's view too), or None."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if _writes(user) and user.args and user.args[0] is n and user not in allowed:
+                return user
+            if _name(user) in _VIEWS and user.args and user.args[0] is n:
+                stack.append(user)
     return None
 
 
@@ -134,13 +179,12 @@ def _gathers(indices: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     """(gather node, its source) for each reader of ``indices`` that gathers along the last dim by them."""
     found = []
     for user in indices.users:
-        if is_function(user, torch.gather):
-            source, dim, index = user.args[0], arg_of(user, 1, "dim"), arg_of(user, 2, "index")
-        elif is_method(user, "gather"):
-            source, dim, index = user.args[0], arg_of(user, 1, "dim"), arg_of(user, 2, "index")
+        if is_function(user, torch.gather) or is_method(user, "gather"):
+            source, dim, index = arg_of(user, 0, "input"), arg_of(user, 1, "dim"), arg_of(user, 2, "index")
         else:
             continue
-        if index is indices and is_last_dim(dim, 2) and not set(user.kwargs) - {"dim", "index"}:
+        if isinstance(source, fx.Node) and index is indices and is_last_dim(dim, 2) \
+                and not set(user.kwargs) - {"input", "dim", "index"}:
             found.append((user, source))
     return found
 
@@ -158,7 +202,8 @@ def _renormalisation(weights: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node],
         return None
     dims = arg_of(total, 1, "dim")
     dims = dims[0] if isinstance(dims, (tuple, list)) and len(dims) == 1 else dims
-    if not is_last_dim(dims, 2) or not arg_of(total, 2, "keepdim", False) or set(total.kwargs) - {"dim", "keepdim"}:
+    if not is_last_dim(dims, 2) or not arg_of(total, 2, "keepdim", False) or set(total.kwargs) - {"dim", "keepdim"} \
+            or len(total.args) > 3:
         return None
     lowering = _lowering()
     denominator = divide.args[1]
@@ -178,9 +223,10 @@ def _renormalisation(weights: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node],
     return None
 
 
-def _mask_nodes(mask: fx.Node, scores: fx.Node) -> Union[list[fx.Node], str]:
+def _mask_nodes(mask: fx.Node, scores: fx.Node, reader: fx.Node) -> Union[list[fx.Node], str]:
     """The nodes that compute ``mask`` from ``scores``, in graph order: its ancestors, and the in-place writes into
-    them (a ``scatter_`` into zeros), back to ``scores``; a reason when they read anything else."""
+    them (a ``scatter_`` into zeros), back to ``scores``; a reason when they read anything else, when anything but
+    them and ``reader`` (the masked fill) reads them, or when a write comes after a read of what it writes."""
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     found, stack = set(), [mask]
     while stack:
@@ -191,12 +237,18 @@ def _mask_nodes(mask: fx.Node, scores: fx.Node) -> Union[list[fx.Node], str]:
             return f"the group mask reads {n.op} {n.name}, not only the scores"
         found.add(n)
         stack.extend(n.all_input_nodes)
-        for user in n.users:  # a write into n before mask is read
-            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
-            if isinstance(name, str) and name.endswith("_") and not name.startswith("__") and user.args \
-                    and user.args[0] is n and order[user] < order[mask]:
+        for user in n.users:  # a write into n (a scatter_ into zeros): run with the rest, in graph order
+            if _writes(user) and user.args[0] is n:
                 stack.append(user)
-    return sorted(found, key=order.__getitem__)
+    nodes = sorted(found, key=order.__getitem__)
+    for n in nodes:
+        for user in n.users:
+            if user not in found and user is not reader:
+                return f"the group mask's {n.name} is read outside the mask"
+            if _writes(user) and (n is mask or n is scores or any(order[r] < order[user] for r in n.users
+                                                                   if r is not user and not _writes(r))):
+                return f"{user.name} writes into {n.name} after it is read"
+    return nodes
 
 
 def _run(nodes: list[fx.Node], scores: fx.Node, value: torch.Tensor) -> dict:
@@ -214,11 +266,11 @@ def _run(nodes: list[fx.Node], scores: fx.Node, value: torch.Tensor) -> dict:
     return env
 
 
-def _groups(mask: fx.Node, scores: fx.Node, fill: float, experts: int) -> Union[tuple[int, int, bool], str]:
+def _groups(mask: fx.Node, scores: fx.Node, reader: fx.Node, experts: int) -> Union[tuple[int, int, bool], str]:
     """(groups, kept groups, scored by top-2 sum) that the mask computes, by running it (module docstring).
     Candidates: the group counts G of the 3-D [T, G, E/G] values among the mask's nodes; the kept counts the k of
     a top-k over [T, G] among them, else every count from 1 to G; both group scores."""
-    nodes = _mask_nodes(mask, scores)
+    nodes = _mask_nodes(mask, scores, reader)
     if isinstance(nodes, str):
         return nodes
     lowering = _lowering()
@@ -304,17 +356,17 @@ def match_biased(topk: fx.Node, indices: fx.Node) -> Union[BiasedMatch, str, Non
             return None if not take else "the indices gather the scores more than once"
         weights = take[0]
         choose_logits = False
-        chain += [weights, scores_node, weights.args[0]] + _stripped(scores_node.args[0])
-    else:  # the logits chose: c = l + bias; the weights sigmoid(l.gather(-1, idx))
+        chain += [weights, scores_node, arg_of(weights, 0, "input")] + _stripped(scores_node.args[0], _uncast)
+    else:  # the logits chose: c = l + bias (l detached there or not); the weights sigmoid(l.gather(-1, idx))
         logits = _strip(side)
-        take = [(g, source) for g, source in gathers if _strip(source) is logits and len(g.users) == 1
+        take = [(g, source) for g, source in gathers if _uncast(source) is logits and len(g.users) == 1
                 and (is_function(next(iter(g.users)), *_SIGMOID) or is_method(next(iter(g.users)), "sigmoid"))]
         if bias is None or len(take) != 1:
             return None
         gather, source = take[0]
         weights = next(iter(gather.users))
         score, choose_logits = "sigmoid", True
-        chain += [gather, weights] + _stripped(source)
+        chain += [gather, weights] + _stripped(source, _uncast)
     chain += _stripped(side)
     if bias is not None and _depends_on(bias, logits):
         return "the bias is computed from the router's logits"
@@ -328,20 +380,26 @@ def match_biased(topk: fx.Node, indices: fx.Node) -> Union[BiasedMatch, str, Non
                 f"experts <= {lowering.MAX_EXPERTS})")
     n_group, topk_group, group_top2 = 1, 1, True
     if masked is not None:
-        groups = _groups(masked, choice, fill, experts)
+        groups = _groups(masked, choice, chosen, experts)
         if isinstance(groups, str):
             return groups
         n_group, topk_group, group_top2 = groups
-        nodes = _mask_nodes(masked, choice)
+        nodes = _mask_nodes(masked, choice, chosen)
         chain += nodes
         if topk_group == n_group:  # every group kept: no mask
             n_group, topk_group = 1, 1
     renorm, eps = lowering.RENORM_NONE, 0.0
     found_renorm = _renormalisation(weights)
+    allowed = {n for n in chain if _writes(n)}  # the mask's own writes, checked by _mask_nodes
     if found_renorm is not None:
         divide, between, renorm, eps = found_renorm
         chain += between + [divide]
+        allowed.add(divide)
         weights = divide
+    for node in [logits, bias, *chain]:
+        write = _written(node, allowed)
+        if write is not None:
+            return f"{write.name} writes in place into the router's {node.name} (or a view of it)"
     return BiasedMatch(topk, logits, bias, k, score, choose_logits, n_group, topk_group, group_top2, fill, renorm,
                        eps, weights, indices, chain)
 

@@ -10,7 +10,8 @@ promises none); the weights, compared in that order, and the logits' gradient fo
 
 Logits are tie-free (distinct bf16 values), the bias a fixed random draw; shapes: DeepSeek-V3's 256 experts in 8
 groups, top-4 groups, top-8 at few tokens (the interpreter is slow), 64 experts in 8 groups at more tokens,
-GLM-4.5-Air-like flat 128 top-8, Mixtral-sized 8 top-2, a partial last program and several programs.
+GLM-4.5-Air-like flat 128 top-8, Mixtral-sized 8 top-2, a partial last program and several programs, an expert
+count that is not a power of two, k equal to the experts.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ CASES = {
     "flat-128": (23, 128, 8, 1, 1),
     "mixtral-sized": (19, 8, 2, 1, 1),
     "many-programs": (301, 16, 3, 4, 2),  # 256 rows a program at 16 experts: two programs, the last partial
+    "padded-experts": (7, 12, 5, 4, 3),  # 12 experts in a block of 16: the padding in no group, never chosen
+    "k-equals-experts": (6, 6, 6, 3, 3),
 }
 # name: dict of the op's options (score, choose_logits, bias, group_top2, fill, renorm, eps)
 FORMS = {
@@ -179,6 +182,8 @@ def test_no_tokens():
     logits = torch.zeros(0, 8, requires_grad=True)
     w, idx = moe_router_biased(logits, torch.zeros(8), 2, n_group=2, topk_group=1, renorm=RENORM_ADD)
     assert w.shape == (0, 2) and idx.shape == (0, 2)
+    (dl,) = torch.autograd.grad(w.sum(), logits, allow_unused=True)
+    assert dl is None or dl.shape == (0, 8)
 
 
 def test_bad_input_is_named():

@@ -187,6 +187,90 @@ def test_other_forms_stay_with_reason(form):
     assert any(reason in r for r in reasons), reasons
 
 
+def _group_mask(choice):  # DeepSeek-V3's: 1 in the kept groups, [T, G]
+    group_scores = choice.view(-1, GROUPS, EXPERTS // GROUPS).topk(2, dim=-1)[0].sum(-1)
+    mask = torch.zeros_like(group_scores)
+    mask.scatter_(1, torch.topk(group_scores, KEPT, dim=-1)[1], 1)
+    return mask
+
+
+def _outside(mask):
+    return ~mask.unsqueeze(-1).expand(-1, GROUPS, EXPERTS // GROUPS).reshape(-1, EXPERTS).bool()
+
+
+def choice_masked_in_place(logits, k, bias):  # the topk reads the add node, written by masked_fill_
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    choice.masked_fill_(_outside(_group_mask(choice)), 0.0)
+    return scores.gather(1, torch.topk(choice, k, dim=-1)[1]), torch.topk(choice, k, dim=-1)[1]
+
+
+def group_mask_set_after(logits, k, bias):  # a setitem into the group mask after its scatter_
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    mask = _group_mask(choice)
+    mask[:, 0] = 1.0
+    idx = torch.topk(choice.masked_fill(_outside(mask), float("-inf")), k, dim=-1)[1]
+    return scores.gather(1, idx), idx
+
+
+def mask_inverted_in_place(logits, k, bias):
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    outside = _outside(_group_mask(choice))
+    outside.logical_not_()
+    idx = torch.topk(choice.masked_fill(outside, float("-inf")), k, dim=-1)[1]
+    return scores.gather(1, idx), idx
+
+
+def logits_written_after_scores(logits, k, bias):
+    logits = logits * 1.0
+    scores = torch.sigmoid(logits)
+    logits.mul_(-1.0)
+    idx = torch.topk(scores + bias, k, dim=-1)[1]
+    return scores.gather(1, idx) + 0.0 * logits[:, :k], idx
+
+
+def choice_set_before_topk(logits, k, bias):
+    scores = torch.sigmoid(logits)
+    choice = scores + bias
+    choice[:, 0] = 10.0
+    idx = torch.topk(choice, k, dim=-1)[1]
+    return scores.gather(1, idx), idx
+
+
+def logits_detached(logits, k, bias):  # the weights' gradient stops at the detach: the op's input is the detach
+    scores = torch.sigmoid(logits.detach())
+    idx = torch.topk(scores + bias, k, dim=-1)[1]
+    return torch.gather(input=scores, dim=1, index=idx) + 0.0 * logits[:, :k], idx
+
+
+def weights_written_before_renorm(logits, k, bias):
+    scores = torch.sigmoid(logits)
+    idx = torch.topk(scores + bias, k, dim=-1)[1]
+    w = scores.gather(1, idx)
+    w.mul_(2.0)
+    return w / w.sum(-1, keepdim=True), idx
+
+
+TRICKY = {"choice-masked-in-place": choice_masked_in_place, "group-mask-set-after": group_mask_set_after,
+          "mask-inverted-in-place": mask_inverted_in_place, "logits-written-after-scores": logits_written_after_scores,
+          "choice-set-before-topk": choice_set_before_topk, "logits-detached": logits_detached,
+          "weights-written-before-renorm": weights_written_before_renorm}
+
+
+@pytest.mark.parametrize("form", list(TRICKY))
+def test_in_place_writes_and_detaches_stay_right(form):
+    # Writes into the router's tensors that the op would not see, and a detach it must keep: each compiled router
+    # computes what eager does, fused or left as written (then with the reason).
+    (_, grads), report = _through_sloth(BiasedRouter(TRICKY[form]))
+    fused = report.counts.get("moe_router", 0)
+    reasons = [r.reason for r in report.rejections if r.family == "moe_router"]
+    assert fused or any("writes" in r or "outside the best groups" in r for r in reasons), (fused, reasons)
+    if form == "logits-detached":
+        assert fused == 1, reasons
+
+
 # model type: config fields set after benchmarks/coverage.py's shrinking (8 experts, grouped where it groups)
 MODELS = {
     "deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2),
