@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .backend_choice import use_triton
 from .host_math import cdiv, next_power_of_2
-from .moe_router import MAX_EXPERTS, MAX_TOP_K, _program_rows, _rows_per_program
+from .moe_router import MAX_EXPERTS, MAX_TOP_K, _blocks, _program_rows
 from .registration import define, fake, launch
 from .rounding import round_to
 
@@ -266,11 +266,6 @@ def moe_router_biased_backward_reference(dw: torch.Tensor, logits: torch.Tensor,
     else:
         d = d * s * (1 - s)
     return d.to(logits.dtype)
-
-
-def _blocks(logits: torch.Tensor, k: int) -> tuple[int, int, int]:
-    block_e = max(2, next_power_of_2(logits.shape[1]))
-    return _rows_per_program(block_e), block_e, max(2, next_power_of_2(k))
 
 
 def _moe_router_biased_fwd(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, score: str,

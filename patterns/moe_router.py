@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -43,11 +43,10 @@ from ..compiler.fx_utils import (arg_of, insert_call, is_function, is_last_dim, 
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
-from .moe_router_biased import BiasedMatch, match_biased, replace_biased
+from .moe_router_biased import BiasedMatch, insert_router, match_biased, renormalisation, replace_biased
 
 FAMILY = "moe_router"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DIVIDE = (torch.div, operator.truediv, operator.itruediv, torch.true_divide)
 
 
 def _lowering():
@@ -92,25 +91,6 @@ def _items(topk: fx.Node) -> tuple[list[fx.Node], list[fx.Node], bool]:
     return values, indices, other
 
 
-def _renormalised(values: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
-    """(the division node, its sum) when ``values``' only readers are ``sum(values, -1, keepdim)`` and a division
-    of ``values`` by that sum, else None."""
-    readers = list(values.users)
-    if len(readers) != 2:
-        return None
-    total = next((n for n in readers if is_function(n, torch.sum) or is_method(n, "sum")), None)
-    divide = next((n for n in readers if is_function(n, *_DIVIDE) or is_method(n, "div", "div_", "true_divide")), None)
-    if total is None or divide is None or total.args[0] is not values or len(divide.args) != 2 \
-            or divide.args[0] is not values or divide.args[1] is not total or divide.kwargs:
-        return None
-    dims = arg_of(total, 1, "dim")
-    dims = dims[0] if isinstance(dims, (tuple, list)) and len(dims) == 1 else dims
-    if not is_last_dim(dims, tensor_of(values).dim()) or not arg_of(total, 2, "keepdim", False) \
-            or set(total.kwargs) - {"dim", "keepdim"}:
-        return None
-    return divide, total
-
-
 def _match(topk: fx.Node) -> Union[_Match, BiasedMatch, str]:
     scores = topk.args[0]
     value = tensor_of(scores)
@@ -145,12 +125,12 @@ def _match(topk: fx.Node) -> Union[_Match, BiasedMatch, str]:
         if _uncast(logits) is not logits:  # the upcast the op does itself
             chain.insert(0, logits)
             logits = _uncast(logits)
-        found = _renormalised(values)
-        if found is not None:
-            weights, total = found
+        found = renormalisation(values)
+        if found is not None and len(found[1]) == 1:  # w / sum(w); an eps or a clamp is not this op's function
+            weights, total = found[0], found[1][0]
             chain += [total, weights]
         else:
-            weights = values
+            found, weights = None, values
         softmax_first, renorm = True, found is not None
         chain.append(scores)
     else:
@@ -175,21 +155,9 @@ def _match(topk: fx.Node) -> Union[_Match, BiasedMatch, str]:
 
 
 def _replace(graph: fx.Graph, m: _Match) -> None:
-    w_value, l_value = tensor_of(m.weights), tensor_of(m.logits)
-    value = (l_value.new_empty((l_value.shape[0], m.k), dtype=w_value.dtype,
-                               requires_grad=bool(w_value.requires_grad)),
-             l_value.new_empty((l_value.shape[0], m.k), dtype=torch.int64))
-    pair = insert_call(graph, m.topk, torch.ops.sloth.moe_router.default,
-                       (m.logits, m.k, m.softmax_first, m.renorm, w_value.dtype), meta_from=m.topk, value=value)
-    weights = insert_call(graph, m.topk, operator.getitem, (pair, 0), meta_from=m.topk, value=value[0])
-    indices = insert_call(graph, m.topk, operator.getitem, (pair, 1), meta_from=m.topk, value=value[1])
-    m.weights.replace_all_uses_with(weights)
-    m.indices.replace_all_uses_with(indices)
-    graph.erase_node(m.indices)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in sorted(set(m.chain), key=order.__getitem__, reverse=True):  # readers first; a softmax or cast
-        if not node.users:                                                   # another reader keeps stays
-            graph.erase_node(node)
+    insert_router(graph, m.topk, torch.ops.sloth.moe_router.default,
+                  (m.logits, m.k, m.softmax_first, m.renorm, tensor_of(m.weights).dtype), m.logits, m.k, m.weights,
+                  m.indices, m.chain)
 
 
 def fuse_moe_router_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
@@ -202,14 +170,15 @@ def fuse_moe_router_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, r
     _lowering().register()
     # The bias-corrected routers first, last top-k first: a grouped router's own top-ks over its groups go with
     # it, and are not reported as routers of their own.
+    erased: set[fx.Node] = set()
     for node in reversed(list(gm.graph.nodes)):
-        if is_topk(node) and node in set(gm.graph.nodes):
+        if is_topk(node) and node not in erased:
             found = _match(node)
             if isinstance(found, BiasedMatch):
                 site = Site(FAMILY, "sloth.moe_router_biased", module_path(node), source_location(node),
                             f"{found.form()}, {tensor_of(found.logits).shape[1]} experts, "
                             f"{tensor_of(found.logits).dtype}".replace("torch.", ""))
-                replace_biased(gm.graph, found)
+                erased |= replace_biased(gm.graph, found)
                 report.replaced(site)
     for node in list(gm.graph.nodes):
         if not is_topk(node):

@@ -41,7 +41,7 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import arg_of, insert_call, is_function, is_last_dim, is_method, softmax_input, tensor_of
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DIVIDE = (torch.div, operator.truediv, operator.itruediv, torch.true_divide)
+DIVIDE = (torch.div, operator.truediv, operator.itruediv, torch.true_divide)
 _ADD = (torch.add, operator.add)
 _SIGMOID = (torch.sigmoid, torch.nn.functional.sigmoid, torch.special.expit)
 _DRAWS = 3  # random scores the group mask is run on
@@ -189,14 +189,14 @@ def _gathers(indices: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     return found
 
 
-def _renormalisation(weights: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node], int, float]]:
+def renormalisation(weights: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node], int, float]]:
     """(the division, the nodes between, renorm mode, eps) when ``weights``' only readers are its sum over the
     last dim (keepdim) and a division of it by that sum, the sum + eps, or clamp(sum, min=eps); else None."""
     readers = list(weights.users)
     if len(readers) != 2:
         return None
     total = next((n for n in readers if is_function(n, torch.sum) or is_method(n, "sum")), None)
-    divide = next((n for n in readers if is_function(n, *_DIVIDE) or is_method(n, "div", "div_", "true_divide")), None)
+    divide = next((n for n in readers if is_function(n, *DIVIDE) or is_method(n, "div", "div_", "true_divide")), None)
     if total is None or divide is None or total.args[0] is not weights or len(divide.args) != 2 or divide.kwargs \
             or divide.args[0] is not weights:
         return None
@@ -389,7 +389,7 @@ def match_biased(topk: fx.Node, indices: fx.Node) -> Union[BiasedMatch, str, Non
         if topk_group == n_group:  # every group kept: no mask
             n_group, topk_group = 1, 1
     renorm, eps = lowering.RENORM_NONE, 0.0
-    found_renorm = _renormalisation(weights)
+    found_renorm = renormalisation(weights)
     allowed = {n for n in chain if _writes(n)}  # the mask's own writes, checked by _mask_nodes
     if found_renorm is not None:
         divide, between, renorm, eps = found_renorm
@@ -404,27 +404,39 @@ def match_biased(topk: fx.Node, indices: fx.Node) -> Union[BiasedMatch, str, Non
                        eps, weights, indices, chain)
 
 
-def replace_biased(graph: fx.Graph, m: BiasedMatch) -> None:
-    lowering = _lowering()
-    lowering.register()
-    w_value, l_value = tensor_of(m.weights), tensor_of(m.logits)
+def insert_router(graph: fx.Graph, topk: fx.Node, op: Any, args: tuple, logits: fx.Node, k: int,
+                  weights: fx.Node, indices: fx.Node, chain: list[fx.Node]) -> set[fx.Node]:
+    """Insert ``op(*args) -> (w [T, k], idx [T, k] int64)`` at ``topk``, read its weights where ``weights`` was
+    read and its indices where ``indices`` was, and erase the nodes of ``chain`` left unread (readers first; the
+    scores stay for another reader, an aux loss). Returns the erased nodes. Both router patterns end so."""
+    w_value, l_value = tensor_of(weights), tensor_of(logits)
+    value = (l_value.new_empty((l_value.shape[0], k), dtype=w_value.dtype,
+                               requires_grad=bool(w_value.requires_grad)),
+             l_value.new_empty((l_value.shape[0], k), dtype=torch.int64))
+    pair = insert_call(graph, topk, op, args, meta_from=topk, value=value)
+    new_weights = insert_call(graph, topk, operator.getitem, (pair, 0), meta_from=topk, value=value[0])
+    new_indices = insert_call(graph, topk, operator.getitem, (pair, 1), meta_from=topk, value=value[1])
+    weights.replace_all_uses_with(new_weights)
+    indices.replace_all_uses_with(new_indices)
+    graph.erase_node(indices)
+    erased = {indices}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(chain), key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+            erased.add(node)
+    return erased
+
+
+def replace_biased(graph: fx.Graph, m: BiasedMatch) -> set[fx.Node]:
+    """``m``'s router as ``sloth.moe_router_biased``; returns the erased nodes."""
+    _lowering().register()
     bias = m.bias
     if bias is not None and tensor_of(bias).dim() == 2:
         experts = tensor_of(bias).shape[1]
         bias = insert_call(graph, m.topk, torch.reshape, (bias, (experts,)), meta_from=m.topk,
                            value=tensor_of(bias).reshape(experts))
-    value = (l_value.new_empty((l_value.shape[0], m.k), dtype=w_value.dtype,
-                               requires_grad=bool(w_value.requires_grad)),
-             l_value.new_empty((l_value.shape[0], m.k), dtype=torch.int64))
-    pair = insert_call(graph, m.topk, torch.ops.sloth.moe_router_biased.default,
-                       (m.logits, bias, m.k, m.score, m.choose_logits, m.n_group, m.topk_group, m.group_top2,
-                        m.fill, m.renorm, m.eps, w_value.dtype), meta_from=m.topk, value=value)
-    weights = insert_call(graph, m.topk, operator.getitem, (pair, 0), meta_from=m.topk, value=value[0])
-    indices = insert_call(graph, m.topk, operator.getitem, (pair, 1), meta_from=m.topk, value=value[1])
-    m.weights.replace_all_uses_with(weights)
-    m.indices.replace_all_uses_with(indices)
-    graph.erase_node(m.indices)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in sorted(set(m.chain), key=order.__getitem__, reverse=True):  # readers first; the scores stay for
-        if not node.users:                                                   # another reader (an aux loss)
-            graph.erase_node(node)
+    args = (m.logits, bias, m.k, m.score, m.choose_logits, m.n_group, m.topk_group, m.group_top2, m.fill, m.renorm,
+            m.eps, tensor_of(m.weights).dtype)
+    return insert_router(graph, m.topk, torch.ops.sloth.moe_router_biased.default, args, m.logits, m.k, m.weights,
+                         m.indices, m.chain)

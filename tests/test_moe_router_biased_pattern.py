@@ -17,10 +17,9 @@ from torch import nn
 import sloth
 from tests.pattern_checks import seeded
 from tests.test_moe_pattern import _hand_written_grads
-from op_checks import StayFloat64
-from tolerance import assert_close
+from tests.test_moe_router_pattern import HIDDEN, _through_sloth
 
-EXPERTS, HIDDEN, GROUPS, KEPT = 8, 16, 4, 2
+EXPERTS, GROUPS, KEPT = 8, 4, 2  # HIDDEN and _through_sloth: tests/test_moe_router_pattern.py
 
 
 class BiasedRouter(nn.Module):
@@ -106,23 +105,6 @@ FORMS = {
     "softmax-clamped": (softmax_clamped, "softmax scores, top-{k} of softmax + bias, renormalised (clamp 1e-12)"),
     "softmax-indices-only": (softmax_indices_only, "softmax scores, top-{k} of softmax, 8 experts"),
 }
-
-
-def _through_sloth(module: nn.Module, tokens: int = 29) -> tuple:
-    """(sloth's output and gradients, sloth's report), after checking each against eager's and float64's by the
-    tolerance rule."""
-    x = torch.randn(tokens, HIDDEN, generator=seeded(8))
-    sloth.reset_report()
-    ours = _hand_written_grads(module, x, torch.compile(module, backend="sloth", options={"inner": "aot_eager"}))
-    report = sloth.report()
-    eager = _hand_written_grads(module, x)
-    with StayFloat64():
-        reference = _hand_written_grads(module.double(), x.double())
-    module.float()
-    assert_close("output", ours[0], eager[0], reference[0])
-    for name in eager[1]:
-        assert_close(f"d {name}", ours[1][name], eager[1][name], reference[1][name])
-    return ours, report
 
 
 @pytest.mark.parametrize("top_k", [2, 3])
