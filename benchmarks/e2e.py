@@ -42,6 +42,7 @@ Qwen3-MoE shape 1.63e13 + 2.5e12 = 1.88e13.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -380,7 +381,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
         # An event between steps (no sync): each step's own time, so one slow step shows as such.
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-        with common.GpuTelemetry() as telemetry, gc_pauses:
+        # nvidia-smi polls the driver (NVML) every 100 ms from a process of its own; --no-telemetry leaves it
+        # out, to see whether that polling slows a host-bound step (the record then has no "gpu telemetry")
+        telemetry = contextlib.nullcontext() if args.no_telemetry else common.GpuTelemetry()
+        with telemetry, gc_pauses:
             marks[0].record()
             for i in range(args.steps):
                 loss = step()
@@ -388,7 +392,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         step_ms = marks[0].elapsed_time(marks[-1]) / args.steps
         steps_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        gpu = telemetry.summary()
+        gpu = None if args.no_telemetry else telemetry.summary()
         peak_gib = torch.cuda.max_memory_allocated() / common.GiB
         # What the allocator holds, private pools included: under CUDA graphs the activations live in a graph's
         # pool, allocated once while recording, and max_memory_allocated over the replays misses them.
@@ -650,6 +654,8 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
         cmd.append("--host-profile")
     if args.copy_overlap:
         cmd.append("--copy-overlap")
+    if args.no_telemetry:
+        cmd.append("--no-telemetry")
     if args.smoke:
         cmd.append("--smoke")
     if args.peak_tflops:
@@ -758,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="after timing, run two steps under cProfile and write where the host's time goes")
     parser.add_argument("--copy-overlap", action="store_true",
                         help="profile one more step: how much of the host<->device copies compute hid")
+    parser.add_argument("--no-telemetry", action="store_true",
+                        help="time the steps without nvidia-smi sampling the GPU's clock and power beside them")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="MFU denominator; measured if 0")

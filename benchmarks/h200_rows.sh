@@ -30,7 +30,8 @@
 #   bash benchmarks/h200_rows.sh moe-router moe-unsloth  # issue 20: the moe_router op and the Qwen3-MoE step with and
 #                                          # without the router family; then Unsloth's (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-router-ab  # issue 20: that A/B again under CUDA graphs and plain, 12-16 steps each
-#   bash benchmarks/h200_rows.sh moe-hostprof  # issue 20: the default-options MoE step's host cProfile, idle gaps
+#   bash benchmarks/h200_rows.sh moe-hostprof  # issue 20: the default-options MoE step with and without nvidia-smi
+#                                          # beside it, its host cProfile; the routers' CUDA checks
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
@@ -302,12 +303,15 @@ case $part in
         # graphs (the step without its host: what the GPU alone needs)
         run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile
         run moe-sloth-cg 170 --all --model qwen3-moe --variants sloth --sloth-options '{"triton.cudagraphs": true}' ;;
-    moe-hostprof)  # issue 20: where the host's time goes in the default-options Qwen3-MoE step: the router's CUDA
-        # checks (the kernels of dc4f000), a cProfile of two steps, the GPU's idle gaps, 16 plain steps
-        gpu_tests moe-router-cuda 120 router tests/test_cuda_ops.py
-        run moe-sloth-hostprof 170 --all --model qwen3-moe --variants sloth --host-profile
-        run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile
-        run moe-sloth 120 --all --model qwen3-moe --variants sloth --steps 16 ;;
+    moe-hostprof)  # issue 20: where the host's time goes in the default-options Qwen3-MoE step: the routers' CUDA
+        # checks (the kernels of dc4f000 and c5bc3cd), 16 plain steps with and without nvidia-smi sampling beside
+        # them (twice, alternating: does the sampler slow a host-bound step?), a cProfile of two steps
+        gpu_tests moe-router-cuda 150 router tests/test_cuda_ops.py
+        run moe-sloth-tele 120 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-sloth-notele 120 --all --model qwen3-moe --variants sloth --steps 16 --no-telemetry
+        run moe-sloth-tele-2 120 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-sloth-notele-2 120 --all --model qwen3-moe --variants sloth --steps 16 --no-telemetry
+        run moe-sloth-hostprof 150 --all --model qwen3-moe --variants sloth --host-profile --no-telemetry ;;
     moe-unsloth)  # issue 20: Unsloth's Qwen3-MoE step, to follow moe-family on the same machine (carry .whl/unsloth)
         run moe-unsloth 200 --all --model qwen3-moe --variants unsloth ;;
     tiled)  # issue 19, first call: sloth's CUDA op checks (the tiled MLP's among them), then Llama-3-8B LoRA with
