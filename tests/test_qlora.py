@@ -259,3 +259,55 @@ def test_four_bit_sites_with_the_adapter_first_and_a_shared_cast():
         str(report)
     for name, ours, theirs, ref in zip(("y", "dx", "da_q", "db_q", "da_k", "db_k"), actual, eager, reference):
         assert_close(name, ours, theirs, ref)
+
+
+# ---------------------------------------------------------------------------------------------------
+# QLoRA on an MoE model
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qlora_moe_four_bit_attention_and_lora_on_the_experts(dtype):
+    # What "QLoRA on an MoE" is with transformers 5.x and bitsandbytes: 4-bit loading quantises the nn.Linear
+    # layers (attention here) and keeps the fused 3-D expert weights and the router in the model's dtype (seen
+    # on the CPU with transformers 5.25 and bitsandbytes 0.50.2: from_pretrained with load_in_4bit gives
+    # Linear4bit q/k/v/o and float gate_up_proj/down_proj). So the qlora ops take the attention's NF4 bases and
+    # moe_experts the experts with their adapters (peft's target_parameters); every adapter gets eager's gradient
+    # within the whole-model tolerance rule, against dense fp64 weights (bitsandbytes' own dequantisation).
+    from peft import LoraConfig, get_peft_model
+    from test_models import assert_model_close
+    from test_moe_pattern import moe_model
+
+    model = moe_model("qwen3_moe", "grouped_mm", dtype, num_hidden_layers=1)
+    for parent in list(model.model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=dtype,
+                                      quant_type="nf4", compress_statistics=True)
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
+                                             compress_statistics=True, module=q)
+                setattr(parent, name, q.to("cpu"))  # quantises on the move
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 4  # q, k, v, o; the router is not one
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=seeded(7))
+    ids = torch.randint(3, 96, (2, 11), generator=seeded(8))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sum("experts" in n for n in names) == 4 and len(names) == 12, names
+    dense = dense_fp64_copy(model)
+    dense.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    reference = loss_and_lora_grads(dense, ids)
+    eager = loss_and_lora_grads(model, ids)
+    sloth.reset_report()
+    actual = loss_and_lora_grads(torch.compile(model, backend="sloth", options={"inner": "aot_eager"}), ids)
+    report = sloth.report()
+    assert report.graphs == 1, str(report)
+    assert report.counts.get("moe_route") == 1 and report.counts.get("lora") == 4, str(report)
+    assert all("nf4" in s.detail for s in report.sites if s.family == "lora"), str(report)
+    assert [s.op for s in report.sites if s.family == "lora"].count("sloth.qlora_linear_shared") == 3, str(report)
+    for name, grad in zip(names, actual[1:]):
+        if "experts" in name:
+            assert grad.abs().max() > 0, name
+    assert_model_close(*[(run[0], dict(zip(names, run[1:]))) for run in (actual, eager, reference)], dtype)
