@@ -118,6 +118,8 @@ def environment() -> dict[str, Any]:
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         # sloth's switches for measuring (SLOTH_TRITON_OP, SLOTH_DOWN_SPLIT): which variant a row is
         "sloth_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLOTH_")},
+        # the caching allocator's settings (expandable segments change how often it calls cudaMalloc/cudaFree)
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
     }
 
 
@@ -234,6 +236,19 @@ class GcPauses:
             entry["ms"] = round(entry["ms"] + ms, 3)
             entry["max ms"] = round(max(entry["max ms"], ms), 3)
         return out
+
+
+# Counters of torch.cuda.memory_stats() that say the caching allocator went to the driver: a cudaMalloc or cudaFree
+# (each may synchronise the device), a retry after freeing its cache (a synchronisation of every stream).
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams", "num_ooms")
+
+
+def allocator_counters() -> dict[str, int]:
+    """ALLOCATOR_COUNTERS now (empty without CUDA); the difference of two readings is what a loop cost."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
 
 
 # ----------------------------------------------------------------------------- timing and memory

@@ -384,6 +384,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         # nvidia-smi polls the driver (NVML) every 100 ms from a process of its own; --no-telemetry leaves it
         # out, to see whether that polling slows a host-bound step (the record then has no "gpu telemetry")
         telemetry = contextlib.nullcontext() if args.no_telemetry else common.GpuTelemetry()
+        allocator_before = common.allocator_counters()
         with telemetry, gc_pauses:
             marks[0].record()
             for i in range(args.steps):
@@ -393,6 +394,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         step_ms = marks[0].elapsed_time(marks[-1]) / args.steps
         steps_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
         gpu = None if args.no_telemetry else telemetry.summary()
+        allocator = {k: v - allocator_before[k] for k, v in common.allocator_counters().items()}
         peak_gib = torch.cuda.max_memory_allocated() / common.GiB
         # What the allocator holds, private pools included: under CUDA graphs the activations live in a graph's
         # pool, allocated once while recording, and max_memory_allocated over the replays misses them.
@@ -404,7 +406,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 loss = step()
         step_ms = (time.perf_counter() - start) * 1e3 / args.steps
         peak_gib = reserved_gib = None
-        steps_ms, gpu = [], None
+        steps_ms, gpu, allocator = [], None, None
 
     # One more step each, after the timed ones: the host syncs in it (none expected in a steady step), what
     # sloth's offload moved in it, and with --copy-overlap how much of those copies compute hid.
@@ -470,6 +472,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "step ms median": statistics.median(steps_ms) if steps_ms else None,
         "gpu telemetry": gpu,
         "gc in timed steps": gc_pauses.summary(),
+        "allocator in timed steps": allocator,
         "flops": flops,
         "peak_tflops": peak_tflops,
     }
@@ -710,7 +713,8 @@ def run_all(args: argparse.Namespace) -> int:
                       flush=True)
                 if row.get("steps ms"):
                     steps = " ".join(f"{t:.1f}" for t in row["steps ms"])
-                    print(f"    steps ms {steps}; GPU {row.get('gpu telemetry')}; gc {row.get('gc in timed steps')}",
+                    print(f"    steps ms {steps}; GPU {row.get('gpu telemetry')}; gc {row.get('gc in timed steps')}; "
+                          f"allocator {row.get('allocator in timed steps')}",
                           flush=True)
             else:
                 tail = log.read_text().splitlines()[-25:]

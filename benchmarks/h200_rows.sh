@@ -306,7 +306,9 @@ case $part in
     moe-hostprof)  # issue 20: where the host's time goes in the default-options Qwen3-MoE step: the routers' CUDA
         # checks (the kernels of dc4f000 and c5bc3cd), 16 plain steps with and without nvidia-smi sampling beside
         # them (does the sampler slow a host-bound step?), a cProfile of two steps with LoRA on attention and with
-        # LoRA on the experts too, the sampler A/B again (SLOTH_TRITON_OP=1 does not take the MoE ops: the moe_route
+        # LoRA on the experts too, the plain step again and with the allocator's expandable segments (as Unsloth sets
+        # them; every record counts the allocator's driver calls in the timed steps) (SLOTH_TRITON_OP=1 does not take
+        # the MoE ops: the moe_route
         # pass's fake propagation mixes fake modes when the op's function is its own fake)
         gpu_tests moe-router-cuda 100 router tests/test_cuda_ops.py
         run moe-sloth-tele 90 --all --model qwen3-moe --variants sloth --steps 16
@@ -315,7 +317,8 @@ case $part in
         run moe-lora-experts-hostprof 100 --all --model qwen3-moe --lora-experts --variants sloth --host-profile \
             --no-telemetry
         run moe-sloth-notele-2 80 --all --model qwen3-moe --variants sloth --steps 16 --no-telemetry
-        run moe-sloth-tele-2 80 --all --model qwen3-moe --variants sloth --steps 16 ;;
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run moe-sloth-expandable 80 --all --model qwen3-moe \
+            --variants sloth --steps 16 --no-telemetry ;;
     moe-unsloth)  # issue 20: Unsloth's Qwen3-MoE step, to follow moe-family on the same machine (carry .whl/unsloth)
         run moe-unsloth 200 --all --model qwen3-moe --variants unsloth ;;
     tiled)  # issue 19, first call: sloth's CUDA op checks (the tiled MLP's among them), then Llama-3-8B LoRA with
