@@ -59,7 +59,9 @@ capacity limits that drop tokens, a post-expert norm), which then stay, with the
 Top-1 routing (K = 1) has no sum over k to find the output by: there the first TOP_1_CANDIDATES values of the
 rows' shape after the second GEMM are each a candidate, the first the probes accept is taken, and x is the nearest
 [T, H] value before the first GEMM, followed back through row gathers by an integer index (the tokens gathered in
-expert order have x's shape too).
+expert order have x's shape too). Where a sum over k follows but the probes refuse it, the top-1 candidates are
+tried too: Ergo calls its experts with one route a row and unit weights, then normalises each route with its
+expert's own norm (which the op does not take) before the weighted sum; the experts' call is the site.
 
 Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (per-expert hand-written
 adapters; reported: the region reads another input), ungated activations other than relu2, silu and the GELUs
@@ -211,22 +213,26 @@ def _adapter(weight: fx.Node, base: Optional[fx.Node]) -> Optional[Adapter]:
 TOP_1_CANDIDATES = 4
 
 
-def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[str]]:
+def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False
+               ) -> tuple[list[MoeSite], Optional[str], bool]:
     """Read (x, idx, w, W1, W2, out) off two expert GEMMs: the candidate sites (one, or with top-1 routing up to
-    TOP_1_CANDIDATES, for the probes to choose from), or say why none."""
+    TOP_1_CANDIDATES, for the probes to choose from), or say why none; and whether they are the sum over k (else
+    top-1 candidates). ``only_top_1``: the top-1 candidates even where a sum over k follows (tried when that sum is
+    refused: Ergo runs its experts with one route a row and unit weights, and sums the routes after a per-route
+    norm the op does not take)."""
     base1, base2 = expert_operand(gemm1), expert_operand(gemm2)
     w1, w2 = _weight_value(gemm1, base1), _weight_value(gemm2, base2)
     e1, e2 = _shape(w1), _shape(w2)
     if e1[0] != e2[0]:
-        return [], f"its two expert weights hold {e1[0]} and {e2[0]} experts"
+        return [], f"its two expert weights hold {e1[0]} and {e2[0]} experts", False
     rows = _shape(gemm1)[0]
     order = {n: i for i, n in enumerate(gemm2.graph.nodes)}
     below = sorted(_descendants(gemm2), key=order.__getitem__)
     data = [a for a in gemm1.all_input_nodes if a is not w1 and w1 not in _ancestors(a, set())]
     why_not = "no [tokens, hidden] value follows the second expert GEMM (the experts' sum over k)"
     for hidden in dict.fromkeys((e2[1], e2[2])):  # [E, H, I], or transposed [E, I, H]
-        outs = [n for n in below if (shape := _shape(n)) is not None and len(shape) == 2 and shape[1] == hidden
-                and shape[0] < rows and rows % shape[0] == 0][:1]
+        outs = [] if only_top_1 else [n for n in below if (shape := _shape(n)) is not None and len(shape) == 2
+                                      and shape[1] == hidden and shape[0] < rows and rows % shape[0] == 0][:1]
         top_1 = not outs
         if top_1:  # the experts' output has the rows' count; which of those values it is, the probes say
             outs = [n for n in below if _shape(n) == (rows, hidden)][:TOP_1_CANDIDATES]
@@ -239,7 +245,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[
             break
         why_not = f"no [{_shape(outs[0])[0]}, {hidden}] input found upstream of the first expert GEMM"
     else:
-        return [], why_not
+        return [], why_not, False
     sites, reasons = [], []
     for out in dict.fromkeys(_through_casts(o) for o in outs):
         site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order)
@@ -248,7 +254,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[
             sites.append(site)
         else:
             reasons.append(why_not)
-    return sites, (reasons[0] if not sites else None)
+    return sites, (reasons[0] if not sites else None), not top_1
 
 
 def _through_casts(out: fx.Node) -> fx.Node:
@@ -527,9 +533,9 @@ def _candidate_activations(region: list[fx.Node], supported: tuple[str, ...]) ->
     return tuple(a for a in supported if a in named) if len(named) == 1 else supported
 
 
-def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[MoeSite], Optional[str]]]:
-    """(first expert GEMM, second or None, candidate sites (the probes choose), why none) per pair of expert GEMMs,
-    in graph order."""
+def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[MoeSite], Optional[str], bool]]:
+    """(first expert GEMM, second or None, candidate sites (the probes choose), why none, whether they are the sum
+    over k) per pair of expert GEMMs, in graph order."""
     gemms = [n for n in gm.graph.nodes if is_expert_gemm(n)]
     used: set[fx.Node] = set()
     found = []
@@ -539,14 +545,13 @@ def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[Mo
         below = _descendants(first)
         second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
         if second is None:
-            found.append((first, None, [], "an expert GEMM without a second one after it in this graph: not a "
+            found.append((first, None, [], "an expert GEMM without a second one after it in this graph: not an "
                           "expert MLP (up, act, down), or a loop over experts split by graph breaks "
-                          "(transformers' 'eager' experts: set config._experts_implementation = 'grouped_mm')"))
+                          "(transformers' 'eager' experts: set config._experts_implementation = 'grouped_mm')", False))
             used.add(first)
             continue
         used |= {first, second}
-        sites, why_not = _interface(first, second)
-        found.append((first, second, sites, why_not))
+        found.append((first, second, *_interface(first, second)))
     return found
 
 
@@ -563,14 +568,10 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
     moe = _lowering()
     moe.register()
     changed = False
-    for anchor, second, sites, why_not in candidates:
-        site = None
-        for candidate in sites or ():  # the first candidate the probes accept (top-1: up to TOP_1_CANDIDATES)
-            reason = _accept(candidate)
-            if reason is None:
-                site, why_not = candidate, None
-                break
-            why_not = why_not or reason
+    for anchor, second, sites, why_not, summed in candidates:
+        site, why_not = _first_accepted(sites, why_not)
+        if site is None and summed:  # the sum over k refused: the experts may run one route a row inside it (Ergo)
+            site, _ = _first_accepted(_interface(anchor, second, only_top_1=True)[0], None)
         if site is None:
             report.reject(FAMILY, anchor, why_not)
             if second is not None:  # one site, one reason: the second GEMM's anchor is explained by it too
@@ -626,6 +627,17 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _first_accepted(sites: list[MoeSite], why_not: Optional[str]) -> tuple[Optional[MoeSite], Optional[str]]:
+    """The first of ``sites`` the probes accept (top-1: up to TOP_1_CANDIDATES), or None and ``why_not`` (else the
+    first candidate's reason)."""
+    for candidate in sites:
+        reason = _accept(candidate)
+        if reason is None:
+            return candidate, None
+        why_not = why_not or reason
+    return None, why_not
 
 
 def _erase_dead(region: list[fx.Node], erased: set[fx.Node]) -> None:

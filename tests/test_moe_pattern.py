@@ -316,6 +316,31 @@ def test_nemotron_h_peft_lora_on_ungated_experts() -> None:
     assert_model_close(ours, eager, reference, torch.float32)
 
 
+# Ergo (transformers 5.25): ungated relu2 experts stored transposed ([E, H, I], [E, I, H]) and called with one route
+# a row and unit weights; each route's output goes through its expert's RMSNorm before the weighted sum over k.
+# A dense first layer, two sparse ones; the shared expert shrunk (8192 wide by default).
+ERGO = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"], shared_intermediate_size=32)
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
+def test_ergo_experts_are_fused_inside_their_per_route_norm(experts) -> None:
+    # The sum over k reads the post-expert norm (refused); the experts' own call, top-1 with unit weights, is fused,
+    # and the norm, the router weighting and the sum stay around it.
+    from transformers import CONFIG_MAPPING
+
+    if "ergo" not in CONFIG_MAPPING:
+        pytest.skip("transformers has no ergo in this version")
+    model = moe_model("ergo", experts, **ERGO)
+    ours, eager, reference, report = _compare(model, torch.float32)
+    assert report.counts.get("moe_route") == 2, str(report)
+    assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
+    assert all(s.detail == "4 experts, top-1, relu2, ungated, transposed weights, float32"
+               for s in report.sites if s.family == "moe_route"), str(report)
+    assert sum(n.endswith(("experts.up_proj", "experts.down_proj", "post_expert_norm.weight")) for n in ours[1]) == 6
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
 class HandWrittenUngatedMoe(nn.Module):
     """Ungated experts written unlike transformers: sigmoid router renormalised over the top-k, weights stored
     transposed ([E, H, I] and [E, I, H], applied to row vectors), the up GEMM by ``einsum`` on gathered weights, the
