@@ -24,6 +24,20 @@ the weight gradients are formed in that layout (``_weight_grad``). For these var
 others' (lowering/moe_kernels.py); the dispatch, grouped GEMMs, combine and the recompute of h in the backward are
 the same.
 
+Ungated experts (transformers 5.25 ``NemotronHExperts``, ``ErgoExpertProjections``: ``has_gate=False``), with
+``gated=False``: the first weight is ``up_proj [E, I, H]`` (passed as ``gate_up_proj``; Ergo's ``[E, H, I]`` as a
+transposed view, as GPT-OSS's), ``down_proj [E, H, I]``, and::
+
+    out[t] = sum_k w[t, k] * down_proj[e] @ act(up_proj[e] @ x[t])
+
+with ``act`` ``"relu2"`` (relu(u)^2, NemotronH's ``mlp_hidden_act`` default and Ergo's), ``"silu"``, ``"gelu"`` or
+``"gelu_tanh"``. Why a flag and not more activation names: gating is a property of the weight layout (W1's rows are
+2I or I, what the shape checks read), orthogonal to the activation (silu runs gated in Qwen3 and ungated in a
+plain MLP), so one boolean serves every activation instead of doubling the names; it is appended last so every
+existing call and graph keeps its meaning. The dispatch, grouped GEMMs, combine, biases (``gate_up_bias [E, I]``)
+and LoRA factors (B1 ``[E, I, r]``) are the gated path's with 2I replaced by I; only the elementwise pass between
+the GEMMs changes (moe_kernels' kernels with ``GATED=False``), and the gated path runs exactly the launches it ran.
+
 Dispatch, with no host sync and no data-dependent shape: the S assignments are sorted by expert id (stable, so
 rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
 ``searchsorted`` on the sorted ids (no [S, E] one-hot, no ``bincount``, whose size depends on the largest id).
@@ -72,8 +86,16 @@ gradient is ever formed (peft forms both each step: 1.2 GB a layer at Qwen3-30B-
 (the rank-r products A x and A (w h) are recomputed in the backward, not saved; ``d w_r = <c_r, h_r>`` holds with
 the adapter's share in c). The factors are made contiguous first: peft hands permuted views, E*n*r elements.
 
-Saved for backward: x, the routing, the weights, gu [S, 2I] (the pre-activation: recomputing it would repeat the
-largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: dh, the GLU
+Ungated backward. Per sorted row r, u_r = W_up[e] x_t (+ b1[e]) [I], h_r = a(u_r), y_r = W_d[e] h_r; given dout::
+
+    c_r       = W_d[e]^T dout_t,        d w_r = <c_r, h_r>,        dh_r = w_r c_r
+    d u_r     = dh_r * a'(u_r)          (relu2: a'(u) = 2 relu(u); silu, gelu: lowering/glu.py's a')
+    dx_t      = sum_r W_up[e]^T d u_r,  dW_up[e] = sum_{r in e} d u_r x_t^T,  dW_d[e] = sum_{r in e} dout_t (w_r h_r)^T
+
+the gated derivation with d gu replaced by d u (and the bias and adapter terms the same with d u for d gu).
+
+Saved for backward: x, the routing, the weights, gu [S, 2I] (u [S, I] ungated; the pre-activation: recomputing it
+would repeat the largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: dh, the GLU
 backward, d w and (when the down projection trains) w h are one pass over c and gu
 (``moe_kernels.glu_backward_weighted``), and dx's sum over K is ``combine`` again. The weight gradients are formed
 only for weights that require grad (frozen experts under LoRA get none, and their two 2d x 2d GEMMs are skipped).
@@ -97,6 +119,8 @@ ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu": "gelu_erf"}
 # Every activation the op takes: those, GPT-OSS's clamped GLU and DeepSeek-V4's clamped SwiGLU (module docstring),
 # functions of gate and up together (lowering/moe_kernels.py's expert GLU kernels).
 ALL_ACTIVATIONS = (*ACTIVATIONS, "swiglu_oai", "silu_clamped")
+# The activations of ungated experts (``gated=False``: h = act(u)), the op's names.
+UNGATED_ACTIVATIONS = ("relu2", *ACTIVATIONS)
 
 
 def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -105,10 +129,12 @@ def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                         interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
                         gate_up_lora_b: torch.Tensor | None = None, gate_up_lora_a: torch.Tensor | None = None,
                         down_lora_b: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
-                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0) -> torch.Tensor:
+                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0, gated: bool = True
+                        ) -> torch.Tensor:
     """transformers 5.24 ``Qwen3MoeExperts.forward`` (``GptOssExperts.forward`` with the biases, ``interleaved``
-    and ``"swiglu_oai"``), eager loop (host syncs and all): the meaning and the oracle. LoRA factors, where given,
-    are merged first as peft's ``target_parameters`` does (``baddbmm(W, B, A, alpha=scale)``)."""
+    and ``"swiglu_oai"``; with ``gated=False`` 5.25's ``NemotronHExperts.forward``, ``act(F.linear(x, up_proj[e]))``),
+    eager loop (host syncs and all): the meaning and the oracle. LoRA factors, where given, are merged first as
+    peft's ``target_parameters`` does (``baddbmm(W, B, A, alpha=scale)``)."""
     if gate_up_lora_b is not None:
         gate_up_proj = torch.baddbmm(gate_up_proj, gate_up_lora_b, gate_up_lora_a, alpha=gate_up_lora_scale)
     if down_lora_b is not None:
@@ -126,7 +152,7 @@ def moe_experts_pattern(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         gu = F.linear(x[token_idx], gate_up_proj[expert_idx])
         if gate_up_bias is not None:
             gu = gu + gate_up_bias[expert_idx]
-        h = F.linear(expert_glu_math(gu, act, interleaved, alpha, limit), down_proj[expert_idx])
+        h = F.linear(expert_glu_math(gu, act, interleaved, alpha, limit, gated), down_proj[expert_idx])
         if down_bias is not None:
             h = h + down_bias[expert_idx]
         h = h * top_k_weights[token_idx, top_k_pos, None]
@@ -215,10 +241,17 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_ro
 # ---------------------------------------------------------------------------------------------------
 
 def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias=None,
-                  down_bias=None, gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None, down_lora_a=None) -> None:
+                  down_bias=None, gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None, down_lora_a=None,
+                  interleaved=False, gated=True) -> None:
     op = "sloth.moe_experts"
-    if act not in ALL_ACTIVATIONS:
-        raise ValueError(f"{op}: act must be one of {list(ALL_ACTIVATIONS)}, got {act!r}")
+    if gated and act not in ALL_ACTIVATIONS:
+        raise ValueError(f"{op}: act must be one of {list(ALL_ACTIVATIONS)}, got {act!r}"
+                         + (" (an activation of ungated experts: gated=False)" if act in UNGATED_ACTIVATIONS else ""))
+    if not gated and act not in UNGATED_ACTIVATIONS:
+        raise ValueError(f"{op}: act of ungated experts (gated=False) must be one of {list(UNGATED_ACTIVATIONS)}, "
+                         f"got {act!r}")
+    if not gated and interleaved:
+        raise ValueError(f"{op}: interleaved gate/up needs gated experts; gated=False has no gate")
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be [T, H], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -232,14 +265,16 @@ def _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, g
     if top_k_weights.shape != top_k_index.shape:
         raise ValueError(f"{op}: top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, "
                          f"got {tuple(top_k_weights.shape)}")
-    if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2 or gate_up_proj.shape[2] != x.shape[1]:
-        raise ValueError(f"{op}: gate_up_proj must be [E, 2I, H] with H = {x.shape[1]}, "
+    rows = "2I" if gated else "I (ungated: the up projection)"
+    if gate_up_proj.dim() != 3 or (gated and gate_up_proj.shape[1] % 2) or gate_up_proj.shape[2] != x.shape[1]:
+        raise ValueError(f"{op}: gate_up_proj must be [E, {rows}, H] with H = {x.shape[1]}, "
                          f"got {tuple(gate_up_proj.shape)}")
-    n_experts, n_inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    n_experts, n_first = gate_up_proj.shape[0], gate_up_proj.shape[1]
+    n_inter = n_first // 2 if gated else n_first
     if down_proj.dim() != 3 or tuple(down_proj.shape) != (n_experts, x.shape[1], n_inter):
         raise ValueError(f"{op}: down_proj must be [E, H, I] = {(n_experts, x.shape[1], n_inter)} (from gate_up_proj "
                          f"and x), got {tuple(down_proj.shape)}")
-    biases = [(name, b, shape) for name, b, shape in (("gate_up_bias", gate_up_bias, (n_experts, 2 * n_inter)),
+    biases = [(name, b, shape) for name, b, shape in (("gate_up_bias", gate_up_bias, (n_experts, n_first)),
                                                        ("down_bias", down_bias, (n_experts, x.shape[1])))
               if b is not None]
     for name, b, shape in biases:
@@ -278,10 +313,10 @@ def _check_adapters(op: str, dtype: torch.dtype, weights) -> list[tuple[str, tor
     return given
 
 
-def _dense_glu(act: str, interleaved: bool, gate_up_bias) -> bool:
+def _dense_glu(act: str, interleaved: bool, gate_up_bias, gated: bool) -> bool:
     """Whether the forward's GLU is lowering/glu.py's (the dense MLP's kernel): a gate-only activation on halves with
-    no gate/up bias; else moe_kernels.expert_glu_forward."""
-    return act in ACTIVATIONS and not interleaved and gate_up_bias is None
+    no gate/up bias; else moe_kernels.expert_glu_forward (also every ungated activation)."""
+    return gated and act in ACTIVATIONS and not interleaved and gate_up_bias is None
 
 
 def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -312,11 +347,12 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                         interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
                         gate_up_lora_b: torch.Tensor | None = None, gate_up_lora_a: torch.Tensor | None = None,
                         down_lora_b: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
-                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0
+                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0, gated: bool = True
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [T, H], gu [S, 2I], order [S], offs [E]); the last three are the backward's residuals."""
+    """(out [T, H], gu [S, 2I] (u [S, I] ungated), order [S], offs [E]); the last three are the backward's
+    residuals."""
     _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias,
-                  gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a)
+                  gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, interleaved, gated)
     top_k = top_k_index.shape[1]
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
     x_SH = x[order // top_k]
@@ -324,11 +360,11 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     if gate_up_lora_b is not None:
         gu_S2I = gu_S2I + _adapter_rows(x_SH, _contiguous(gate_up_lora_b), _contiguous(gate_up_lora_a),
                                         gate_up_lora_scale, offs, sorted_ids)
-    if _dense_glu(act, interleaved, gate_up_bias):
+    if _dense_glu(act, interleaved, gate_up_bias, gated):
         h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
     else:
         gu_S2I, h_SI = expert_glu_forward(gu_S2I, gate_up_bias, sorted_ids, ACTIVATIONS.get(act, act), interleaved,
-                                          alpha, limit)
+                                          alpha, limit, gated)
     y_SH = grouped_mm(h_SI, down_proj.transpose(1, 2), offs, sorted_ids)
     if down_lora_b is not None:
         y_SH = y_SH + _adapter_rows(h_SI, _contiguous(down_lora_b), _contiguous(down_lora_a), down_lora_scale, offs,
@@ -364,7 +400,8 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
                          gate_up_lora_b: torch.Tensor | None = None, gate_up_lora_a: torch.Tensor | None = None,
                          down_lora_b: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
                          gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0,
-                         compute_d_gate_up_lora: bool = False, compute_d_down_lora: bool = False
+                         compute_d_gate_up_lora: bool = False, compute_d_down_lora: bool = False,
+                         gated: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d top_k_weights, d gate_up_proj, d down_proj, d gate_up_bias, d down_bias, d gate_up_lora_b,
@@ -392,7 +429,8 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
                                       down_bias.dtype)
     down_lora_trains = b2 is not None and compute_d_down_lora
     d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS.get(act, act), compute_dw,
-                                              compute_d_down or down_lora_trains, interleaved, alpha, limit, d_w_add)
+                                              compute_d_down or down_lora_trains, interleaved, alpha, limit, d_w_add,
+                                              gated)
     if gate_up_bias is not None and compute_d_gate_up_bias:
         d_gate_up_bias = segment_sum(d_gu, offs, sorted_ids.value(), None, gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
@@ -430,20 +468,21 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
 # ---------------------------------------------------------------------------------------------------
 
 # moe_experts_forward's arguments from gate_up_bias on, as their defaults (a call may leave them out)
-_DEFAULTS = (None, None, False, 1.702, 7.0, None, None, None, None, 1.0, 1.0)
+_DEFAULTS = (None, None, False, 1.702, 7.0, None, None, None, None, 1.0, 1.0, True)
 _N_INPUTS = 6 + len(_DEFAULTS)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias, interleaved, alpha, \
-        limit, gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale = \
-        (*inputs, *_DEFAULTS[len(inputs) - 6:])
+        limit, gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale, \
+        gated = (*inputs, *_DEFAULTS[len(inputs) - 6:])
     _, gu, order, offs = output
     ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, gate_up_bias,
                           down_bias, gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a)
     ctx.mark_non_differentiable(gu, order, offs)  # residuals returned to be saved, not used
     ctx.act, ctx.interleaved, ctx.alpha, ctx.limit = act, interleaved, alpha, limit
     ctx.scales = (gate_up_lora_scale, down_lora_scale)
+    ctx.gated = gated
 
 
 def _backward(ctx, dout, _dgu, _dorder, _doffs):
@@ -455,12 +494,12 @@ def _backward(ctx, dout, _dgu, _dorder, _doffs):
         dout, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, ctx.act,
         need[0], need[2], need[3], need[4], gate_up_bias, down_bias, ctx.interleaved, ctx.alpha, ctx.limit,
         need[6], need[7], gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, *ctx.scales,
-        need[11] or need[12], need[13] or need[14])
+        need[11] or need[12], need[13] or need[14], ctx.gated)
     dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias, d_b1, d_a1, d_b2, d_a2 = grads
     wanted = lambda i, g: g if need[i] else None  # noqa: E731
     return (wanted(0, dx), None, wanted(2, dw), wanted(3, d_gate_up), wanted(4, d_down), None,
             wanted(6, d_gate_up_bias), wanted(7, d_down_bias), None, None, None, wanted(11, d_b1), wanted(12, d_a1),
-            wanted(13, d_b2), wanted(14, d_a2), None, None)[:passed]
+            wanted(13, d_b2), wanted(14, d_a2), None, None, None)[:passed]
 
 
 @functools.cache
@@ -472,9 +511,10 @@ def register() -> None:
     @fake(fwd)
     def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias=None, down_bias=None,
           interleaved=False, alpha=1.702, limit=7.0, gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None,
-          down_lora_a=None, gate_up_lora_scale=1.0, down_lora_scale=1.0):
+          down_lora_a=None, gate_up_lora_scale=1.0, down_lora_scale=1.0, gated=True):
         _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias,
-                      gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a)  # shapes only: fake-safe
+                      gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, interleaved,
+                      gated)  # shapes only: fake-safe
         n_rows = top_k_index.numel()
         return (x.new_empty(x.shape), x.new_empty((n_rows, gate_up_proj.shape[1])),
                 top_k_index.new_empty((n_rows,), dtype=torch.int64),
@@ -485,7 +525,7 @@ def register() -> None:
           compute_dx, compute_dw, compute_d_gate_up, compute_d_down, gate_up_bias=None, down_bias=None,
           interleaved=False, alpha=1.702, limit=7.0, compute_d_gate_up_bias=False, compute_d_down_bias=False,
           gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None, down_lora_a=None, gate_up_lora_scale=1.0,
-          down_lora_scale=1.0, compute_d_gate_up_lora=False, compute_d_down_lora=False):
+          down_lora_scale=1.0, compute_d_gate_up_lora=False, compute_d_down_lora=False, gated=True):
         with_bias = lambda b, wanted: b.new_empty(b.shape) if b is not None and wanted else x.new_empty(0)  # noqa: E731
         return (x.new_empty(x.shape if compute_dx else 0),
                 top_k_weights.new_empty(top_k_weights.shape) if compute_dw else x.new_empty(0),
@@ -504,9 +544,10 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
                 limit: float = 7.0, gate_up_lora_b: torch.Tensor | None = None,
                 gate_up_lora_a: torch.Tensor | None = None, down_lora_b: torch.Tensor | None = None,
                 down_lora_a: torch.Tensor | None = None, gate_up_lora_scale: float = 1.0,
-                down_lora_scale: float = 1.0) -> torch.Tensor:
-    """Fused MoE experts, equal to ``moe_experts_pattern``; see the module docstring for the math."""
+                down_lora_scale: float = 1.0, gated: bool = True) -> torch.Tensor:
+    """Fused MoE experts, equal to ``moe_experts_pattern``; see the module docstring for the math (``gated=False``:
+    ungated experts, ``gate_up_proj`` then the up projection [E, I, H])."""
     register()
     return torch.ops.sloth.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias,
                                        down_bias, interleaved, alpha, limit, gate_up_lora_b, gate_up_lora_a,
-                                       down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale)[0]
+                                       down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale, gated)[0]

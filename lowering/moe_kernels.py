@@ -38,6 +38,14 @@ around a plain SwiGLU: ``h = silu(g') u'``, ``dh/dg = u' s (1 + g' (1 - s)) [g <
 ``dh/du = silu(g') [-limit <= u <= limit]``. ``expert_glu_forward`` is the forward of those variants: the GLU
 with the gate/up bias of each row's expert added first, the biased pre-activation written back over gu (it is what
 the backward reads) rounded to gu's dtype, as eager's ``gu + b[e]`` is, and h computed from the rounded values.
+
+Ungated experts (NemotronH's, Ergo's; lowering/moe.py's ``gated=False``): the first GEMM gives u_r [I] alone and
+h_r = a(u_r), with ``a`` one of ``relu2`` (a(u) = relu(u)^2, a'(u) = 2 relu(u)) or lowering/glu.py's silu, gelu_tanh
+and gelu_erf (their a and a' as that file derives them). Both kernels take it as the feature flag ``GATED=False``:
+the forward reads a [BLOCK_M, BLOCK_N] tile of u (its bias, when given, added and written back as above) and writes
+h; the weighted backward is the gated one with the GLU's derivative replaced by a'::
+
+    dh_r = w_r c_r,   d u_r = dh_r * a'(u_r)  -> d_u [S, I],   d w_r = <c_r, h_r>,   hw_r = w_r h_r
 """
 from __future__ import annotations
 
@@ -119,8 +127,12 @@ def combine(rows: torch.Tensor, inverse: torch.Tensor, top_k: int, scale: torch.
 
 _SWIGLU_OAI = tl.constexpr(3)  # after lowering/glu.py's activations 0-2
 _SILU_CLAMPED = tl.constexpr(4)
-# The kernels' activation codes by lowering/glu.py's names, swiglu_oai and silu_clamped.
-EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value, "silu_clamped": _SILU_CLAMPED.value}
+_RELU2 = tl.constexpr(5)  # ungated experts only (GATED=False)
+# The kernels' activation codes by lowering/glu.py's names, swiglu_oai, silu_clamped and relu2.
+EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value, "silu_clamped": _SILU_CLAMPED.value,
+                      "relu2": _RELU2.value}
+# The activations an ungated expert takes (h = a(u)), by EXPERT_ACTIVATIONS' names.
+UNGATED_ACTIVATIONS = ("relu2", *ACTIVATIONS)
 
 
 @triton.jit
@@ -152,6 +164,18 @@ def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr
 
 
 @triton.jit
+def _ungated_activation_and_derivative(b_u, ACTIVATION: tl.constexpr):
+    """(a(u), a'(u)) in fp32 for an ungated expert (module docstring)."""
+    if ACTIVATION == _RELU2:
+        b_r = tl.maximum(b_u, 0.0)
+        b_a = b_r * b_r
+        b_da = 2.0 * b_r
+    else:
+        b_a, b_da = _activation_and_derivative(b_u, ACTIVATION)
+    return b_a, b_da
+
+
+@triton.jit
 def _expert_glu(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
     """h in fp32 (module docstring); the derivatives, unused, are dead code the compiler drops."""
     b_h, _, _ = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
@@ -163,50 +187,78 @@ def _expert_glu_fwd_kernel(
     p_gu, p_bias, p_ids, p_h,
     n_rows, n_cols, stride_gu, stride_bias, stride_h, alpha, limit,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr = True,
 ):
     """A BLOCK_M x BLOCK_N tile of h (and, with HAS_BIAS, of the biased gu written back in place). Interleaved
     gate/up are read as one contiguous [BLOCK_M, 2 BLOCK_N] tile and split in registers: two stride-2 loads
-    instead cost GPT-OSS-20B's kernel 0.80 ms for 0.47 GB (2026-12-03 profile, 7x its copy time)."""
+    instead cost GPT-OSS-20B's kernel 0.80 ms for 0.47 GB (2026-12-03 profile, 7x its copy time). Ungated
+    (GATED=False), gu is u [n_rows, n_cols] and h = a(u)."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m = o_m < n_rows
     m_mn = m_m[:, None] & (o_n < n_cols)[None, :]
-    if INTERLEAVED:  # columns 2j (gate) and 2j + 1 (up) of this tile, as one tile
-        o_gu = 2 * i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-        m_gu = m_m[:, None] & (o_gu < 2 * n_cols)[None, :]
-        p_tile = p_gu + o_m[:, None] * stride_gu + o_gu[None, :]
-        b_gu = tl.load(p_tile, mask=m_gu, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
-            b_gu = round_to(b_gu + tl.load(p_bias + o_e[:, None] * stride_bias + o_gu[None, :], mask=m_gu,
-                                           other=0.0).to(tl.float32), p_gu.dtype.element_ty)
-            tl.debug_barrier()  # each element is loaded and stored by the same program, its load consumed above
-            tl.store(p_tile, b_gu, mask=m_gu)
-            b_gu = b_gu.to(tl.float32)
-        b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_M, BLOCK_N, 2)))
-    else:
-        p_g = p_gu + o_m[:, None] * stride_gu + o_n[None, :]
-        p_u = p_g + n_cols
-        b_g = tl.load(p_g, mask=m_mn, other=0.0).to(tl.float32)
+    if not GATED:
+        p_u = p_gu + o_m[:, None] * stride_gu + o_n[None, :]
         b_u = tl.load(p_u, mask=m_mn, other=0.0).to(tl.float32)
         if HAS_BIAS:
             o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
-            p_b = p_bias + o_e[:, None] * stride_bias + o_n[None, :]
-            b_g = round_to(b_g + tl.load(p_b, mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
-            b_u = round_to(b_u + tl.load(p_b + n_cols, mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
-            tl.debug_barrier()  # as above
-            tl.store(p_g, b_g, mask=m_mn)
+            b_u = round_to(b_u + tl.load(p_bias + o_e[:, None] * stride_bias + o_n[None, :], mask=m_mn,
+                                         other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+            tl.debug_barrier()  # each element is loaded and stored by the same program, its load consumed above
             tl.store(p_u, b_u, mask=m_mn)
-            b_g = b_g.to(tl.float32)
             b_u = b_u.to(tl.float32)
-    b_h = _expert_glu(b_g, b_u, alpha, limit, ACTIVATION)
+        b_h, _ = _ungated_activation_and_derivative(b_u, ACTIVATION)  # a' unused: dead code, dropped
+    else:
+        if INTERLEAVED:  # columns 2j (gate) and 2j + 1 (up) of this tile, as one tile
+            o_gu = 2 * i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+            m_gu = m_m[:, None] & (o_gu < 2 * n_cols)[None, :]
+            p_tile = p_gu + o_m[:, None] * stride_gu + o_gu[None, :]
+            b_gu = tl.load(p_tile, mask=m_gu, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
+                b_gu = round_to(b_gu + tl.load(p_bias + o_e[:, None] * stride_bias + o_gu[None, :], mask=m_gu,
+                                               other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+                tl.debug_barrier()  # as above
+                tl.store(p_tile, b_gu, mask=m_gu)
+                b_gu = b_gu.to(tl.float32)
+            b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_M, BLOCK_N, 2)))
+        else:
+            p_g = p_gu + o_m[:, None] * stride_gu + o_n[None, :]
+            p_u = p_g + n_cols
+            b_g = tl.load(p_g, mask=m_mn, other=0.0).to(tl.float32)
+            b_u = tl.load(p_u, mask=m_mn, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
+                p_b = p_bias + o_e[:, None] * stride_bias + o_n[None, :]
+                b_g = round_to(b_g + tl.load(p_b, mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
+                b_u = round_to(b_u + tl.load(p_b + n_cols, mask=m_mn, other=0.0).to(tl.float32),
+                               p_gu.dtype.element_ty)
+                tl.debug_barrier()  # as above
+                tl.store(p_g, b_g, mask=m_mn)
+                tl.store(p_u, b_u, mask=m_mn)
+                b_g = b_g.to(tl.float32)
+                b_u = b_u.to(tl.float32)
+        b_h = _expert_glu(b_g, b_u, alpha, limit, ACTIVATION)
     tl.store(p_h + o_m[:, None] * stride_h + o_n[None, :], round_to(b_h, p_h.dtype.element_ty), mask=m_mn)
 
 
-def expert_glu_math(gu: torch.Tensor, activation: str, interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
-    """h of gu [.., 2I] (``activation`` one of EXPERT_ACTIVATIONS' names), in gu's dtype's arithmetic: eager's."""
+def ungated_activation_math(u: torch.Tensor, activation: str) -> torch.Tensor:
+    """a(u) (``activation`` one of UNGATED_ACTIVATIONS, or lowering/moe.py's "gelu" for gelu_erf), in u's dtype's
+    arithmetic: eager's (transformers' ``ACT2FN["relu2"]`` is ``torch.square(F.relu(u))``)."""
+    if activation == "relu2":
+        return torch.square(F.relu(u))
+    if activation == "silu":
+        return F.silu(u)
+    return F.gelu(u, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def expert_glu_math(gu: torch.Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
+                    gated: bool = True) -> torch.Tensor:
+    """h of gu [.., 2I] (``activation`` one of EXPERT_ACTIVATIONS' names), in gu's dtype's arithmetic: eager's.
+    Ungated (``gated=False``), gu is u [.., I] and h = a(u)."""
+    if not gated:
+        return ungated_activation_math(gu, activation)
     gate, up = (gu[..., 0::2], gu[..., 1::2]) if interleaved else gu.chunk(2, dim=-1)
     if activation == "swiglu_oai":
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
@@ -219,21 +271,23 @@ def expert_glu_math(gu: torch.Tensor, activation: str, interleaved: bool, alpha:
 
 
 def expert_glu_forward_reference(gu: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, activation: str,
-                                 interleaved: bool, alpha: float, limit: float
+                                 interleaved: bool, alpha: float, limit: float, gated: bool = True
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``expert_glu_forward`` in plain PyTorch (fp32 inside, each output rounded once)."""
     if bias is not None:
         gu = gu + bias[ids]
-    return gu, expert_glu_math(gu.float(), activation, interleaved, alpha, limit).to(gu.dtype)
+    return gu, expert_glu_math(gu.float(), activation, interleaved, alpha, limit, gated).to(gu.dtype)
 
 
 def expert_glu_forward(gu: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, activation: str,
-                       interleaved: bool, alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       interleaved: bool, alpha: float, limit: float, gated: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gu + bias[ids] (gu itself, written in place, when Triton runs), h [S, I]) from gu [S, 2I], the gate/up
-    bias [E, 2I] or None and the sorted rows' experts ``ids`` [S] (module docstring)."""
-    n_rows, n_cols = gu.shape[0], gu.shape[1] // 2
+    bias [E, 2I] or None and the sorted rows' experts ``ids`` [S] (module docstring). Ungated: gu is u [S, I], the
+    bias [E, I], and h = a(u)."""
+    n_rows, n_cols = gu.shape[0], gu.shape[1] // 2 if gated else gu.shape[1]
     if not use_triton(gu) or gu.stride(1) != 1 or (bias is not None and bias.stride(1) != 1):
-        return expert_glu_forward_reference(gu, bias, ids, activation, interleaved, alpha, limit)
+        return expert_glu_forward_reference(gu, bias, ids, activation, interleaved, alpha, limit, gated)
     h = torch.empty((n_rows, n_cols), dtype=gu.dtype, device=gu.device)
     if n_rows and n_cols:
         # Tiles of ~4K elements as lowering/glu.py's (not swept)
@@ -243,7 +297,7 @@ def expert_glu_forward(gu: torch.Tensor, bias: torch.Tensor | None, ids: torch.T
             gu, bias if bias is not None else gu, ids, h, n_rows, n_cols, gu.stride(0),
             bias.stride(0) if bias is not None else 0, h.stride(0), float(alpha), float(limit),
             ACTIVATION=EXPERT_ACTIVATIONS[activation], INTERLEAVED=interleaved, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            BLOCK_M=block_m, BLOCK_N=block_n, GATED=gated, num_warps=4,
         )
     return gu, h
 
@@ -313,8 +367,10 @@ def _glu_backward_weighted_kernel(
     n_rows, n_cols, stride_c, stride_gu, stride_dgu, stride_hw, alpha, limit,
     ACTIVATION: tl.constexpr, STORE_DW: tl.constexpr, STORE_HW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr = False, HAS_DW_ADD: tl.constexpr = False,
+    GATED: tl.constexpr = True,
 ):
-    """BLOCK_M sorted rows a program, their n_cols = I columns in BLOCK_N chunks (d w_r sums over all of them)."""
+    """BLOCK_M sorted rows a program, their n_cols = I columns in BLOCK_N chunks (d w_r sums over all of them).
+    Ungated (GATED=False), gu and d gu are u and d u [n_rows, n_cols]."""
     i_m = tl.program_id(0)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     m_m = o_m < n_rows
@@ -325,25 +381,32 @@ def _glu_backward_weighted_kernel(
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mn = m_m[:, None] & (o_n < n_cols)[None, :]
         b_c = tl.load(p_c + o_m[:, None] * stride_c + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
-        if INTERLEAVED:  # one contiguous [BLOCK_M, 2 BLOCK_N] tile of gu and of d gu (the forward kernel's why)
-            o_gu = 2 * i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-            m_gu = m_m[:, None] & (o_gu < 2 * n_cols)[None, :]
-            b_gu = tl.load(p_gu + o_m[:, None] * stride_gu + o_gu[None, :], mask=m_gu, other=0.0).to(tl.float32)
-            b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_M, BLOCK_N, 2)))
-        else:
-            b_g = tl.load(p_gu + o_m[:, None] * stride_gu + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
-            b_u = tl.load(p_gu + o_m[:, None] * stride_gu + n_cols + o_n[None, :], mask=m_mn,
-                          other=0.0).to(tl.float32)
-        b_h, b_dhdg, b_dhdu = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
         b_dh = b_c * b_w[:, None]
-        b_dg = round_to(b_dh * b_dhdg, p_dgu.dtype.element_ty)
-        b_du = round_to(b_dh * b_dhdu, p_dgu.dtype.element_ty)
-        if INTERLEAVED:
-            tl.store(p_dgu + o_m[:, None] * stride_dgu + o_gu[None, :],
-                     tl.reshape(tl.join(b_dg, b_du), (BLOCK_M, 2 * BLOCK_N)), mask=m_gu)
+        if not GATED:
+            b_u = tl.load(p_gu + o_m[:, None] * stride_gu + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
+            b_h, b_da = _ungated_activation_and_derivative(b_u, ACTIVATION)
+            tl.store(p_dgu + o_m[:, None] * stride_dgu + o_n[None, :], round_to(b_dh * b_da, p_dgu.dtype.element_ty),
+                     mask=m_mn)
         else:
-            tl.store(p_dgu + o_m[:, None] * stride_dgu + o_n[None, :], b_dg, mask=m_mn)
-            tl.store(p_dgu + o_m[:, None] * stride_dgu + n_cols + o_n[None, :], b_du, mask=m_mn)
+            if INTERLEAVED:  # one contiguous [BLOCK_M, 2 BLOCK_N] tile of gu and of d gu (the forward kernel's why)
+                o_gu = 2 * i_n * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+                m_gu = m_m[:, None] & (o_gu < 2 * n_cols)[None, :]
+                b_gu = tl.load(p_gu + o_m[:, None] * stride_gu + o_gu[None, :], mask=m_gu,
+                               other=0.0).to(tl.float32)
+                b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_M, BLOCK_N, 2)))
+            else:
+                b_g = tl.load(p_gu + o_m[:, None] * stride_gu + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
+                b_u = tl.load(p_gu + o_m[:, None] * stride_gu + n_cols + o_n[None, :], mask=m_mn,
+                              other=0.0).to(tl.float32)
+            b_h, b_dhdg, b_dhdu = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
+            b_dg = round_to(b_dh * b_dhdg, p_dgu.dtype.element_ty)
+            b_du = round_to(b_dh * b_dhdu, p_dgu.dtype.element_ty)
+            if INTERLEAVED:
+                tl.store(p_dgu + o_m[:, None] * stride_dgu + o_gu[None, :],
+                         tl.reshape(tl.join(b_dg, b_du), (BLOCK_M, 2 * BLOCK_N)), mask=m_gu)
+            else:
+                tl.store(p_dgu + o_m[:, None] * stride_dgu + o_n[None, :], b_dg, mask=m_mn)
+                tl.store(p_dgu + o_m[:, None] * stride_dgu + n_cols + o_n[None, :], b_du, mask=m_mn)
         if STORE_DW:
             b_dw += tl.sum(b_c * b_h, axis=1)
         if STORE_HW:
@@ -357,11 +420,15 @@ def _glu_backward_weighted_kernel(
 
 def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                                     activation: str, want_dw: bool, want_hw: bool, interleaved: bool = False,
-                                    alpha: float = 1.702, limit: float = 7.0, d_w_add: torch.Tensor | None = None
+                                    alpha: float = 1.702, limit: float = 7.0, d_w_add: torch.Tensor | None = None,
+                                    gated: bool = True
                                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``glu_backward_weighted`` in plain PyTorch (fp32 inside, each output rounded once)."""
     w_S1 = weights.reshape(-1)[order].float().unsqueeze(1)
     dh = c.float() * w_S1
+    if not gated:
+        h, d_u = _ungated_backward_reference(dh, gu.float(), activation)
+        return _weighted_outputs(c, h, d_u, gu, w_S1, weights, order, want_dw, want_hw, d_w_add)
     gate, up = ((gu[:, 0::2], gu[:, 1::2]) if interleaved else gu.chunk(2, -1))
     g, u = gate.float(), up.float()
     if activation == "swiglu_oai":
@@ -383,6 +450,25 @@ def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: 
         h = glu_reference(halves, None, activation)
         d_gate, d_up = glu_backward_reference(dh, halves, None, activation)[0].chunk(2, -1)
     d_gu = torch.stack([d_gate, d_up], -1).flatten(-2) if interleaved else torch.cat([d_gate, d_up], -1)
+    return _weighted_outputs(c, h, d_gu, gu, w_S1, weights, order, want_dw, want_hw, d_w_add)
+
+
+def _ungated_backward_reference(dh: torch.Tensor, u: torch.Tensor, activation: str
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, d u) = (a(u), dh * a'(u)) in fp32 from fp32 dh and u (module docstring)."""
+    if activation == "relu2":
+        r = u.clamp_min(0)
+        return r * r, dh * 2 * r
+    # lowering/glu.py's fp32 reference with dy = up = 1: its (d_gate, d_up) are (a'(u), a(u))
+    ones = torch.ones_like(u)
+    da, a = glu_backward_reference(ones, u, ones, activation)
+    return a, dh * da
+
+
+def _weighted_outputs(c, h, d_gu, gu, w_S1, weights, order, want_dw, want_hw, d_w_add
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The references' (d_gu, dw, hw) from fp32 h [S, I] and d_gu: d w_r = <c_r, h_r> (+ d_w_add) scattered to
+    the assignments' order, and hw = w h, each rounded once."""
     dw = None
     if want_dw:
         dw_rows = (c.float() * h).sum(-1)
@@ -396,17 +482,18 @@ def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: 
 
 def glu_backward_weighted(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                           activation: str, want_dw: bool, want_hw: bool, interleaved: bool = False,
-                          alpha: float = 1.702, limit: float = 7.0, d_w_add: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                          alpha: float = 1.702, limit: float = 7.0, d_w_add: torch.Tensor | None = None,
+                          gated: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(d_gu [S, 2I] in gu's dtype and layout, dw [T*K] in weights' dtype or None, hw [S, I] in gu's dtype or None)
     from c [S, I], gu [S, 2I], the router weights [T, K], the sort order [S] and, for a down bias, ``d_w_add`` [S]
-    (module docstring); ``activation`` one of EXPERT_ACTIVATIONS' names."""
+    (module docstring); ``activation`` one of EXPERT_ACTIVATIONS' names. Ungated: gu is u [S, I], d_gu is d u
+    [S, I], and ``activation`` one of UNGATED_ACTIVATIONS (lowering/glu.py's names)."""
     n_rows, n_cols = c.shape
     if not use_triton(c) or c.stride(1) != 1 or gu.stride(1) != 1:
         return glu_backward_weighted_reference(c, gu, weights, order, activation, want_dw, want_hw, interleaved,
-                                               alpha, limit, d_w_add)
+                                               alpha, limit, d_w_add, gated)
     weights_flat = weights.reshape(-1)
-    d_gu = torch.empty((n_rows, 2 * n_cols), dtype=gu.dtype, device=c.device)
+    d_gu = torch.empty((n_rows, 2 * n_cols if gated else n_cols), dtype=gu.dtype, device=c.device)
     dw = torch.empty((n_rows,), dtype=weights.dtype, device=c.device) if want_dw else None
     hw = torch.empty((n_rows, n_cols), dtype=gu.dtype, device=c.device) if want_hw else None
     if n_rows and n_cols:
@@ -420,6 +507,7 @@ def glu_backward_weighted(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tens
             n_rows, n_cols, c.stride(0), gu.stride(0), d_gu.stride(0), hw.stride(0) if hw is not None else 0,
             float(alpha), float(limit),
             ACTIVATION=EXPERT_ACTIVATIONS[activation], STORE_DW=want_dw, STORE_HW=want_hw,
-            BLOCK_M=block_m, BLOCK_N=block_n, INTERLEAVED=interleaved, HAS_DW_ADD=d_w_add is not None, num_warps=4,
+            BLOCK_M=block_m, BLOCK_N=block_n, INTERLEAVED=interleaved, HAS_DW_ADD=d_w_add is not None, GATED=gated,
+            num_warps=4,
         )
     return d_gu, dw, hw

@@ -7,14 +7,19 @@ The meaning (``moe_experts_pattern`` in lowering/moe.py, transformers' eager loo
     out[t] = sum_k w[t, k] * W_down[e] @ (act(W_gate[e] @ x[t]) * (W_up[e] @ x[t])),    e = idx[t, k]
 
 with ``W_gate_up = [W_gate; W_up]`` stacked as ``[E, 2I, H]`` and ``W_down`` as ``[E, H, I]``, ``act`` silu,
-gelu (tanh) or gelu (erf).
+gelu (tanh) or gelu (erf); or, for *ungated* experts (transformers' ``has_gate=False``: NemotronH, Ergo)::
+
+    out[t] = sum_k w[t, k] * W_down[e] @ act(W_up[e] @ x[t])
+
+with ``W_up`` ``[E, I, H]`` and ``act`` relu2 (relu(u)^2), silu, gelu (tanh) or gelu (erf) (the op's ``gated=False``).
 
 How a site is found (on the canonical graph): an *expert GEMM* is a matmul-like call (``torch._grouped_mm``,
 ``F.grouped_mm``, transformers' ``grouped_mm_fallback``, ``bmm``, ``matmul``, ``linear``, ``einsum``) one of whose
 operands is a 3-D float graph input (the stacked expert weights, through views and indexing). Two expert GEMMs in
 a row, the second downstream of the first, are a candidate, and its interface is read off the shapes:
 
-    W1 = the first GEMM's 3-D weight [E, 2I, H];   W2 = the second's [E, H, I];   S = the first GEMM's rows
+    W1 = the first GEMM's 3-D weight [E, 2I, H] (ungated [E, I, H]);   W2 = the second's [E, H, I];
+    S = the first GEMM's rows
     out = the first value downstream of the second GEMM of shape [T, H] with S = T * K (K >= 1),
           extended through casts
     x = the nearest [T, H] float value upstream of the first GEMM's other operand
@@ -30,17 +35,20 @@ its result, and the op's weight gradient flows back through it.
 
 The candidate *region* is every node ``out`` is computed from, back to those five (and the in-place writes into
 them, such as transformers' ``inv_perm[perm] = arange`` and its in-place bias adds). It may also read per-expert
-biases: float graph inputs [E, 2I] or [E, H], at most one a GEMM, the gate/up bias being the one the second GEMM's
-operands are computed from (GPT-OSS's). A region reading anything else (a shared expert, a parameter of a
-post-expert norm, an adapter beside the GEMMs) is refused with its name.
+biases: float graph inputs [E, 2I] (ungated [E, I]) or [E, H], at most one a GEMM, the gate/up bias being the one
+the second GEMM's operands are computed from (GPT-OSS's). A region reading anything else (a shared expert, a
+parameter of a post-expert norm, an adapter beside the GEMMs) is refused with its name.
 
-Weights stored transposed, ``[E, H, 2I]`` and ``[E, I, H]`` (GPT-OSS, ``x @ W[e]``), are read as such from the
-shapes; the op then gets ``.transpose(1, 2)`` views (no copy).
+Weights stored transposed, ``[E, H, 2I]`` and ``[E, I, H]`` (GPT-OSS, ``x @ W[e]``; ungated ``[E, H, I]`` and
+``[E, I, H]``, Ergo's), are read as such from the shapes; the op then gets ``.transpose(1, 2)`` views (no copy).
+Whether the experts are gated is read off the shapes too (W1's rows are 2I or I); where I == H the ungated weights
+are square and either layout fits: the probes try both.
 
 How it is accepted: the region is a function of its inputs alone, so it is evaluated at compile time on two
 random probes of the real shapes (random tokens of size 1 and of size 16, distinct random experts a token, random
 router weights, random expert weights and biases) and compared with ``moe_experts_pattern`` for each candidate:
-the activations an ``F.silu`` / ``F.gelu`` of the region names (else all three), plus GPT-OSS's clamped
+the activations an ``F.silu`` / ``F.gelu`` of the region names (else all three; for ungated experts also relu2,
+named by a ``relu`` whose result is squared), plus GPT-OSS's clamped
 ``swiglu_oai`` where the region holds a ``sigmoid`` of a constant times its operand (alpha) and a clamp (its
 largest upper bound: limit), and DeepSeek-V4's ``silu_clamped`` where it holds a clamp, each with gate/up in
 halves and, if none matches, interleaved. One that agrees on both probes within the dtype's tolerance is taken.
@@ -51,12 +59,14 @@ capacity limits that drop tokens, a post-expert norm), which then stay, with the
 Top-1 routing (K = 1) has no sum over k to find the output by: there the first TOP_1_CANDIDATES values of the
 rows' shape after the second GEMM are each a candidate, the first the probes accept is taken, and x is the nearest
 [T, H] value before the first GEMM, followed back through row gathers by an integer index (the tokens gathered in
-expert order have x's shape too).
+expert order have x's shape too). Where a sum over k follows but the probes refuse it, the top-1 candidates are
+tried too: Ergo calls its experts with one route a row and unit weights, then normalises each route with its
+expert's own norm (which the op does not take) before the weighted sum; the experts' call is the site.
 
 Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (per-expert hand-written
-adapters; reported: the region reads another input), ungated experts
-(``act(x W1) W2``, Nemotron-H's), transformers' ``eager``
-expert loop (split by graph breaks at its data-dependent ``nonzero``; no site within one graph).
+adapters; reported: the region reads another input), ungated activations other than relu2, silu and the GELUs
+(plain relu, for one: reported, the probes find no match), transformers' ``eager`` expert loop (split by graph
+breaks at its data-dependent ``nonzero``; no site within one graph).
 """
 from __future__ import annotations
 
@@ -76,6 +86,8 @@ from ..compiler.writes import written
 
 FAMILY = "moe_route"
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# Those of ungated experts (h = act(W1 x)): NemotronH's and Ergo's relu2 first, then the three above.
+UNGATED_ACTIVATIONS = ("relu2", *ACTIVATIONS)
 # Relative error (max |region - pattern| / max |pattern|) a probe may show, by the region's dtype: the region
 # runs in the graph's dtype, the pattern in fp32 from the same inputs.
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 4e-2, torch.float16: 1e-2}
@@ -110,6 +122,7 @@ class MoeSite:
     b2: Optional[fx.Node] = None  # the down GEMM's per-expert bias [E, H]
     act: str = ""
     transposed: bool = False  # weights stored [E, H, 2I] and [E, I, H] (GPT-OSS): the op gets transposed views
+    gated: bool = True  # False: W1 is an ungated expert's up projection [E, I, H] (NemotronH's), h = act(W1 x)
     interleaved: bool = False  # gate and up in alternate columns (GPT-OSS's [..., ::2], [..., 1::2])
     alpha: float = 1.702  # swiglu_oai's and silu_clamped's constants, read off the region
     limit: float = 7.0
@@ -200,22 +213,26 @@ def _adapter(weight: fx.Node, base: Optional[fx.Node]) -> Optional[Adapter]:
 TOP_1_CANDIDATES = 4
 
 
-def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[str]]:
+def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False
+               ) -> tuple[list[MoeSite], Optional[str], bool]:
     """Read (x, idx, w, W1, W2, out) off two expert GEMMs: the candidate sites (one, or with top-1 routing up to
-    TOP_1_CANDIDATES, for the probes to choose from), or say why none."""
+    TOP_1_CANDIDATES, for the probes to choose from), or say why none; and whether they are the sum over k (else
+    top-1 candidates). ``only_top_1``: the top-1 candidates even where a sum over k follows (tried when that sum is
+    refused: Ergo runs its experts with one route a row and unit weights, and sums the routes after a per-route
+    norm the op does not take)."""
     base1, base2 = expert_operand(gemm1), expert_operand(gemm2)
     w1, w2 = _weight_value(gemm1, base1), _weight_value(gemm2, base2)
     e1, e2 = _shape(w1), _shape(w2)
     if e1[0] != e2[0]:
-        return [], f"its two expert weights hold {e1[0]} and {e2[0]} experts"
+        return [], f"its two expert weights hold {e1[0]} and {e2[0]} experts", False
     rows = _shape(gemm1)[0]
     order = {n: i for i, n in enumerate(gemm2.graph.nodes)}
     below = sorted(_descendants(gemm2), key=order.__getitem__)
     data = [a for a in gemm1.all_input_nodes if a is not w1 and w1 not in _ancestors(a, set())]
     why_not = "no [tokens, hidden] value follows the second expert GEMM (the experts' sum over k)"
     for hidden in dict.fromkeys((e2[1], e2[2])):  # [E, H, I], or transposed [E, I, H]
-        outs = [n for n in below if (shape := _shape(n)) is not None and len(shape) == 2 and shape[1] == hidden
-                and shape[0] < rows and rows % shape[0] == 0][:1]
+        outs = [] if only_top_1 else [n for n in below if (shape := _shape(n)) is not None and len(shape) == 2
+                                      and shape[1] == hidden and shape[0] < rows and rows % shape[0] == 0][:1]
         top_1 = not outs
         if top_1:  # the experts' output has the rows' count; which of those values it is, the probes say
             outs = [n for n in below if _shape(n) == (rows, hidden)][:TOP_1_CANDIDATES]
@@ -228,7 +245,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[
             break
         why_not = f"no [{_shape(outs[0])[0]}, {hidden}] input found upstream of the first expert GEMM"
     else:
-        return [], why_not
+        return [], why_not, False
     sites, reasons = [], []
     for out in dict.fromkeys(_through_casts(o) for o in outs):
         site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order)
@@ -237,7 +254,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node) -> tuple[list[MoeSite], Optional[
             sites.append(site)
         else:
             reasons.append(why_not)
-    return sites, (reasons[0] if not sites else None)
+    return sites, (reasons[0] if not sites else None), not top_1
 
 
 def _through_casts(out: fx.Node) -> fx.Node:
@@ -386,19 +403,32 @@ def _probe(site: MoeSite, seed: int, scale: float) -> dict[fx.Node, torch.Tensor
     return probe
 
 
+def _layouts(w1: torch.Tensor, w2: torch.Tensor, hidden: int) -> list[tuple[bool, bool]]:
+    """The (gated, transposed) layouts the two stacked weights' shapes allow for hidden size H: gated [E, 2I, H] and
+    [E, H, I] (transposed: [E, H, 2I] and [E, I, H], GPT-OSS's), ungated [E, I, H] and [E, H, I] (transposed: [E, H,
+    I] and [E, I, H], Ergo's). At most one gated layout fits any shapes; where I == H both ungated ones fit (square
+    weights), and the probes tell them apart."""
+    (_, n1, k1), (_, n2, k2) = w1.shape, w2.shape
+    fits = {(True, False): k1 == hidden and n2 == hidden and n1 == 2 * k2,
+            (True, True): n1 == hidden and k2 == hidden and k1 == 2 * n2,
+            (False, False): k1 == hidden and n2 == hidden and n1 == k2,
+            (False, True): n1 == hidden and k2 == hidden and k1 == n2}
+    return [layout for layout, fit in fits.items() if fit]
+
+
 def _accept(site: MoeSite) -> Optional[str]:
-    """Set ``site.act`` to the activation whose pattern the region equals on every probe, or say why none."""
+    """Set ``site.act`` (and its layout: gated, transposed, interleaved) to the activation whose pattern the region
+    equals on every probe, or say why none."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     x, w1, w2, out = (_value(n) for n in (site.x, site.w1, site.w2, site.out))
     hidden = x.shape[1]
-    if w1.shape[2] == hidden and w2.shape[1] == hidden and w1.shape[1] == 2 * w2.shape[2]:
-        site.transposed = False
-    elif w1.shape[1] == hidden and w2.shape[2] == hidden and w1.shape[2] == 2 * w2.shape[1]:
-        site.transposed = True  # [E, H, 2I] and [E, I, H], GPT-OSS's: x @ W[e]
-    else:
-        return (f"its expert weights {tuple(w1.shape)} and {tuple(w2.shape)} are not [E, 2I, H] and [E, H, I] "
-                f"(nor [E, H, 2I] and [E, I, H]) for hidden size {hidden}: an ungated layout")
+    layouts = _layouts(w1, w2, hidden)
+    if not layouts:
+        return (f"its expert weights {tuple(w1.shape)} and {tuple(w2.shape)} are neither gated ([E, 2I, H] and "
+                f"[E, H, I], or [E, H, 2I] and [E, I, H]) nor ungated ([E, I, H] and [E, H, I], or transposed) for "
+                f"hidden size {hidden}")
+    site.gated, site.transposed = layouts[0]  # the probes' fan-ins read it (the same for every layout that fits)
     if out.dtype not in PROBE_TOLERANCE or x.dtype not in PROBE_TOLERANCE:
         return f"its dtype {out.dtype} is not one the fused op supports"
     needed = 2 * (w1.numel() + w2.numel()) * w1.element_size() + 8 * _value(site.idx).numel() * w1.shape[1] * 4
@@ -406,7 +436,7 @@ def _accept(site: MoeSite) -> Optional[str]:
         return f"probing it would hold about {needed / 2**30:.1f} GiB, more than sloth allows itself"
     moe = _lowering()
     rows, inter = _value(site.idx).numel(), w2.shape[1 if site.transposed else 2]
-    reference_bytes = rows * 2 * inter * x.shape[1] * x.element_size()
+    reference_bytes = rows * w1.shape[1] * w1.shape[2] * x.element_size()  # one gathered W1[e] a row
     if not moe.grouped_mm_runs(x.device, x.dtype, x.shape[1], inter) and reference_bytes > REFERENCE_BYTES:
         return (f"torch._grouped_mm does not run {str(x.dtype).replace('torch.', '')} experts of width {inter} on "
                 f"{x.device.type} here, and the op's fallback would gather {reference_bytes / 2**30:.1f} GiB of expert "
@@ -421,34 +451,44 @@ def _accept(site: MoeSite) -> Optional[str]:
             return f"evaluating it on a probe failed ({type(error).__name__}: {error})"
         limit = _clamp_limit(site.region)
         alpha = _sigmoid_scale(site.region)
-        acts = _candidate_activations(site.region)
+        acts = _candidate_activations(site.region, ACTIVATIONS)
         if limit is not None:  # a clamp in the region: the clamped GLUs, GPT-OSS's where a sigmoid is scaled
             acts = acts + (("swiglu_oai",) if alpha is not None else ()) + ("silu_clamped",)
         alpha, limit = alpha if alpha is not None else site.alpha, limit if limit is not None else site.limit
-        errors: dict[tuple[str, bool], float] = {}
-        for interleaved in (False, True):  # gate/up in halves first; alternate columns only if no halves match
-            for act in acts:
-                worst = 0.0
-                for probe, value in zip(probes, values):
-                    w1p, w2p = (probe[n].float() for n in (site.w1, site.w2))
-                    if site.transposed:
-                        w1p, w2p = w1p.transpose(1, 2), w2p.transpose(1, 2)
-                    b1, b2 = (probe[b].float() if b is not None else None for b in (site.b1, site.b2))
-                    ref = moe.moe_experts_pattern(probe[site.x].float(), probe[site.idx], probe[site.w].float(),
-                                                  w1p, w2p, act, b1, b2, interleaved, alpha, limit)
-                    worst = max(worst, float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
-                errors[act, interleaved] = worst
+        # (act, interleaved, gated, transposed) -> the worst relative error over the probes
+        errors: dict[tuple[str, bool, bool, bool], float] = {}
+        for gated, transposed in layouts:
+            # gate/up in halves first; alternate columns only if no halves match; ungated experts have neither
+            for interleaved in ((False, True) if gated else (False,)):
+                for act in acts if gated else _candidate_activations(site.region, UNGATED_ACTIVATIONS):
+                    worst = 0.0
+                    for probe, value in zip(probes, values):
+                        w1p, w2p = (probe[n].float() for n in (site.w1, site.w2))
+                        if transposed:
+                            w1p, w2p = w1p.transpose(1, 2), w2p.transpose(1, 2)
+                        b1, b2 = (probe[b].float() if b is not None else None for b in (site.b1, site.b2))
+                        ref = moe.moe_experts_pattern(probe[site.x].float(), probe[site.idx], probe[site.w].float(),
+                                                      w1p, w2p, act, b1, b2, interleaved, alpha, limit, gated=gated)
+                        worst = max(worst, float((value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+                    errors[act, interleaved, gated, transposed] = worst
+                if min(errors.values()) <= tolerance:
+                    break
             if min(errors.values()) <= tolerance:
                 break
     closest = min(errors, key=errors.get)
     if errors[closest] <= tolerance:
-        site.act, site.interleaved = closest
+        site.act, site.interleaved, site.gated, site.transposed = closest
         site.alpha, site.limit = alpha, limit
         return None
-    return (f"on random probes it is not sum_k w * down(act(gate x) * up x) for any supported activation and "
-            f"gate/up layout (closest: {closest[0]}{', interleaved' if closest[1] else ''}, relative error "
-            f"{errors[closest]:.2g}): an offset or clamped GLU other than GPT-OSS's, token dropping or a post-expert "
-            "norm")
+    act, interleaved, gated, _ = closest
+    if gated:
+        return (f"on random probes it is not sum_k w * down(act(gate x) * up x) for any supported activation and "
+                f"gate/up layout (closest: {act}{', interleaved' if interleaved else ''}, relative error "
+                f"{errors[closest]:.2g}): an offset or clamped GLU other than GPT-OSS's, token dropping or a "
+                "post-expert norm")
+    return (f"on random probes it is not sum_k w * down(act(up x)) for any activation of ungated experts the op "
+            f"has ({', '.join(UNGATED_ACTIVATIONS)}; closest: {act}, relative error {errors[closest]:.2g}): another "
+            "activation, an offset, token dropping or a post-expert norm")
 
 
 def _sigmoid_scale(region: list[fx.Node]) -> Optional[float]:
@@ -474,9 +514,11 @@ def _clamp_limit(region: list[fx.Node]) -> Optional[float]:
     return max(limits) if limits else None
 
 
-def _candidate_activations(region: list[fx.Node]) -> tuple[str, ...]:
-    """The activations to probe: the one an ``F.silu`` / ``F.gelu`` node of the region names, else all three (a
-    GELU written out by hand); in bf16 the probes alone cannot tell erf GELU from its tanh approximation."""
+def _candidate_activations(region: list[fx.Node], supported: tuple[str, ...]) -> tuple[str, ...]:
+    """The activations of ``supported`` to probe: the one the region names, else all of them (a GELU written out by
+    hand). Named: an ``F.silu`` / ``F.gelu`` node (its ``approximate``), and ``relu2`` for a ``relu`` whose result is
+    squared (``square``, the canonical form of ``** 2`` and ``r * r``). In bf16 the probes alone cannot tell erf
+    GELU from its tanh approximation."""
     named = set()
     for node in region:
         name = op_name(node)
@@ -485,12 +527,15 @@ def _candidate_activations(region: list[fx.Node]) -> tuple[str, ...]:
         elif name == "gelu":
             approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
             named.add("gelu_tanh" if approximate == "tanh" else "gelu")
-    return tuple(a for a in ACTIVATIONS if a in named) if len(named) == 1 else ACTIVATIONS
+        elif name == "relu" and any(op_name(user) == "square" for user in node.users):
+            named.add("relu2")
+    named &= set(supported)
+    return tuple(a for a in supported if a in named) if len(named) == 1 else supported
 
 
-def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[MoeSite], Optional[str]]]:
-    """(first expert GEMM, second or None, candidate sites (the probes choose), why none) per pair of expert GEMMs,
-    in graph order."""
+def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[MoeSite], Optional[str], bool]]:
+    """(first expert GEMM, second or None, candidate sites (the probes choose), why none, whether they are the sum
+    over k) per pair of expert GEMMs, in graph order."""
     gemms = [n for n in gm.graph.nodes if is_expert_gemm(n)]
     used: set[fx.Node] = set()
     found = []
@@ -500,14 +545,13 @@ def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[Mo
         below = _descendants(first)
         second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
         if second is None:
-            found.append((first, None, [], "an expert GEMM without a second one after it in this graph: not a "
-                          "gated expert MLP (up, act, down), or a loop over experts split by graph breaks "
-                          "(transformers' 'eager' experts: set config._experts_implementation = 'grouped_mm')"))
+            found.append((first, None, [], "an expert GEMM without a second one after it in this graph: not an "
+                          "expert MLP (up, act, down), or a loop over experts split by graph breaks "
+                          "(transformers' 'eager' experts: set config._experts_implementation = 'grouped_mm')", False))
             used.add(first)
             continue
         used |= {first, second}
-        sites, why_not = _interface(first, second)
-        found.append((first, second, sites, why_not))
+        found.append((first, second, *_interface(first, second)))
     return found
 
 
@@ -524,14 +568,10 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
     moe = _lowering()
     moe.register()
     changed = False
-    for anchor, second, sites, why_not in candidates:
-        site = None
-        for candidate in sites or ():  # the first candidate the probes accept (top-1: up to TOP_1_CANDIDATES)
-            reason = _accept(candidate)
-            if reason is None:
-                site, why_not = candidate, None
-                break
-            why_not = why_not or reason
+    for anchor, second, sites, why_not, summed in candidates:
+        site, why_not = _first_accepted(sites, why_not)
+        if site is None and summed:  # the sum over k refused: the experts may run one route a row inside it (Ergo)
+            site, _ = _first_accepted(_interface(anchor, second, only_top_1=True)[0], None)
         if site is None:
             report.reject(FAMILY, anchor, why_not)
             if second is not None:  # one site, one reason: the second GEMM's anchor is explained by it too
@@ -555,7 +595,7 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                       for w in (w1, w2))
         fused = insert_call(gm.graph, site.out, torch.ops.sloth.moe_experts.default,
                             (site.x, site.idx, site.w, w1, w2, site.act, site.b1, site.b2, site.interleaved,
-                             site.alpha, site.limit, *factors, *scales), meta_from=site.out)
+                             site.alpha, site.limit, *factors, *scales, site.gated), meta_from=site.out)
         y = insert_call(gm.graph, site.out, operator.getitem, (fused, 0), meta_from=site.out)
         if _value(y).dtype != out.dtype:
             y = insert_call(gm.graph, site.out, torch.Tensor.to, (y, out.dtype), meta_from=site.out)
@@ -567,9 +607,10 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
             erased |= erase_unused(weight, keep)
         x, w1_value = _value(site.x), _value(site.w1)
         computed = [n for n, a in zip((site.w1, site.w2), adapters) if n.op != "placeholder" and a is None]
-        adapted = [name for name, a in zip(("gate_up", "down"), adapters) if a is not None]
+        adapted = [name for name, a in zip(("gate_up" if site.gated else "up", "down"), adapters) if a is not None]
         rank = next((_shape(a.lhs)[2] for a in adapters if a is not None), None)
-        variant = "".join((f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else
+        variant = "".join((", ungated" if not site.gated else "",
+                           f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else
                            f" (limit {site.limit:g})" if site.act == "silu_clamped" else "",
                            ", interleaved gate/up" if site.interleaved else "",
                            ", biases" if site.b1 is not None or site.b2 is not None else "",
@@ -586,6 +627,17 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _first_accepted(sites: list[MoeSite], why_not: Optional[str]) -> tuple[Optional[MoeSite], Optional[str]]:
+    """The first of ``sites`` the probes accept (top-1: up to TOP_1_CANDIDATES), or None and ``why_not`` (else the
+    first candidate's reason)."""
+    for candidate in sites:
+        reason = _accept(candidate)
+        if reason is None:
+            return candidate, None
+        why_not = why_not or reason
+    return None, why_not
 
 
 def _erase_dead(region: list[fx.Node], erased: set[fx.Node]) -> None:

@@ -12,7 +12,7 @@ import torch
 
 import sloth.lowering.moe as lowering
 import sloth.lowering.moe_kernels as moe_kernels
-from sloth.lowering.moe import ACTIVATIONS, moe_experts, moe_experts_pattern, register
+from sloth.lowering.moe import ACTIVATIONS, UNGATED_ACTIVATIONS, moe_experts, moe_experts_pattern, register
 from op_checks import RecordOps
 from tolerance import assert_close
 
@@ -20,35 +20,38 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 GRAD_NAMES = ("out", "dx", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
 
 
-def make_inputs(T, H, I, E, K, seed=0, unused_experts=()):
+def make_inputs(T, H, I, E, K, seed=0, unused_experts=(), gated=True):
     """fp32 masters (x, top_k_index, top_k_weights, gate_up_proj, down_proj, dout); experts in ``unused_experts``
-    get no token. Weights scaled ~1/sqrt(fan-in) so activations stay O(1) and reach the GLU's bend."""
+    get no token. Weights scaled ~1/sqrt(fan-in) so activations stay O(1) and reach the GLU's bend. With
+    ``gated=False`` the first weight is an ungated expert's up projection [E, I, H]."""
     g = torch.Generator().manual_seed(seed)
     used = torch.tensor([e for e in range(E) if e not in unused_experts])
     # K distinct experts a token, as a router's top-k gives.
     index = torch.stack([used[torch.randperm(len(used), generator=g)[:K]] for _ in range(T)])
     weights = torch.softmax(torch.randn(T, K, generator=g), -1)
     x = torch.randn(T, H, generator=g)
-    gate_up = torch.randn(E, 2 * I, H, generator=g) * 2 / H ** 0.5
+    gate_up = torch.randn(E, 2 * I if gated else I, H, generator=g) * 2 / H ** 0.5
     down = torch.randn(E, H, I, generator=g) / I ** 0.5
     return x, index, weights, gate_up, down, torch.randn(T, H, generator=g)
 
 
-def forward_backward(fn, x, index, weights, gate_up, down, dout, act, frozen=False):
+def forward_backward(fn, x, index, weights, gate_up, down, dout, act, frozen=False, **options):
     leaves = [t.detach().requires_grad_(not (frozen and i >= 2)) for i, t in enumerate((x, weights, gate_up, down))]
     x, weights, gate_up, down = leaves
-    out = fn(x, index, weights, gate_up, down, act)
+    out = fn(x, index, weights, gate_up, down, act, **options)
     wrt = [x, weights] if frozen else [x, weights, gate_up, down]
     return [out.detach(), *torch.autograd.grad(out, wrt, dout.to(out.dtype))]
 
 
-def check_against_pattern(masters, dtype, act, frozen=False):
+def check_against_pattern(masters, dtype, act, frozen=False, **options):
+    """Forward and every gradient of the op against the pattern at ``dtype`` and in float64; ``options`` are
+    passed to both (``gated=False``)."""
     x, index, weights, gate_up, down, dout = masters
     low = [t.to(dtype) for t in (x, weights, gate_up, down, dout)]
     args = lambda ts: (ts[0], index, ts[1], ts[2], ts[3], ts[4])  # noqa: E731
-    actual = forward_backward(moe_experts, *args(low), act, frozen)
-    eager = forward_backward(moe_experts_pattern, *args(low), act, frozen)
-    reference = forward_backward(moe_experts_pattern, *args([t.double() for t in low]), act, frozen)
+    actual = forward_backward(moe_experts, *args(low), act, frozen, **options)
+    eager = forward_backward(moe_experts_pattern, *args(low), act, frozen, **options)
+    reference = forward_backward(moe_experts_pattern, *args([t.double() for t in low]), act, frozen, **options)
     for name, a, e, r in zip(GRAD_NAMES, actual, eager, reference):
         assert_close(name, a, e, r)
     return actual
@@ -112,9 +115,10 @@ VARIANTS = {  # id -> (act, interleaved, biases)
 }
 
 
-def check_variant(masters, biases_masters, dtype, act, interleaved, frozen=False):
+def check_variant(masters, biases_masters, dtype, act, interleaved, frozen=False, **options):
     """Forward and every gradient (x, router weights, expert weights and, when present, both biases) of the op
-    against the pattern at ``dtype`` and in float64; experts and biases frozen when ``frozen``."""
+    against the pattern at ``dtype`` and in float64; experts and biases frozen when ``frozen``; ``options`` passed
+    to both (``gated=False``)."""
     x, index, weights, gate_up, down, dout = masters
 
     def run(fn, cast):
@@ -122,7 +126,8 @@ def check_variant(masters, biases_masters, dtype, act, interleaved, frozen=False
         for t in (gu_, d_):
             t.requires_grad_(not frozen)
         b = [cast(t).requires_grad_(not frozen) for t in biases_masters]
-        out = fn(x_, index, w_, gu_, d_, act, *(b or (None, None)), interleaved=interleaved, alpha=1.702, limit=7.0)
+        out = fn(x_, index, w_, gu_, d_, act, *(b or (None, None)), interleaved=interleaved, alpha=1.702, limit=7.0,
+                 **options)
         wrt = [x_, w_] + ([] if frozen else [gu_, d_, *b])
         return [out.detach(), *torch.autograd.grad(out, wrt, cast(dout))]
 
@@ -180,15 +185,16 @@ def test_gpt_oss_frozen_experts_and_biases(dtype):
     check_variant(masters, biases, dtype, "swiglu_oai", True, frozen=True)
 
 
+@pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)], ids=["gated-silu", "ungated-relu2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_grouped_mm_and_reference_paths_agree(monkeypatch, dtype):
+def test_grouped_mm_and_reference_paths_agree(monkeypatch, dtype, act, gated):
     # The aligned shape runs torch._grouped_mm's CPU kernel; forcing the reference must give the same numbers.
-    masters = make_inputs(17, 32, 16, 4, 2, unused_experts=(1,))
+    masters = make_inputs(17, 32, 16, 4, 2, unused_experts=(1,), gated=gated)
     x32 = masters[0].to(dtype)
     assert lowering._use_grouped_mm(x32, masters[3].to(dtype).transpose(1, 2))
-    grouped = check_against_pattern(masters, dtype, "silu")
+    grouped = check_against_pattern(masters, dtype, act, gated=gated)
     monkeypatch.setattr(lowering, "_use_grouped_mm", lambda a, b: False)
-    reference = check_against_pattern(masters, dtype, "silu")
+    reference = check_against_pattern(masters, dtype, act, gated=gated)
     for name, a, b in zip(GRAD_NAMES, grouped, reference):
         torch.testing.assert_close(a, b, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-4 if
                                    dtype == torch.float32 else 2e-2, msg=lambda m: f"{name}: {m}")
@@ -210,15 +216,18 @@ def test_frozen_experts_get_no_gradient(dtype):
     check_against_pattern(masters, dtype, "silu", frozen=True)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora"])
+@pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora", "ungated"])
 def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
     # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
     # GPT-OSS's variant with its biases and their gradients, and LoRA on the experts, too.
     T, H, I, E, K = 13, 24, 20, 7, 2
-    x, index, weights, gate_up, down, _ = make_inputs(T, H, I, E, K)
+    x, index, weights, gate_up, down, _ = make_inputs(T, H, I, E, K, gated=variant != "ungated")
     g = torch.Generator().manual_seed(1)
     extra = {"gpt-oss": ("swiglu_oai", torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g), True),
-             "lora": ("silu", None, None, False, 1.702, 7.0, *make_adapters(E, H, I, 3), 2.0, 0.5)
+             "lora": ("silu", None, None, False, 1.702, 7.0, *make_adapters(E, H, I, 3), 2.0, 0.5),
+             # ungated, with biases and LoRA on both GEMMs
+             "ungated": ("relu2", torch.randn(E, I, generator=g), torch.randn(E, H, generator=g), False, 1.702, 7.0,
+                         *make_adapters(E, H, I, 3, gated=False), 2.0, 0.5, False),
              }.get(variant, ("silu",))
     calls = _recorded_forward_backward(x, index, weights, gate_up, down, *extra)
     names = [name for name, _ in calls]
@@ -228,6 +237,114 @@ def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
         for o in outs:
             if isinstance(o, torch.Tensor) and o.dim() >= 2:
                 assert o.shape[-1] != E or o.shape[-2] not in (T, T * K), f"{name} made {tuple(o.shape)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ungated experts (NemotronH's, Ergo's): h = act(W_up x), gated=False, the first weight [E, I, H]
+# ---------------------------------------------------------------------------------------------------
+
+UNGATED_CASES = [pytest.param(shape, dtype, act, id=f"{sid}-{DTYPE_IDS[dtype]}-{act}-ungated")
+                 for sid, shape in SHAPES.items() for dtype in (torch.float32, torch.bfloat16)
+                 for act in UNGATED_ACTIVATIONS if act == "relu2" or sid == "T13-H24-I20-E5-K2"]
+
+
+@pytest.mark.parametrize("shape,dtype,act", UNGATED_CASES)
+def test_ungated_forward_and_gradients_match_pattern(shape, dtype, act):
+    T, H, I, E, K, unused = shape
+    masters = make_inputs(T, H, I, E, K, unused_experts=unused, gated=False)
+    out, dx, dw, d_up, d_down = check_against_pattern(masters, dtype, act, gated=False)
+    assert d_up.shape == (E, I, H) and d_down.shape == (E, H, I)
+    assert out.dtype == dx.dtype == d_up.dtype == d_down.dtype == dw.dtype == dtype
+    assert d_up.abs().max() > 0 and dw.abs().max() > 0
+    for e in unused:  # an expert with no token gets an exactly zero gradient
+        assert not d_up[e].any() and not d_down[e].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["train", "frozen"])
+@pytest.mark.parametrize("act", ["relu2", "gelu_tanh"])
+def test_ungated_with_biases_matches_pattern(act, frozen, dtype):
+    # transformers' has_bias with has_gate=False: up bias [E, I], down bias [E, H] (inside the router weighting)
+    T, H, I, E, K, unused = SHAPES["T13-H24-I20-E5-K2-expert3-empty"]
+    masters = make_inputs(T, H, I, E, K, seed=2, unused_experts=unused, gated=False)
+    g = torch.Generator().manual_seed(6)
+    biases = [torch.randn(E, I, generator=g), torch.randn(E, H, generator=g) * 0.5]
+    grads = check_variant(masters, biases, dtype, act, False, frozen=frozen, gated=False)
+    assert len(grads) == (3 if frozen else 7)
+    if not frozen:
+        out, dx, dw, d_up, d_down, d_b1, d_b2 = grads
+        assert d_b1.shape == (E, I) and d_b1.abs().max() > 0 and d_b2.abs().max() > 0
+        for e in unused:
+            assert not d_up[e].any() and not d_down[e].any() and not d_b1[e].any() and not d_b2[e].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ungated_frozen_experts_get_no_gradient(dtype):
+    # LoRA on attention only: the ungated experts frozen get no gradient, and the backward op forms none.
+    masters = make_inputs(13, 24, 20, 5, 2, gated=False)
+    x, index, weights, up, down, dout = (t.to(dtype) if t.is_floating_point() else t for t in masters)
+    x, weights = x.requires_grad_(True), weights.requires_grad_(True)
+    out = moe_experts(x, index, weights, up, down, "relu2", gated=False)
+    with RecordOps() as rec:
+        out.backward(dout)
+    assert up.grad is None and down.grad is None and x.grad is not None and weights.grad is not None
+    (_, args, outputs), = [c for c in rec.calls if c[0] == torch.ops.sloth.moe_experts_backward.default]
+    assert list(args[10:14]) == [True, True, False, False] and args[-1] is False  # compute_*, then gated
+    assert outputs[0].shape == x.shape and outputs[2].numel() == 0 and outputs[3].numel() == 0
+    check_against_pattern(masters, dtype, "relu2", frozen=True, gated=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ungated_transposed_layout_matches_pattern_and_needs_no_copy(dtype):
+    # Ergo's layout (is_transposed=True): up stored [E, H, I], down [E, I, H], passed as transposed views; the
+    # weight gradients come back in the stored layout.
+    masters = list(make_inputs(13, 24, 20, 5, 2, seed=3, unused_experts=(2,), gated=False))
+    masters[3], masters[4] = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in masters[3:5])
+    out, dx, dw, d_up, d_down = check_against_pattern(masters, dtype, "relu2", gated=False)
+    assert d_up.transpose(1, 2).is_contiguous() and d_down.transpose(1, 2).is_contiguous()
+    up_t, down_t = (masters[i].transpose(1, 2).to(dtype).requires_grad_(True) for i in (3, 4))
+    moe_experts(masters[0].to(dtype), masters[1], masters[2].to(dtype), up_t.transpose(1, 2),
+                down_t.transpose(1, 2), "relu2", gated=False).backward(masters[5].to(dtype))
+    assert up_t.grad.is_contiguous() and down_t.grad.is_contiguous()
+    torch.testing.assert_close(up_t.grad, d_up.transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("on", [("gate_up", "down"), ("gate_up",), ("down",)], ids=["both", "up", "down"])
+def test_ungated_lora_on_experts_matches_merged_weights(on, dtype):
+    # peft's target_parameters on up_proj [E, I, H] and down_proj: B1 [E, I, r]
+    T, H, I, E, K, r, unused = LORA_CASES["T13-H24-I20-E5-K2-r3-expert3-empty"]
+    grads = check_lora(make_inputs(T, H, I, E, K, unused_experts=unused, gated=False),
+                       make_adapters(E, H, I, r, gated=False), dtype, on, act="relu2", gated=False)
+    for grad in grads[3:]:
+        assert grad.abs().max() > 0
+        for e in unused:
+            assert not grad[e].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ungated_lora_with_training_base_and_peft_views(dtype):
+    masters = make_inputs(17, 32, 16, 4, 2, gated=False)
+    check_lora(masters, make_adapters(4, 32, 16, 4, permuted=True, gated=False), dtype, base_trains=True,
+               act="silu", gated=False)
+
+
+def test_opcheck_ungated():
+    register()
+    x, index, weights, up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,), gated=False)
+    g = torch.Generator().manual_seed(4)
+    b1, b2 = torch.randn(5, 20, generator=g).requires_grad_(True), torch.randn(5, 24, generator=g).requires_grad_(True)
+    args = (x.requires_grad_(True), index, weights.requires_grad_(True), up.requires_grad_(True),
+            down.requires_grad_(True), "relu2", b1, b2, False, 1.702, 7.0, None, None, None, None, 1.0, 1.0, False)
+    torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
+    x, weights, up, down, b1, b2 = (t.detach() for t in (x, weights, up, down, b1, b2))  # the backward has none
+    _, u, order, offs = torch.ops.sloth.moe_experts(x, index, weights, up, down, "relu2", b1, b2, False, 1.702, 7.0,
+                                                    None, None, None, None, 1.0, 1.0, False)
+    assert u.shape == (26, 20)
+    torch.library.opcheck(torch.ops.sloth.moe_experts_backward.default,
+                          (torch.randn(13, 24, generator=g), x, index, weights, up, down, u, order, offs, "relu2",
+                           True, True, True, True, b1, b2, False, 1.702, 7.0, True, True, None, None, None, None,
+                           1.0, 1.0, False, False, False))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,16 +379,18 @@ def test_combine_sums_each_tokens_rows(T, K, H, dtype, scaled):
 
 @pytest.mark.parametrize("want_dw,want_hw", [(True, True), (True, False), (False, False)], ids=["dw-hw", "dw", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("act,interleaved", [(a, False) for a in ACTIVATIONS]
-                         + [("swiglu_oai", True), ("silu_clamped", False), ("silu", True)],
-                         ids=[*ACTIVATIONS, "swiglu_oai-interleaved", "silu_clamped", "silu-interleaved"])
+@pytest.mark.parametrize("act,interleaved,gated", [(a, False, True) for a in ACTIVATIONS]
+                         + [("swiglu_oai", True, True), ("silu_clamped", False, True), ("silu", True, True)]
+                         + [(a, False, False) for a in UNGATED_ACTIVATIONS],
+                         ids=[*ACTIVATIONS, "swiglu_oai-interleaved", "silu_clamped", "silu-interleaved",
+                              *(f"{a}-ungated" for a in UNGATED_ACTIVATIONS)])
 @pytest.mark.parametrize("T,K,I", [(7, 3, 37), (3, 2, 300)])  # 300: the column loop runs twice
-def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, dtype, want_dw, want_hw):
-    # The manual derivative against autograd of the expert GLU's eager math; a limit of 3 so that the clamped
-    # GLUs' clamps bind on these pre-activations (up to ~6).
+def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, gated, dtype, want_dw, want_hw):
+    # The manual derivative against autograd of the expert GLU's eager math (ungated: of act(u)); a limit of 3 so
+    # that the clamped GLUs' clamps bind on these pre-activations (up to ~6).
     g = torch.Generator().manual_seed(I + K)
     S = T * K
-    c, gu = torch.randn(S, I, generator=g), torch.randn(S, 2 * I, generator=g) * 2
+    c, gu = torch.randn(S, I, generator=g), torch.randn(S, 2 * I if gated else I, generator=g) * 2
     weights = torch.softmax(torch.randn(T, K, generator=g), -1)
     order = _permutation(S, I)
     alpha, limit = 1.702, 3.0
@@ -279,15 +398,16 @@ def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, dtype
     def eager(c, gu, weights):  # autograd of w_r * <c_r, h(gu_r)> at the tested dtype: (d_gu, dw, w h)
         gu, weights = gu.detach().requires_grad_(), weights.detach().requires_grad_()
         w = weights.reshape(-1)[order].unsqueeze(1)
-        h = moe_kernels.expert_glu_math(gu, act, interleaved, alpha, limit)
+        h = moe_kernels.expert_glu_math(gu, act, interleaved, alpha, limit, gated)
         d_gu, dw = torch.autograd.grad((w * h * c).sum(), (gu, weights))
         return d_gu, dw.reshape(-1), (h * w).detach()
 
     d_gu, dw, hw = moe_kernels.glu_backward_weighted(c.to(dtype), gu.to(dtype), weights.to(dtype), order,
                                                      lowering.ACTIVATIONS.get(act, act), want_dw, want_hw,
-                                                     interleaved, alpha, limit)
+                                                     interleaved, alpha, limit, gated=gated)
     expected = eager(c.to(dtype), gu.to(dtype), weights.to(dtype))
     reference = eager(c.double(), gu.double(), weights.double())
+    assert d_gu.shape == gu.shape
     assert_close("d_gu", d_gu, expected[0], reference[0])
     assert (dw is not None) == want_dw and (hw is not None) == want_hw
     if want_dw:
@@ -316,6 +436,9 @@ def test_the_kernels_run_where_triton_runs(monkeypatch):
     g = torch.Generator().manual_seed(6)
     check_variant(masters, [torch.randn(5, 40, generator=g), torch.randn(5, 24, generator=g)], torch.bfloat16,
                   "swiglu_oai", True)
+    # ungated experts with biases: the GATED=False forward (bias written back) and backward
+    check_variant(make_inputs(13, 24, 20, 5, 2, gated=False), [torch.randn(5, 20, generator=g),
+                  torch.randn(5, 24, generator=g)], torch.bfloat16, "relu2", False, gated=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -341,11 +464,12 @@ def test_compiles_without_graph_break():
 # LoRA on the experts: W_eff = W + s B A per expert, the adapters' products inside the op
 # ---------------------------------------------------------------------------------------------------
 
-def make_adapters(E, H, I, r, seed=7, permuted=False):
+def make_adapters(E, H, I, r, seed=7, permuted=False, gated=True):
     """(B1 [E, 2I, r], A1 [E, r, H], B2 [E, H, r], A2 [E, r, I]) fp32 masters, B nonzero so A's gradient is not zero
-    (peft starts B at zero); ``permuted``: B as peft's ``reshape(n, r, E).permute(2, 0, 1)`` views."""
+    (peft starts B at zero); ``permuted``: B as peft's ``reshape(n, r, E).permute(2, 0, 1)`` views; ``gated=False``:
+    B1 [E, I, r], the up projection's."""
     g = torch.Generator().manual_seed(seed)
-    shapes = ((E, 2 * I, r), (E, r, H), (E, H, r), (E, r, I))
+    shapes = ((E, 2 * I if gated else I, r), (E, r, H), (E, H, r), (E, r, I))
     factors = [torch.randn(shape, generator=g) / shape[-1] ** 0.5 for shape in shapes]
     if permuted:
         factors = [f.permute(1, 2, 0).contiguous().permute(2, 0, 1) if i % 2 == 0 else f
@@ -353,10 +477,11 @@ def make_adapters(E, H, I, r, seed=7, permuted=False):
     return factors
 
 
-def check_lora(masters, adapters, dtype, on=("gate_up", "down"), base_trains=False, scales=(2.0, 0.5)):
+def check_lora(masters, adapters, dtype, on=("gate_up", "down"), base_trains=False, scales=(2.0, 0.5), act="silu",
+               **options):
     """Forward and every gradient (x, router weights, each given adapter factor and, when ``base_trains``, the
     expert weights) of the op against the pattern (the adapters merged by baddbmm, as peft does) at ``dtype`` and
-    in float64."""
+    in float64; ``options`` passed to both (``gated=False``)."""
     x, index, weights, gate_up, down, dout = masters
 
     def run(fn, cast):
@@ -364,7 +489,7 @@ def check_lora(masters, adapters, dtype, on=("gate_up", "down"), base_trains=Fal
         gu_, d_ = (cast(t).requires_grad_(base_trains) for t in (gate_up, down))
         factors = [cast(t).requires_grad_() if (i < 2 and "gate_up" in on) or (i >= 2 and "down" in on) else None
                    for i, t in enumerate(adapters)]
-        out = fn(x_, index, w_, gu_, d_, "silu", None, None, False, 1.702, 7.0, *factors, *scales)
+        out = fn(x_, index, w_, gu_, d_, act, None, None, False, 1.702, 7.0, *factors, *scales, **options)
         wrt = [x_, w_, *([gu_, d_] if base_trains else []), *(f for f in factors if f is not None)]
         return [out.detach(), *torch.autograd.grad(out, wrt, cast(dout))]
 
@@ -410,12 +535,13 @@ def _recorded_forward_backward(*args):
     for: a list of (op name, outputs)."""
     x, index, weights, gate_up, down, act, *rest = args
     rest = (*rest, *lowering._DEFAULTS[len(rest):])
-    b1, b2, interleaved, alpha, limit, lb1, la1, lb2, la2, s1, s2 = rest
+    b1, b2, interleaved, alpha, limit, lb1, la1, lb2, la2, s1, s2, gated = rest
     with RecordOps() as rec:
         out, gu, order, offs = lowering.moe_experts_forward(*args)
         lowering.moe_experts_backward(torch.ones_like(out), x, index, weights, gate_up, down, gu, order, offs, act,
                                       True, True, True, True, b1, b2, interleaved, alpha, limit, b1 is not None,
-                                      b2 is not None, lb1, la1, lb2, la2, s1, s2, lb1 is not None, lb2 is not None)
+                                      b2 is not None, lb1, la1, lb2, la2, s1, s2, lb1 is not None, lb2 is not None,
+                                      gated)
     return [(str(func), out if isinstance(out, (tuple, list)) else (out,)) for func, _, out in rec.calls]
 
 
@@ -504,6 +630,14 @@ def test_fake_shapes_on_meta():
     assert order.shape == (39,) and offs.shape == (5,) and offs.dtype == torch.int32
 
 
+def test_fake_shapes_on_meta_ungated():
+    register()
+    x, index, weights, up, down, _ = (t.to("meta") for t in make_inputs(13, 24, 20, 5, 3, gated=False))
+    out, u, order, offs = torch.ops.sloth.moe_experts(x, index, weights, up, down, "relu2", None, None, False, 1.702,
+                                                      7.0, None, None, None, None, 1.0, 1.0, False)
+    assert out.shape == (13, 24) and u.shape == (39, 20) and order.shape == (39,) and offs.shape == (5,)
+
+
 def test_register_is_idempotent():
     register()
     register()
@@ -523,6 +657,20 @@ def _args(**changes):
 
 BAD_INPUTS = [
     pytest.param(dict(act="relu"), ValueError, r"act must be one of .*'silu'.*got 'relu'", id="act-relu"),
+    pytest.param(dict(act="relu2"), ValueError, r"got 'relu2' \(an activation of ungated experts: gated=False\)",
+                 id="act-relu2-gated"),
+    pytest.param(dict(act="swiglu_oai", gated=False, gate_up_proj=lambda t: t[:, :6]), ValueError,
+                 r"act of ungated experts \(gated=False\) must be one of .*'relu2'.*got 'swiglu_oai'",
+                 id="ungated-act-swiglu_oai"),
+    pytest.param(dict(gated=False, interleaved=True, gate_up_proj=lambda t: t[:, :6]), ValueError,
+                 r"interleaved gate/up needs gated experts", id="ungated-interleaved"),
+    # a gated [E, 2I, H] weight handed to the ungated op: its I is read as 2I, which down_proj refutes
+    pytest.param(dict(gated=False), ValueError, r"down_proj must be \[E, H, I\] = \(3, 8, 12\)",
+                 id="ungated-given-gated-weight"),
+    pytest.param(dict(gated=False, gate_up_proj=lambda t: t[:, :6, :7]), ValueError,
+                 r"gate_up_proj must be \[E, I \(ungated: the up projection\), H\] with H = 8", id="ungated-wrong-H"),
+    pytest.param(dict(gated=False, gate_up_proj=lambda t: t[:, :6], gate_up_bias=torch.zeros(3, 12)), ValueError,
+                 r"gate_up_bias must be \[3, 6\], got \(3, 12\)", id="ungated-bias-shape"),
     pytest.param(dict(x=lambda t: t[None]), ValueError, r"x must be \[T, H\], got shape \(1, 4, 8\)", id="x-3d"),
     pytest.param(dict(x=lambda t: t.double()), TypeError, r"x must be .*float64", id="x-float64"),
     pytest.param(dict(top_k_index=lambda t: t.float()), TypeError, r"top_k_index must be int32 or int64",

@@ -268,6 +268,136 @@ def test_offset_or_clamped_glu_stays_with_reason(variant) -> None:
     assert report.counts.get("moe_route", 0) == 0 and "not sum_k w * down(act(gate x) * up x)" in reason, reason
 
 
+# NemotronH (transformers 5.25), a hybrid Mamba model with ungated relu2 experts (up_proj [E, I, H], has_gate=False):
+# a Mamba layer, an MoE layer, an attention layer and a second MoE layer, the Mamba mixer and the shared expert
+# shrunk (their defaults are 8192 and 7688 wide); one group for its grouped router.
+NEMOTRON_H = dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"], mamba_num_heads=4,
+                  mamba_head_dim=16, n_groups=1, ssm_state_size=8, moe_shared_expert_intermediate_size=32, n_group=1,
+                  topk_group=1)
+
+
+@pytest.mark.parametrize("experts,dtype", [("grouped_mm", torch.float32), ("batched_mm", torch.float32),
+                                           ("grouped_mm", torch.bfloat16)],
+                         ids=["grouped_mm-fp32", "batched_mm-fp32", "grouped_mm-bf16"])
+def test_nemotron_h_ungated_experts_are_fused(experts, dtype) -> None:
+    model = moe_model("nemotron_h", experts, dtype, **NEMOTRON_H)
+    assert model.config.mlp_hidden_act == "relu2" and not any("gate_up" in n for n, _ in model.named_parameters())
+    ours, eager, reference, report = _compare(model, dtype)
+    moe_layers = model.config.layers_block_type.count("moe")
+    assert moe_layers == 2 and report.counts.get("moe_route") == moe_layers, str(report)
+    assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
+    details = [s.detail for s in report.sites if s.family == "moe_route"]
+    assert all(d.startswith("4 experts, top-2, relu2, ungated, ") for d in details), details
+    assert sum(n.endswith(("experts.up_proj", "experts.down_proj")) for n in ours[1]) == 2 * moe_layers
+    assert_model_close(ours, eager, reference, dtype)
+
+
+def test_nemotron_h_peft_lora_on_ungated_experts() -> None:
+    # peft's target_parameters on the ungated stacks (up_proj [E, I, H], down_proj): the op takes the factors, every
+    # expert adapter trains (B starts random so A's gradient is not zero), within the rule of eager's.
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(moe_model("nemotron_h", "grouped_mm", **NEMOTRON_H), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"],
+        target_parameters=["mixer.experts.up_proj", "mixer.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=seeded(5))
+    ours, eager, reference, report = _compare(model, torch.float32)
+    assert report.counts.get("moe_route") == 2, str(report)
+    assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
+    assert all("relu2, ungated, LoRA r=4 on up and down (its products inside the op, no merged weight)" in s.detail
+               for s in report.sites if s.family == "moe_route"), str(report)
+    adapters = [n for n in eager[1] if "experts" in n and "lora_" in n]
+    assert len(adapters) == 8, adapters  # A and B of up and down, two MoE layers
+    for name in adapters:
+        assert ours[1][name].abs().max() > 0, name
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
+# Ergo (transformers 5.25): ungated relu2 experts stored transposed ([E, H, I], [E, I, H]) and called with one route
+# a row and unit weights; each route's output goes through its expert's RMSNorm before the weighted sum over k.
+# A dense first layer, two sparse ones; the shared expert shrunk (8192 wide by default).
+ERGO = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"], shared_intermediate_size=32)
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm"])
+def test_ergo_experts_are_fused_inside_their_per_route_norm(experts) -> None:
+    # The sum over k reads the post-expert norm (refused); the experts' own call, top-1 with unit weights, is fused,
+    # and the norm, the router weighting and the sum stay around it.
+    from transformers import CONFIG_MAPPING
+
+    if "ergo" not in CONFIG_MAPPING:
+        pytest.skip("transformers has no ergo in this version")
+    model = moe_model("ergo", experts, **ERGO)
+    ours, eager, reference, report = _compare(model, torch.float32)
+    assert report.counts.get("moe_route") == 2, str(report)
+    assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
+    assert all(s.detail == "4 experts, top-1, relu2, ungated, transposed weights, float32"
+               for s in report.sites if s.family == "moe_route"), str(report)
+    assert sum(n.endswith(("experts.up_proj", "experts.down_proj", "post_expert_norm.weight")) for n in ours[1]) == 6
+    assert_model_close(ours, eager, reference, torch.float32)
+
+
+class HandWrittenUngatedMoe(nn.Module):
+    """Ungated experts written unlike transformers: sigmoid router renormalised over the top-k, weights stored
+    transposed ([E, H, I] and [E, I, H], applied to row vectors), the up GEMM by ``einsum`` on gathered weights, the
+    down GEMM by ``bmm``, the tokens' sum by ``index_add_``. ``act``: ``"relu2"`` as ``F.relu(u) ** 2``,
+    ``"silu"`` written out as ``u * sigmoid(u)``; near-misses the op must not take: ``"relu"`` (an activation it
+    lacks) and ``"relu2+1"`` (``relu(u)^2 + 1``, an offset)."""
+
+    def __init__(self, hidden: int = 24, inter: int = 12, experts: int = 5, top_k: int = 2, act: str = "relu2"):
+        super().__init__()
+        g = seeded(21)
+        self.router = nn.Parameter(torch.randn(experts, hidden, generator=g) / hidden ** 0.5)
+        self.w_up = nn.Parameter(torch.randn(experts, hidden, inter, generator=g) * 2 / hidden ** 0.5)
+        self.w_down = nn.Parameter(torch.randn(experts, inter, hidden, generator=g) / inter ** 0.5)
+        self.top_k, self.act = top_k, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(x @ self.router.t())
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        expert = chosen.reshape(-1)
+        u = torch.einsum("sh,shi->si", x[token], self.w_up[expert])
+        if self.act == "silu":
+            h = u * torch.sigmoid(u)
+        elif self.act == "relu":
+            h = F.relu(u)
+        else:
+            h = F.relu(u) ** 2 + (1.0 if self.act == "relu2+1" else 0.0)
+        y = torch.bmm(h.unsqueeze(1), self.w_down[expert]).squeeze(1) * weights.reshape(-1, 1)
+        return torch.zeros_like(x).index_add_(0, token, y) + x
+
+
+@pytest.mark.parametrize("act,inter", [("relu2", 12), ("relu2", 24), ("silu", 12)],
+                         ids=["relu2", "relu2-square", "silu-by-hand"])
+def test_hand_written_ungated_moe_is_fused(act, inter) -> None:
+    # inter = hidden = 24: both ungated layouts fit the square weights; the probes pick the transposed one
+    ours, report = _hand_written_through_sloth(HandWrittenUngatedMoe(inter=inter, act=act),
+                                               torch.randn(13, 24, generator=seeded(22)))
+    assert report.counts.get("moe_route") == 1, str(report)
+    detail = next(s.detail for s in report.sites if s.family == "moe_route")
+    assert f"5 experts, top-2, {act}, ungated, transposed weights, float32" == detail, detail
+    assert set(ours[1]) == {"x", "router", "w_up", "w_down"}
+
+
+@pytest.mark.parametrize("act", ["relu", "relu2+1"])
+def test_ungated_near_miss_stays_with_reason(act) -> None:
+    module = HandWrittenUngatedMoe(act=act)
+    x = torch.randn(13, 24, generator=seeded(22))
+    sloth.reset_report()
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager"})
+    torch.testing.assert_close(compiled(x), module(x))
+    report = sloth.report()
+    [reason] = [r.reason for r in report.rejections if r.family == "moe_route"]
+    assert report.counts.get("moe_route", 0) == 0, str(report)
+    assert "it is not sum_k w * down(act(up x)) for any activation of ungated experts" in reason, reason
+
+
 def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
     # Where torch._grouped_mm does not run (fp32 on a GPU, widths not a multiple of 16 bytes), the op's fallback
     # gathers one expert weight per row; past REFERENCE_BYTES the site stays, saying why.

@@ -196,6 +196,16 @@ def _llama_launches() -> None:
     moe_kernels.expert_glu_forward(torch.empty(rows, 2 * width, dtype=bf16), None, ids, "swiglu_oai", True, 1.702, 7.0)
     moe_kernels.segment_sum(torch.empty(rows, 2 * width, dtype=bf16), offs, ids, None, bf16)
     moe_kernels.segment_sum(torch.empty(rows, hidden, dtype=bf16), offs, ids, torch.empty(rows, dtype=f32), bf16)
+    # Ungated experts (NemotronH's relu2, transformers' has_gate=False) at a Nemotron-3-Nano-like layer (top-6, I 1856,
+    # 128 experts): the GATED=False forward with and without the up bias, and the weighted backward.
+    rows, width, experts = n * 6, 1856, 128
+    ids, order = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
+    for act, bias in (("relu2", None), ("relu2", torch.empty(experts, width, dtype=bf16)), ("silu", None)):
+        moe_kernels.expert_glu_forward(torch.empty(rows, width, dtype=bf16), bias, ids, act, False, 1.702, 7.0,
+                                       gated=False)
+    for want in (True, False):
+        moe_kernels.glu_backward_weighted(torch.empty(rows, width, dtype=bf16), torch.empty(rows, width, dtype=bf16),
+                                          torch.empty(n, 6, dtype=f32), order, "relu2", want, want, gated=False)
     # The routers: Qwen3-MoE's (128 experts, top-8, renormalised or not), Mixtral's (8, top-2), GPT-OSS's (32,
     # top-4, softmax over the k) and the kernel's limits (512 experts, top-32), bf16 logits, fp32 weights.
     for experts, top_k, modes in ((128, 8, ((True, False), (True, True))), (8, 2, ((True, True),)),
@@ -275,7 +285,7 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
             "_lora_grad_kernel", "_lce_rows_kernel", "_dequantize_4bit_kernel", "_split_members_kernel",
             "_down_members_kernel", "_up_add_members_kernel", "_dequantize_4bit_members_kernel",
             "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_l2_norm_fwd_kernel", "_l2_norm_bwd_kernel",
-            "_combine_kernel", "_glu_backward_weighted_kernel", "_moe_router_fwd_kernel",
+            "_combine_kernel", "_glu_backward_weighted_kernel", "_expert_glu_fwd_kernel", "_moe_router_fwd_kernel",
             "_moe_router_bwd_kernel", "_moe_router_biased_fwd_kernel", "_moe_router_biased_bwd_kernel"} <= kernels, kernels
     assert sum(launch[1] == "_nf4_matmul_kernel" for launch in unique) == len(nf4_matmul.CONFIGS), unique
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
