@@ -79,7 +79,7 @@ import torch.fx as fx
 
 from ..compiler.anchors import expert_operand, expert_weight_arg, is_expert_gemm, op_name
 from ..compiler.fx_utils import erase_unused, insert_call, module_path, replace_and_erase, source_location, \
-    tensor_of
+    tensor_of, value_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..compiler.writes import written
@@ -596,6 +596,18 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
         fused = insert_call(gm.graph, site.out, torch.ops.sloth.moe_experts.default,
                             (site.x, site.idx, site.w, w1, w2, site.act, site.b1, site.b2, site.interleaved,
                              site.alpha, site.limit, *factors, *scales, site.gated), meta_from=site.out)
+        if value_of(fused) is None:  # (a tuple of four tensors when it ran)
+            # The op did not run on the graph's fakes (seen: SLOTH_TRITON_OP=1, where the op's function is its own
+            # fake and the values of a Dynamo graph come from more than one fake mode): the graph as it was.
+            inserted = [fused, *(n for n in (*factors, w1, w2) if isinstance(n, fx.Node) and not n.users
+                                 and n.target is torch.transpose)]
+            for node in inserted:
+                gm.graph.erase_node(node)
+            report.reject(FAMILY, anchor, "the fused op could not be evaluated on this graph's fake values "
+                                          "(SLOTH_TRITON_OP=1 does not take it): the experts run as written")
+            if second is not None:
+                report.rejected_nodes.append((FAMILY, second))
+            continue
         y = insert_call(gm.graph, site.out, operator.getitem, (fused, 0), meta_from=site.out)
         if _value(y).dtype != out.dtype:
             y = insert_call(gm.graph, site.out, torch.Tensor.to, (y, out.dtype), meta_from=site.out)
