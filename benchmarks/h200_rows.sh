@@ -304,13 +304,13 @@ case $part in
         run moe-sloth-profile 170 --all --model qwen3-moe --variants sloth --profile
         run moe-sloth-cg 170 --all --model qwen3-moe --variants sloth --sloth-options '{"triton.cudagraphs": true}' ;;
     moe-hostprof)  # issue 20: where the host's time goes in the default-options Qwen3-MoE step: the routers' CUDA
-        # checks (the kernels of dc4f000 and c5bc3cd), 16 plain steps with and without nvidia-smi sampling beside
+        # and experts' CUDA checks (the kernels of dc4f000 and c5bc3cd, the ungated experts'), 16 plain steps with and without nvidia-smi sampling beside
         # them (does the sampler slow a host-bound step?), a cProfile of two steps with LoRA on attention and with
         # LoRA on the experts too, the plain step again and with the allocator's expandable segments (as Unsloth sets
         # them; every record counts the allocator's driver calls in the timed steps) (SLOTH_TRITON_OP=1 does not take
         # the MoE ops: the moe_route
         # pass's fake propagation mixes fake modes when the op's function is its own fake)
-        gpu_tests moe-router-cuda 100 router tests/test_cuda_ops.py
+        gpu_tests moe-cuda 110 "router or moe" tests/test_cuda_ops.py
         run moe-sloth-tele 90 --all --model qwen3-moe --variants sloth --steps 16
         run moe-sloth-notele 80 --all --model qwen3-moe --variants sloth --steps 16 --no-telemetry
         run moe-sloth-hostprof 80 --all --model qwen3-moe --variants sloth --host-profile --no-telemetry

@@ -45,6 +45,19 @@ def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype):
     moe_tests.check_against_pattern(masters, dtype, "gelu_tanh", frozen=True)
 
 
+# Ungated experts (NemotronH's relu2, silu), their GATED=False kernels compiled for the GPU; the last at the shape of
+# Nemotron-3-Nano-30B-A3B's experts (hidden 2688, width 1856, 128 experts, top-6) over 1024 tokens.
+@pytest.mark.parametrize("T,H,I,E,K,unused,dtype", [
+    pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),
+    pytest.param(13, 24, 20, 5, 2, (3,), torch.bfloat16, id="odd-bf16"),
+    pytest.param(300, 256, 96, 16, 4, (5,), torch.bfloat16, id="aligned-bf16"),
+    pytest.param(1024, 2688, 1856, 128, 6, (), torch.bfloat16, id="nemotron-nano-bf16")])
+def test_moe_ungated_on_cuda(T, H, I, E, K, unused, dtype):
+    masters = _cuda(moe_tests.make_inputs(T, H, I, E, K, unused_experts=unused, gated=False))
+    moe_tests.check_against_pattern(masters, dtype, "relu2", gated=False)
+    moe_tests.check_against_pattern(masters, dtype, "silu", frozen=True, gated=False)
+
+
 @pytest.mark.parametrize("T,H,I,E,K,unused,dtype", [
     pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),
     pytest.param(13, 24, 20, 5, 2, (3,), torch.bfloat16, id="odd-bf16"),
