@@ -183,6 +183,18 @@ def _expert_glu(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _add_expert_bias_in_place(p_tile, b_tile, p_bias, p_ids, o_m, m_m, o_cols, m_tile, stride_bias):
+    """A loaded fp32 tile of gu plus its rows' experts' bias (columns ``o_cols``), rounded to gu's dtype as eager's
+    ``gu + b[e]`` is, written back over the tile (the backward reads it) and returned in fp32."""
+    o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
+    b_tile = round_to(b_tile + tl.load(p_bias + o_e[:, None] * stride_bias + o_cols[None, :], mask=m_tile,
+                                       other=0.0).to(tl.float32), p_tile.dtype.element_ty)
+    tl.debug_barrier()  # each element is loaded and stored by the same program, its load consumed above
+    tl.store(p_tile, b_tile, mask=m_tile)
+    return b_tile.to(tl.float32)
+
+
+@triton.jit
 def _expert_glu_fwd_kernel(
     p_gu, p_bias, p_ids, p_h,
     n_rows, n_cols, stride_gu, stride_bias, stride_h, alpha, limit,
@@ -202,12 +214,7 @@ def _expert_glu_fwd_kernel(
         p_u = p_gu + o_m[:, None] * stride_gu + o_n[None, :]
         b_u = tl.load(p_u, mask=m_mn, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
-            b_u = round_to(b_u + tl.load(p_bias + o_e[:, None] * stride_bias + o_n[None, :], mask=m_mn,
-                                         other=0.0).to(tl.float32), p_gu.dtype.element_ty)
-            tl.debug_barrier()  # each element is loaded and stored by the same program, its load consumed above
-            tl.store(p_u, b_u, mask=m_mn)
-            b_u = b_u.to(tl.float32)
+            b_u = _add_expert_bias_in_place(p_u, b_u, p_bias, p_ids, o_m, m_m, o_n, m_mn, stride_bias)
         b_h, _ = _ungated_activation_and_derivative(b_u, ACTIVATION)  # a' unused: dead code, dropped
     else:
         if INTERLEAVED:  # columns 2j (gate) and 2j + 1 (up) of this tile, as one tile
@@ -216,12 +223,7 @@ def _expert_glu_fwd_kernel(
             p_tile = p_gu + o_m[:, None] * stride_gu + o_gu[None, :]
             b_gu = tl.load(p_tile, mask=m_gu, other=0.0).to(tl.float32)
             if HAS_BIAS:
-                o_e = tl.load(p_ids + o_m, mask=m_m, other=0).to(tl.int64)
-                b_gu = round_to(b_gu + tl.load(p_bias + o_e[:, None] * stride_bias + o_gu[None, :], mask=m_gu,
-                                               other=0.0).to(tl.float32), p_gu.dtype.element_ty)
-                tl.debug_barrier()  # as above
-                tl.store(p_tile, b_gu, mask=m_gu)
-                b_gu = b_gu.to(tl.float32)
+                b_gu = _add_expert_bias_in_place(p_tile, b_gu, p_bias, p_ids, o_m, m_m, o_gu, m_gu, stride_bias)
             b_g, b_u = tl.split(tl.reshape(b_gu, (BLOCK_M, BLOCK_N, 2)))
         else:
             p_g = p_gu + o_m[:, None] * stride_gu + o_n[None, :]
@@ -234,7 +236,7 @@ def _expert_glu_fwd_kernel(
                 b_g = round_to(b_g + tl.load(p_b, mask=m_mn, other=0.0).to(tl.float32), p_gu.dtype.element_ty)
                 b_u = round_to(b_u + tl.load(p_b + n_cols, mask=m_mn, other=0.0).to(tl.float32),
                                p_gu.dtype.element_ty)
-                tl.debug_barrier()  # as above
+                tl.debug_barrier()  # as in _add_expert_bias_in_place
                 tl.store(p_g, b_g, mask=m_mn)
                 tl.store(p_u, b_u, mask=m_mn)
                 b_g = b_g.to(tl.float32)
