@@ -43,6 +43,28 @@ def moe_model(model_type: str, experts: str, dtype: torch.dtype = torch.float32,
     return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 
+def _lora_on_experts(model: nn.Module, experts: str, first: str) -> nn.Module:
+    """``model`` with peft LoRA r=4 on q_proj and on the stacked expert weights ``{experts}.{first}`` and
+    ``{experts}.down_proj`` (``target_parameters``); B random, so that every A gets a nonzero gradient too."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                             target_parameters=[f"{experts}.{first}", f"{experts}.down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=seeded(5))
+    return model
+
+
+def _assert_every_expert_adapter_trains(ours: tuple, eager: tuple, count: int) -> None:
+    """``count`` expert adapter factors, each with a nonzero gradient through sloth and eagerly."""
+    adapters = [n for n in eager[1] if "experts" in n and "lora_" in n]
+    assert len(adapters) == count, adapters
+    for name in adapters:
+        assert ours[1][name].abs().max() > 0 and eager[1][name].abs().max() > 0, name
+
+
 def _compare(model: nn.Module, dtype: torch.dtype, **options) -> tuple:
     """(sloth's, eager's, fp64 eager's) loss and gradients, and sloth's report (sloth given ``options`` too); the
     fp64 reference runs transformers' eager expert loop (grouped_mm has no float64 kernel)."""
@@ -295,24 +317,13 @@ def test_nemotron_h_ungated_experts_are_fused(experts, dtype) -> None:
 def test_nemotron_h_peft_lora_on_ungated_experts() -> None:
     # peft's target_parameters on the ungated stacks (up_proj [E, I, H], down_proj): the op takes the factors, every
     # expert adapter trains (B starts random so A's gradient is not zero), within the rule of eager's.
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(moe_model("nemotron_h", "grouped_mm", **NEMOTRON_H), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"],
-        target_parameters=["mixer.experts.up_proj", "mixer.experts.down_proj"]))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1, generator=seeded(5))
+    model = _lora_on_experts(moe_model("nemotron_h", "grouped_mm", **NEMOTRON_H), "mixer.experts", "up_proj")
     ours, eager, reference, report = _compare(model, torch.float32)
     assert report.counts.get("moe_route") == 2, str(report)
     assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
     assert all("relu2, ungated, LoRA r=4 on up and down (its products inside the op, no merged weight)" in s.detail
                for s in report.sites if s.family == "moe_route"), str(report)
-    adapters = [n for n in eager[1] if "experts" in n and "lora_" in n]
-    assert len(adapters) == 8, adapters  # A and B of up and down, two MoE layers
-    for name in adapters:
-        assert ours[1][name].abs().max() > 0, name
+    _assert_every_expert_adapter_trains(ours, eager, 8)  # A and B of up and down, two MoE layers
     assert_model_close(ours, eager, reference, torch.float32)
 
 
@@ -449,16 +460,8 @@ def test_peft_lora_on_experts_is_one_graph_and_every_adapter_trains(model_type, 
     # nonzero gradient within the tolerance rule of eager's (B starts random here so A's gradient is not zero).
     # Unsloth's GPT-OSS LoRA once left every expert adapter frozen while saying it had enabled them: this is the
     # test that would have caught it.
-    from peft import LoraConfig, get_peft_model
-
     # GPT-OSS: its transposed [E, H, 2I] layout, biases and clamped GLU, the factors transposed for the op
-    model = get_peft_model(moe_model(model_type, "grouped_mm", dtype), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1, generator=seeded(5))
+    model = _lora_on_experts(moe_model(model_type, "grouped_mm", dtype), "mlp.experts", "gate_up_proj")
     ours, eager, reference, report = _compare(model, dtype, dump=str(tmp_path))
     assert report.graphs == 1, str(report)  # peft's own forward: 7 graph breaks a layer
     [folder] = report.dumps  # the graph before sloth's passes and after the last: the merged weights, then none
@@ -472,8 +475,5 @@ def test_peft_lora_on_experts_is_one_graph_and_every_adapter_trains(model_type, 
     assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
     assert all("LoRA r=4 on gate_up and down (its products inside the op, no merged weight)" in s.detail
                for s in report.sites if s.family == "moe_route"), str(report)
-    adapters = [n for n in eager[1] if "experts" in n and "lora_" in n]
-    assert len(adapters) == 4 * model.config.num_hidden_layers, adapters  # A and B of gate_up and down
-    for name in adapters:
-        assert ours[1][name].abs().max() > 0 and eager[1][name].abs().max() > 0, name
+    _assert_every_expert_adapter_trains(ours, eager, 4 * model.config.num_hidden_layers)  # A, B of gate_up, down
     assert_model_close(ours, eager, reference, dtype)

@@ -84,6 +84,18 @@ def test_op_refuses_a_bad_quant_type():
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def quantize_linears(root: nn.Module, dtype: torch.dtype, quant_type: str, nested: bool) -> None:
+    """Each ``nn.Linear`` under ``root`` replaced by a bitsandbytes ``Linear4bit`` of its weight, in place."""
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=dtype,
+                                      quant_type=quant_type, compress_statistics=nested)
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type=quant_type,
+                                             compress_statistics=nested, module=q)
+                setattr(parent, name, q.to("cpu"))  # quantises on the move
+
+
 def qlora_model(dtype: torch.dtype, quant_type: str = "nf4", nested: bool = True, model_type: str = "llama",
                 targets=None) -> nn.Module:
     from peft import LoraConfig, get_peft_model
@@ -101,14 +113,7 @@ def qlora_model(dtype: torch.dtype, quant_type: str = "nf4", nested: bool = True
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    for parent in list(model.model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=dtype,
-                                      quant_type=quant_type, compress_statistics=nested)
-                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type=quant_type,
-                                             compress_statistics=nested, module=q)
-                setattr(parent, name, q.to("cpu"))  # quantises on the move
+    quantize_linears(model.model, dtype, quant_type, nested)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS if targets is None else
                                              targets))
     for name, p in model.named_parameters():
@@ -278,14 +283,7 @@ def test_qlora_moe_four_bit_attention_and_lora_on_the_experts(dtype):
     from test_moe_pattern import moe_model
 
     model = moe_model("qwen3_moe", "grouped_mm", dtype, num_hidden_layers=1)
-    for parent in list(model.model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=dtype,
-                                      quant_type="nf4", compress_statistics=True)
-                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
-                                             compress_statistics=True, module=q)
-                setattr(parent, name, q.to("cpu"))  # quantises on the move
+    quantize_linears(model.model, dtype, "nf4", True)
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 4  # q, k, v, o; the router is not one
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
