@@ -434,6 +434,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         profile_step(step, args)
     if args.host_profile:
         host_profile_step(step, sync, args)
+    memory_at_peak = None
+    if args.memory_peak and cuda:
+        memory_at_peak = memory_peak_step(step, args)
     peak_tflops = args.peak_tflops or common.matmul_tflops()
     tokens = args.batch * args.seq
     # sloth.report() merges every graph compiled in this process (graph breaks, checkpointed layers).
@@ -473,6 +476,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "gpu telemetry": gpu,
         "gc in timed steps": gc_pauses.summary(),
         "allocator in timed steps": allocator,
+        "memory at peak": memory_at_peak,
         "flops": flops,
         "peak_tflops": peak_tflops,
     }
@@ -596,6 +600,20 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     print("\n".join(lines[:12]), flush=True)
 
 
+def memory_peak_step(step: Callable[[], Any], args: argparse.Namespace) -> str:
+    """One more step with the allocator's history recorded: what is alive at its peak and who allocated it
+    (benchmarks/memory_peak.py), written to $OUT (or benchmarks/results) as memory-peak-<variant>-...txt; returns
+    its first line (the peak and what the step found allocated)."""
+    from benchmarks import memory_peak
+
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
+    path = out_dir / (f"memory-peak-{args.variant}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}"
+                      f"-b{args.batch}-s{args.seq}.txt")
+    text = memory_peak.measure(step, path)
+    print(text[:3000], flush=True)
+    return text.splitlines()[0]
+
+
 def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: argparse.Namespace,
                       steps: int = 2, top: int = 45) -> None:
     """Where the host's time goes: ``steps`` steps under cProfile, the ``top`` Python functions and builtins by
@@ -657,6 +675,8 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
         cmd.append("--host-profile")
     if args.copy_overlap:
         cmd.append("--copy-overlap")
+    if args.memory_peak:
+        cmd.append("--memory-peak")
     if args.no_telemetry:
         cmd.append("--no-telemetry")
     if args.smoke:
@@ -768,6 +788,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="after timing, run two steps under cProfile and write where the host's time goes")
     parser.add_argument("--copy-overlap", action="store_true",
                         help="profile one more step: how much of the host<->device copies compute hid")
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="one more step with the allocator's history: what is alive at its peak, by allocating "
+                             "site (benchmarks/memory_peak.py; memory-peak-<variant>-...txt)")
     parser.add_argument("--no-telemetry", action="store_true",
                         help="time the steps without nvidia-smi sampling the GPU's clock and power beside them")
     parser.add_argument("--warmup", type=int, default=3)
