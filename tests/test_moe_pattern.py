@@ -675,3 +675,59 @@ def test_float32_adapter_beside_bfloat16_experts_stays_with_reason() -> None:
         getattr(module, name).data = getattr(module, name).data.float()
     reason = _stays_with_reason(module, torch.randn(13, 24, generator=seeded(34)).to(torch.bfloat16))
     assert "the adapter's factors are float32 beside bfloat16 expert weights" in reason, reason
+
+
+class SomeExpertsLoraMoe(GatheredLoraMoe):
+    """Factors for the first 4 of 5 experts only, the last expert's rows reading the fourth's (clamped ids): an
+    adapter the op, one an expert, cannot take."""
+
+    def __init__(self):
+        super().__init__()
+        for name in ("a_in", "b_in", "a_out", "b_out"):
+            setattr(self, name, nn.Parameter(getattr(self, name).data[:4].clone()))
+
+    def _lora(self, rows, a, b, expert):
+        return super()._lora(rows, a, b, expert.clamp(max=a.shape[0] - 1))
+
+
+def test_adapter_on_some_experts_stays_with_reason() -> None:
+    reason = _stays_with_reason(SomeExpertsLoraMoe().eval(), torch.randn(13, 24, generator=seeded(34)))
+    assert "the adapter's factors hold 4 and 4 experts' weights, the expert weights 5" in reason, reason
+
+
+class UngatedLoraMoe(HandWrittenUngatedMoe):
+    """HandWrittenUngatedMoe (relu2, weights stored transposed) with frozen experts and an adapter beside its up
+    GEMM, written as ``x @ A[e] @ B[e]`` on row vectors, the scale divided on between the two factors."""
+
+    def __init__(self, r: int = 4):
+        super().__init__()
+        g = seeded(51)
+        hidden, inter = self.w_up.shape[1:]
+        self.w_up.requires_grad_(False)
+        self.w_down.requires_grad_(False)
+        self.a_up = nn.Parameter(torch.randn(5, hidden, r, generator=g) / hidden ** 0.5)
+        self.b_up = nn.Parameter(torch.randn(5, r, inter, generator=g) / r ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(x @ self.router.t())
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        expert = chosen.reshape(-1)
+        rows = x[token].unsqueeze(1)
+        u = (rows @ self.w_up[expert] + (rows @ self.a_up[expert]) / 4.0 @ self.b_up[expert]).squeeze(1)
+        h = F.relu(u) ** 2
+        y = torch.bmm(h.unsqueeze(1), self.w_down[expert]).squeeze(1) * weights.reshape(-1, 1)
+        return torch.zeros_like(x).index_add_(0, token, y) + x
+
+
+def test_adapter_beside_ungated_experts_is_fused() -> None:
+    ours, eager, report = _adapters_through_sloth(UngatedLoraMoe(), torch.randn(13, 24, generator=seeded(52)),
+                                                  torch.float32)
+    assert report.counts.get("moe_route") == 1, str(report)
+    detail = next(s.detail for s in report.sites if s.family == "moe_route")
+    assert detail == ("5 experts, top-2, relu2, ungated, transposed weights, LoRA r=4 on up (beside the expert GEMMs, "
+                      "its products inside the op), float32"), detail
+    for name in ("a_up", "b_up"):
+        assert all(g[name][e].abs().max() > 0 for g in (ours[1], eager[1]) for e in range(5)), name
+    assert not {"w_up", "w_down"} & set(ours[1])
