@@ -37,7 +37,15 @@ The candidate *region* is every node ``out`` is computed from, back to those fiv
 them, such as transformers' ``inv_perm[perm] = arange`` and its in-place bias adds). It may also read per-expert
 biases: float graph inputs [E, 2I] (ungated [E, I]) or [E, H], at most one a GEMM, the gate/up bias being the one
 the second GEMM's operands are computed from (GPT-OSS's). A region reading anything else (a shared expert, a
-parameter of a post-expert norm, an adapter beside the GEMMs) is refused with its name.
+parameter of a post-expert norm, an adapter beside the GEMMs in a form not recognised) is refused with its name.
+
+Adapters applied beside the expert GEMMs (hand-written per-expert LoRA: ``base + s * gemm(gemm(rows, A[e]), B[e])``
+with stacked 3-D factors; patterns/moe_adapters.py) are found before the pairing. Their two GEMMs read stacked 3-D
+inputs too, so they would pair as an expert MLP of their own or split the real pair: they are left out of it, and
+each adapter goes with its base GEMM's site, its factors inputs of the region. The probes give the factors random
+nonzero values and compare with the pattern on ``W + s B A``; the op then takes them as its LoRA arguments (views
+in the op's [E, n, r] / [E, r, k] orientation), as it takes peft's. Recognised but not taken (a tensor scale,
+active dropout, factors in another dtype than the weights or for other experts): the site stays, with the reason.
 
 Weights stored transposed, ``[E, H, 2I]`` and ``[E, I, H]`` (GPT-OSS, ``x @ W[e]``; ungated ``[E, H, I]`` and
 ``[E, I, H]``, Ergo's), are read as such from the shapes; the op then gets ``.transpose(1, 2)`` views (no copy).
@@ -63,10 +71,9 @@ expert order have x's shape too). Where a sum over k follows but the probes refu
 tried too: Ergo calls its experts with one route a row and unit weights, then normalises each route with its
 expert's own norm (which the op does not take) before the weighted sum; the experts' call is the site.
 
-Not yet: adapters applied beside the expert GEMMs rather than merged into their weights (per-expert hand-written
-adapters; reported: the region reads another input), ungated activations other than relu2, silu and the GELUs
-(plain relu, for one: reported, the probes find no match), transformers' ``eager`` expert loop (split by graph
-breaks at its data-dependent ``nonzero``; no site within one graph).
+Not yet: ungated activations other than relu2, silu and the GELUs (plain relu, for one: reported, the probes find
+no match), transformers' ``eager`` expert loop (split by graph breaks at its data-dependent ``nonzero``; no site
+within one graph), two adapters beside one expert GEMM (reported: the op takes one a GEMM).
 """
 from __future__ import annotations
 
@@ -83,6 +90,7 @@ from ..compiler.fx_utils import erase_unused, insert_call, module_path, replace_
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..compiler.writes import written
+from .moe_adapters import BesideAdapter, adapter_gemms, beside_adapters, merged_weight
 
 FAMILY = "moe_route"
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -128,9 +136,16 @@ class MoeSite:
     limit: float = 7.0
     base1: Optional[fx.Node] = None  # the graph inputs W1 / W2 are computed from (themselves if not computed)
     base2: Optional[fx.Node] = None
+    beside1: Optional[BesideAdapter] = None  # an adapter applied beside the first / second GEMM (moe_adapters.py)
+    beside2: Optional[BesideAdapter] = None
 
     def inputs(self) -> tuple[fx.Node, ...]:
-        return tuple(n for n in (self.x, self.idx, self.w, self.w1, self.w2, self.b1, self.b2) if n is not None)
+        return tuple(n for n in (self.x, self.idx, self.w, self.w1, self.w2, self.b1, self.b2) if n is not None) \
+            + self.factor_inputs()
+
+    def factor_inputs(self) -> tuple[fx.Node, ...]:
+        """The graph inputs of the adapters beside the GEMMs (A and B of each), inputs of the region."""
+        return tuple(n for a in (self.beside1, self.beside2) if a is not None for n in a.factors())
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
@@ -213,13 +228,15 @@ def _adapter(weight: fx.Node, base: Optional[fx.Node]) -> Optional[Adapter]:
 TOP_1_CANDIDATES = 4
 
 
-def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False
+def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False,
+               beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None)
                ) -> tuple[list[MoeSite], Optional[str], bool]:
     """Read (x, idx, w, W1, W2, out) off two expert GEMMs: the candidate sites (one, or with top-1 routing up to
     TOP_1_CANDIDATES, for the probes to choose from), or say why none; and whether they are the sum over k (else
     top-1 candidates). ``only_top_1``: the top-1 candidates even where a sum over k follows (tried when that sum is
     refused: Ergo runs its experts with one route a row and unit weights, and sums the routes after a per-route
-    norm the op does not take)."""
+    norm the op does not take). ``beside``: the adapters applied beside the two GEMMs, whose factors the region
+    reads as inputs."""
     base1, base2 = expert_operand(gemm1), expert_operand(gemm2)
     w1, w2 = _weight_value(gemm1, base1), _weight_value(gemm2, base2)
     e1, e2 = _shape(w1), _shape(w2)
@@ -248,7 +265,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False
         return [], why_not, False
     sites, reasons = [], []
     for out in dict.fromkeys(_through_casts(o) for o in outs):
-        site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order)
+        site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order, beside)
         if site is not None:
             site.base1, site.base2 = base1, base2
             sites.append(site)
@@ -266,7 +283,8 @@ def _through_casts(out: fx.Node) -> fx.Node:
 
 
 def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, gemm2: fx.Node, rows: int,
-          order: dict[fx.Node, int]) -> tuple[Optional[MoeSite], Optional[str]]:
+          order: dict[fx.Node, int], beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None)
+          ) -> tuple[Optional[MoeSite], Optional[str]]:
     """The site whose output is ``out``: its router ids and weights, biases and region, or why not."""
     e1 = _shape(w1)
     tokens, top_k = _shape(out)[0], rows // _shape(out)[0]
@@ -278,7 +296,8 @@ def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, ge
     idx, w = ints[-1], floats[-1]
     if top_k == 1:  # the router weights gathered in expert order are [T, 1] too: prefer those not computed from idx
         w = next((f for f in reversed(floats) if idx not in _ancestors(f, set())), w)
-    inputs = {x, idx, w, w1, w2}
+    factors = {n for a in beside if a is not None for n in a.factors()}
+    inputs = {x, idx, w, w1, w2, *factors}
     n_experts, widths = e1[0], {_shape(gemm1)[1], _shape(x)[1]}
 
     def bias_shaped(node: fx.Node) -> bool:  # [E, 2I] or [E, H], float: a per-expert bias of one of the GEMMs
@@ -301,7 +320,8 @@ def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, ge
     if len(b1) > 1 or len(b2) > 1:
         return None, (f"the experts read {len(biases)} per-expert [E, n] inputs "
                       f"({', '.join(repr(str(b.target)) for b in biases)}): more than one bias a GEMM")
-    return MoeSite(out, x, idx, w, w1, w2, region, b1[0] if b1 else None, b2[0] if b2 else None), None
+    return MoeSite(out, x, idx, w, w1, w2, region, b1[0] if b1 else None, b2[0] if b2 else None,
+                   beside1=beside[0], beside2=beside[1]), None
 
 
 def _gathered_from(node: fx.Node) -> Optional[fx.Node]:
@@ -349,8 +369,9 @@ def _region(out: fx.Node, inputs: set[fx.Node], extra: Optional[Callable[[fx.Nod
                 found.append(node)
             continue
         if node.op == "placeholder":
-            what = ("an adapter applied beside the expert GEMMs (not merged into their weights, as peft's "
-                    "target_parameters does): not fused, the experts run as written"
+            what = ("an adapter in a form sloth does not recognise (neither merged into the expert weights, as "
+                    "peft's target_parameters does, nor base + s * B[e] A[e] rows beside each expert GEMM, "
+                    "patterns/moe_adapters.py): not fused, the experts run as written"
                     if any(k in str(node.target).lower() for k in ("lora", "parametriz"))
                     else "a bias, an adapter, a shared expert or a norm the fused op does not take")
             return [], f"the experts also read the graph input {node.target!r}: {what}"
@@ -400,6 +421,14 @@ def _probe(site: MoeSite, seed: int, scale: float) -> dict[fx.Node, torch.Tensor
         if bias is not None:
             value = _value(bias)
             probe[bias] = torch.randn(value.shape, generator=g, device=x.device).to(value.dtype)
+    for adapter in (site.beside1, site.beside2):
+        # A of the fan-in's size and B nonzero, sized so that s B A is as large as W: a probe where the adapter
+        # adds nothing (peft's B = 0 at init) could not tell a wrong scale or orientation apart
+        if adapter is not None:
+            a, b = _value(adapter.a), _value(adapter.b)
+            fan_in, b_size = max(a.shape[1:]) ** 0.5, adapter.rank ** 0.5 * (abs(adapter.scale) or 1.0)
+            probe[adapter.a] = (torch.randn(a.shape, generator=g, device=x.device) / fan_in).to(a.dtype)
+            probe[adapter.b] = (torch.randn(b.shape, generator=g, device=x.device) / b_size).to(b.dtype)
     return probe
 
 
@@ -431,6 +460,11 @@ def _accept(site: MoeSite) -> Optional[str]:
     site.gated, site.transposed = layouts[0]  # the probes' fan-ins read it (the same for every layout that fits)
     if out.dtype not in PROBE_TOLERANCE or x.dtype not in PROBE_TOLERANCE:
         return f"its dtype {out.dtype} is not one the fused op supports"
+    for adapter in (site.beside1, site.beside2):
+        dtypes = {_value(n).dtype for n in adapter.factors()} if adapter is not None else {x.dtype}
+        if dtypes != {x.dtype}:  # (moe_adapters.py compares them with the weights'; the op wants the tokens')
+            return (f"an adapter beside its GEMMs has factors in {', '.join(str(d) for d in dtypes)}, its tokens are "
+                    f"{x.dtype}: the op takes the factors in the tokens' dtype")
     needed = 2 * (w1.numel() + w2.numel()) * w1.element_size() + 8 * _value(site.idx).numel() * w1.shape[1] * 4
     if needed > PROBE_BYTES:
         return f"probing it would hold about {needed / 2**30:.1f} GiB, more than sloth allows itself"
@@ -466,6 +500,9 @@ def _accept(site: MoeSite) -> Optional[str]:
                         w1p, w2p = (probe[n].float() for n in (site.w1, site.w2))
                         if transposed:
                             w1p, w2p = w1p.transpose(1, 2), w2p.transpose(1, 2)
+                        # adapters beside the GEMMs: the pattern's weights are W + s B A (the op's layout)
+                        w1p, w2p = (merged_weight(wp, a, *(probe[n] for n in a.factors())) if a is not None else wp
+                                    for wp, a in ((w1p, site.beside1), (w2p, site.beside2)))
                         b1, b2 = (probe[b].float() if b is not None else None for b in (site.b1, site.b2))
                         ref = moe.moe_experts_pattern(probe[site.x].float(), probe[site.idx], probe[site.w].float(),
                                                       w1p, w2p, act, b1, b2, interleaved, alpha, limit, gated=gated)
@@ -533,10 +570,28 @@ def _candidate_activations(region: list[fx.Node], supported: tuple[str, ...]) ->
     return tuple(a for a in supported if a in named) if len(named) == 1 else supported
 
 
-def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[MoeSite], Optional[str], bool]]:
-    """(first expert GEMM, second or None, candidate sites (the probes choose), why none, whether they are the sum
-    over k) per pair of expert GEMMs, in graph order."""
+@dataclasses.dataclass
+class Candidate:
+    """A pair of expert GEMMs (``second`` None: a lone one), the sites read off them (the probes choose), why none,
+    whether they are the sum over k, the adapters beside the two GEMMs, and the adapters' own GEMMs (explained by
+    the pair's replacement or reason)."""
+    first: fx.Node
+    second: Optional[fx.Node]
+    sites: list[MoeSite]
+    why_not: Optional[str]
+    summed: bool
+    beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None)
+    adapter_gemms: tuple[fx.Node, ...] = ()
+
+
+def _sites(gm: fx.GraphModule) -> list[Candidate]:
+    """The candidates, one per pair of expert GEMMs, in graph order. The GEMMs of adapters applied beside expert
+    GEMMs (moe_adapters.py) are no experts' GEMMs: they are left out of the pairing (else each adapter's two would
+    pair as an expert MLP, or split the real pair), and their adapter goes with its base GEMM's pair."""
     gemms = [n for n in gm.graph.nodes if is_expert_gemm(n)]
+    adapters = beside_adapters(gemms)
+    helpers = adapter_gemms(adapters)
+    gemms = [g for g in gemms if g not in helpers]
     used: set[fx.Node] = set()
     found = []
     for i, first in enumerate(gemms):
@@ -544,14 +599,22 @@ def _sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Optional[fx.Node], list[Mo
             continue
         below = _descendants(first)
         second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
+        beside = (adapters.get(first), adapters.get(second) if second is not None else None)
+        theirs = tuple(g for a in beside if a is not None for g in (a.ga, a.gb, *a.others))
         if second is None:
-            found.append((first, None, [], "an expert GEMM without a second one after it in this graph: not an "
-                          "expert MLP (up, act, down), or a loop over experts split by graph breaks "
-                          "(transformers' 'eager' experts: set config._experts_implementation = 'grouped_mm')", False))
+            found.append(Candidate(first, None, [], "an expert GEMM without a second one after it in this graph: not "
+                                   "an expert MLP (up, act, down), or a loop over experts split by graph breaks "
+                                   "(transformers' 'eager' experts: set config._experts_implementation = "
+                                   "'grouped_mm')", False, beside, theirs))
             used.add(first)
             continue
         used |= {first, second}
-        found.append((first, second, *_interface(first, second)))
+        refused = next((a.why_not for a in beside if a is not None and a.why_not), None)
+        if refused:  # recognised, but not an adapter the op takes: the site stays, with the adapter's reason
+            found.append(Candidate(first, second, [], f"an adapter applied beside the expert GEMMs: {refused}",
+                                   False, beside, theirs))
+            continue
+        found.append(Candidate(first, second, *_interface(first, second, beside=beside), beside, theirs))
     return found
 
 
@@ -568,28 +631,37 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
     moe = _lowering()
     moe.register()
     changed = False
-    for anchor, second, sites, why_not, summed in candidates:
-        site, why_not = _first_accepted(sites, why_not)
-        if site is None and summed:  # the sum over k refused: the experts may run one route a row inside it (Ergo)
-            site, _ = _first_accepted(_interface(anchor, second, only_top_1=True)[0], None)
+    for candidate in candidates:
+        anchor, second = candidate.first, candidate.second
+        site, why_not = _first_accepted(candidate.sites, candidate.why_not)
+        if site is None and candidate.summed:  # the sum over k refused: the experts may run one route a row inside
+            site, _ = _first_accepted(_interface(anchor, second, only_top_1=True, beside=candidate.beside)[0], None)
         if site is None:
             report.reject(FAMILY, anchor, why_not)
-            if second is not None:  # one site, one reason: the second GEMM's anchor is explained by it too
-                report.rejected_nodes.append((FAMILY, second))
+            # one site, one reason: the second GEMM's anchor and the adapters' GEMMs are explained by it too
+            report.rejected_nodes.extend((FAMILY, n) for n in (second, *candidate.adapter_gemms) if n is not None)
             continue
         out = _value(site.out)
-        adapters = [_adapter(w, base) for w, base in ((site.w1, site.base1), (site.w2, site.base2))]
+        besides = (site.beside1, site.beside2)
+        # (a GEMM with an adapter beside it takes that one; a peft merge into its weight then stays computed)
+        adapters = [_adapter(w, base) if beside is None else None
+                    for w, base, beside in ((site.w1, site.base1, site.beside1), (site.w2, site.base2, site.beside2))]
         # an adapted weight: the op takes its graph input and the factors, and the merged weight goes unformed
         w1, w2 = (base if adapter is not None else w
                   for w, base, adapter in zip((site.w1, site.w2), (site.base1, site.base2), adapters))
         factors: list[Any] = []
-        for adapter in adapters:
+        for adapter, beside in zip(adapters, besides):
             lhs, rhs = (adapter.lhs, adapter.rhs) if adapter is not None else (None, None)
             if adapter is not None and site.transposed:  # (W + s L R)^T = W^T + s R^T L^T: B = R^T, A = L^T
                 lhs, rhs = (insert_call(gm.graph, site.out, torch.transpose, (n, 1, 2), meta_from=site.out)
                             for n in (adapter.rhs, adapter.lhs))
+            if beside is not None:  # B [E, n, r], A [E, r, k] whatever W's layout: views of the stored factors
+                lhs, rhs = (insert_call(gm.graph, site.out, torch.transpose, (n, 1, 2), meta_from=site.out)
+                            if flip else n for n, flip in ((beside.b, beside.b_transposed),
+                                                           (beside.a, beside.a_transposed)))
             factors += [lhs, rhs]
-        scales = [adapter.scale if adapter is not None else 1.0 for adapter in adapters]
+        scales = [adapter.scale if adapter is not None else beside.scale if beside is not None else 1.0
+                  for adapter, beside in zip(adapters, besides)]
         if site.transposed:  # the op's [E, 2I, H] / [E, H, I] as views of [E, H, 2I] / [E, I, H]: no copy
             w1, w2 = (insert_call(gm.graph, site.out, torch.transpose, (w, 1, 2), meta_from=site.out)
                       for w in (w1, w2))
@@ -605,8 +677,7 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                 gm.graph.erase_node(node)
             report.reject(FAMILY, anchor, "the fused op could not be evaluated on this graph's fake values "
                                           "(SLOTH_TRITON_OP=1 does not take it): the experts run as written")
-            if second is not None:
-                report.rejected_nodes.append((FAMILY, second))
+            report.rejected_nodes.extend((FAMILY, n) for n in (second, *candidate.adapter_gemms) if n is not None)
             continue
         y = insert_call(gm.graph, site.out, operator.getitem, (fused, 0), meta_from=site.out)
         if _value(y).dtype != out.dtype:
@@ -621,6 +692,8 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
         computed = [n for n, a in zip((site.w1, site.w2), adapters) if n.op != "placeholder" and a is None]
         adapted = [name for name, a in zip(("gate_up" if site.gated else "up", "down"), adapters) if a is not None]
         rank = next((_shape(a.lhs)[2] for a in adapters if a is not None), None)
+        beside_names = [name for name, a in zip(("gate_up" if site.gated else "up", "down"), besides) if a is not None]
+        beside_rank = "/".join(dict.fromkeys(str(a.rank) for a in besides if a is not None))
         variant = "".join((", ungated" if not site.gated else "",
                            f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else
                            f" (limit {site.limit:g})" if site.act == "silu_clamped" else "",
@@ -628,7 +701,9 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                            ", biases" if site.b1 is not None or site.b2 is not None else "",
                            ", transposed weights" if site.transposed else "",
                            f", LoRA r={rank} on {' and '.join(adapted)} (its products inside the op, no merged "
-                           "weight)" if adapted else ""))
+                           "weight)" if adapted else "",
+                           f", LoRA r={beside_rank} on {' and '.join(beside_names)} (beside the expert GEMMs, its "
+                           "products inside the op)" if beside_names else ""))
         report.replaced(Site(FAMILY, "sloth.moe_experts", module_path(anchor), source_location(anchor),
                              f"{w1_value.shape[0]} experts, top-{_value(site.idx).shape[1]}, {site.act}{variant}, "
                              f"{str(x.dtype).replace('torch.', '')}"
