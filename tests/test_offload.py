@@ -160,3 +160,44 @@ def test_bad_offload_option(value, message):
 def test_offload_needs_a_partition():
     with pytest.raises(Exception, match="inner='eager'"):
         torch.compile(Checkpointed(), backend="sloth", options={"inner": "eager", "offload": True})(torch.randn(2, 3, 24))
+
+
+class _Stream:
+    """Records what a CUDA stream was told to wait for (the staging slots' device-side ordering)."""
+
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class _Event:
+    def record(self, stream):
+        self.stream = stream
+
+
+def test_staging_slots_alternate_wait_for_their_last_copy_and_go_in_the_backward(monkeypatch):
+    """Offloads stage through two slots in turn; a slot is rewritten only after the compute stream waits for the copy
+    that last read it; a larger tensor gets a larger slot; release() makes the compute stream wait for every copy
+    still reading a slot, then holds nothing (the CUDA path's bookkeeping, with CPU tensors and fake streams)."""
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    kept = []  # buffers handed to the side stream when a slot grows
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: kept.append((t.numel(), stream)))
+    slots, compute, side = runtime.StagingSlots(), _Stream(), _Stream()
+    xs = [torch.randn(3, 5) for _ in range(3)] + [torch.randn(4, 6, dtype=torch.float64)]
+    staged, events = [], []
+    for x in xs:
+        staging = slots.stage(x, compute, side)
+        assert torch.equal(staging, x) and staging.is_contiguous() and staging.dtype == x.dtype
+        staged.append(staging.data_ptr())
+        slots.copied(x.device, side)
+        events.append(slots._slots[x.device][(len(events)) % 2][1])
+    assert staged[0] == staged[2] and staged[0] != staged[1]  # two slots, taken in turn
+    assert compute.waited == [events[0], events[1]]  # the third and fourth offloads waited for the first two copies
+    assert slots.nbytes == 15 * 4 + 24 * 8  # the second slot grew to the fp64 tensor's size (bytes)
+    assert kept == [(60, side)]  # its old buffer kept from reuse until the side stream's copies are done
+    slots.release(xs[0].device, compute)
+    assert compute.waited[2:] == [events[2], events[3]] and slots.nbytes == 0
+    slots.release(xs[0].device, compute)  # nothing held: nothing to wait for
+    assert len(compute.waited) == 4
