@@ -600,6 +600,14 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     print("\n".join(lines[:12]), flush=True)
 
 
+def _run_tag(args: argparse.Namespace) -> str:
+    """What tells a run's text files apart from another variant's in one call: ``-qlora``, ``-lora-experts`` and
+    the sloth options set to true (``-offload-tiled_mlp``), so a second run does not write over the first's."""
+    flags = [name for name, on in (("qlora", args.qlora), ("lora-experts", args.lora_experts)) if on]
+    flags += [key for key, value in json.loads(args.sloth_options).items() if value is True]
+    return "".join(f"-{flag}" for flag in flags)
+
+
 def memory_peak_step(step: Callable[[], Any], args: argparse.Namespace) -> str:
     """One more step with the allocator's history recorded: what is alive at its peak and who allocated it
     (benchmarks/memory_peak.py), written to $OUT (or benchmarks/results) as memory-peak-<variant>-...txt; returns
@@ -607,8 +615,7 @@ def memory_peak_step(step: Callable[[], Any], args: argparse.Namespace) -> str:
     from benchmarks import memory_peak
 
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
-    path = out_dir / (f"memory-peak-{args.variant}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}"
-                      f"-b{args.batch}-s{args.seq}.txt")
+    path = out_dir / f"memory-peak-{args.variant}{_run_tag(args)}-L{args.layers or 'all'}-b{args.batch}-s{args.seq}.txt"
     text = memory_peak.measure(step, path)
     print(text[:3000], flush=True)
     return text.splitlines()[0]
@@ -618,10 +625,10 @@ def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: a
                       steps: int = 2, top: int = 45) -> None:
     """Where the host's time goes: ``steps`` steps under cProfile, the ``top`` Python functions and builtins by
     own time (tottime) and sloth's own functions by cumulative time, written as text to $OUT (or
-    benchmarks/results) as hostprofile-<variant>[-qlora]-L<layers>.txt. cProfile slows Python down (about 2x
-    on call-heavy code), so read the shares, not the absolute times. A step without CUDA graphs whose wall
-    time exceeds its GPU kernel time (--profile) is bound by this. Caveat, seen on the H200 (Python 3.12): the
-    autograd engine runs the backward on a device thread, and the two threads' events confuse cProfile's
+    benchmarks/results) as hostprofile-<variant><tag>-L<layers>.txt (``_run_tag``). cProfile slows Python
+    down (about 2x on call-heavy code), so read the shares, not the absolute times. A step without CUDA graphs
+    whose wall time exceeds its GPU kernel time (--profile) is bound by this. Caveat, seen on the H200 (Python
+    3.12): the autograd engine runs the backward on a device thread, and the two threads' events confuse cProfile's
     accounting (custom_ops.backend_impl got half of all own time, 0.5 ms a call, while its callees were
     cheap); the per-function call counts and the callees' cumulative times are the trustworthy part."""
     import cProfile
@@ -647,7 +654,7 @@ def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: a
     text.write("\n=== sloth's functions by cumulative time\n")
     stats.sort_stats("cumulative").print_stats(r"lowering|compiler|runtime", top)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.results_dir or Path(__file__).parent / "results"
-    path = out_dir / f"hostprofile-{args.variant}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
+    path = out_dir / f"hostprofile-{args.variant}{_run_tag(args)}-L{args.layers or 'all'}.txt"
     path.write_text(text.getvalue())
     print(text.getvalue()[:3000], flush=True)
 
