@@ -332,7 +332,10 @@ case $part in
         run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
     mem16k)  # issue 19: what is alive at the 16k step's peak, by allocating site (e2e --memory-peak): sloth with
-        # offload and no logits, and with the MLP tiled too (18.05 GiB on 2026-12-02, 2.5 GiB above the weights)
+        # offload and no logits, and with the MLP tiled too (18.05 GiB on 2026-12-02, 2.5 GiB above the weights);
+        # first the offload's device check (the staging slots released in the backward, ac283ba, not yet on a GPU)
+        [ -z "${DRY:-}" ] && timeout 90 python -m benchmarks.offload_check > "$out/logs/offload_check.log" 2>&1
+        [ -z "${DRY:-}" ] && echo "offload_check: rc $?" && tail -c 300 "$out/logs/offload_check.log"
         run mem16k-offload 200 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
             --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
         run mem16k-tiled 200 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
