@@ -251,7 +251,7 @@ def adapter_gemms(adapters: dict[fx.Node, BesideAdapter]) -> set[fx.Node]:
 
 
 def merged_weight(weight: torch.Tensor, adapter: Optional[BesideAdapter], a: Optional[torch.Tensor],
-           b: Optional[torch.Tensor]) -> torch.Tensor:
+                  b: Optional[torch.Tensor]) -> torch.Tensor:
     """``weight`` [E, n, k] (the op's layout) plus ``scale * B @ A``, in fp32, for the probes' pattern."""
     if adapter is None:
         return weight

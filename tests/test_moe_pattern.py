@@ -486,8 +486,8 @@ class GatheredLoraMoe(nn.Module):
     """Rows gathered per assignment, every GEMM a ``bmm`` on gathered weights (W_in [E, 2I, H], W_out [E, H, I]),
     factors stored like peft's (A [E, r, k], B [E, n, r]) and applied to column vectors, dropout (off in eval) on
     the adapter's input, the scale ``alpha / r`` after gB, the down adapter added by ``+=``. ``adapt``: the GEMMs
-    with an adapter; ``tensor_scale``: the scale a (frozen) tensor parameter, which the op cannot take;
-    ``factor_dtype``: the factors' dtype where it differs from the module's (cast around the adapter)."""
+    with an adapter; ``tensor_scale``: the scale a (frozen) tensor parameter, which the op cannot take. Factors
+    in another dtype than the module's are cast to it around the adapter (``_lora``)."""
 
     def __init__(self, hidden: int = 24, inter: int = 12, experts: int = 5, top_k: int = 2, r: int = 4,
                  alpha: float = 8.0, adapt: tuple = ("gate_up", "down"), tensor_scale: bool = False):
@@ -531,10 +531,10 @@ class GatheredLoraMoe(nn.Module):
 
 class SortedLoraMoe(nn.Module):
     """Sort-based dispatch, every GEMM ``torch._grouped_mm`` in bf16 (its only dtype under compile), else ``einsum``
-    on one gathered weight a row (the float64 reference too), weights
-    stored transposed (W_in [E, H, 2I], W_out [E, I, H]: ``x @ W[e]``), factors too (A [E, k, r], B [E, r, n]),
-    the scale on the adapter's input for gate/up and as ``torch.add``'s alpha for down, GELU (tanh) experts. Rank 8 and width
-    16: torch._grouped_mm wants 16-byte strides (bf16 rank 4 or width 12 are 8 and 24 bytes)."""
+    on one gathered weight a row (the float64 reference too), weights stored transposed (W_in [E, H, 2I], W_out
+    [E, I, H]: ``x @ W[e]``), factors too (A [E, k, r], B [E, r, n]), the scale on the adapter's input for gate/up
+    and as ``torch.add``'s alpha for down, GELU (tanh) experts. Rank 8 and width 16: torch._grouped_mm wants
+    16-byte strides (bf16 rank 4 or width 12 are 8 and 24 bytes)."""
 
     def __init__(self, hidden: int = 24, inter: int = 16, experts: int = 5, top_k: int = 2, r: int = 8,
                  scale: float = 0.5):
@@ -625,8 +625,8 @@ def test_adapters_beside_the_expert_gemms_are_fused(style, dtype) -> None:
     assert not [r for r in report.rejections if r.family == "moe_route"], str(report)
     detail = next(s.detail for s in report.sites if s.family == "moe_route")
     act, layout, rank = ("silu", "", 4) if style == "gathered" else ("gelu_tanh", ", transposed weights", 8)
-    assert detail == (f"5 experts, top-2, {act}{layout}, LoRA r={rank} on gate_up and down (beside the expert GEMMs, its "
-                      f"products inside the op), {str(dtype).replace('torch.', '')}"), detail
+    assert detail == (f"5 experts, top-2, {act}{layout}, LoRA r={rank} on gate_up and down (beside the expert GEMMs, "
+                      f"its products inside the op), {str(dtype).replace('torch.', '')}"), detail
     _assert_every_expert_factor_trains(ours, eager, ["a_in", "b_in", "a_out", "b_out"], 5)
     assert "router" in ours[1]
 
