@@ -118,7 +118,7 @@ class StagingSlots:
     clone freed with ``record_stream`` stays *allocated* until the host finds its copy's event complete, and
     the host runs layers ahead of the GPU. Measured on an H100 (Llama-3-8B, 16k tokens, offload, 2026-12-05,
     ``e2e --memory-peak``): 19 staging clones (2.4 GiB) were still allocated at the step's peak, in the first
-        recomputed layer's backward; with the MLP tiled, 7 (0.9 GiB). Two slots hold 2 x 128 MiB there during the
+    recomputed layer's backward; with the MLP tiled, 7 (0.9 GiB). Two slots hold 2 x 128 MiB there during the
     forward, and the backward (``release``, at its first reload) holds none. (Kept for the whole step, they took
     the tiled step's timed peak from 18.05 to 18.30 GiB: there the pile-up had not been at the timed peak.)
 
@@ -133,11 +133,19 @@ class StagingSlots:
         self._slots: dict[torch.device, list[list]] = {}
         self._turn: dict[torch.device, int] = {}
 
+    @staticmethod
+    def _key(device: torch.device) -> torch.device:
+        """``device`` with its index (a reload may name ``cuda`` where the offloaded tensor was on ``cuda:0``)."""
+        if device.index is None and device.type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
     def stage(self, x: torch.Tensor, compute: "torch.cuda.Stream", side: "torch.cuda.Stream") -> torch.Tensor:
         """``x`` copied (on ``compute``) into the next slot, as a contiguous tensor of its shape and dtype."""
-        slots = self._slots.setdefault(x.device, [[None, None], [None, None]])
-        turn = self._turn.get(x.device, 0)
-        self._turn[x.device] = 1 - turn
+        key = self._key(x.device)
+        slots = self._slots.setdefault(key, [[None, None], [None, None]])
+        turn = self._turn.get(key, 0)
+        self._turn[key] = 1 - turn
         slot = slots[turn]
         nbytes = x.numel() * x.element_size()
         if slot[1] is not None:
@@ -152,7 +160,8 @@ class StagingSlots:
 
     def copied(self, x_device: torch.device, side: "torch.cuda.Stream") -> None:
         """Record, on ``side``, the end of the copy that read the slot just staged."""
-        slot = self._slots[x_device][1 - self._turn[x_device]]
+        key = self._key(x_device)
+        slot = self._slots[key][1 - self._turn[key]]
         slot[1] = torch.cuda.Event()
         slot[1].record(side)
 
@@ -161,13 +170,14 @@ class StagingSlots:
         compute stream first waits for the copies that read them, so that the allocator, which lends freed memory
         to work on the stream that allocated it (the compute stream, here) in stream order, never lets a later
         kernel write into a slot a copy is still reading. No host sync; nothing to do when none are held."""
-        slots = self._slots.pop(device, None)
+        key = self._key(device)
+        slots = self._slots.pop(key, None)
         if slots is None:
             return
         for _, event in slots:
             if event is not None:
                 compute.wait_event(event)
-        self._turn.pop(device, None)
+        self._turn.pop(key, None)
 
     @property
     def nbytes(self) -> int:
