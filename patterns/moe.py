@@ -73,7 +73,8 @@ expert's own norm (which the op does not take) before the weighted sum; the expe
 
 Not yet: ungated activations other than relu2, silu and the GELUs (plain relu, for one: reported, the probes find
 no match), transformers' ``eager`` expert loop (split by graph breaks at its data-dependent ``nonzero``; no site
-within one graph), two adapters beside one expert GEMM (reported: the op takes one a GEMM).
+within one graph), two adapters summed beside one expert GEMM (reported: the region reads the factors, which
+are then not recognised as one adapter's; tests/test_moe_pattern.py).
 """
 from __future__ import annotations
 

@@ -29,7 +29,9 @@ What is recognised but refused (the site stays as written, the report says why):
 a per-expert mask: the op's scale is a float), dropout active in training (the op has no dropout on the adapter's
 input), factors for another number of experts than the weights (an adapter on some experts only), factors in
 another dtype than the weights (the op takes them in the tokens' dtype; casting them would change the adapter's
-rounding from what was written), and two adapters beside one GEMM (the op takes one a GEMM).
+rounding from what was written), and two adapters each found beside one GEMM (the op takes one a GEMM). Two
+adapters summed onto one GEMM's result (``base + (l1 + l2)``, ``base + l1 + l2``) are not found as two: at most
+the first is, the region reads the other's factors, and is refused with that reason.
 """
 from __future__ import annotations
 

@@ -666,6 +666,35 @@ def test_adapter_with_dropout_in_training_stays_with_reason() -> None:
     assert "dropout (p=0.1) on the adapter is active in training" in reason, reason
 
 
+class TwoAdaptersLoraMoe(GatheredLoraMoe):
+    """A second adapter (its own factors, rank 2) summed beside the gate/up GEMM after the first: the op takes one
+    adapter a GEMM."""
+
+    def __init__(self):
+        super().__init__()
+        g = seeded(35)
+        self.a_in2 = nn.Parameter(torch.randn(5, 2, 24, generator=g) / 24 ** 0.5)
+        self.b_in2 = nn.Parameter(torch.randn(5, 24, 2, generator=g) / 2 ** 0.5)
+
+    def _lora(self, rows, a, b, expert):
+        out = super()._lora(rows, a, b, expert)
+        return out + super()._lora(rows, self.a_in2, self.b_in2, expert) if a is self.a_in else out
+
+
+def test_two_adapters_beside_one_gemm_stay_with_reason() -> None:
+    # Not recognised as adapters (the sum of the two is what meets the base GEMM's result): the experts, which read
+    # the factors, are reported for each GEMM pair tried, and run as written with eager's output.
+    module, x = TwoAdaptersLoraMoe().eval(), torch.randn(13, 24, generator=seeded(34))
+    sloth.reset_report()
+    compiled = torch.compile(module, backend="sloth", options={"inner": "aot_eager", "patterns": ["moe_route"]})
+    torch.testing.assert_close(compiled(x), module(x))
+    report = sloth.report()
+    reasons = [r.reason for r in report.rejections if r.family == "moe_route"]
+    assert not report.counts.get("moe_route") and not report.unexplained.get("moe_route"), str(report)
+    read_factors = "the experts also read the graph input 'L_self_parameters_a_in"
+    assert reasons and all(read_factors in r for r in reasons), reasons
+
+
 def test_float32_adapter_beside_bfloat16_experts_stays_with_reason() -> None:
     # Decided: refused, not fused. The op takes factors in the tokens' dtype; fusing would round the factors and
     # the adapter's products to bf16 where the code computes them in fp32 (as peft's target_parameters fold, whose
