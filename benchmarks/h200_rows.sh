@@ -32,6 +32,7 @@
 #   bash benchmarks/h200_rows.sh moe-router-ab  # issue 20: that A/B again under CUDA graphs and plain, 12-16 steps each
 #   bash benchmarks/h200_rows.sh moe-hostprof  # issue 20: the default-options MoE step with and without nvidia-smi
 #                                          # beside it, its host cProfile; the routers' CUDA checks
+#   bash benchmarks/h200_rows.sh moe-new-ops  # issue 20: the ungated experts' op and the routers' timings
 #   bash benchmarks/h200_rows.sh mem16k    # issue 19: what is alive at the 16k step's peak (offload; offload + tiled)
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
@@ -71,7 +72,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k|moe-new-ops)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -331,6 +332,10 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true}'
         run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
+    moe-new-ops)  # issue 20: the kernels that have only run on an H100 (2026-12-05): the ungated experts at Nemotron-3-Nano's
+        # shape and the routers (bias-corrected ones among them) against Inductor (limits add to 200 s)
+        op_bench moe_experts_ungated 110 moe_experts --ungated
+        op_bench moe_router 90 moe_router ;;
     mem16k)  # issue 19: what is alive at the 16k step's peak, by allocating site (e2e --memory-peak): sloth with
         # offload and no logits, and with the MLP tiled too (18.05 GiB on 2026-12-02, 2.5 GiB above the weights);
         # first the offload's device check (the staging slots released in the backward, ac283ba, not yet on a GPU)

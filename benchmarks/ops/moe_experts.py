@@ -1,6 +1,6 @@
 """MoE experts benchmark: transformers' eager expert loop and its grouped_mm path against sloth's op.
 
-    python -m benchmarks.ops.moe_experts [--smoke] [--gpt-oss | --lora]
+    python -m benchmarks.ops.moe_experts [--smoke] [--gpt-oss | --lora | --ungated]
 
 Qwen3-30B-A3B (Qwen3-MoE) shape: 4096 tokens, H=2048, I=768, E=128 experts, top-8, bf16, SwiGLU; uniform random
 routing. The op is GEMM-bound: FLOPs fwd 6 S H I (S = T K assignments: gate_up 4 S H I, down 2 S H I), bwd about
@@ -16,6 +16,11 @@ as transformers' ``GptOssExperts`` computes them and as sloth's op takes them (t
 frozen and the adapters training: peft's way (the merged weight ``baddbmm(W, B, A)`` each step, then transformers'
 grouped_mm path), sloth's op on that merged weight (sloth before the factors), and sloth's op on the factors (what
 the pattern now gives it). FLOPs and bytes columns count the base experts only.
+
+``--ungated``: Nemotron-3-Nano's experts (transformers' ``NemotronHExperts``, ``has_gate=False``): H=2688, I=1856,
+E=128, top-6, ``up_proj [E, I, H]``, ``down_proj [E, H, I]``, ``h = relu(u)^2`` (the op's ``gated=False``, "relu2").
+FLOPs: 4 S H I forward (two GEMMs of S H I), so the TFLOP/s column counts 2/3 of a gated expert's; bytes: the two
+weights once (2 E I H e) plus x and out.
 """
 from __future__ import annotations
 
@@ -59,6 +64,18 @@ def _transformers_gpt_oss(x, index, weights, gate_up, down, gate_up_bias, down_b
     return grouped_mm_experts_forward(experts, x, index, weights)
 
 
+def _transformers_ungated(x, index, weights, up, down):
+    """transformers 5.x's ``grouped_mm`` forward as ``NemotronHExperts`` runs it: no gate, relu2 on the up GEMM."""
+    import types
+
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    experts = types.SimpleNamespace(up_proj=up, down_proj=down, num_experts=up.shape[0], has_gate=False,
+                                    has_bias=False, is_transposed=False, has_post_expert_norm=False,
+                                    _is_expert_parallel=False, act_fn=lambda u: torch.relu(u).square())
+    return grouped_mm_experts_forward(experts, x, index, weights)
+
+
 def _gpt_oss_providers():
     """(name -> fn of x, index, weights, gate_up [E, H, 2I], down [E, I, H], gate_up_bias, down_bias)."""
     from sloth.lowering.moe import moe_experts, moe_experts_pattern
@@ -74,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpt-oss", action="store_true", help="GPT-OSS-20B's experts (see the docstring)")
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on Qwen3-MoE's experts (see the docstring)")
+    parser.add_argument("--ungated", action="store_true", help="Nemotron-3-Nano's relu2 experts (see the docstring)")
     args, device = harness.start(__doc__, argv, parser)
     from sloth.lowering.moe import moe_experts, moe_experts_pattern
 
@@ -81,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return _main_gpt_oss(args, device)
     if args.lora:
         return _main_lora(args, device)
+    if args.ungated:
+        return _main_ungated(args, device)
     T, H, I, E, K = (13, 24, 20, 5, 2) if args.smoke else (4096, 2048, 768, 128, 8)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     gen, index, weights, x = _routed_tokens(T, H, E, K, device, dtype)
@@ -130,6 +150,21 @@ def _main_lora(args, device: str) -> int:
                     [x, index, weights, gate_up, down, *factors], (T, H, I, E, K))
 
 
+def _main_ungated(args, device: str) -> int:
+    from sloth.lowering.moe import moe_experts, moe_experts_pattern
+
+    T, H, I, E, K = (13, 24, 16, 5, 2) if args.smoke else (4096, 2688, 1856, 128, 6)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    gen, index, weights, x = _routed_tokens(T, H, E, K, device, dtype)
+    up = (torch.randn(E, I, H, generator=gen) / H ** 0.5).to(device, dtype).requires_grad_()
+    down = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(device, dtype).requires_grad_()
+    providers = {"eager": lambda *a: moe_experts_pattern(*a, "relu2", gated=False),
+                 "transformers grouped_mm": _transformers_ungated,
+                 "sloth": lambda *a: moe_experts(*a, "relu2", gated=False)}
+    return _measure(args, "moe_experts_ungated", f"ungated relu2 T{T} H{H} I{I} E{E} K{K}", providers,
+                    [x, index, weights, up, down], (T, H, I, E, K), gated=False)
+
+
 def _routed_tokens(T: int, H: int, E: int, K: int, device: str, dtype: torch.dtype) -> tuple:
     """(the seeded generator, for the weights drawn next; uniform random routing, K distinct experts a token
     [T, K]; softmax router weights [T, K]; tokens [T, H]), the last two requiring grad."""
@@ -140,16 +175,19 @@ def _routed_tokens(T: int, H: int, E: int, K: int, device: str, dtype: torch.dty
     return gen, index, weights, x
 
 
-def _measure(args, benchmark: str, label: str, providers: dict, inputs: list, shape: tuple) -> int:
+def _measure(args, benchmark: str, label: str, providers: dict, inputs: list, shape: tuple, gated: bool = True
+             ) -> int:
     """Time ``providers`` on ``inputs`` (harness.run), add the TFLOP/s column, print the table and, unless --smoke,
-    write the ``benchmark`` record; the exit status (1 when a provider failed)."""
+    write the ``benchmark`` record; the exit status (1 when a provider failed). ``gated``: three weight matrices an
+    expert (gate, up, down), else two."""
     T, H, I, E, K = shape
     copy_gbps = common.copy_bandwidth_gbps()
     e = inputs[0].element_size()
-    fwd_bytes = (3 * E * I * H + 2 * T * H) * e
+    mats = 3 if gated else 2
+    fwd_bytes = (mats * E * I * H + 2 * T * H) * e
     nbytes = {"fwd": fwd_bytes, "bwd": 2 * fwd_bytes, "fwd+bwd": 3 * fwd_bytes}
     S = T * K
-    flops = {"fwd": 6 * S * H * I, "bwd": 12 * S * H * I, "fwd+bwd": 18 * S * H * I}
+    flops = {"fwd": 2 * mats * S * H * I, "bwd": 4 * mats * S * H * I, "fwd+bwd": 6 * mats * S * H * I}
     rows = harness.run(label, providers, inputs, nbytes, copy_gbps)
     columns = harness.COLUMNS[:4] + ["TFLOP/s"] + harness.COLUMNS[4:]
     for row in rows:
