@@ -367,12 +367,22 @@ class HandWrittenUngatedMoe(nn.Module):
         self.w_down = nn.Parameter(torch.randn(experts, inter, hidden, generator=g) / inter ** 0.5)
         self.top_k, self.act = top_k, act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(each assignment's token, its expert, the router weights [T, K]): sigmoid scores, top-k, renormalised."""
         scores = torch.sigmoid(x @ self.router.t())
         weights, chosen = scores.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
-        expert = chosen.reshape(-1)
+        return token, chosen.reshape(-1), weights
+
+    def _down_and_sum(self, x: torch.Tensor, h: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+        """The down GEMM on gathered weights, weighted, summed back to the tokens by index_add_, plus x."""
+        y = torch.bmm(h.unsqueeze(1), self.w_down[expert]).squeeze(1) * weights.reshape(-1, 1)
+        return torch.zeros_like(x).index_add_(0, token, y) + x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        token, expert, weights = self._route(x)
         u = torch.einsum("sh,shi->si", x[token], self.w_up[expert])
         if self.act == "silu":
             h = u * torch.sigmoid(u)
@@ -380,8 +390,7 @@ class HandWrittenUngatedMoe(nn.Module):
             h = F.relu(u)
         else:
             h = F.relu(u) ** 2 + (1.0 if self.act == "relu2+1" else 0.0)
-        y = torch.bmm(h.unsqueeze(1), self.w_down[expert]).squeeze(1) * weights.reshape(-1, 1)
-        return torch.zeros_like(x).index_add_(0, token, y) + x
+        return self._down_and_sum(x, h, token, expert, weights)
 
 
 @pytest.mark.parametrize("act,inter", [("relu2", 12), ("relu2", 24), ("silu", 12)],
@@ -738,16 +747,10 @@ class UngatedLoraMoe(HandWrittenUngatedMoe):
         self.b_up = nn.Parameter(torch.randn(5, r, inter, generator=g) / r ** 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = torch.sigmoid(x @ self.router.t())
-        weights, chosen = scores.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
-        expert = chosen.reshape(-1)
+        token, expert, weights = self._route(x)
         rows = x[token].unsqueeze(1)
         u = (rows @ self.w_up[expert] + (rows @ self.a_up[expert]) / 4.0 @ self.b_up[expert]).squeeze(1)
-        h = F.relu(u) ** 2
-        y = torch.bmm(h.unsqueeze(1), self.w_down[expert]).squeeze(1) * weights.reshape(-1, 1)
-        return torch.zeros_like(x).index_add_(0, token, y) + x
+        return self._down_and_sum(x, F.relu(u) ** 2, token, expert, weights)
 
 
 def test_adapter_beside_ungated_experts_is_fused() -> None:
