@@ -82,13 +82,13 @@ def report(snapshot: dict[str, Any], baseline: int, device: int = 0, top: int = 
     traces = snapshot.get("device_traces", [])
     events = traces[device] if device < len(traces) else []
     peak, at_peak = live_at_peak(events)
-    dropped = sum(e.get("action") == "alloc" for e in events) == 0
+    no_allocs = not any(e.get("action") == "alloc" for e in events)
     by_site: dict[str, list[int]] = defaultdict(list)
     for event in at_peak.values():
         by_site[_site(event.get("frames", []))].append(event["size"])
     lines = [f"allocated before the trace: {baseline / GiB:.3f} GiB; peak above it: {peak / GiB:.3f} GiB; "
              f"peak: {(baseline + peak) / GiB:.3f} GiB ({len(at_peak)} blocks alive then, {len(events)} events"
-             + (", none an alloc: was the history recording?" if dropped else "") + ")", "",
+             + (", none an alloc: was the history recording?" if no_allocs else "") + ")", "",
              "by allocating site (MiB, blocks):"]
     for site, sizes in sorted(by_site.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(sizes) / MiB:9.1f} MiB  {len(sizes):4d}  {site}")

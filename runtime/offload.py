@@ -183,10 +183,6 @@ class StagingSlots:
     def nbytes(self) -> int:
         return sum(b.numel() for slots in self._slots.values() for b, _ in slots if b is not None)
 
-    def clear(self) -> None:
-        self._slots.clear()
-        self._turn.clear()
-
 
 staging_slots = StagingSlots()
 
@@ -219,6 +215,9 @@ def _start_reload(host: torch.Tensor, device: torch.device) -> None:
         _in_flight[key] = (host.to(device, copy=True), None)
         return
     compute = torch.cuda.current_stream(device)
+    # The backward's first reload (the prefetch at its top, or a reload without one) ends the forward's staging:
+    # its slots go before this target is allocated, which may then take their memory (a no-op after the first).
+    staging_slots.release(device, compute)
     # Allocated on the compute stream, where it is used and freed; the side stream writes it after every
     # compute already queued (so no earlier use of this memory is overwritten).
     target = torch.empty_like(host, device=device)
@@ -232,16 +231,12 @@ def _start_reload(host: torch.Tensor, device: torch.device) -> None:
 
 
 def _prefetch(x_host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        staging_slots.release(device, torch.cuda.current_stream(device))
     _start_reload(x_host, device)
     return torch.empty(0, device=device)
 
 
 def _reload(x_host: torch.Tensor, next_host: Optional[torch.Tensor], after: Optional[torch.Tensor],
             device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":  # (a backward without the prefetch at its top; a no-op after it)
-        staging_slots.release(device, torch.cuda.current_stream(device))
     key = x_host.data_ptr()
     stats.prefetch_hits += key in _in_flight
     _start_reload(x_host, device)
