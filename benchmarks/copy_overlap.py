@@ -47,8 +47,9 @@ def copy_overlap(prof: Any) -> dict[str, Any]:
     return result
 
 
-def count_syncs(step: Callable[[], Any]) -> int:
-    """Host-device synchronisations during one call of ``step`` (CUDA's sync debug mode warns on each)."""
+def sync_sites(step: Callable[[], Any]) -> list[str]:
+    """Where ``step`` made the host wait for the device, one ``file:line`` each (CUDA's sync debug mode warns on
+    each synchronisation, from the Python frame that called the op: in a compiled graph, its generated code)."""
     import torch
 
     with warnings.catch_warnings(record=True) as caught:
@@ -58,4 +59,9 @@ def count_syncs(step: Callable[[], Any]) -> int:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum(1 for w in caught if "synchroniz" in str(w.message))
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def count_syncs(step: Callable[[], Any]) -> int:
+    """Host-device synchronisations during one call of ``step``."""
+    return len(sync_sites(step))

@@ -408,9 +408,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         peak_gib = reserved_gib = None
         steps_ms, gpu, allocator = [], None, None
 
-    # One more step each, after the timed ones: the host syncs in it (none expected in a steady step), what
+    # One more step each, after the timed ones: the host syncs in it and where (none expected in a steady step), what
     # sloth's offload moved in it, and with --copy-overlap how much of those copies compute hid.
-    syncs = copy_overlap.count_syncs(step) if cuda else None
+    sync_sites = copy_overlap.sync_sites(step) if cuda else None
     # Under --distributed only: one more step (a long-context step is minutes) for what the report undercounts.
     op_calls = sloth_op_calls(step) if sloth is not None and args.distributed != "none" else None
     offload_step = None
@@ -467,7 +467,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "sloth pass s": dict(report.pass_seconds) if report is not None else None,
         "sloth ops": _sloth_ops() if sloth is not None else None,
         "sloth report": str(report) if report is not None else None,
-        "syncs per step": syncs,
+        "syncs per step": None if sync_sites is None else len(sync_sites),
+        "sync sites": sync_sites,
         "offload per step": offload_step,
         "copy overlap": overlap,
         "warm-up walls s": warmup_walls,
@@ -559,7 +560,7 @@ def _idle_by_host_op(events: list, spans: list[tuple[float, float]]) -> list[tup
 
 def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 40) -> None:
     """Profile one training step: GPU time per kernel family and the ``top`` kernels by GPU time,
-    written as text to $OUT (or benchmarks/results) as profile-<variant>-L<layers>.txt."""
+    written as text to $OUT (or benchmarks/results) as profile-<variant>-<model><flags>-L<layers>.txt."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -595,7 +596,7 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     lines += [""] + _gpu_idle_lines(prof, top)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
-    path = out_dir / f"profile-{args.variant}{ops}{'-qlora' if args.qlora else ''}-L{args.layers or 'all'}.txt"
+    path = out_dir / f"profile-{args.variant}{ops}-{args.model}{_run_tag(args)}-L{args.layers or 'all'}.txt"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]), flush=True)
 
@@ -625,7 +626,7 @@ def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: a
                       steps: int = 2, top: int = 45) -> None:
     """Where the host's time goes: ``steps`` steps under cProfile, the ``top`` Python functions and builtins by
     own time (tottime) and sloth's own functions by cumulative time, written as text to $OUT (or
-    benchmarks/results) as hostprofile-<variant><tag>-L<layers>.txt (``_run_tag``). cProfile slows Python
+    benchmarks/results) as hostprofile-<variant>-<model><tag>-L<layers>.txt (``_run_tag``). cProfile slows Python
     down (about 2x on call-heavy code), so read the shares, not the absolute times. A step without CUDA graphs
     whose wall time exceeds its GPU kernel time (--profile) is bound by this. Caveat, seen on the H200 (Python
     3.12): the autograd engine runs the backward on a device thread, and the two threads' events confuse cProfile's
@@ -654,7 +655,7 @@ def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: a
     text.write("\n=== sloth's functions by cumulative time\n")
     stats.sort_stats("cumulative").print_stats(r"lowering|compiler|runtime", top)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.results_dir or Path(__file__).parent / "results"
-    path = out_dir / f"hostprofile-{args.variant}{_run_tag(args)}-L{args.layers or 'all'}.txt"
+    path = out_dir / f"hostprofile-{args.variant}-{args.model}{_run_tag(args)}-L{args.layers or 'all'}.txt"
     path.write_text(text.getvalue())
     print(text.getvalue()[:3000], flush=True)
 

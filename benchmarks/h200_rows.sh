@@ -332,6 +332,9 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true}'
         run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
+    moe-diag)  # issue 20: the default-options Qwen3-MoE step, one run: its kernel table and idle gaps, the host syncs
+        # of one step and where, a cProfile of two steps, and what is alive at its peak by allocating site
+        run moe-sloth-diag 230 --all --model qwen3-moe --variants sloth --profile --host-profile --memory-peak ;;
     moe-new-ops)  # issue 20: the kernels that have only run on an H100 (2026-12-05): the ungated experts at Nemotron-3-Nano's
         # shape and the routers (bias-corrected ones among them) against Inductor (limits add to 200 s)
         op_bench moe_experts_ungated 110 moe_experts --ungated
