@@ -360,6 +360,9 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     if gate_up_lora_b is not None:
         gu_S2I = gu_S2I + _adapter_rows(x_SH, _contiguous(gate_up_lora_b), _contiguous(gate_up_lora_a),
                                         gate_up_lora_scale, offs, sorted_ids)
+    # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
+    # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
+    del x_SH
     if _dense_glu(act, interleaved, gate_up_bias, gated):
         h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
     else:
@@ -369,6 +372,7 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     if down_lora_b is not None:
         y_SH = y_SH + _adapter_rows(h_SI, _contiguous(down_lora_b), _contiguous(down_lora_a), down_lora_scale, offs,
                                     sorted_ids)
+    del h_SI
     if down_bias is not None:
         y_SH = y_SH + down_bias[sorted_ids]
     out = combine(y_SH, inverse_permutation(order), top_k, top_k_weights, x.dtype)
@@ -431,6 +435,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS.get(act, act), compute_dw,
                                               compute_d_down or down_lora_trains, interleaved, alpha, limit, d_w_add,
                                               gated)
+    del c_SI  # as in the forward, each [S, .] intermediate is dropped after its last read
     if gate_up_bias is not None and compute_d_gate_up_bias:
         d_gate_up_bias = segment_sum(d_gu, offs, sorted_ids.value(), None, gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
@@ -441,6 +446,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
         d_b2 = grouped_mm(dout_SH.t(), grouped_mm(hw_SI, a2.transpose(1, 2), offs, sorted_ids) * s2, offs,
                           sorted_ids)
         d_a2 = grouped_mm(v2_Sr.t(), hw_SI, offs, sorted_ids)
+    del dout_SH, hw_SI
     gate_up_lora_trains = b1 is not None and compute_d_gate_up_lora
     v1_Sr = None
     if b1 is not None and (compute_dx or gate_up_lora_trains):  # s1 B1^T d gu_r
