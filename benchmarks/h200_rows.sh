@@ -34,6 +34,8 @@
 #                                          # beside it, its host cProfile; the routers' CUDA checks
 #   bash benchmarks/h200_rows.sh moe-new-ops  # issue 20: the ungated experts' op and the routers' timings
 #   bash benchmarks/h200_rows.sh mem16k    # issue 19: what is alive at the 16k step's peak (offload; offload + tiled)
+#   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
+#   bash benchmarks/h200_rows.sh moe-diag  # issue 20: the default MoE step's kernels, host profile, syncs and memory peak
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
 #   bash benchmarks/h200_rows.sh glu-hidden  # glu_lora backward's hidden fused vs recomputed: bits and op time
@@ -339,14 +341,14 @@ case $part in
         # shape and the routers (bias-corrected ones among them) against Inductor (limits add to 200 s)
         op_bench moe_experts_ungated 110 moe_experts --ungated
         op_bench moe_router 90 moe_router ;;
-    mem16k)  # issue 19: what is alive at the 16k step's peak, by allocating site (e2e --memory-peak): sloth with
+    mem16k|mem16k-offload)  # issue 19 (mem16k-offload: without the tiled row): what is alive at the 16k step's peak, by allocating site (e2e --memory-peak): sloth with
         # offload and no logits, and with the MLP tiled too (18.05 GiB on 2026-12-02, 2.5 GiB above the weights);
         # first the offload's device check (the staging slots released in the backward, ac283ba, not yet on a GPU)
         [ -z "${DRY:-}" ] && timeout 90 python -m benchmarks.offload_check > "$out/logs/offload_check.log" 2>&1
         [ -z "${DRY:-}" ] && echo "offload_check: rc $?" && tail -c 300 "$out/logs/offload_check.log"
         run mem16k-offload 200 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
             --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
-        run mem16k-tiled 200 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
+        [ "$part" = mem16k-offload ] || run mem16k-tiled 200 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
             --memory-peak --sloth-options '{"offload": true, "return_logits": false, "tiled_mlp": true}' ;;
     long128)  # issue 19 (carry .whl/unsloth, after a call that installed bitsandbytes): both parts below
         long128_unsloth; long128_sloth ;;
