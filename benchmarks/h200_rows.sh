@@ -35,6 +35,8 @@
 #   bash benchmarks/h200_rows.sh moe-new-ops  # issue 20: the ungated experts' op and the routers' timings
 #   bash benchmarks/h200_rows.sh mem16k    # issue 19: what is alive at the 16k step's peak (offload; offload + tiled)
 #   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
+#   bash benchmarks/h200_rows.sh moe-versus  # issue 20: sloth's default MoE row, Unsloth's, sloth's again (carry .whl)
+#   bash benchmarks/h200_rows.sh moe-versus-experts  # the same with LoRA on the experts (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-diag  # issue 20: the default MoE step's kernels, host profile, syncs and memory peak
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
@@ -334,6 +336,14 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true}'
         run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
+    moe-versus)  # issue 20: the Qwen3-MoE row with sloth's default options, Unsloth's right after on the same machine,
+        # then sloth's again (the host-bound step's time moves between runs: two bracket Unsloth's) (carry .whl)
+        run moe-sloth 110 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-unsloth 220 --all --model qwen3-moe --variants unsloth --steps 16
+        run moe-sloth-2 110 --all --model qwen3-moe --variants sloth --steps 16 ;;
+    moe-versus-experts)  # issue 20: the same with LoRA on the experts too, sloth then Unsloth (carry .whl)
+        run moe-lora-experts-sloth 130 --all --model qwen3-moe --lora-experts --variants sloth --steps 16
+        run moe-lora-experts-unsloth 240 --all --model qwen3-moe --lora-experts --variants unsloth --steps 16 ;;
     moe-diag)  # issue 20: the default-options Qwen3-MoE step, one run: its kernel table and idle gaps, the host syncs
         # of one step and where, a cProfile of two steps, and what is alive at its peak by allocating site
         run moe-sloth-diag 230 --all --model qwen3-moe --variants sloth --profile --host-profile --memory-peak ;;
