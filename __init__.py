@@ -12,7 +12,10 @@ accelerate's check (compiler/accelerate_name.py); and, once peft is loaded, a tr
 peft's own code (compiler/peft_experts.py; ``SLOTH_PEFT_TRACEABLE=0`` turns it off); and, once Hugging Face's
 ``kernels`` package is loaded (transformers 5.25 depends on it), a routing store that Dynamo skips where it routes
 nowhere, so gradient-checkpointed layers stay in one graph (compiler/hub_kernels.py;
-``SLOTH_HUB_KERNELS_TRACEABLE=0`` turns it off). The custom ops register the first time a pass inserts them.
+``SLOTH_HUB_KERNELS_TRACEABLE=0`` turns it off); and, once transformers is loaded, its input-embedding
+``requires_grad_`` hook (registered by ``gradient_checkpointing_enable()``) skipped while Dynamo traces a model
+without reentrant checkpointing, where it split the graph and nothing needs it (compiler/input_grads_hook.py;
+``SLOTH_INPUT_GRADS_TRACEABLE=0`` turns it off). The custom ops register the first time a pass inserts them.
 """
 from .compiler.backend import last_report, report, reset_report, sloth_backend
 from .compiler.explain import explain
@@ -22,10 +25,12 @@ from .compiler.report import Rejection, Report, Site
 from .compiler.accelerate_name import register_with_accelerate
 from .compiler.peft_experts import install as _install_traceable_peft
 from .compiler.hub_kernels import install as _install_traceable_hub_kernels
+from .compiler.input_grads_hook import install as _install_traceable_input_grads
 
 register_with_accelerate()
 _install_traceable_peft()
 _install_traceable_hub_kernels()
+_install_traceable_input_grads()
 
 __all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "families", "register_family",
            "unregister_family", "Report", "Site", "Rejection"]
