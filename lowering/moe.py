@@ -170,15 +170,6 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
 
 
-def _use_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or not (_aligned(a) and _aligned(b)) or a.dtype != b.dtype:
-        return False
-    if a.device.type == "cuda":
-        # bf16 is the dtype the CUTLASS kernel serves on sm90 (torch 2.11); fp32 and fp16 take the reference.
-        return a.dtype == torch.bfloat16 and _capability(_index(a.device)) >= (9, 0)
-    return a.device.type == "cpu" and a.dtype in _FLOAT_DTYPES
-
-
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -191,9 +182,9 @@ def _capability(index: int) -> tuple[int, int]:
 
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
     """Whether the op's GEMMs at these sizes take ``torch._grouped_mm`` (else the reference, S*k*n memory): what
-    ``_use_grouped_mm`` decides at run time, from what is known at compile time (fresh activations and
+    ``_grouped_mm_plan`` decides at run time, from what is known at compile time (fresh activations and
     parameters are 16-byte aligned; the strides are multiples of H, 2I and I elements)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if not hasattr(torch, "_grouped_mm") or any((n * size) % 16 for n in (hidden, inter, 2 * inter)):
         return False
     if device.type == "cuda":
@@ -229,11 +220,36 @@ class _Lazy:
         return self._value
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, group_of_row: torch.Tensor | _Lazy
-               ) -> torch.Tensor:
-    if _use_grouped_mm(a, b):
-        return torch._grouped_mm(a, b, offs=offs)
-    return _grouped_mm_reference(a, b, offs, group_of_row.value() if isinstance(group_of_row, _Lazy) else group_of_row)
+class GroupedGemm:
+    """The grouped GEMMs of one op call over the groups ``offs`` (the rows of expert e; ``group_of_row``, a tensor
+    or ``_Lazy``, names each row's expert): ``gemm(a, b)`` is ``torch._grouped_mm(a, b, offs=offs)`` where that
+    runs, else ``_grouped_mm_reference``.
+
+    Which of the two is decided once a call (``_grouped_mm_plan``), not once a GEMM: every operand other than the
+    op's weights is a tensor the call forms, fresh (so aligned) with row strides among H, 2I (I ungated), I and the
+    adapters' ranks, which the plan's size check covers, or a transpose of one. A check per GEMM cost ~9 us of host
+    time on the CPU, 18 of them a call with LoRA on the experts."""
+
+    def __init__(self, offs: torch.Tensor, group_of_row, use_grouped_mm: bool):
+        self.offs, self.group_of_row, self.use_grouped_mm = offs, group_of_row, use_grouped_mm
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.use_grouped_mm:
+            return torch._grouped_mm(a, b, offs=self.offs)
+        ids = self.group_of_row
+        return _grouped_mm_reference(a, b, self.offs, ids.value() if isinstance(ids, _Lazy) else ids)
+
+
+def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                     factors: tuple) -> bool:
+    """Whether one call's grouped GEMMs take ``torch._grouped_mm`` (``GroupedGemm``): ``grouped_mm_runs`` at its
+    sizes (H and I; it checks 2I too, the gated first weight's rows), each adapter rank a multiple of 16 bytes too, and both weights (maybe
+    transposed views) 16-byte aligned. ``factors``: the adapters' contiguous factors given (the op checked their
+    dtype and shapes)."""
+    hidden, size = x.shape[1], x.element_size()
+    return (grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
+            and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors)
+            and _aligned(gate_up_proj) and _aligned(down_proj))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -327,12 +343,12 @@ def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, t
     return order, sorted_ids, offs
 
 
-def _adapter_rows(rows: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float, offs: torch.Tensor,
-                  ids) -> torch.Tensor:
+def _adapter_rows(gemm: GroupedGemm, rows: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float
+                  ) -> torch.Tensor:
     """scale * B[e] A[e] rows_r for each sorted row r of expert e ([S, k] -> [S, n]): a LoRA adapter's share of an
     expert GEMM, two grouped GEMMs at rank r, the [E, n, k] product never formed."""
-    u = grouped_mm(rows, lora_a.transpose(1, 2), offs, ids)
-    return grouped_mm(u * scale, lora_b.transpose(1, 2), offs, ids)
+    u = gemm(rows, lora_a.transpose(1, 2))
+    return gemm(u * scale, lora_b.transpose(1, 2))
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -355,11 +371,13 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                   gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, interleaved, gated)
     top_k = top_k_index.shape[1]
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
+    b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
+    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj,
+                                                          tuple(f for f in (b1, a1, b2, a2) if f is not None)))
     x_SH = x[order // top_k]
-    gu_S2I = grouped_mm(x_SH, gate_up_proj.transpose(1, 2), offs, sorted_ids)
-    if gate_up_lora_b is not None:
-        gu_S2I = gu_S2I + _adapter_rows(x_SH, _contiguous(gate_up_lora_b), _contiguous(gate_up_lora_a),
-                                        gate_up_lora_scale, offs, sorted_ids)
+    gu_S2I = gemm(x_SH, gate_up_proj.transpose(1, 2))
+    if b1 is not None:
+        gu_S2I = gu_S2I + _adapter_rows(gemm, x_SH, b1, a1, gate_up_lora_scale)
     # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
     # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
     del x_SH
@@ -368,10 +386,9 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     else:
         gu_S2I, h_SI = expert_glu_forward(gu_S2I, gate_up_bias, sorted_ids, ACTIVATIONS.get(act, act), interleaved,
                                           alpha, limit, gated)
-    y_SH = grouped_mm(h_SI, down_proj.transpose(1, 2), offs, sorted_ids)
-    if down_lora_b is not None:
-        y_SH = y_SH + _adapter_rows(h_SI, _contiguous(down_lora_b), _contiguous(down_lora_a), down_lora_scale, offs,
-                                    sorted_ids)
+    y_SH = gemm(h_SI, down_proj.transpose(1, 2))
+    if b2 is not None:
+        y_SH = y_SH + _adapter_rows(gemm, h_SI, b2, a2, down_lora_scale)
     del h_SI
     if down_bias is not None:
         y_SH = y_SH + down_bias[sorted_ids]
@@ -385,14 +402,14 @@ def _transposed(w: torch.Tensor) -> bool:
     return w.stride(1) == 1 and w.stride(2) != 1
 
 
-def _weight_grad(left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor, ids, like: torch.Tensor) -> torch.Tensor:
+def _weight_grad(gemm: GroupedGemm, left: torch.Tensor, right: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """d W[e] = sum over e's rows of left_r^T right_r ([E, k, n] from left [S, k] and right [S, n]), laid out as
     ``like`` (``torch.empty_like``'s strides, which the fake implementation gives): for a transposed weight it is
     formed as [E, n, k] and transposed, so the gradient reaches the [E, n, k] parameter with no copy (at
     GPT-OSS-20B's experts the copies would move 1.6 GB a backward)."""
     if _transposed(like):
-        return grouped_mm(right.t(), left, offs, ids).transpose(1, 2)
-    return grouped_mm(left.t(), right, offs, ids)
+        return gemm(right.t(), left).transpose(1, 2)
+    return gemm(left.t(), right)
 
 
 def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -416,12 +433,14 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     # The experts of the sorted rows, which the reference grouped GEMM and the biases read: formed once, on first use.
     sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
+    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj,
+                                                          tuple(f for f in (b1, a1, b2, a2) if f is not None)))
     s1, s2 = gate_up_lora_scale, down_lora_scale
     dout_SH = dout.to(x.dtype)[token_of_row]
-    c_SI = grouped_mm(dout_SH, down_proj, offs, sorted_ids)
+    c_SI = gemm(dout_SH, down_proj)
     if b2 is not None:  # c = W_d_eff^T dout = W_d^T dout + s2 A2^T (B2^T dout)
-        v2_Sr = grouped_mm(dout_SH, b2, offs, sorted_ids) * s2
-        c_SI = c_SI + grouped_mm(v2_Sr, a2, offs, sorted_ids)
+        v2_Sr = gemm(dout_SH, b2) * s2
+        c_SI = c_SI + gemm(v2_Sr, a2)
     d_gate_up_bias, d_down_bias = x.new_empty(0), x.new_empty(0)
     d_w_add = None
     if down_bias is not None:
@@ -440,32 +459,30 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
         d_gate_up_bias = segment_sum(d_gu, offs, sorted_ids.value(), None, gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.
     dw = dw_S.view(top_k_weights.shape) if compute_dw else x.new_empty(0)
-    d_down = _weight_grad(dout_SH, hw_SI, offs, sorted_ids, down_proj) if compute_d_down else x.new_empty(0)
+    d_down = _weight_grad(gemm, dout_SH, hw_SI, down_proj) if compute_d_down else x.new_empty(0)
     d_b2, d_a2 = x.new_empty(0), x.new_empty(0)
     if down_lora_trains:  # d B2[e] = sum_r dout_t (s2 A2 w_r h_r)^T,  d A2[e] = sum_r (s2 B2^T dout_t) (w_r h_r)^T
-        d_b2 = grouped_mm(dout_SH.t(), grouped_mm(hw_SI, a2.transpose(1, 2), offs, sorted_ids) * s2, offs,
-                          sorted_ids)
-        d_a2 = grouped_mm(v2_Sr.t(), hw_SI, offs, sorted_ids)
+        d_b2 = gemm(dout_SH.t(), gemm(hw_SI, a2.transpose(1, 2)) * s2)
+        d_a2 = gemm(v2_Sr.t(), hw_SI)
     del dout_SH, hw_SI
     gate_up_lora_trains = b1 is not None and compute_d_gate_up_lora
     v1_Sr = None
     if b1 is not None and (compute_dx or gate_up_lora_trains):  # s1 B1^T d gu_r
-        v1_Sr = grouped_mm(d_gu, b1, offs, sorted_ids) * s1
+        v1_Sr = gemm(d_gu, b1) * s1
     dx = x.new_empty(0)
     if compute_dx:
-        dx_SH = grouped_mm(d_gu, gate_up_proj, offs, sorted_ids)
+        dx_SH = gemm(d_gu, gate_up_proj)
         if v1_Sr is not None:  # dx_t gains sum_r s1 A1^T B1^T d gu_r
-            dx_SH = dx_SH + grouped_mm(v1_Sr, a1, offs, sorted_ids)
+            dx_SH = dx_SH + gemm(v1_Sr, a1)
         dx = combine(dx_SH, inverse_permutation(order), top_k, None, x.dtype)
     d_gate_up, d_b1, d_a1 = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if compute_d_gate_up or gate_up_lora_trains:
         x_SH = x[token_of_row]
         if compute_d_gate_up:
-            d_gate_up = _weight_grad(d_gu, x_SH, offs, sorted_ids, gate_up_proj)
+            d_gate_up = _weight_grad(gemm, d_gu, x_SH, gate_up_proj)
         if gate_up_lora_trains:  # d B1[e] = sum_r d gu_r (s1 A1 x_t)^T,  d A1[e] = sum_r (s1 B1^T d gu_r) x_t^T
-            d_b1 = grouped_mm(d_gu.t(), grouped_mm(x_SH, a1.transpose(1, 2), offs, sorted_ids) * s1, offs,
-                              sorted_ids)
-            d_a1 = grouped_mm(v1_Sr.t(), x_SH, offs, sorted_ids)
+            d_b1 = gemm(d_gu.t(), gemm(x_SH, a1.transpose(1, 2)) * s1)
+            d_a1 = gemm(v1_Sr.t(), x_SH)
     return dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias, d_b1, d_a1, d_b2, d_a2
 
 
