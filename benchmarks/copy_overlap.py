@@ -9,6 +9,8 @@ calls of sloth's offload ops seen in the trace (their names, as the profiler sho
 """
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from typing import Any, Callable
 
@@ -48,18 +50,35 @@ def copy_overlap(prof: Any) -> dict[str, Any]:
 
 
 def sync_sites(step: Callable[[], Any]) -> list[str]:
-    """Where ``step`` made the host wait for the device, one ``file:line`` each (CUDA's sync debug mode warns on
-    each synchronisation, from the Python frame that called the op: in a compiled graph, its generated code)."""
+    """Where ``step`` made the host wait for the device, one entry each: the innermost frames of the Python stack
+    at the wait outside torch's and the standard library's own code (``file:line < caller:line``; CUDA's sync
+    debug mode warns on each synchronisation, and a warning's own location is often a line of torch.cuda)."""
     import torch
 
-    with warnings.catch_warnings(record=True) as caught:
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if not _library_frame(f.filename)]
+        sites.append(" < ".join(f"{f.filename}:{f.lineno}" for f in reversed(frames[-3:])) or f"{filename}:{lineno}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return sites
+
+
+def _library_frame(filename: str) -> bool:
+    """A frame of torch's own code (its compiled graphs' generated files are not), of the standard library's, or
+    of this module's."""
+    return (f"{os.sep}torch{os.sep}" in filename and "torchinductor" not in filename) or \
+        filename.startswith(os.path.dirname(os.__file__)) or filename == __file__
 
 
 def count_syncs(step: Callable[[], Any]) -> int:

@@ -89,7 +89,7 @@ def _cases(token_counts: list[int], device: Any):
                                          RENORM_ADD, 1e-20, torch.float32)[0]
 
             yield f"{name}: T{tokens} E{experts} top-{k}", {"sloth": ours, "eager": eager}, \
-                _distinct_logits(tokens, experts, device, torch.float32)
+                _untied_biased_logits(tokens, experts, bias, k, n_group, topk_group, device)
 
 
 def _distinct_logits(tokens: int, experts: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -98,6 +98,34 @@ def _distinct_logits(tokens: int, experts: int, device: Any, dtype: torch.dtype)
     gen = torch.Generator().manual_seed(0)
     ranks = torch.rand(tokens, experts, generator=gen).argsort(-1).float()
     return ((ranks - experts / 2) * (8 / experts)).to(device, dtype).requires_grad_()
+
+
+def _untied_biased_logits(tokens: int, experts: int, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
+                          device: Any) -> torch.Tensor:
+    """``_distinct_logits`` with every row that would tie redrawn: distinct logits can still give equal choice
+    values ``sigmoid(l) + bias`` in fp32 (2 rows of 16384 at DeepSeek-V3's router did, on 2026-12-05: the op took
+    the lower expert index, torch.topk the other, and the 1.8e-2 "error" compared two equally right choices).
+    Redrawn where two of a row's group scores are equal, or two of its k + 1 largest choices within the
+    ``topk_group`` groups kept (``biased_router_pattern``'s mask)."""
+    logits = _distinct_logits(tokens, experts, "cpu", torch.float32).detach()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        choice = logits.sigmoid() + bias.cpu()
+        tied = torch.zeros(tokens, dtype=torch.bool)
+        if n_group > 1:
+            groups = choice.view(tokens, n_group, -1).topk(2, dim=-1).values.sum(-1)
+            ordered = groups.sort(-1).values
+            tied |= (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+            kept = torch.zeros_like(groups).scatter_(1, groups.topk(topk_group, dim=-1).indices, 1).bool()
+            choice = choice.masked_fill(~kept.repeat_interleave(experts // n_group, dim=1), float("-inf"))
+        top = choice.topk(k + 1, dim=-1).values
+        tied |= (top[:, 1:] == top[:, :-1]).any(-1)
+        rows = tied.nonzero().flatten()
+        if not len(rows):
+            return logits.to(device).requires_grad_()
+        order = torch.rand(len(rows), experts, generator=gen).argsort(-1).float()
+        logits[rows] = (order - experts / 2) * (8 / experts)
+    raise RuntimeError("moe_router benchmark: could not draw router logits without ties")
 
 
 def main(argv: list[str] | None = None) -> int:
