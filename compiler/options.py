@@ -26,6 +26,12 @@ class PassOptions:
     unless the user says otherwise): the op also recomputes each block's gate and up in the backward instead of
     keeping them, so no such tensor outlives a block, at the price of two GEMMs a block.
 
+    ``moe_recompute``: True makes the MoE experts op (patterns/moe.py) keep nothing of its first GEMM's output
+    for the backward and recompute it there (the gather of the token rows, the gate/up grouped GEMM and its
+    adapter): S x 2I elements a layer less at the peak (96 MiB a layer at Qwen3-MoE's 2 x 2048 tokens, 1.1 GiB
+    over its 12 layers) for one more grouped GEMM a layer, which a host-bound step hides. False (the default)
+    keeps it.
+
     ``mask_check``: True lets a graph that reads an attention mask another graph or eager code made, which no
     compile-time proof covers, compare that tensor's values with the causal mask on the device once (one host
     sync per new mask tensor) and run ``is_causal`` attention when it is causal (compiler/mask_inputs.py,
@@ -37,6 +43,7 @@ class PassOptions:
     tiled_mlp: int = 0
     tiled_mlp_recompute: bool = True
     mask_check: bool = True
+    moe_recompute: bool = False
     # Not a user option: whether the pass may change the graph's outputs (the top-level graph, whose outputs
     # the backend's wrapper sees; compiler/returned_logits.py), False in subgraph bodies.
     top_level: bool = True
@@ -57,8 +64,12 @@ class PassOptions:
         mask_check = options.pop("mask_check", True)
         if not isinstance(mask_check, bool):
             raise ValueError(f"sloth: mask_check must be True or False, got {mask_check!r}")
+        moe_recompute = options.pop("moe_recompute", False)
+        if not isinstance(moe_recompute, bool):
+            raise ValueError(f"sloth: moe_recompute must be True or False, got {moe_recompute!r}")
         return cls(return_logits=return_logits, recompute=recompute, share_lora_input=share_lora_input,
-                   tiled_mlp=tiled_mlp, tiled_mlp_recompute=tiled_mlp_recompute, mask_check=mask_check)
+                   tiled_mlp=tiled_mlp, tiled_mlp_recompute=tiled_mlp_recompute, mask_check=mask_check,
+                   moe_recompute=moe_recompute)
 
 
 def _tiled_mlp(value: Any) -> tuple[int, bool]:

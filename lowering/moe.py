@@ -95,7 +95,9 @@ Ungated backward. Per sorted row r, u_r = W_up[e] x_t (+ b1[e]) [I], h_r = a(u_r
 the gated derivation with d gu replaced by d u (and the bias and adapter terms the same with d u for d gu).
 
 Saved for backward: x, the routing, the weights, gu [S, 2I] (u [S, I] ungated; the pre-activation: recomputing it
-would repeat the largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. h [S, I] is not saved: dh, the GLU
+would repeat the largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. With ``recompute_gu``
+(the ``moe_recompute`` option) gu is not kept: the backward gathers the rows and runs the first GEMM, its adapter
+and bias again (``_first_gemm``, the forward's own calls), S*2I elements less at the peak for that GEMM. h [S, I] is not saved: dh, the GLU
 backward, d w and (when the down projection trains) w h are one pass over c and gu
 (``moe_kernels.glu_backward_weighted``), and dx's sum over K is ``combine`` again. The weight gradients are formed
 only for weights that require grad (frozen experts under LoRA get none, and their two 2d x 2d GEMMs are skipped).
@@ -363,10 +365,11 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                         interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
                         gate_up_lora_b: torch.Tensor | None = None, gate_up_lora_a: torch.Tensor | None = None,
                         down_lora_b: torch.Tensor | None = None, down_lora_a: torch.Tensor | None = None,
-                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0, gated: bool = True
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        gate_up_lora_scale: float = 1.0, down_lora_scale: float = 1.0, gated: bool = True,
+                        recompute_gu: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, H], gu [S, 2I] (u [S, I] ungated), order [S], offs [E]); the last three are the backward's
-    residuals."""
+    residuals. With ``recompute_gu`` gu is returned empty ([0, 2I]): the backward forms it again
+    (``_first_gemm``), so it is not kept from the forward."""
     _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias,
                   gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, interleaved, gated)
     top_k = top_k_index.shape[1]
@@ -374,18 +377,10 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
     gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj,
                                                           tuple(f for f in (b1, a1, b2, a2) if f is not None)))
-    x_SH = x[order // top_k]
-    gu_S2I = gemm(x_SH, gate_up_proj.transpose(1, 2))
-    if b1 is not None:
-        gu_S2I = gu_S2I + _adapter_rows(gemm, x_SH, b1, a1, gate_up_lora_scale)
     # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
     # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
-    del x_SH
-    if _dense_glu(act, interleaved, gate_up_bias, gated):
-        h_SI = glu_forward(gu_S2I, None, ACTIVATIONS[act])
-    else:
-        gu_S2I, h_SI = expert_glu_forward(gu_S2I, gate_up_bias, sorted_ids, ACTIVATIONS.get(act, act), interleaved,
-                                          alpha, limit, gated)
+    gu_S2I, h_SI = _first_gemm(gemm, x[order // top_k], gate_up_proj, b1, a1, gate_up_lora_scale, gate_up_bias,
+                               sorted_ids, act, interleaved, alpha, limit, gated)
     y_SH = gemm(h_SI, down_proj.transpose(1, 2))
     if b2 is not None:
         y_SH = y_SH + _adapter_rows(gemm, h_SI, b2, a2, down_lora_scale)
@@ -393,7 +388,23 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     if down_bias is not None:
         y_SH = y_SH + down_bias[sorted_ids]
     out = combine(y_SH, inverse_permutation(order), top_k, top_k_weights, x.dtype)
-    return out, gu_S2I, order, offs
+    return out, (gu_S2I.new_empty((0, gu_S2I.shape[1])) if recompute_gu else gu_S2I), order, offs
+
+
+def _first_gemm(gemm: GroupedGemm, x_SH: torch.Tensor, gate_up_proj: torch.Tensor, b1, a1, scale: float,
+                gate_up_bias, sorted_ids: torch.Tensor | _Lazy, act: str, interleaved: bool, alpha: float, limit: float,
+                gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gu [S, 2I], h [S, I]) of the sorted rows ``x_SH``: the first grouped GEMM, its adapter, the gate/up bias
+    (added by the expert GLU kernel, which returns gu with it) and the GLU. The forward's and, under
+    ``recompute_gu``, the backward's: the same calls in the same order, so the same bits."""
+    gu_S2I = gemm(x_SH, gate_up_proj.transpose(1, 2))
+    if b1 is not None:
+        gu_S2I = gu_S2I + _adapter_rows(gemm, x_SH, b1, a1, scale)
+    del x_SH
+    if _dense_glu(act, interleaved, gate_up_bias, gated):
+        return gu_S2I, glu_forward(gu_S2I, None, ACTIVATIONS[act])
+    ids = sorted_ids.value() if isinstance(sorted_ids, _Lazy) else sorted_ids
+    return expert_glu_forward(gu_S2I, gate_up_bias, ids, ACTIVATIONS.get(act, act), interleaved, alpha, limit, gated)
 
 
 def _transposed(w: torch.Tensor) -> bool:
@@ -436,6 +447,10 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj,
                                                           tuple(f for f in (b1, a1, b2, a2) if f is not None)))
     s1, s2 = gate_up_lora_scale, down_lora_scale
+    if gu.shape[0] != order.shape[0]:  # the forward ran with recompute_gu: gu again, as the forward formed it
+        gu, h_SI = _first_gemm(gemm, x[token_of_row], gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,
+                               interleaved, alpha, limit, gated)
+        del h_SI
     dout_SH = dout.to(x.dtype)[token_of_row]
     c_SI = gemm(dout_SH, down_proj)
     if b2 is not None:  # c = W_d_eff^T dout = W_d^T dout + s2 A2^T (B2^T dout)
@@ -491,14 +506,14 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
 # ---------------------------------------------------------------------------------------------------
 
 # moe_experts_forward's arguments from gate_up_bias on, as their defaults (a call may leave them out)
-_DEFAULTS = (None, None, False, 1.702, 7.0, None, None, None, None, 1.0, 1.0, True)
+_DEFAULTS = (None, None, False, 1.702, 7.0, None, None, None, None, 1.0, 1.0, True, False)
 _N_INPUTS = 6 + len(_DEFAULTS)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias, interleaved, alpha, \
         limit, gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale, \
-        gated = (*inputs, *_DEFAULTS[len(inputs) - 6:])
+        gated, _recompute_gu = (*inputs, *_DEFAULTS[len(inputs) - 6:])
     _, gu, order, offs = output
     ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gu, order, offs, gate_up_bias,
                           down_bias, gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a)
@@ -522,7 +537,7 @@ def _backward(ctx, dout, _dgu, _dorder, _doffs):
     wanted = lambda i, g: g if need[i] else None  # noqa: E731
     return (wanted(0, dx), None, wanted(2, dw), wanted(3, d_gate_up), wanted(4, d_down), None,
             wanted(6, d_gate_up_bias), wanted(7, d_down_bias), None, None, None, wanted(11, d_b1), wanted(12, d_a1),
-            wanted(13, d_b2), wanted(14, d_a2), None, None, None)[:passed]
+            wanted(13, d_b2), wanted(14, d_a2), None, None, None, None)[:passed]
 
 
 @functools.cache
@@ -534,12 +549,12 @@ def register() -> None:
     @fake(fwd)
     def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias=None, down_bias=None,
           interleaved=False, alpha=1.702, limit=7.0, gate_up_lora_b=None, gate_up_lora_a=None, down_lora_b=None,
-          down_lora_a=None, gate_up_lora_scale=1.0, down_lora_scale=1.0, gated=True):
+          down_lora_a=None, gate_up_lora_scale=1.0, down_lora_scale=1.0, gated=True, recompute_gu=False):
         _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias,
                       gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, interleaved,
                       gated)  # shapes only: fake-safe
         n_rows = top_k_index.numel()
-        return (x.new_empty(x.shape), x.new_empty((n_rows, gate_up_proj.shape[1])),
+        return (x.new_empty(x.shape), x.new_empty((0 if recompute_gu else n_rows, gate_up_proj.shape[1])),
                 top_k_index.new_empty((n_rows,), dtype=torch.int64),
                 top_k_index.new_empty((gate_up_proj.shape[0],), dtype=torch.int32))
 
@@ -567,10 +582,12 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
                 limit: float = 7.0, gate_up_lora_b: torch.Tensor | None = None,
                 gate_up_lora_a: torch.Tensor | None = None, down_lora_b: torch.Tensor | None = None,
                 down_lora_a: torch.Tensor | None = None, gate_up_lora_scale: float = 1.0,
-                down_lora_scale: float = 1.0, gated: bool = True) -> torch.Tensor:
+                down_lora_scale: float = 1.0, gated: bool = True, recompute_gu: bool = False) -> torch.Tensor:
     """Fused MoE experts, equal to ``moe_experts_pattern``; see the module docstring for the math (``gated=False``:
-    ungated experts, ``gate_up_proj`` then the up projection [E, I, H])."""
+    ungated experts, ``gate_up_proj`` then the up projection [E, I, H]; ``recompute_gu``: the first GEMM's output
+    formed again in the backward instead of kept)."""
     register()
     return torch.ops.sloth.moe_experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias,
                                        down_bias, interleaved, alpha, limit, gate_up_lora_b, gate_up_lora_a,
-                                       down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale, gated)[0]
+                                       down_lora_b, down_lora_a, gate_up_lora_scale, down_lora_scale, gated,
+                                       recompute_gu)[0]

@@ -668,7 +668,8 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                       for w in (w1, w2))
         fused = insert_call(gm.graph, site.out, torch.ops.sloth.moe_experts.default,
                             (site.x, site.idx, site.w, w1, w2, site.act, site.b1, site.b2, site.interleaved,
-                             site.alpha, site.limit, *factors, *scales, site.gated), meta_from=site.out)
+                             site.alpha, site.limit, *factors, *scales, site.gated,
+                             *((True,) if options.moe_recompute else ())), meta_from=site.out)
         if value_of(fused) is None:  # (a tuple of four tensors when it ran)
             # The op did not run on the graph's fakes (seen: SLOTH_TRITON_OP=1, where the op's function is its own
             # fake and the values of a Dynamo graph come from more than one fake mode): the graph as it was.
@@ -704,7 +705,9 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                            f", LoRA r={rank} on {' and '.join(adapted)} (its products inside the op, no merged "
                            "weight)" if adapted else "",
                            f", LoRA r={beside_rank} on {' and '.join(beside_names)} (beside the expert GEMMs, its "
-                           "products inside the op)" if beside_names else ""))
+                           "products inside the op)" if beside_names else "",
+                           ", its first GEMM recomputed in backward (moe_recompute)" if options.moe_recompute
+                           else ""))
         report.replaced(Site(FAMILY, "sloth.moe_experts", module_path(anchor), source_location(anchor),
                              f"{w1_value.shape[0]} experts, top-{_value(site.idx).shape[1]}, {site.act}{variant}, "
                              f"{str(x.dtype).replace('torch.', '')}"

@@ -535,7 +535,7 @@ def _recorded_forward_backward(*args):
     for: a list of (op name, outputs)."""
     x, index, weights, gate_up, down, act, *rest = args
     rest = (*rest, *lowering._DEFAULTS[len(rest):])
-    b1, b2, interleaved, alpha, limit, lb1, la1, lb2, la2, s1, s2, gated = rest
+    b1, b2, interleaved, alpha, limit, lb1, la1, lb2, la2, s1, s2, gated, _recompute_gu = rest
     with RecordOps() as rec:
         out, gu, order, offs = lowering.moe_experts_forward(*args)
         lowering.moe_experts_backward(torch.ones_like(out), x, index, weights, gate_up, down, gu, order, offs, act,
@@ -706,3 +706,51 @@ BAD_INPUTS = [
 def test_input_errors_name_the_problem(changes, error, message):
     with pytest.raises(error, match=message):
         moe_experts(**_args(**changes))
+
+
+def _op_grads(masters, dtype, extra, trains, **options):
+    """The op's output and the gradients of every float input that ``trains`` names (x, router weights, expert
+    weights, biases, factors), with ``extra`` (the arguments after ``act``) and ``options``."""
+    x, index, weights, gate_up, down, dout = masters
+    x_, w_, gu_, d_ = (t.to(dtype).requires_grad_(name in trains) for t, name in
+                       zip((x, weights, gate_up, down), ("x", "w", "experts", "experts")))
+    extra = [t.to(dtype).requires_grad_() if isinstance(t, torch.Tensor) else t for t in extra]
+    out = moe_experts(x_, index, w_, gu_, d_, *extra, **options)
+    wrt = [t for t in (x_, w_, gu_, d_, *extra) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [out.detach(), *torch.autograd.grad(out, wrt, dout.to(dtype))]
+
+
+RECOMPUTE_CASES = {  # id -> (make the arguments after act from E, H, I; what trains; gated)
+    "qwen3-frozen": (lambda E, H, I: ["silu"], ("x", "w"), True),
+    "experts-train": (lambda E, H, I: ["gelu_tanh"], ("x", "w", "experts"), True),
+    "gpt-oss-biases": (lambda E, H, I: ["swiglu_oai", torch.randn(E, 2 * I), torch.randn(E, H), True],
+                       ("x", "w", "experts"), True),
+    "lora-both": (lambda E, H, I: ["silu", None, None, False, 1.702, 7.0, *make_adapters(E, H, I, 4), 2.0, 0.5],
+                  ("x", "w"), True),
+    "ungated-relu2-bias-lora": (lambda E, H, I: ["relu2", torch.randn(E, I), None, False, 1.702, 7.0,
+                                                 *make_adapters(E, H, I, 4, gated=False), 2.0, 0.5],
+                                ("x", "w"), False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(RECOMPUTE_CASES))
+def test_recompute_gu_gives_the_same_bits_and_keeps_no_gu(case, dtype):
+    # moe_recompute: the backward forms gu again with the forward's own calls, so every output and gradient is
+    # the one the kept gu gives, bit for bit; and the forward returns an empty gu, so nothing of it is saved.
+    make_extra, trains, gated = RECOMPUTE_CASES[case]
+    T, H, I, E, K = 13, 24, 20, 5, 2
+    masters = make_inputs(T, H, I, E, K, unused_experts=(3,), gated=gated)
+    torch.manual_seed(0)
+    extra = make_extra(E, H, I)
+    kept = _op_grads(masters, dtype, extra, trains, gated=gated)
+    recomputed = _op_grads(masters, dtype, extra, trains, gated=gated, recompute_gu=True)
+    assert len(kept) == len(recomputed) >= 3
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    x, index, weights, gate_up, down, _ = (t.to(dtype) if t.is_floating_point() else t for t in masters)
+    args = [t.to(dtype) if isinstance(t, torch.Tensor) else t for t in extra]
+    with torch.no_grad():
+        _, gu, order, _ = torch.ops.sloth.moe_experts(x, index, weights, gate_up, down, *args,
+                                                      *lowering._DEFAULTS[len(args) - 1:-2], gated, True)
+    assert gu.shape == (0, gate_up.shape[1]) and order.shape == (T * K,)

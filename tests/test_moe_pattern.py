@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import sloth
+from sloth.compiler.options import PassOptions
 from tests.pattern_checks import seeded
 from tests.test_models import VOCAB, assert_model_close, loss_and_grads, tiny_config
 
@@ -130,6 +131,20 @@ def test_frozen_experts_get_no_gradient() -> None:
     assert report.counts.get("moe_route") == model.config.num_hidden_layers, str(report)
     assert not [n for n in ours[1] if "experts" in n] and any("mlp.gate" in n for n in ours[1])
     assert_model_close(ours, eager, reference, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_recompute_option(dtype) -> None:
+    # options={"moe_recompute": True}: every layer's op recomputes its first GEMM in the backward (the report
+    # says so; tests/test_moe_op.py checks that the op then keeps no gu); loss and gradients eager's.
+    model = moe_model("qwen3_moe", "grouped_mm", dtype)
+    ours, eager, reference, report = _compare(model, dtype, moe_recompute=True)
+    sites = [s.detail for s in report.sites if s.family == "moe_route"]
+    assert len(sites) == model.config.num_hidden_layers and all("recomputed in backward" in d for d in sites), \
+        str(report)
+    assert_model_close(ours, eager, reference, dtype)
+    with pytest.raises(ValueError, match="moe_recompute must be True or False"):
+        PassOptions.from_user({"moe_recompute": "yes"})
 
 
 def _scale_gpt_oss_experts(model: nn.Module, factor: float) -> None:
