@@ -97,8 +97,8 @@ the gated derivation with d gu replaced by d u (and the bias and adapter terms t
 Saved for backward: x, the routing, the weights, gu [S, 2I] (u [S, I] ungated; the pre-activation: recomputing it
 would repeat the largest forward GEMM, 2*S*H*2I FLOPs), the sort order [S] and offs [E]. With ``recompute_gu``
 (the ``moe_recompute`` option) gu is not kept: the backward gathers the rows and runs the first GEMM, its adapter
-and bias again (``_first_gemm``, the forward's own calls), S*2I elements less at the peak for that GEMM. h [S, I] is not saved: dh, the GLU
-backward, d w and (when the down projection trains) w h are one pass over c and gu
+and bias again (``_first_gemm``, the forward's own calls), S*2I elements less at the peak for that GEMM. h [S, I]
+is not saved: dh, the GLU backward, d w and (when the down projection trains) w h are one pass over c and gu
 (``moe_kernels.glu_backward_weighted``), and dx's sum over K is ``combine`` again. The weight gradients are formed
 only for weights that require grad (frozen experts under LoRA get none, and their two 2d x 2d GEMMs are skipped).
 """
@@ -245,9 +245,9 @@ class GroupedGemm:
 def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                      factors: tuple) -> bool:
     """Whether one call's grouped GEMMs take ``torch._grouped_mm`` (``GroupedGemm``): ``grouped_mm_runs`` at its
-    sizes (H and I; it checks 2I too, the gated first weight's rows), each adapter rank a multiple of 16 bytes too, and both weights (maybe
-    transposed views) 16-byte aligned. ``factors``: the adapters' contiguous factors given (the op checked their
-    dtype and shapes)."""
+    sizes (H and I; it checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k,
+    and the rank) multiples of 16 bytes too, and both weights (maybe transposed views) 16-byte aligned.
+    ``factors``: the adapters' contiguous factors given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()
     return (grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
             and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors)
@@ -392,17 +392,18 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
 
 
 def _first_gemm(gemm: GroupedGemm, x_SH: torch.Tensor, gate_up_proj: torch.Tensor, b1, a1, scale: float,
-                gate_up_bias, sorted_ids: torch.Tensor | _Lazy, act: str, interleaved: bool, alpha: float, limit: float,
-                gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                gate_up_bias, sorted_ids: torch.Tensor | _Lazy, act: str, interleaved: bool, alpha: float,
+                limit: float, gated: bool, with_h: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(gu [S, 2I], h [S, I]) of the sorted rows ``x_SH``: the first grouped GEMM, its adapter, the gate/up bias
     (added by the expert GLU kernel, which returns gu with it) and the GLU. The forward's and, under
-    ``recompute_gu``, the backward's: the same calls in the same order, so the same bits."""
+    ``recompute_gu``, the backward's: the same calls in the same order, so the same bits. Without ``with_h`` the
+    lowering/glu.py GLU is skipped and h is None (the expert GLU kernel, which adds the bias, still runs)."""
     gu_S2I = gemm(x_SH, gate_up_proj.transpose(1, 2))
     if b1 is not None:
         gu_S2I = gu_S2I + _adapter_rows(gemm, x_SH, b1, a1, scale)
     del x_SH
     if _dense_glu(act, interleaved, gate_up_bias, gated):
-        return gu_S2I, glu_forward(gu_S2I, None, ACTIVATIONS[act])
+        return gu_S2I, glu_forward(gu_S2I, None, ACTIVATIONS[act]) if with_h else None
     ids = sorted_ids.value() if isinstance(sorted_ids, _Lazy) else sorted_ids
     return expert_glu_forward(gu_S2I, gate_up_bias, ids, ACTIVATIONS.get(act, act), interleaved, alpha, limit, gated)
 
@@ -448,9 +449,8 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
                                                           tuple(f for f in (b1, a1, b2, a2) if f is not None)))
     s1, s2 = gate_up_lora_scale, down_lora_scale
     if gu.shape[0] != order.shape[0]:  # the forward ran with recompute_gu: gu again, as the forward formed it
-        gu, h_SI = _first_gemm(gemm, x[token_of_row], gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,
-                               interleaved, alpha, limit, gated)
-        del h_SI
+        gu, _ = _first_gemm(gemm, x[token_of_row], gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,
+                            interleaved, alpha, limit, gated, with_h=False)
     dout_SH = dout.to(x.dtype)[token_of_row]
     c_SI = gemm(dout_SH, down_proj)
     if b2 is not None:  # c = W_d_eff^T dout = W_d^T dout + s2 A2^T (B2^T dout)
