@@ -37,6 +37,7 @@
 #   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
 #   bash benchmarks/h200_rows.sh moe-versus  # issue 20: sloth's default MoE row, Unsloth's, sloth's again (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-versus-experts  # the same with LoRA on the experts (carry .whl)
+#   bash benchmarks/h200_rows.sh moe-recompute  # issue 20: the MoE rows with moe_recompute beside the default
 #   bash benchmarks/h200_rows.sh moe-diag  # issue 20: the default MoE step's kernels, host profile, syncs and memory peak
 #   bash benchmarks/h200_rows.sh moe-host  # issue 20: the MoE step profiled (idle gaps), then under CUDA graphs
 #   bash benchmarks/h200_rows.sh longest   # issue 19: 128k and 192k tokens, one step each: sloth with offload, Unsloth
@@ -341,6 +342,13 @@ case $part in
         run moe-sloth 110 --all --model qwen3-moe --variants sloth --steps 16
         run moe-unsloth 220 --all --model qwen3-moe --variants unsloth --steps 16
         run moe-sloth-2 110 --all --model qwen3-moe --variants sloth --steps 16 ;;
+    moe-recompute)  # issue 20: sloth's default MoE row beside moe_recompute (the experts' gate/up formed again in the
+        # backward), with and without LoRA on the experts, one machine (H100 of 2026-12-05: 19.18 vs 20.31 GiB)
+        run moe-sloth 110 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-sloth-recompute 110 --all --model qwen3-moe --variants sloth --steps 16 \
+            --sloth-options '{"moe_recompute": true}'
+        run moe-lora-experts-recompute 130 --all --model qwen3-moe --lora-experts --variants sloth --steps 16 \
+            --sloth-options '{"moe_recompute": true}' ;;
     moe-versus-experts)  # issue 20: the same with LoRA on the experts too, sloth then Unsloth (carry .whl)
         run moe-lora-experts-sloth 130 --all --model qwen3-moe --lora-experts --variants sloth --steps 16
         run moe-lora-experts-unsloth 240 --all --model qwen3-moe --lora-experts --variants unsloth --steps 16 ;;
