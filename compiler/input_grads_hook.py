@@ -18,10 +18,12 @@ it included (checked on torch 2.13: LoRA gradients equal to eager's either way).
 
 What. The hooks ``enable_input_require_grads`` registers are wrapped: while Dynamo traces
 (``torch.compiler.is_compiling()``) the wrapper returns without calling the hook, unless some module of the model
-had a reentrant (or unstated) checkpoint function when the hook was registered, in which case it calls the hook
-as before (the graph break stays, and the gradients stay right if a checkpoint falls back to eager). Eager calls
-run the hook unchanged. transformers registers the hook after it sets the layers' checkpoint functions, and again
-each time checkpointing is enabled, so a later switch to reentrant checkpointing registers a hook that is kept.
+has a reentrant (or unstated) checkpoint function, in which case it calls the hook as before (the graph break
+stays, and the gradients stay right if a checkpoint falls back to eager). Eager calls run the hook unchanged.
+Whether a reentrant checkpoint is there is kept in one flag per model, read by its wrapped hooks and set again
+whenever ``_set_gradient_checkpointing`` runs (checkpointing enabled or disabled, in whichever order the two are
+called: peft's ``prepare_model_for_kbit_training`` registers the hook first); Dynamo guards on the flag, so a
+change recompiles.
 
 When. At ``import sloth`` if ``transformers.modeling_utils`` is loaded, else right after it is
 (compiler/import_hooks.py); a transformers whose hooks are not found where 5.x keeps them
@@ -55,26 +57,34 @@ def may_checkpoint_reentrantly(model: torch.nn.Module) -> bool:
     return False
 
 
-def skipped_when_traced(hook: Callable, needed: bool) -> Callable:
-    """``hook`` as eager runs it; while Dynamo traces, a no-op unless ``needed``."""
+def skipped_when_traced(hook: Callable, needed: list[bool]) -> Callable:
+    """``hook`` as eager runs it; while Dynamo traces, a no-op unless ``needed[0]`` (the model's flag, read at
+    each call)."""
 
     @functools.wraps(hook)
     def make_inputs_require_grads(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
-        if torch.compiler.is_compiling() and not needed:
+        if torch.compiler.is_compiling() and not needed[0]:
             return None
         return hook(module, inputs, output)
 
-    make_inputs_require_grads.sloth_wrapped = True
+    make_inputs_require_grads.sloth_needed = needed
     return make_inputs_require_grads
+
+
+def _needed_flag(model: torch.nn.Module) -> list[bool]:
+    """``model``'s flag (made on first use), set to whether it may checkpoint reentrantly now."""
+    flag = model.__dict__.setdefault("_sloth_input_grads_needed", [True])
+    flag[0] = may_checkpoint_reentrantly(model)
+    return flag
 
 
 def _wrap_registered(model: torch.nn.Module) -> None:
     """Wrap, in place, the hooks behind ``model._require_grads_hooks`` (the handles stay valid)."""
-    needed = may_checkpoint_reentrantly(model)
+    needed = _needed_flag(model)
     for handle in getattr(model, "_require_grads_hooks", None) or ():
         hooks = handle.hooks_dict_ref() if hasattr(handle, "hooks_dict_ref") else None
         hook = hooks.get(handle.id) if hooks is not None else None
-        if hook is not None and not getattr(hook, "sloth_wrapped", False):
+        if hook is not None and not hasattr(hook, "sloth_needed"):
             hooks[handle.id] = skipped_when_traced(hook, needed)
 
 
@@ -85,7 +95,8 @@ def register(module) -> bool:
         return True
     pretrained = getattr(module, "PreTrainedModel", None)
     enable = getattr(pretrained, "enable_input_require_grads", None)
-    if enable is None:
+    set_checkpointing = getattr(pretrained, "_set_gradient_checkpointing", None)
+    if enable is None or set_checkpointing is None:
         return False
 
     @functools.wraps(enable)
@@ -94,7 +105,15 @@ def register(module) -> bool:
         _wrap_registered(self)
         return out
 
+    @functools.wraps(set_checkpointing)
+    def _set_gradient_checkpointing(self, *args, **kwargs):
+        out = set_checkpointing(self, *args, **kwargs)
+        if "_sloth_input_grads_needed" in self.__dict__:  # hooks of this model wrapped earlier read it
+            _needed_flag(self)
+        return out
+
     pretrained.enable_input_require_grads = enable_input_require_grads
+    pretrained._set_gradient_checkpointing = _set_gradient_checkpointing
     _registered = True
     return True
 

@@ -98,8 +98,26 @@ def test_reentrant_checkpointing_keeps_the_hook_and_eager_numbers():
 def test_eager_runs_the_hook():
     model = build(reentrant=False)
     hooks = list(model.get_input_embeddings()._forward_hooks.values())
-    assert hooks and all(getattr(h, "sloth_wrapped", False) for h in hooks)  # one from transformers, one from peft
+    assert hooks and all(hasattr(h, "sloth_needed") for h in hooks)  # one from transformers, one from peft
     assert model.get_input_embeddings()(IDS).requires_grad
+
+
+def test_reentrant_checkpointing_enabled_after_the_hook_keeps_it():
+    # peft's prepare_model_for_kbit_training registers the hook first and enables checkpointing after it: the
+    # model's flag follows _set_gradient_checkpointing, so the hook is kept once reentrant checkpointing is on
+    # (and skipped again once it is off).
+    model = build(reentrant=None)
+    base = model.get_base_model()
+    base.enable_input_require_grads()
+    (hook, *_) = [h for h in base.get_input_embeddings()._forward_hooks.values() if hasattr(h, "sloth_needed")]
+    assert hook.sloth_needed == [False]
+    base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
+        checkpoint, use_reentrant=True))
+    assert hook.sloth_needed == [True]
+    _, loss, grads = graphs_loss_grads(model, IDS)
+    assert_matches(loss, grads, *eager_loss_grads(build(reentrant=True), IDS))
+    base._set_gradient_checkpointing(enable=False)
+    assert hook.sloth_needed == [False]
 
 
 def _layer(func=None, on=True):
