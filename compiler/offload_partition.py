@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime import offload as offload_runtime
 
@@ -43,29 +44,70 @@ DEFAULT_MIN_BYTES = 64 * 2**20  # below this (8k tokens of a 4096-wide model in 
 @dataclasses.dataclass(frozen=True)
 class OffloadPolicy:
     """Which saved activations go to host memory: those of at least ``min_bytes``, except the ``keep_last``
-    the backward reads first."""
+    the backward reads first. ``mid_layer``: also save (and so offload) each checkpointed layer's residual
+    stream between its blocks (``save_mid_layer_residuals``)."""
     min_bytes: int = DEFAULT_MIN_BYTES
     keep_last: int = 1
+    mid_layer: bool = False
 
     @classmethod
     def from_user(cls, value: Any) -> Optional["OffloadPolicy"]:
         """The policy for ``options={"offload": value}``: False/None off, True the defaults, or a dict with
-        ``min_bytes`` and/or ``keep_last``; a clear error for anything else."""
+        ``min_bytes``, ``keep_last`` and/or ``mid_layer``; a clear error for anything else."""
         if value is None or value is False:
             return None
         if value is True:
             return cls()
         if isinstance(value, dict):
-            unknown = set(value) - {"min_bytes", "keep_last"}
+            unknown = set(value) - {"min_bytes", "keep_last", "mid_layer"}
             if unknown:
-                raise ValueError(f"sloth: offload takes min_bytes and keep_last, not {sorted(unknown)}")
+                raise ValueError(f"sloth: offload takes min_bytes, keep_last and mid_layer, not {sorted(unknown)}")
             policy = cls(**value)
             for name in ("min_bytes", "keep_last"):
                 got = getattr(policy, name)
                 if not isinstance(got, int) or isinstance(got, bool) or got < 0:
                     raise ValueError(f"sloth: offload's {name} must be an integer >= 0, got {got!r}")
+            if not isinstance(policy.mid_layer, bool):
+                raise ValueError(f"sloth: offload's mid_layer must be True or False, got {policy.mid_layer!r}")
             return policy
-        raise ValueError(f"sloth: offload must be True, False or a dict of min_bytes / keep_last, got {value!r}")
+        raise ValueError(f"sloth: offload must be True, False or a dict of min_bytes / keep_last / mid_layer, "
+                         f"got {value!r}")
+
+
+_NORMS = ("sloth::rms_norm", "sloth::layer_norm")
+
+
+def save_mid_layer_residuals(joint: fx.Graph) -> int:
+    """Tag MUST_SAVE, in the joint graph, every input of a norm inside a checkpointed region that has the shape of
+    one of that region's inputs: the residual stream between a decoder layer's attention and its MLP (the
+    region's other norms, on q or k heads, have other shapes). Returns how many were tagged.
+
+    Why: a checkpointed layer saves only its input, so its backward recomputes the whole layer before the MLP's
+    backward (the MLP's input is the residual after attention), and the attention's recomputed tensors (q, k, v,
+    the rotated q and k, the attention output: about 0.9 GiB at 16k tokens of Llama-3-8B) stay alive through the
+    MLP's backward, where the 16k step's peak is. With the residual saved, AOTAutograd's backward, ordered as the
+    autograd engine runs it, recomputes the attention only when its own backward needs it. The residual is one
+    more T x H tensor a layer, which the offload moves to host memory like the layer's input."""
+    in_region: dict[Any, set] = {}  # region -> the shapes of its inputs (nodes outside it that it reads)
+    for node in joint.nodes:
+        region = node.meta.get("ac_graph_id")
+        if region is not None:
+            in_region.setdefault(region, set()).update(
+                tuple(i.meta["val"].shape) for i in node.all_input_nodes
+                if i.meta.get("ac_graph_id") != region and isinstance(i.meta.get("val"), torch.Tensor))
+    tagged = 0
+    for node in joint.nodes:
+        if not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in _NORMS):
+            continue
+        x, region = node.args[0], node.meta.get("ac_graph_id")
+        if region is None or not isinstance(x, fx.Node) or x.meta.get("ac_graph_id") != region \
+                or x.meta.get("recompute") not in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE):
+            continue
+        value = x.meta.get("val")
+        if isinstance(value, torch.Tensor) and tuple(value.shape) in in_region[region]:
+            x.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            tagged += 1
+    return tagged
 
 
 @dataclasses.dataclass
@@ -175,9 +217,12 @@ class OffloadPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        if self.policy.mid_layer:
+            save_mid_layer_residuals(gm.graph)
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         self.records.append(offload_saved(fw, bw, kwargs["num_fwd_outputs"], self.policy))
         return fw, bw
 
     def uuid(self) -> Optional[Any]:
-        return (get_hash_for_files((__file__, offload_runtime.__file__)), self.policy.min_bytes, self.policy.keep_last)
+        return (get_hash_for_files((__file__, offload_runtime.__file__)), self.policy.min_bytes, self.policy.keep_last,
+                self.policy.mid_layer)

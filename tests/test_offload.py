@@ -145,11 +145,62 @@ def test_transformers_checkpointing_with_peft_lora():
     assert report.counts.get("lora", 0) > 0, str(report)
 
 
+def _order_in_backward(mid_layer: bool, monkeypatch) -> tuple[list[str], tuple, list]:
+    """(the sloth and attention ops of the backward graph, in order; loss and gradients; offload records) of a
+    checkpointed 2-layer Llama with LoRA, offloaded with ``mid_layer``."""
+    from sloth.compiler import offload_partition
+
+    graphs = []
+    original = offload_partition.offload_saved
+
+    def keeping(fw, bw, num_fwd_outputs, policy):
+        record = original(fw, bw, num_fwd_outputs, policy)
+        graphs.append(bw)
+        return record
+
+    monkeypatch.setattr(offload_partition, "offload_saved", keeping)
+    model = build_lora("llama", torch.float32)
+    model.config.num_hidden_layers = 2
+    model.config.use_cache = False  # else transformers warns under checkpointing, which splits the graph
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    sloth.reset_report()
+    run = torch.compile(model, backend="sloth",
+                        options={"inner": "aot_eager", "offload": {"min_bytes": 0, "mid_layer": mid_layer}})
+    got = loss_and_grads(model, ids, run=run)
+    (bw,) = graphs
+    names = [n.target.name() for n in bw.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+             and (n.target.namespace == "sloth" or "scaled_dot_product" in n.target.name())]
+    return names, got, sloth.report().offload
+
+
+def test_mid_layer_residuals_offloaded_and_attention_recomputed_after_the_mlp_backward(monkeypatch):
+    # offload's mid_layer: each checkpointed layer's residual between attention and MLP is saved (and offloaded),
+    # so the backward recomputes a layer's attention only after that layer's MLP backward, not before it; the
+    # same bits, one more tensor a layer moved.
+    plain_order, plain, plain_records = _order_in_backward(False, monkeypatch)
+    order, got, records = _order_in_backward(True, monkeypatch)
+    assert torch.equal(got[0], plain[0])
+    assert got[1].keys() == plain[1].keys() and all(torch.equal(got[1][n], plain[1][n]) for n in got[1])
+    assert sum(r.tensors for r in records) == sum(r.tensors for r in plain_records) + 2
+
+    def first(names, op):
+        return next(i for i, name in enumerate(names) if name.startswith(op))
+
+    # the first layer the backward reaches (the last): its attention recomputed before (plain) or after (mid_layer)
+    # its MLP's backward
+    assert first(plain_order, "sloth::rope") < first(plain_order, "sloth::glu_lora_linear_backward"), plain_order
+    assert first(order, "sloth::rope") > first(order, "sloth::glu_lora_linear_backward"), order
+
+
 @pytest.mark.parametrize("value, message", [
     ("yes", "offload must be True, False or a dict"),
     ({"min_bytes": -1}, "min_bytes must be an integer >= 0"),
     ({"keep_last": 1.5}, "keep_last must be an integer >= 0"),
-    ({"layers": 3}, "offload takes min_bytes and keep_last"),
+    ({"layers": 3}, "offload takes min_bytes, keep_last and mid_layer"),
+    ({"mid_layer": 1}, "mid_layer must be True or False"),
 ])
 def test_bad_offload_option(value, message):
     with pytest.raises(Exception, match=message):
