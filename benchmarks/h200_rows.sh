@@ -35,6 +35,7 @@
 #   bash benchmarks/h200_rows.sh moe-new-ops  # issue 20: the ungated experts' op and the routers' timings
 #   bash benchmarks/h200_rows.sh mem16k    # issue 19: what is alive at the 16k step's peak (offload; offload + tiled)
 #   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
+#   bash benchmarks/h200_rows.sh mem16k-mid  # issue 19: offload's mid_layer at 16k, with and without the tiled MLP
 #   bash benchmarks/h200_rows.sh moe-versus  # issue 20: sloth's default MoE row, Unsloth's, sloth's again (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-versus-experts  # the same with LoRA on the experts (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-recompute  # issue 20: the MoE rows with moe_recompute beside the default
@@ -359,6 +360,13 @@ case $part in
         # shape and the routers (bias-corrected ones among them) against Inductor (limits add to 200 s)
         op_bench moe_experts_ungated 110 moe_experts --ungated
         op_bench moe_router 90 moe_router ;;
+    mem16k-mid)  # issue 19: offload's mid_layer (the residual between attention and MLP saved and offloaded, so the
+        # backward recomputes the attention after the MLP's backward) at 16k, what is alive at each peak, with and
+        # without the tiled MLP (17.81 GiB offload + tiled on the H100 of 2026-12-05)
+        run mem16k-mid 200 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
+            --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false}'
+        run mem16k-mid-tiled 200 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
+            --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}' ;;
     mem16k|mem16k-offload)  # issue 19 (mem16k-offload: without the tiled row): what is alive at the 16k step's peak, by allocating site (e2e --memory-peak): sloth with
         # offload and no logits, and with the MLP tiled too (18.05 GiB on 2026-12-02, 2.5 GiB above the weights);
         # first the offload's device check (the staging slots released in the backward, ac283ba, not yet on a GPU)
