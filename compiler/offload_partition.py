@@ -100,8 +100,9 @@ def save_mid_layer_residuals(joint: fx.Graph) -> int:
         if not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in _NORMS):
             continue
         x, region = node.args[0], node.meta.get("ac_graph_id")
+        # only the checkpoint's own preference is overridden: a policy a user asked for (MUST_RECOMPUTE) stays
         if region is None or not isinstance(x, fx.Node) or x.meta.get("ac_graph_id") != region \
-                or x.meta.get("recompute") not in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE):
+                or x.meta.get("recompute") != CheckpointPolicy.PREFER_RECOMPUTE:
             continue
         value = x.meta.get("val")
         if isinstance(value, torch.Tensor) and tuple(value.shape) in in_region[region]:
