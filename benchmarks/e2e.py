@@ -602,10 +602,15 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
 
 
 def _run_tag(args: argparse.Namespace) -> str:
-    """What tells a run's text files apart from another variant's in one call: ``-qlora``, ``-lora-experts`` and
-    the sloth options set to true (``-offload-tiled_mlp``), so a second run does not write over the first's."""
+    """What tells a run's text files apart from another variant's in one call: ``-qlora``, ``-lora-experts``, the
+    sloth options set to true (``-offload-tiled_mlp``) and those given as a dict, with its keys set to true
+    (``{"offload": {"mid_layer": true}}``: ``-offload-mid_layer``), so a second run does not write over the first's."""
     flags = [name for name, on in (("qlora", args.qlora), ("lora-experts", args.lora_experts)) if on]
-    flags += [key for key, value in json.loads(args.sloth_options).items() if value is True]
+    for key, value in json.loads(args.sloth_options).items():
+        if value is True:
+            flags.append(key)
+        elif isinstance(value, dict):
+            flags.append("-".join([key, *(k for k, v in value.items() if v is True)]))
     return "".join(f"-{flag}" for flag in flags)
 
 
