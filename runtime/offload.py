@@ -102,10 +102,21 @@ _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 _in_flight: dict[int, tuple[torch.Tensor, Optional["torch.cuda.Event"]]] = {}
 
 
+def _device_key(device: torch.device) -> torch.device:
+    """``device`` with its index (a reload may name ``cuda`` where the offloaded tensor was on ``cuda:0``): the key
+    of its side stream and staging slots, so an offload and its reload share them."""
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    stream = _side_streams.get(device)
+    """``device``'s side stream, one per device: its copies run in order, so a reload starts after the offload
+    that filled its host buffer."""
+    key = _device_key(device)
+    stream = _side_streams.get(key)
     if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device=device)
+        stream = _side_streams[key] = torch.cuda.Stream(device=key)
     return stream
 
 
@@ -133,16 +144,9 @@ class StagingSlots:
         self._slots: dict[torch.device, list[list]] = {}
         self._turn: dict[torch.device, int] = {}
 
-    @staticmethod
-    def _key(device: torch.device) -> torch.device:
-        """``device`` with its index (a reload may name ``cuda`` where the offloaded tensor was on ``cuda:0``)."""
-        if device.index is None and device.type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return device
-
     def stage(self, x: torch.Tensor, compute: "torch.cuda.Stream", side: "torch.cuda.Stream") -> torch.Tensor:
         """``x`` copied (on ``compute``) into the next slot, as a contiguous tensor of its shape and dtype."""
-        key = self._key(x.device)
+        key = _device_key(x.device)
         slots = self._slots.setdefault(key, [[None, None], [None, None]])
         turn = self._turn.get(key, 0)
         self._turn[key] = 1 - turn
@@ -160,7 +164,7 @@ class StagingSlots:
 
     def copied(self, x_device: torch.device, side: "torch.cuda.Stream") -> None:
         """Record, on ``side``, the end of the copy that read the slot just staged."""
-        key = self._key(x_device)
+        key = _device_key(x_device)
         slot = self._slots[key][1 - self._turn[key]]
         slot[1] = torch.cuda.Event()
         slot[1].record(side)
@@ -170,7 +174,7 @@ class StagingSlots:
         compute stream first waits for the copies that read them, so that the allocator, which lends freed memory
         to work on the stream that allocated it (the compute stream, here) in stream order, never lets a later
         kernel write into a slot a copy is still reading. No host sync; nothing to do when none are held."""
-        key = self._key(device)
+        key = _device_key(device)
         slots = self._slots.pop(key, None)
         if slots is None:
             return
