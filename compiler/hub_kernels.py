@@ -23,7 +23,6 @@ a ``kernels`` without ``CompileableContextVar`` in that module (other releases) 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -78,5 +77,4 @@ def register(module) -> bool:
 def install() -> None:
     """Register now if the ``kernels`` layer module is loaded, else once it is (``SLOTH_HUB_KERNELS_TRACEABLE=0``:
     never)."""
-    if os.environ.get("SLOTH_HUB_KERNELS_TRACEABLE", "1") != "0":
-        when_imported(_MODULE, register, package="kernels")
+    when_imported(_MODULE, register, package="kernels", switch="SLOTH_HUB_KERNELS_TRACEABLE")

@@ -1,7 +1,8 @@
 """Run a function right after a module is first imported, without importing it.
 
-sloth adjusts two third-party libraries for Dynamo (compiler/peft_experts.py, compiler/hub_kernels.py). Either may
-be imported before sloth or after it, and sloth must never import them on its own account, so each adjustment runs
+sloth adjusts three third-party libraries for Dynamo (compiler/peft_experts.py, compiler/hub_kernels.py,
+compiler/input_grads_hook.py). Any may be imported before sloth or after it, and sloth must never import them on its
+own account, so each adjustment runs
 at ``import sloth`` when its module is already loaded, else from a finder placed first on ``sys.meta_path`` that
 finds nothing itself: when the module is imported it has the path finder find it, and wraps the loader's
 ``exec_module`` so that the callback runs once the module's code has run.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from typing import Callable
 
@@ -39,10 +41,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def when_imported(name: str, callback: Callable, *, package: str) -> None:
+def when_imported(name: str, callback: Callable, *, package: str, switch: str | None = None) -> None:
     """``callback(module)`` now if module ``name`` is loaded, else right after it is first imported. Nothing is
-    installed when ``package`` (the top-level distribution ``name`` lives in) is not installed at all, or when a
-    hook for ``name`` is already waiting."""
+    installed when the environment variable ``switch`` (the adjustment's opt-out) is "0", when ``package`` (the
+    top-level distribution ``name`` lives in) is not installed at all, or when a hook for ``name`` is already
+    waiting."""
+    if switch is not None and os.environ.get(switch, "1") == "0":
+        return
     module = sys.modules.get(name)
     if module is not None:
         callback(module)

@@ -33,7 +33,6 @@ them (``model._require_grads_hooks``). ``SLOTH_INPUT_GRADS_TRACEABLE=0`` leaves 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable
 
 import torch
@@ -122,5 +121,4 @@ def register(module) -> bool:
 def install() -> None:
     """Register now if transformers' modeling_utils is loaded, else once it is (``SLOTH_INPUT_GRADS_TRACEABLE=0``:
     never)."""
-    if os.environ.get("SLOTH_INPUT_GRADS_TRACEABLE", "1") != "0":
-        when_imported(_MODULE, register, package="transformers")
+    when_imported(_MODULE, register, package="transformers", switch="SLOTH_INPUT_GRADS_TRACEABLE")

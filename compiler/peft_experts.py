@@ -31,7 +31,6 @@ so peft is never imported on sloth's account.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -112,5 +111,4 @@ def register() -> bool:
 
 def install() -> None:
     """Register now if peft's LoRA layers are loaded, else once they are (``SLOTH_PEFT_TRACEABLE=0``: never)."""
-    if os.environ.get("SLOTH_PEFT_TRACEABLE", "1") != "0":
-        when_imported(_MODULE, lambda module: register(), package="peft")
+    when_imported(_MODULE, lambda module: register(), package="peft", switch="SLOTH_PEFT_TRACEABLE")
