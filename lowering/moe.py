@@ -247,10 +247,10 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     """Whether one call's grouped GEMMs take ``torch._grouped_mm`` (``GroupedGemm``): ``grouped_mm_runs`` at its
     sizes (H and I; it checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k,
     and the rank) multiples of 16 bytes too, and both weights (maybe transposed views) 16-byte aligned.
-    ``factors``: the adapters' contiguous factors given (the op checked their dtype and shapes)."""
+    ``factors``: the adapters' contiguous factors, None where not given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()
     return (grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
-            and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors)
+            and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors if f is not None)
             and _aligned(gate_up_proj) and _aligned(down_proj))
 
 
@@ -375,8 +375,7 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     top_k = top_k_index.shape[1]
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
-    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj,
-                                                          tuple(f for f in (b1, a1, b2, a2) if f is not None)))
+    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2)))
     # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
     # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
     gu_S2I, h_SI = _first_gemm(gemm, x[order // top_k], gate_up_proj, b1, a1, gate_up_lora_scale, gate_up_bias,
@@ -445,8 +444,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     # The experts of the sorted rows, which the reference grouped GEMM and the biases read: formed once, on first use.
     sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
-    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj,
-                                                          tuple(f for f in (b1, a1, b2, a2) if f is not None)))
+    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2)))
     s1, s2 = gate_up_lora_scale, down_lora_scale
     if gu.shape[0] != order.shape[0]:  # the forward ran with recompute_gu: gu again, as the forward formed it
         gu, _ = _first_gemm(gemm, x[token_of_row], gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,
