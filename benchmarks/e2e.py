@@ -560,7 +560,7 @@ def _idle_by_host_op(events: list, spans: list[tuple[float, float]]) -> list[tup
 
 def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 40) -> None:
     """Profile one training step: GPU time per kernel family and the ``top`` kernels by GPU time,
-    written as text to $OUT (or benchmarks/results) as profile-<variant>-<model><flags>-L<layers>.txt."""
+    written as text to ``_text_file(args, "profile")``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -594,9 +594,7 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
     lines += [f"{e.self_cpu_time_total / 1e3:8.2f} {100 * e.self_cpu_time_total / cpu_total:5.1f} {e.count:6d}  "
               f"{e.key[:110]}" for e in cpu[:top]]
     lines += [""] + _gpu_idle_lines(prof, top)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
-    ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
-    path = out_dir / f"profile-{args.variant}{ops}-{args.model}{_run_tag(args)}-L{args.layers or 'all'}.txt"
+    path = _text_file(args, "profile")
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]), flush=True)
 
@@ -614,15 +612,22 @@ def _run_tag(args: argparse.Namespace) -> str:
     return "".join(f"-{flag}" for flag in flags)
 
 
+def _text_file(args: argparse.Namespace, kind: str, extra: str = "") -> Path:
+    """Where a run's text file of ``kind`` (profile, hostprofile, memory-peak) goes: $OUT, else --results-dir, else
+    benchmarks/results, as <kind>-<variant>[-triton-op]-<model><run tag>-L<layers><extra>.txt (``_run_tag``)."""
+    out_dir = (Path(os.environ["OUT"]) if os.environ.get("OUT")
+               else args.results_dir or Path(__file__).parent / "results")
+    ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
+    return out_dir / f"{kind}-{args.variant}{ops}-{args.model}{_run_tag(args)}-L{args.layers or 'all'}{extra}.txt"
+
+
 def memory_peak_step(step: Callable[[], Any], args: argparse.Namespace) -> str:
     """One more step with the allocator's history recorded: what is alive at its peak and who allocated it
-    (benchmarks/memory_peak.py), written to $OUT (or benchmarks/results) as memory-peak-<variant>-...txt; returns
-    its first line (the peak and what the step found allocated)."""
+    (benchmarks/memory_peak.py), written to ``_text_file(args, "memory-peak", "-b<batch>-s<seq>")``; returns its
+    first line (the peak and what the step found allocated)."""
     from benchmarks import memory_peak
 
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
-    path = out_dir / f"memory-peak-{args.variant}{_run_tag(args)}-L{args.layers or 'all'}-b{args.batch}-s{args.seq}.txt"
-    text = memory_peak.measure(step, path)
+    text = memory_peak.measure(step, _text_file(args, "memory-peak", f"-b{args.batch}-s{args.seq}"))
     print(text[:3000], flush=True)
     return text.splitlines()[0]
 
@@ -630,13 +635,13 @@ def memory_peak_step(step: Callable[[], Any], args: argparse.Namespace) -> str:
 def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: argparse.Namespace,
                       steps: int = 2, top: int = 45) -> None:
     """Where the host's time goes: ``steps`` steps under cProfile, the ``top`` Python functions and builtins by
-    own time (tottime) and sloth's own functions by cumulative time, written as text to $OUT (or
-    benchmarks/results) as hostprofile-<variant>-<model><tag>-L<layers>.txt (``_run_tag``). cProfile slows Python
-    down (about 2x on call-heavy code), so read the shares, not the absolute times. A step without CUDA graphs
-    whose wall time exceeds its GPU kernel time (--profile) is bound by this. Caveat, seen on the H200 (Python
-    3.12): the autograd engine runs the backward on a device thread, and the two threads' events confuse cProfile's
-    accounting (custom_ops.backend_impl got half of all own time, 0.5 ms a call, while its callees were
-    cheap); the per-function call counts and the callees' cumulative times are the trustworthy part."""
+    own time (tottime) and sloth's own functions by cumulative time, written as text to
+    ``_text_file(args, "hostprofile")``. cProfile slows Python down (about 2x on call-heavy code), so read the
+    shares, not the absolute times. A step without CUDA graphs whose wall time exceeds its GPU kernel time
+    (--profile) is bound by this. Caveat, seen on the H200 (Python 3.12): the autograd engine runs the backward
+    on a device thread, and the two threads' events confuse cProfile's accounting (custom_ops.backend_impl got
+    half of all own time, 0.5 ms a call, while its callees were cheap); the per-function call counts and the
+    callees' cumulative times are the trustworthy part."""
     import cProfile
     import io
     import pstats
@@ -659,8 +664,7 @@ def host_profile_step(step: Callable[[], Any], sync: Callable[[], None], args: a
     stats.sort_stats("tottime").print_stats(top)
     text.write("\n=== sloth's functions by cumulative time\n")
     stats.sort_stats("cumulative").print_stats(r"lowering|compiler|runtime", top)
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else args.results_dir or Path(__file__).parent / "results"
-    path = out_dir / f"hostprofile-{args.variant}-{args.model}{_run_tag(args)}-L{args.layers or 'all'}.txt"
+    path = _text_file(args, "hostprofile")
     path.write_text(text.getvalue())
     print(text.getvalue()[:3000], flush=True)
 
@@ -803,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one more step: how much of the host<->device copies compute hid")
     parser.add_argument("--memory-peak", action="store_true",
                         help="one more step with the allocator's history: what is alive at its peak, by allocating "
-                             "site (benchmarks/memory_peak.py; memory-peak-<variant>-...txt)")
+                             "site (benchmarks/memory_peak.py; memory-peak-<variant>-<model>-...txt)")
     parser.add_argument("--no-telemetry", action="store_true",
                         help="time the steps without nvidia-smi sampling the GPU's clock and power beside them")
     parser.add_argument("--warmup", type=int, default=3)
