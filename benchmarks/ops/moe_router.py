@@ -92,10 +92,11 @@ def _cases(token_counts: list[int], device: Any):
                 _untied_biased_logits(tokens, experts, bias, k, n_group, topk_group, device)
 
 
-def _distinct_logits(tokens: int, experts: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
+def _distinct_logits(tokens: int, experts: int, device: Any, dtype: torch.dtype,
+                     gen: torch.Generator | None = None) -> torch.Tensor:
     # Distinct logits in each row (a random permutation of a grid bf16 holds exactly): with ties the op and
     # torch.topk may choose different, equally right, experts, and the errors would compare those.
-    gen = torch.Generator().manual_seed(0)
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
     ranks = torch.rand(tokens, experts, generator=gen).argsort(-1).float()
     return ((ranks - experts / 2) * (8 / experts)).to(device, dtype).requires_grad_()
 
@@ -123,8 +124,7 @@ def _untied_biased_logits(tokens: int, experts: int, bias: torch.Tensor, k: int,
         rows = tied.nonzero().flatten()
         if not len(rows):
             return logits.to(device).requires_grad_()
-        order = torch.rand(len(rows), experts, generator=gen).argsort(-1).float()
-        logits[rows] = (order - experts / 2) * (8 / experts)
+        logits[rows] = _distinct_logits(len(rows), experts, "cpu", torch.float32, gen).detach()
     raise RuntimeError("moe_router benchmark: could not draw router logits without ties")
 
 
