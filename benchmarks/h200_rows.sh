@@ -36,6 +36,8 @@
 #   bash benchmarks/h200_rows.sh mem16k    # issue 19: what is alive at the 16k step's peak (offload; offload + tiled)
 #   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
 #   bash benchmarks/h200_rows.sh mem16k-mid  # issue 19: offload's mid_layer at 16k, with and without the tiled MLP
+#   bash benchmarks/h200_rows.sh norm-rope  # issue 20: sloth.norm_rope's CUDA checks and op timings; the MoE row
+#                                          # without and with it, then Unsloth's (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-versus  # issue 20: sloth's default MoE row, Unsloth's, sloth's again (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-versus-experts  # the same with LoRA on the experts (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-recompute  # issue 20: the MoE rows with moe_recompute beside the default
@@ -338,6 +340,13 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true}'
         run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
+    norm-rope)  # issue 20: the joined q/k norms and RoPE (sloth.norm_rope): its CUDA checks and op timings, then the Qwen3-MoE row
+        # without the join (SLOTH_NORM_ROPE=0), with it, and Unsloth's right after (carry .whl)
+        gpu_tests norm-rope-cuda 100 "norm_rope" tests/test_cuda_ops.py
+        op_bench norm-rope-op 60 norm_rope
+        SLOTH_NORM_ROPE=0 run moe-sloth-unjoined 110 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-sloth-joined 110 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-unsloth 200 --all --model qwen3-moe --variants unsloth --steps 16 ;;
     moe-versus)  # issue 20: the Qwen3-MoE row with sloth's default options, Unsloth's right after on the same machine,
         # then sloth's again (the host-bound step's time moves between runs: two bracket Unsloth's) (carry .whl)
         run moe-sloth 110 --all --model qwen3-moe --variants sloth --steps 16

@@ -31,9 +31,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .options import PassOptions
 from .report import Report
 
-# Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive
-# (single-output ops: a multi-output op would need its getitem users tagged too).
-RECOMPUTED_OPS = ("rms_norm", "layer_norm")
+# Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive.
+# norm_rope's inputs (q and k before their norms) are what its own backward keeps; its two outputs are what
+# attention's backward reads (lowering/norm_rope.py). AOTAutograd tags every node it traces from a tagged one,
+# the getitems of a multi-output op included (tests/test_recompute.py checks the backward recomputes the pair).
+RECOMPUTED_OPS = ("rms_norm", "layer_norm", "norm_rope")
 # Checkpointed regions number themselves from 0 or 1 up; ours sits below them (see the module docstring).
 AC_GRAPH_ID = -1
 

@@ -72,6 +72,17 @@ class Report:
         gives the module path and source line."""
         self.replaced(Site(family, op, module_path(node), source_location(node), detail))
 
+    def rejoined(self, family: str, node: "fx.Node", op: str, note: str) -> None:
+        """Record that the site ``family`` replaced with the op at ``node`` (module path and source line as its
+        Site has them) is now part of ``op``, a later pass having joined that op into another (the RMSNorms of
+        q and k into ``sloth.norm_rope``: patterns/norm_rope.py)."""
+        key = (family, module_path(node), source_location(node))
+        for i, site in enumerate(self.sites):
+            if (site.family, site.module, site.source) == key and site.op != op:
+                detail = f"{site.detail}; {note}" if site.detail else note
+                self.sites[i] = dataclasses.replace(site, op=op, detail=detail)
+                return
+
     def kept_on_purpose(self, family: str, anchor: "fx.Node") -> None:
         """Record that the site at ``anchor``, left in the graph, is accounted for by a Site already recorded
         (a causal mask read from a graph input, chosen per call: patterns/causal_mask.py), so the anchor check

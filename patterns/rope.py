@@ -67,6 +67,7 @@ from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, mo
                                  same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
+from .norm_rope import join_qk_norms
 
 FAMILY = "rope"
 
@@ -550,7 +551,7 @@ def _replace_single(gm: fx.GraphModule, m: RopeMatch) -> None:
     _replace_out(m, fused, keep=(m.x, m.cos, m.sin))
 
 
-def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Node) -> None:
+def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Node) -> fx.Node:
     graph = gm.graph
     values = (_out_value(q), _out_value(k))
     fused = insert_call(graph, before, torch.ops.sloth.rope.default, (q.x, k.x, q.cos, q.sin) + _flag(q),
@@ -560,6 +561,7 @@ def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Nod
              for i, m in enumerate((q, k))]
     for m, item in zip((q, k), items):
         _replace_out(m, item, keep=(q.x, k.x, q.cos, q.sin))
+    return fused
 
 
 def _detail(ms: Sequence[RopeMatch]) -> str:
@@ -636,9 +638,12 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
                 if all(order[n] < order[before] for n in (first.x, group[0].x, first.cos, first.sin)):
                     partner = group.pop(0)
             if partner is not None:
-                _replace_pair(gm, first, partner, before)
-                report.replaced(Site(FAMILY, "sloth.rope", module_path(first.anchor), source_location(first.anchor),
-                                     _detail([first, partner])))
+                fused = _replace_pair(gm, first, partner, before)
+                # q and k normalised by sloth.rms_norm just before: the three ops become one (patterns/norm_rope.py)
+                joined = join_qk_norms(gm, fused, report) is not None
+                report.replaced(Site(FAMILY, "sloth.norm_rope" if joined else "sloth.rope", module_path(first.anchor),
+                                     source_location(first.anchor),
+                                     _detail([first, partner]) + (", q and k RMSNorms joined" if joined else "")))
             else:
                 _replace_single(gm, first)
                 report.replaced(Site(FAMILY, "sloth.rope_single", module_path(first.anchor),

@@ -52,12 +52,14 @@ from sloth.lowering.qlora import qlora_linear
 from sloth.lowering.l2_norm import l2_norm
 from sloth.lowering.layer_norm import layer_norm
 from sloth.lowering.rms_norm import rms_norm
+from sloth.lowering.norm_rope import norm_rope
 from sloth.lowering.rope import rope, rope_single
 from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
 from sloth.patterns.glu import swiglu_pattern
 from sloth.patterns.lora import lora_pattern
 from sloth.patterns.l2_norm import normalize_pattern
 from sloth.patterns.layer_norm import layer_norm_pattern
+from sloth.patterns.norm_rope import qk_norm_rope_pattern
 from sloth.patterns.rms_norm import rms_norm_pattern
 from sloth.patterns.rope import rope_rotate_half_pattern, rope_single_pattern
 from op_checks import StayFloat64, force_fallback
@@ -127,6 +129,15 @@ def _rope_single_inputs(rows, dtype):
     g = seeded(2)
     cos, sin = _rope_tables(rows, dtype, g)
     return dict(x=torch.randn(rows, 8, generator=g).to(dtype), cos=cos, sin=sin)
+
+
+def _norm_rope_inputs(rows, dtype):
+    # as _rope_inputs, q and k before their per-head norms, with the norms' weights
+    g = seeded(12)
+    q, k = torch.randn(1, 2, rows, 8, generator=g).to(dtype), torch.randn(1, 1, rows, 8, generator=g).to(dtype)
+    wq, wk = ((1 + 0.5 * torch.randn(8, generator=g)).to(dtype) for _ in range(2))
+    cos, sin = _rope_tables(rows, dtype, g, (1,))
+    return dict(q=q, k=k, wq=wq, wk=wk, cos=cos, sin=sin)
 
 
 def _glu_inputs(rows, dtype):
@@ -202,6 +213,10 @@ L2_NORM = Op("l2_norm", _l2_norm_inputs, lambda x: l2_norm(x, 1e-6, True), lambd
 ROPE = Op("rope", _rope_inputs, lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1)),
           rope_rotate_half_pattern, grads=("q", "k"))  # cos/sin get no gradient from the op (it refuses)
 ROPE_SINGLE = Op("rope_single", _rope_single_inputs, rope_single, rope_single_pattern, grads=("x",))
+NORM_ROPE = Op("norm_rope", _norm_rope_inputs,
+               lambda q, k, wq, wk, cos, sin: norm_rope(q, k, wq, wk, cos.unsqueeze(1), sin.unsqueeze(1)),
+               lambda q, k, wq, wk, cos, sin: qk_norm_rope_pattern(q, k, wq, wk, cos, sin),
+               grads=("q", "k", "wq", "wk"))
 GLU = Op("glu", _glu_inputs, lambda gate, up: glu(gate, up, "silu"), swiglu_pattern, grads=("gate", "up"))
 LCE = Op("linear_cross_entropy", _lce_inputs, lambda x, w, labels: linear_cross_entropy(x, w, None, labels),
          lambda x, w, labels: linear_cross_entropy_pattern(x, w, None, labels), grads=("x", "w"))
@@ -354,6 +369,14 @@ CASES = [
     case(ROPE_SINGLE, "zero-stride", EAGER),
     case(ROPE_SINGLE, "empty", EAGER),
     case(ROPE_SINGLE, "two-devices", Raises(ValueError, "sloth.rope: " + _device("sin", "x")), "sin"),
+
+    case(NORM_ROPE, "float64", Raises(TypeError, "sloth.norm_rope: x " + F64)),
+    case(NORM_ROPE, "fp16", EAGER),
+    case(NORM_ROPE, "non-contiguous", EAGER),
+    case(NORM_ROPE, "transposed", EAGER),
+    case(NORM_ROPE, "zero-stride", EAGER),
+    case(NORM_ROPE, "empty", EAGER),
+    case(NORM_ROPE, "two-devices", Raises(ValueError, "sloth.norm_rope: " + _device("k_weight", "q")), "wk"),
 
     case(GLU, "float64", Raises(TypeError, "sloth.glu: gate " + F64)),
     case(GLU, "fp16", EAGER),

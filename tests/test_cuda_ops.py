@@ -1,6 +1,6 @@
 """The op checks of the families added since the last GPU run, on CUDA tensors: the same oracles and tolerance rule as
 their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py,
-test_sink_attention_op.py, test_moe_router_op.py), whose
+test_sink_attention_op.py, test_moe_router_op.py, test_norm_rope_op.py), whose
 inputs are CPU tensors and so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels
 run compiled for the GPU, and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the
 Qwen3-MoE layer's shape among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels
@@ -16,6 +16,7 @@ import test_layer_norm_op as ln_tests
 import test_moe_op as moe_tests
 import test_moe_router_op as router_tests
 import test_moe_router_biased_op as biased_router_tests
+import test_norm_rope_op as norm_rope_tests
 import test_sink_attention_op as sink_tests
 import test_tiled_mlp_op as tiled_tests
 import sloth.lowering.moe as moe
@@ -133,3 +134,18 @@ def test_l2_norm_on_cuda(shape, dtype):
 def test_tiled_mlp_on_cuda(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows, recompute):
     tiled_tests.check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows, recompute,
                       device="cuda")
+
+
+# The joined q/k norms and RoPE (lowering/norm_rope.py); the last at Qwen3-MoE's attention (32 q and 4 k heads of
+# 128, 2 x 2048 tokens), the norm weights trained (their partial sums) and frozen.
+@pytest.mark.parametrize("shape,rot,interleaved", [
+    pytest.param((2, 3, 1, 7, 64, "bhsd"), None, False, id="odd"),
+    pytest.param((2, 3, 2, 7, 96, "bhsd"), 32, False, id="partial"),
+    pytest.param((2, 3, 2, 7, 48, "bshd"), None, True, id="interleaved"),
+    pytest.param((2, 32, 4, 2048, 128, "bhsd"), None, False, id="qwen3-moe")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_rope_on_cuda(shape, rot, interleaved, dtype):
+    inputs = norm_rope_tests.make_inputs(*shape, dtype, rot=rot, interleaved=interleaved, device="cuda")
+    layout = shape[-1]
+    norm_rope_tests.check_against_pattern(norm_rope_tests.fused(layout, interleaved),
+                                          norm_rope_tests.pattern(layout, interleaved), inputs)
