@@ -104,12 +104,20 @@ def _is_l2_norm(node: fx.Node) -> bool:
 
 
 def _is_even_odd_slice(node: object, start: int) -> bool:
-    """``x[..., start::2]``: the even (0) or odd (1) elements of the last dimension."""
+    """``x[..., start::2]``: the even (0) or odd (1) elements of the last dimension (an explicit stop at or past its
+    size too: ``x[..., 0:d:2]``)."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return False
     index = node.args[1]
     last = index[-1] if isinstance(index, tuple) and index else index
-    return isinstance(last, slice) and last.step == 2 and (last.start or 0) == start and last.stop is None
+    if not (isinstance(last, slice) and last.step == 2 and (last.start or 0) == start):
+        return False
+    if last.stop is None:
+        return True
+    x = node.args[0]
+    value = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    size = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() else None
+    return isinstance(last.stop, int) and isinstance(size, int) and last.stop >= size
 
 
 def is_deinterleaving_rotation(node: fx.Node) -> bool:

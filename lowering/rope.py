@@ -37,6 +37,15 @@ Interleaved RoPE (GPT-J, Meta's reference Llama, Cohere): ``interleaved=True`` o
 the transpose of each pair's 2x2 matrix [[c, -s], [s, c]], the rotation by -theta on each pair (again no
 assumption that c^2 + s^2 = 1). The rotate-half path is the same code as before, selected by a constexpr.
 
+De-interleaving RoPE (DeepSeek-V3 and its kin: transformers' ``apply_rotary_pos_emb_interleave``):
+``interleaved=True, deinterleave=True``. The pairs and tables are the interleaved ones, but the rotated pair is
+written to the two halves of y, the layout the attention then reads::
+
+    y[i] = x[2i]*c[i] - x[2i+1]*s[i]    y[P + i] = x[2i+1]*c[i] + x[2i]*s[i]        (P = R/2 pairs)
+    dx[2i] = dy[i]*c[i] + dy[P+i]*s[i]   dx[2i+1] = dy[P+i]*c[i] - dy[i]*s[i]
+
+the interleaved rotation with the output permuted (its backward reads dy through the same permutation).
+
 cos and sin get no gradient: they come from position ids and a frozen
 ``inv_freq`` buffer in every model we know of; the pass refuses a site whose cos or sin requires grad,
 and the op's backward raises rather than return a silently missing gradient.
@@ -63,10 +72,19 @@ MAX_DIMS = 4
 
 
 @triton.jit
-def _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BACKWARD: tl.constexpr):
-    """Interleaved RoPE of one block: pair i is (x[2i], x[2i+1]), rotated by cos[i], sin[i] (module docstring)."""
-    b_xe = tl.load(p_x + o_x + 2 * o_h, mask=m_mh, other=0.0).to(tl.float32)
-    b_xo = tl.load(p_x + o_x + 2 * o_h + 1, mask=m_mh, other=0.0).to(tl.float32)
+def _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BACKWARD: tl.constexpr,
+                DEINTERLEAVE: tl.constexpr):
+    """Interleaved RoPE of one block: pair i is (x[2i], x[2i+1]), rotated by cos[i], sin[i] (module docstring).
+    With DEINTERLEAVE the rotated pair is written to (y[i], y[half + i]) (DeepSeek's layout); its backward reads
+    dy there and writes dx to the pair."""
+    o_in_e, o_in_o, o_out_e, o_out_o = 2 * o_h, 2 * o_h + 1, 2 * o_h, 2 * o_h + 1
+    if DEINTERLEAVE:
+        if BACKWARD:
+            o_in_e, o_in_o = o_h, half + o_h
+        else:
+            o_out_e, o_out_o = o_h, half + o_h
+    b_xe = tl.load(p_x + o_x + o_in_e, mask=m_mh, other=0.0).to(tl.float32)
+    b_xo = tl.load(p_x + o_x + o_in_o, mask=m_mh, other=0.0).to(tl.float32)
     b_c = tl.load(p_cos + o_c + o_h, mask=m_mh, other=0.0).to(tl.float32)
     b_s = tl.load(p_sin + o_s + o_h, mask=m_mh, other=0.0).to(tl.float32)
     if BACKWARD:
@@ -75,8 +93,8 @@ def _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BAC
     else:
         b_ye = b_xe * b_c - b_xo * b_s
         b_yo = b_xo * b_c + b_xe * b_s
-    tl.store(p_y + o_y + 2 * o_h, round_to(b_ye, p_y.dtype.element_ty), mask=m_mh)
-    tl.store(p_y + o_y + 2 * o_h + 1, round_to(b_yo, p_y.dtype.element_ty), mask=m_mh)
+    tl.store(p_y + o_y + o_out_e, round_to(b_ye, p_y.dtype.element_ty), mask=m_mh)
+    tl.store(p_y + o_y + o_out_o, round_to(b_yo, p_y.dtype.element_ty), mask=m_mh)
 
 
 @triton.jit
@@ -84,7 +102,7 @@ def _rope_block(
     p_x, p_cos, p_sin, p_y, i_blk,
     n_rows, n1, n2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
     half, n_pass,
-    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Rotate BLOCK_M rows of one tensor: rows are (i0, i1, i2) of x's leading dims, y is contiguous."""
@@ -100,7 +118,7 @@ def _rope_block(
     o_h = tl.arange(0, BLOCK_H)[None, :]
     m_mh = m_m[:, None] & (o_h < half)
     if INTERLEAVED:
-        _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BACKWARD)
+        _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BACKWARD, DEINTERLEAVE)
     else:
         b_x1 = tl.load(p_x + o_x + o_h, mask=m_mh, other=0.0).to(tl.float32)
         b_x2 = tl.load(p_x + o_x + half + o_h, mask=m_mh, other=0.0).to(tl.float32)
@@ -129,7 +147,7 @@ def _rope_kernel(
     n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
     n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
     half, n_pass, n_blocks_q,
-    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     # One launch for q and k: the first n_blocks_q programs take q's rows, the rest k's. The forward
@@ -140,11 +158,11 @@ def _rope_kernel(
     if i_b < n_blocks_q:
         _rope_block(p_q, p_cos, p_sin, p_qo, i_b,
                     n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
-                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
+                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
     else:
         _rope_block(p_k, p_cos, p_sin, p_ko, i_b - n_blocks_q,
                     n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
-                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
+                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
 def _out_dtype(x_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
@@ -193,7 +211,8 @@ def _rotate_half(v: torch.Tensor) -> torch.Tensor:
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False,
-                   out_dtype: Optional[torch.dtype] = None, interleaved: bool = False) -> torch.Tensor:
+                   out_dtype: Optional[torch.dtype] = None, interleaved: bool = False,
+                   deinterleave: bool = False) -> torch.Tensor:
     """The op's math in plain PyTorch (fp32, one rounding): the fallback where Triton cannot run.
 
     ``backward=True`` applies the transpose (module docstring) to ``x`` := dy. Contiguous output.
@@ -201,7 +220,15 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backwa
     rot = cos.shape[-1] * (2 if interleaved else 1)
     xf, c, s = x.float(), cos.float(), sin.float()
     xr = xf[..., :rot]
-    if interleaved:
+    if deinterleave:
+        p = rot // 2
+        if backward:  # dy's halves are the pairs' two components
+            d1, d2 = xr[..., :p], xr[..., p:]
+            y = torch.stack((d1 * c + d2 * s, d2 * c - d1 * s), -1).flatten(-2)
+        else:
+            xe, xo = xr[..., 0::2], xr[..., 1::2]
+            y = torch.cat((xe * c - xo * s, xo * c + xe * s), -1)
+    elif interleaved:
         xe, xo = xr[..., 0::2], xr[..., 1::2]
         sign = -1.0 if backward else 1.0  # the backward rotates each pair by -theta
         y = torch.stack((xe * c - sign * (xo * s), xo * c + sign * (xe * s)), -1).flatten(-2)
@@ -239,10 +266,12 @@ def _block_sizes(n_rows: int, half: int, n_pass: int) -> tuple[int, int, int, in
 
 
 def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dtypes: list[torch.dtype],
-            backward: bool, interleaved: bool = False) -> list[torch.Tensor]:
+            backward: bool, interleaved: bool = False, deinterleave: bool = False) -> list[torch.Tensor]:
     """Rotate one or two tensors (q, k) with one cos/sin in one launch; contiguous outputs."""
+    if deinterleave and not interleaved:
+        raise ValueError("sloth.rope: deinterleave=True rotates interleaved pairs; it needs interleaved=True")
     if not use_triton(xs[0]):
-        return [rope_reference(x, cos, sin, backward, dt, interleaved) for x, dt in zip(xs, out_dtypes)]
+        return [rope_reference(x, cos, sin, backward, dt, interleaved, deinterleave) for x, dt in zip(xs, out_dtypes)]
     # The kernel reads unit-stride rows; a transposed projection view ([b, s, h, d] -> [b, h, s, d])
     # already has them, so this copies only exotic layouts.
     xs = [x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous() for x in xs]
@@ -262,38 +291,40 @@ def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dt
         xs[0], xs[1], cos, sin, ys[0], ys[1],
         *metas[0], *metas[1],
         rot // 2, head - rot, n_blocks[0],
-        BACKWARD=backward, HAS_PASS=head > rot, INTERLEAVED=interleaved,
+        BACKWARD=backward, HAS_PASS=head > rot, INTERLEAVED=interleaved, DEINTERLEAVE=deinterleave,
         BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=num_warps,
     )
     return ys[:len(out_dtypes)]
 
 
-def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+              deinterleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs((q, k), cos, sin, interleaved)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"sloth.rope: q and k must have one head dim, got {q.shape[-1]} and {k.shape[-1]}")
     q_rot, k_rot = _launch([q, k], cos, sin, [_out_dtype(q.dtype, cos, sin), _out_dtype(k.dtype, cos, sin)], False,
-                           interleaved)
+                           interleaved, deinterleave)
     return q_rot, k_rot
 
 
 def _rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
-              k_dtype: torch.dtype, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              k_dtype: torch.dtype, interleaved: bool = False, deinterleave: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs((dq, dk), cos, sin, interleaved)
-    dq_in, dk_in = _launch([dq, dk], cos, sin, [q_dtype, k_dtype], True, interleaved)
+    dq_in, dk_in = _launch([dq, dk], cos, sin, [q_dtype, k_dtype], True, interleaved, deinterleave)
     return dq_in, dk_in
 
 
-def _rope_single_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def _rope_single_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                     deinterleave: bool = False) -> torch.Tensor:
     _check_inputs((x,), cos, sin, interleaved)
-    return _launch([x], cos, sin, [_out_dtype(x.dtype, cos, sin)], False, interleaved)[0]
+    return _launch([x], cos, sin, [_out_dtype(x.dtype, cos, sin)], False, interleaved, deinterleave)[0]
 
 
 def _rope_single_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype,
-                     interleaved: bool = False) -> torch.Tensor:
+                     interleaved: bool = False, deinterleave: bool = False) -> torch.Tensor:
     _check_inputs((dy,), cos, sin, interleaved)
-    return _launch([dy], cos, sin, [x_dtype], True, interleaved)[0]
+    return _launch([dy], cos, sin, [x_dtype], True, interleaved, deinterleave)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -307,11 +338,12 @@ def _no_cos_sin_grad(ctx, i_cos: int) -> None:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, cos, sin, interleaved = inputs
+    q, k, cos, sin, interleaved, deinterleave = (*inputs, False)[:6]  # graphs made before deinterleave omit it
     ctx.save_for_backward(cos, sin)
     ctx.dtypes = (q.dtype, k.dtype)
     ctx.shapes = (q.shape, k.shape)
-    ctx.interleaved = interleaved
+    ctx.layout = (interleaved, deinterleave)
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, dq, dk):
@@ -321,21 +353,23 @@ def _backward(ctx, dq, dk):
     q_shape, k_shape = ctx.shapes
     dq = dq if dq is not None else cos.new_zeros(q_shape)
     dk = dk if dk is not None else cos.new_zeros(k_shape)
-    dq_in, dk_in = torch.ops.sloth.rope_backward(dq, dk, cos, sin, *ctx.dtypes, ctx.interleaved)
-    return dq_in, dk_in, None, None, None
+    dq_in, dk_in = torch.ops.sloth.rope_backward(dq, dk, cos, sin, *ctx.dtypes, *ctx.layout)
+    return (dq_in, dk_in, None, None, None, None)[:ctx.n_inputs]
 
 
 def _setup_context_single(ctx, inputs, output) -> None:
-    x, cos, sin, interleaved = inputs
+    x, cos, sin, interleaved, deinterleave = (*inputs, False)[:5]
     ctx.save_for_backward(cos, sin)
     ctx.dtype = x.dtype
-    ctx.interleaved = interleaved
+    ctx.layout = (interleaved, deinterleave)
+    ctx.n_inputs = len(inputs)
 
 
 def _backward_single(ctx, dy):
     _no_cos_sin_grad(ctx, 1)
     cos, sin = ctx.saved_tensors
-    return torch.ops.sloth.rope_single_backward(dy, cos, sin, ctx.dtype, ctx.interleaved), None, None, None
+    dx = torch.ops.sloth.rope_single_backward(dy, cos, sin, ctx.dtype, *ctx.layout)
+    return (dx, None, None, None, None)[:ctx.n_inputs]
 
 
 @functools.cache
@@ -348,36 +382,38 @@ def register() -> None:
 
     # The forward fakes check devices: a call with a meta input runs the fake, not the op (lowering/devices.py).
     @fake(fwd)
-    def _(q, k, cos, sin, interleaved=False):
+    def _(q, k, cos, sin, interleaved=False, deinterleave=False):
         _check_devices((q, k), cos, sin)
         return q.new_empty(q.shape, dtype=_out_dtype(q.dtype, cos, sin)), \
             k.new_empty(k.shape, dtype=_out_dtype(k.dtype, cos, sin))
 
     @fake(bwd)
-    def _(dq, dk, cos, sin, q_dtype, k_dtype, interleaved=False):
+    def _(dq, dk, cos, sin, q_dtype, k_dtype, interleaved=False, deinterleave=False):
         return dq.new_empty(dq.shape, dtype=q_dtype), dk.new_empty(dk.shape, dtype=k_dtype)
 
     @fake(fwd1)
-    def _(x, cos, sin, interleaved=False):
+    def _(x, cos, sin, interleaved=False, deinterleave=False):
         _check_devices((x,), cos, sin)
         return x.new_empty(x.shape, dtype=_out_dtype(x.dtype, cos, sin))
 
     @fake(bwd1)
-    def _(dy, cos, sin, x_dtype, interleaved=False):
+    def _(dy, cos, sin, x_dtype, interleaved=False, deinterleave=False):
         return dy.new_empty(dy.shape, dtype=x_dtype)
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
     fwd1.register_autograd(_backward_single, setup_context=_setup_context_single)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by the same cos/sin in one launch; see the module docstring for the exact math."""
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+         deinterleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by the same cos/sin in one launch; see the module docstring for the exact math
+    (``deinterleave``: interleaved pairs written to halves, DeepSeek's layout; needs ``interleaved``)."""
     register()
-    return torch.ops.sloth.rope(q, k, cos, sin, interleaved)
+    return torch.ops.sloth.rope(q, k, cos, sin, interleaved, deinterleave)
 
 
-def rope_single(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def rope_single(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                deinterleave: bool = False) -> torch.Tensor:
     """Rotate one tensor; see the module docstring for the exact math."""
     register()
-    return torch.ops.sloth.rope_single(x, cos, sin, interleaved)
+    return torch.ops.sloth.rope_single(x, cos, sin, interleaved, deinterleave)

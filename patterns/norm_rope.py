@@ -132,8 +132,8 @@ def join_qk_norms(gm: fx.GraphModule, rope: fx.Node, report: Report) -> Optional
     the report are re-pointed to the new op; the rope pass records the rope site."""
     from ..lowering import norm_rope as lowering  # registers the op on first use
 
-    if not JOIN:
-        return None
+    if not JOIN or arg_of(rope, 5, "deinterleave", False):
+        return None  # switched off; or DeepSeek's layout, whose rope heads no per-head norm precedes
     rms_norm = torch.ops.sloth.rms_norm.default
     found = [_norm_behind(x, rms_norm) for x in rope.args[:2]]
     if any(f is None for f in found):

@@ -124,12 +124,20 @@ class RopeMatch:
     out: fx.Node
     anchor: fx.Node
     interleaved: bool = False
+    deinterleave: bool = False  # interleaved pairs written as halves (DeepSeek): ``interleaved`` too
 
 
 def interleaved_rope_pattern(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """GPT-J interleaved RoPE, real form: pair i is (x[2i], x[2i+1]); cos/sin are [..., d/2], one entry a pair."""
     x1, x2 = x[..., ::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+
+
+def deinterleaving_rope_pattern(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's ``apply_rotary_pos_emb_interleave`` (transformers 5.25) on one tensor: interleaved pairs
+    (x[2i], x[2i+1]) rotated by the per-pair cos/sin [..., d/2], the results concatenated as halves."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def _strided_half(node: Any, x: fx.Node) -> Optional[int]:
@@ -244,6 +252,40 @@ def _match_halves(cat: fx.Node) -> Union[RopeMatch, str]:
             return RopeMatch(x, c, s, cat, cat)
     return ("the halves of x are not rotated as x1 * cos - x2 * sin, x2 * cos + x1 * sin with x1, x2 the first and "
             "second half of one tensor's last dim (another split, or a partial rotary of halves)")
+
+
+def _match_deinterleaving(cat: fx.Node) -> Union[RopeMatch, str]:
+    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 = x[..., ::2], x[..., 1::2] and per-pair tables (an
+    anchor: ``is_deinterleaving_rotation``; DeepSeek-V3's ``apply_rotary_pos_emb_interleave``): a RopeMatch for the
+    op's de-interleaving layout, or why not."""
+    first, second = cat.args[0]
+    for x1, c in (first.args[0].args, first.args[0].args[::-1]):
+        for x2, s in (first.args[1].args, first.args[1].args[::-1]):
+            if not (isinstance(x1, fx.Node) and x1.op == "call_function" and x1.target is operator.getitem
+                    and x1.args):
+                continue
+            x = x1.args[0]
+            if _strided_half(x1, x) != 0 or _strided_half(x2, x) != 1:
+                continue
+            a, b = second.args
+            if not ((_mul_of(a, x2, c) and _mul_of(b, x1, s)) or (_mul_of(b, x2, c) and _mul_of(a, x1, s))):
+                return ("the even/odd elements are rotated with the wrong sign or tables (not x1*cos - x2*sin, "
+                        "x2*cos + x1*sin)")
+            ot = tensor_of(cat)
+            if len(cat.args) != 2 or cat.kwargs or cat.args[1] not in (-1, ot.dim() - 1) \
+                    or not same_shape(ot, tensor_of(x)):
+                return "the rotated even/odd elements are concatenated over another dim than the last"
+            inner = [first, second, *first.args, *second.args]
+            if any(len(n.users) != 1 for n in inner) or len(x1.users) != 2 or len(x2.users) != 2:
+                return ("an intermediate (x[..., ::2] * cos, x[..., 1::2] * sin, their difference or sum, an "
+                        "even/odd slice) has other users")
+            xt, ct, st = tensor_of(x), tensor_of(c), tensor_of(s)
+            refused = _operand_guard(xt, ct, st) or _pair_shapes_guard(xt, ct)
+            if refused:
+                return refused
+            return RopeMatch(x, c, s, cat, cat, interleaved=True, deinterleave=True)
+    return ("the even/odd elements of x are not rotated as x1 * cos - x2 * sin, x2 * cos + x1 * sin with x1, x2 = "
+            "x[..., ::2], x[..., 1::2] of one tensor")
 
 
 def _operand_guard(xt: Optional[torch.Tensor], ct: Optional[torch.Tensor], st: Optional[torch.Tensor]) -> Optional[str]:
@@ -510,7 +552,7 @@ def _extend_partial(m: RopeMatch) -> RopeMatch:
     if (dim, start) != (-1, r) or not same_size(r + length, bt.shape[-1]) or not same_shape(ut, bt) \
             or len(user.args[0][1].users) != 1:
         return m
-    return RopeMatch(big, m.cos, m.sin, user, m.anchor, interleaved=m.interleaved)
+    return RopeMatch(big, m.cos, m.sin, user, m.anchor, interleaved=m.interleaved, deinterleave=m.deinterleave)
 
 
 def _out_value(m: RopeMatch) -> torch.Tensor:
@@ -520,8 +562,9 @@ def _out_value(m: RopeMatch) -> torch.Tensor:
 
 
 def _flag(m: RopeMatch) -> tuple:
-    """The op's ``interleaved`` argument, given only when True: rotate-half sites keep their graph as it was."""
-    return (True,) if m.interleaved else ()
+    """The op's ``interleaved`` and ``deinterleave`` arguments, given only when True: rotate-half sites keep their
+    graph as it was."""
+    return (True, True) if m.deinterleave else (True,) if m.interleaved else ()
 
 
 def _replace_out(m: RopeMatch, new: fx.Node, keep: Sequence[fx.Node]) -> None:
@@ -568,12 +611,9 @@ def _detail(ms: Sequence[RopeMatch]) -> str:
     xt, ct = tensor_of(ms[0].x), tensor_of(ms[0].cos)
     r = 2 * ct.shape[-1] if ms[0].interleaved else ct.shape[-1]
     rot = f", rotary {r} of {xt.shape[-1]}" if not same_size(r, xt.shape[-1]) else ""
-    which = ("interleaved " if ms[0].interleaved else "") + ("q+k" if len(ms) == 2 else "one tensor")
+    layout = "interleaved pairs to halves " if ms[0].deinterleave else "interleaved " if ms[0].interleaved else ""
+    which = layout + ("q+k" if len(ms) == 2 else "one tensor")
     return f"{which}, head_dim {xt.shape[-1]}{rot}, {xt.dtype} -> {tensor_of(ms[0].out).dtype}".replace("torch.", "")
-
-
-_DEINTERLEAVING = ("interleaved pairs rotated on even/odd slices and concatenated de-interleaved (DeepSeek's "
-                   "apply_rotary_pos_emb_interleave): a RoPE form sloth does not fuse yet; it runs as written")
 
 
 def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
@@ -612,7 +652,7 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
                                         for t in key)
                 found = _extend_partial(RopeMatch(found.x, *tables[key], found.out, node))
         elif is_deinterleaving_rotation(node):
-            found = _DEINTERLEAVING
+            found = _match_deinterleaving(node)
         else:
             continue
         if found is None:
@@ -626,9 +666,9 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     # goes where the earlier result was, which needs every input of both to be defined before it, and
     # one launch needs one head dim (partial rotary passes the same number of dims through).
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    groups: dict[tuple[fx.Node, fx.Node, bool], list[RopeMatch]] = {}
+    groups: dict[tuple[fx.Node, fx.Node, bool, bool], list[RopeMatch]] = {}
     for m in matches:
-        groups.setdefault((m.cos, m.sin, m.interleaved), []).append(m)
+        groups.setdefault((m.cos, m.sin, m.interleaved, m.deinterleave), []).append(m)
     for group in groups.values():
         while group:
             first = group.pop(0)

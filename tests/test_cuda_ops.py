@@ -1,6 +1,7 @@
 """The op checks of the families added since the last GPU run, on CUDA tensors: the same oracles and tolerance rule as
 their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py,
-test_sink_attention_op.py, test_moe_router_op.py, test_norm_rope_op.py), whose
+test_sink_attention_op.py, test_moe_router_op.py, test_norm_rope_op.py, test_rope_op.py's
+interleaved and de-interleaving layouts), whose
 inputs are CPU tensors and so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels
 run compiled for the GPU, and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the
 Qwen3-MoE layer's shape among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels
@@ -17,6 +18,7 @@ import test_moe_op as moe_tests
 import test_moe_router_op as router_tests
 import test_moe_router_biased_op as biased_router_tests
 import test_norm_rope_op as norm_rope_tests
+import test_rope_op as rope_tests
 import test_sink_attention_op as sink_tests
 import test_tiled_mlp_op as tiled_tests
 import sloth.lowering.moe as moe
@@ -149,3 +151,21 @@ def test_norm_rope_on_cuda(shape, rot, interleaved, dtype):
     layout = shape[-1]
     norm_rope_tests.check_against_pattern(norm_rope_tests.fused(layout, interleaved),
                                           norm_rope_tests.pattern(layout, interleaved), inputs)
+
+
+# RoPE's interleaved pairs (GPT-J, Meta's complex form) and DeepSeek-V3's de-interleaving layout (pairs in, halves
+# out), the last at DeepSeek-V3's rope heads (64 dims, 128 q heads, one k head shared by all) over 2 x 2048 tokens.
+@pytest.mark.parametrize("shape,deinterleave", [
+    pytest.param((2, 4, 2, 9, 64, "bhsd"), False, id="interleaved"),
+    pytest.param((1, 3, 2, 7, 6, "bshd"), True, id="deinterleave-odd"),
+    pytest.param((2, 128, 1, 2048, 64, "bhsd"), True, id="deinterleave-deepseek-v3")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_pairs_on_cuda(shape, deinterleave, dtype):
+    inputs = _cuda(rope_tests.make_interleaved_inputs(*shape, dtype))
+    layout = shape[-1]
+    if deinterleave:
+        rope_tests.check_against_pattern(rope_tests.fused_deinterleaving(layout),
+                                         rope_tests.pattern_deinterleaving(layout), inputs)
+    else:
+        rope_tests.check_against_pattern(rope_tests.fused_interleaved(layout), rope_tests.pattern_interleaved(layout),
+                                         inputs)

@@ -16,8 +16,8 @@ import torch
 
 import sloth.lowering.rope as lowering
 from sloth.lowering.rope import register, rope, rope_single
-from sloth.patterns.rope import (interleaved_rope_pattern, partial_rope_pattern, rope_rotate_half_pattern,
-                                 rope_single_pattern)
+from sloth.patterns.rope import (deinterleaving_rope_pattern, interleaved_rope_pattern, partial_rope_pattern,
+                                 rope_rotate_half_pattern, rope_single_pattern)
 from tolerance import assert_close
 from op_checks import force_fallback
 
@@ -373,6 +373,87 @@ def test_interleaved_opcheck(shape, dtype, rot):
 def test_interleaved_fallback_matches_triton(dtype):
     inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype, rot=16)
     for fused in (fused_interleaved("bshd"), fused_interleaved("bshd", single=True)):
+        triton_out = forward_backward(fused, *inputs)
+        with pytest.MonkeyPatch.context() as mp:
+            force_fallback(mp, lowering, "_rope_kernel")
+            fallback_out = forward_backward(fused, *inputs)
+        for name, a, b in zip(("q_out", "k_out", "dq", "dk"), fallback_out, triton_out):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# De-interleaving RoPE (DeepSeek-V3's apply_rotary_pos_emb_interleave): interleaved pairs in, halves out
+# ---------------------------------------------------------------------------------------------------
+
+def pattern_deinterleaving(layout):
+    dim = _unsqueeze(layout)
+    return lambda q, k, cos, sin: (deinterleaving_rope_pattern(q, cos.unsqueeze(dim), sin.unsqueeze(dim)),
+                                   deinterleaving_rope_pattern(k, cos.unsqueeze(dim), sin.unsqueeze(dim)))
+
+
+def fused_deinterleaving(layout, single=False):
+    dim = _unsqueeze(layout)
+    if single:
+        return lambda q, k, cos, sin: (rope_single(q, cos.unsqueeze(dim), sin.unsqueeze(dim), True, True),
+                                       rope_single(k, cos.unsqueeze(dim), sin.unsqueeze(dim), True, True))
+    return lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(dim), sin.unsqueeze(dim), True, True)
+
+
+# DeepSeek-V3's rope head is 64 dims, its k a single head shared by every q head ([b, 1, s, 64]); odd sizes too.
+DEINTERLEAVING_SHAPES = [(2, 4, 1, 9, 64, "bhsd"), (1, 3, 2, 7, 6, "bshd"), (2, 1, 3, 1, 10, "bhsd")]
+DEINTERLEAVING_CASES = [pytest.param(shape, dtype, id=f"{shape_id(*shape)}-{DTYPE_IDS[dtype]}")
+                        for shape in DEINTERLEAVING_SHAPES for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("shape,dtype", DEINTERLEAVING_CASES)
+def test_deinterleaving_matches_pattern(shape, dtype):
+    inputs = make_interleaved_inputs(*shape, dtype)
+    layout = shape[-1]
+    for single in (False, True):
+        qo, ko, dq, dk = check_against_pattern(fused_deinterleaving(layout, single), pattern_deinterleaving(layout),
+                                               inputs)
+        assert qo.dtype == dtype and dq.dtype == dtype and qo.shape == inputs[0].shape and dk.shape == inputs[1].shape
+        assert qo.is_contiguous() and dq.is_contiguous()
+
+
+def test_deinterleaving_is_the_interleaved_rotation_written_as_halves():
+    q, k, cos, sin, _, _ = make_interleaved_inputs(2, 2, 2, 5, 16, "bhsd", torch.float32)
+    pairs = rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True)
+    halves = rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True, True)
+    torch.testing.assert_close(halves, torch.cat([pairs[..., 0::2], pairs[..., 1::2]], -1), rtol=0, atol=0)
+
+
+def test_deinterleaving_backward_undoes_the_forward():
+    # With unit (cos, sin) the backward is the inverse rotation, reading the halves and writing the pairs back.
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64).float()
+    theta = torch.rand(2, 1, 5, 4) * 6
+    y = rope_single(x, theta.cos(), theta.sin(), True, True)
+    back = torch.ops.sloth.rope_single_backward(y, theta.cos(), theta.sin(), torch.float32, True, True)
+    torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
+
+
+def test_deinterleave_needs_interleaved():
+    q, k, cos, sin, _, _ = make_interleaved_inputs(1, 2, 1, 3, 16, "bhsd", torch.float32)
+    with pytest.raises(ValueError, match="deinterleave=True rotates interleaved pairs"):
+        rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1), False, True)
+
+
+def test_deinterleaving_opcheck():
+    register()
+    q, k, cos, sin, dq, dk = make_interleaved_inputs(2, 3, 1, 5, 16, "bhsd", torch.float32)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    torch.library.opcheck(torch.ops.sloth.rope.default,
+                          (q.requires_grad_(True), k.requires_grad_(True), cos, sin, True, True))
+    torch.library.opcheck(torch.ops.sloth.rope_single.default, (q, cos, sin, True, True))
+    torch.library.opcheck(torch.ops.sloth.rope_backward.default, (dq, dk, cos, sin, torch.float32, torch.float32,
+                                                                  True, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deinterleaving_fallback_matches_triton(dtype):
+    inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype)
+    for fused in (fused_deinterleaving("bshd"), fused_deinterleaving("bshd", single=True)):
         triton_out = forward_backward(fused, *inputs)
         with pytest.MonkeyPatch.context() as mp:
             force_fallback(mp, lowering, "_rope_kernel")

@@ -255,6 +255,39 @@ def meta_complex_reference(qp, kp, inv_freq, pos):
     return rot(q), rot(k)
 
 
+def even_odd_concatenated(qp, kp, inv_freq, pos):
+    # DeepSeek's apply_rotary_pos_emb_interleave on q alone: pairs rotated on even/odd slices, the halves
+    # concatenated (the op's de-interleaving layout).
+    q = heads(qp, HQ)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    x1, x2 = q[..., 0::2], q[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def deepseek_interleave(qp, kp, inv_freq, pos):
+    # transformers 5.25's DeepSeek-V3 apply_rotary_pos_emb_interleave: full tables cat(freqs, freqs) halved again
+    # inside, q and k (DeepSeek's k is one head shared by every q head: HK here).
+    q, k = heads(qp, HQ), heads(kp, HK)
+    cos, sin = cos_sin(inv_freq, pos, qp.dtype)
+    cos, sin = cos[..., : cos.shape[-1] // 2].unsqueeze(1), sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+            torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))
+
+
+def deinterleave_respelled(qp, kp, inv_freq, pos):
+    # bshd layout, explicit slice bounds, every product's operands swapped.
+    q, k = heads(qp, HQ, "bshd"), heads(kp, HK, "bshd")
+    freqs = pos[..., None] * inv_freq
+    cos, sin = freqs.cos().to(qp.dtype)[:, :, None], freqs.sin().to(qp.dtype)[:, :, None]
+
+    def rot(x):
+        xe, xo = x[:, :, :, 0:D:2], x[:, :, :, 1:D:2]
+        return torch.cat((cos * xe - sin * xo, sin * xe + cos * xo), -1)
+    return rot(q), rot(k)
+
+
 def checkpointed(qp, kp, inv_freq, pos):
     return torch.utils.checkpoint.checkpoint(make_llama(), qp, kp, inv_freq, pos, use_reentrant=False)
 
@@ -354,6 +387,9 @@ MATCHES = [
     Case("interleaved-gptj-rotate-every-two", interleaved_gptj, 2, {"sloth.rope_single": 2}),
     Case("interleaved-partial-rotary", interleaved_partial, 1, PAIR),
     Case("halves-gpt-oss", halves_gpt_oss, 1, PAIR),
+    Case("deinterleave-q-only", even_odd_concatenated, 1, {"sloth.rope_single": 1}),
+    Case("deinterleave-deepseek-v3", deepseek_interleave, 1, PAIR),
+    Case("deinterleave-respelled-bshd", deinterleave_respelled, 1, PAIR),
     Case("halves-respelled-bshd", halves_respelled, 1, PAIR),
     # bf16: q.float() and k.float() are two nodes, k's after q's site, so two single launches.
     Case("meta-complex", meta_complex, None, reference=meta_complex_reference),
@@ -550,13 +586,12 @@ def interleaved_stacked_over_pairs(qp, kp, inv_freq, pos):
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2).flatten(-2)
 
 
-def even_odd_concatenated(qp, kp, inv_freq, pos):
-    # DeepSeek's apply_rotary_pos_emb_interleave: pairs rotated on even/odd slices, the halves concatenated.
-    # Not fused yet: reported with its own reason, never left unexplained.
+def even_odd_wrong_sign(qp, kp, inv_freq, pos):
+    # The second half's sine term subtracted: not a rotation. Must stay.
     q = heads(qp, HQ)
     cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
     x1, x2 = q[..., 0::2], q[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin * -1.0], dim=-1)
 
 
 def make_single(rh):
@@ -584,7 +619,7 @@ NEAR_MISSES = [
     Case("interleaved-sign-flipped", interleaved_sign_flipped, 0),
     Case("interleaved-parity-swapped", interleaved_parity_swapped, 0),
     Case("interleaved-stacked-over-pairs", interleaved_stacked_over_pairs, 0),
-    Case("even-odd-concatenated", even_odd_concatenated, 0, reason="de-interleaved"),
+    Case("even-odd-wrong-sign", even_odd_wrong_sign, 0),
     Case("halves-wrong-tables", halves_wrong_tables, 0, reason="wrong sign or tables"),
 ]
 
