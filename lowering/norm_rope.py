@@ -54,10 +54,10 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _component_offsets(o_h, half, INTERLEAVED: tl.constexpr):
     """Offsets in a row of the two components each rotation mixes, and of their cos/sin entries: halves
     (x[h], x[half + h]; cos[h], cos[half + h]) or interleaved pairs (x[2h], x[2h + 1]; cos[h] for both)."""
-    if INTERLEAVED:
-        return 2 * o_h, 2 * o_h + 1, o_h, o_h
-    else:
-        return o_h, half + o_h, o_h, half + o_h
+    o_1, o_2, o_c1, o_c2 = o_h, half + o_h, o_h, half + o_h
+    if INTERLEAVED:  # one return for both layouts: a constexpr branch only rebinds
+        o_1, o_2, o_c2 = 2 * o_h, 2 * o_h + 1, o_h
+    return o_1, o_2, o_c1, o_c2
 
 
 @triton.jit

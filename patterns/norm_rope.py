@@ -21,9 +21,8 @@ sloth is imported) leaves every pair unjoined, for A/B measurements.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import os
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
