@@ -18,7 +18,9 @@ dim, largest first, whose indices alone are read:
                     not read by its structure: the nodes that compute m are run on random scores, and m must equal
                     "outside the best groups" (lowering's ``group_keep_reference``) with groups scored by their
                     top-2 sum or by their max, whichever agrees on every draw. So any way of writing the mask
-                    (a scatter into zeros, a one-hot, a comparison of ranks) is taken if it computes that.
+                    (a scatter into zeros, a one-hot, a comparison of ranks) is taken if it computes that. One
+                    group (GLM-4.5 to 4.7, Kimi-K2: n_group = topk_group = 1; a [T, 1, E] view) keeps every
+                    expert: the mask is checked the same way and dropped.
 
 What stays as written after the op: a routed scaling factor and casts of the weights, and anything else that
 reads s (an aux loss: s stays for it, and its gradient adds to the op's in autograd). The indices' other
@@ -277,7 +279,7 @@ def _groups(mask: fx.Node, scores: fx.Node, reader: fx.Node, experts: int) -> Un
     shapes = [tensor_of(n) for n in nodes]
     groups = sorted({t.shape[-2] for t in shapes if t is not None and t.dim() == 3 and isinstance(t.shape[-2], int)
                      and isinstance(t.shape[-1], int) and t.shape[-2] * t.shape[-1] == experts
-                     and 1 < t.shape[-2] <= lowering.MAX_GROUPS})
+                     and 1 <= t.shape[-2] <= lowering.MAX_GROUPS})
     if not groups:
         return (f"the group mask has no [tokens, groups, experts / groups] view of the scores (at most "
                 f"{lowering.MAX_GROUPS} groups)")

@@ -277,3 +277,21 @@ def test_transformers_routers_are_fused(model_type):
     family = row["families"]["moe_router"]
     assert family["replaced"] >= 1 and family["left"] == 0, family
     assert row["parity"] == "pass", row["parity"]
+
+
+# One group (GLM-4.5, 4.6 and 4.7, Kimi-K2 on DeepSeek-V3's code: n_group = topk_group = 1): the group mask keeps
+# every expert, a [tokens, 1, experts] view of the scores that the pattern once did not take for a group view, so
+# the router ran as written with three sites reported.
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_one_group_routers_are_fused(model_type):
+    from transformers import CONFIG_MAPPING
+
+    from benchmarks.coverage import run_one
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers has no {model_type} in this version")
+    row = run_one(model_type, dict(n_routed_experts=8, n_group=1, topk_group=1))
+    assert row["status"] == "ok", row.get("traceback", row)
+    family = row["families"]["moe_router"]
+    assert family["replaced"] >= 1 and family["left"] == 0, family
+    assert row["parity"] == "pass", row["parity"]
