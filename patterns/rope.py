@@ -63,8 +63,9 @@ import torch
 import torch.fx as fx
 
 from ..compiler.anchors import is_deinterleaving_rotation, is_halves_rotation
-from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, module_path, replace_and_erase,
-                                 same_shape, same_size, single_user, source_location, tensor_of)
+from ..compiler.canonicalize import cast
+from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, is_method, module_path,
+                                 replace_and_erase, same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from .norm_rope import join_qk_norms
@@ -467,24 +468,79 @@ def _per_pair_table(node: Any) -> Optional[fx.Node]:
     return t if args.get("dim") in (-1, tt.dim() - 1) else None
 
 
+# Ops that give equal outputs for equal inputs element by element and keep the last dim where it is: between a
+# repeat_interleave(t, 2, -1) and a table's use, they keep every pair of entries equal (``_repeated_pairs``).
+_ELEMENTWISE = (torch.cos, torch.sin, cast)
+_BY_A_NUMBER = (torch.mul, torch.div)
+
+
+def _repeated_pairs(node: Any) -> bool:
+    """Whether every pair (2i, 2i+1) of ``node``'s last dim holds equal entries by construction: a
+    ``repeat_interleave(t, 2, -1)`` followed only by elementwise functions (cos, sin, a cast, a product or quotient
+    by a number) and unsqueezes of leading dims, as Cohere's rotary embedding builds its tables
+    (``repeat_interleave(freqs, 2, -1).cos() * scaling``, cast, unsqueezed over heads)."""
+    while isinstance(node, fx.Node):
+        if _per_pair_table(node) is not None:
+            return True
+        value, source = tensor_of(node), node.args[0] if node.args else None
+        before = tensor_of(source)
+        if value is None or before is None or value.dim() == 0 or before.dim() == 0 \
+                or not same_size(value.shape[-1], before.shape[-1]):
+            return False
+        if is_call(node, *_ELEMENTWISE) or is_method(node, "cos", "sin"):
+            pass
+        elif is_call(node, *_BY_A_NUMBER) and len(node.args) == 2 and isinstance(node.args[1], (int, float)) \
+                and not node.kwargs:
+            pass
+        elif (is_call(node, torch.unsqueeze) or is_method(node, "unsqueeze")) and len(node.args) == 2 \
+                and isinstance(node.args[1], int) and node.args[1] not in (-1, value.dim() - 1):
+            pass
+        else:
+            return False
+        node = source
+    return False
+
+
+def _pair_table_of(graph: fx.Graph, table: fx.Node) -> fx.Node:
+    """``table[..., ::2]``, the per-pair table of a pairwise-repeated one, inserted once right after it (so q's
+    site and k's share it, and the two pair into one launch)."""
+    derived = table.meta.get("sloth_pair_table")
+    if derived is None or derived.graph is not graph or getattr(derived, "_erased", False):
+        derived = insert_call(graph, table.next, operator.getitem, (table, (Ellipsis, slice(None, None, 2))),
+                              meta_from=table)
+        table.meta["sloth_pair_table"] = derived
+    return derived
+
+
 def _match_every_two(add: fx.Node, plain: fx.Node, rotated: fx.Node, x: fx.Node, rh: Any
                      ) -> Union[RopeMatch, str, None]:
     """``x * repeat_interleave(c, 2, -1) + rotate_every_two(x) * repeat_interleave(s, 2, -1)`` (GPT-J):
-    out[2i] = x[2i] c_i - x[2i+1] s_i, out[2i+1] = x[2i+1] c_i + x[2i] s_i, the interleaved op with c, s."""
+    out[2i] = x[2i] c_i - x[2i+1] s_i, out[2i+1] = x[2i+1] c_i + x[2i] s_i, the interleaved op with c, s. Tables
+    repeated by pairs further up (Cohere: ``repeat_interleave(freqs, 2, -1).cos()``) give c = table[..., ::2]."""
     inner = _every_two_rotation_of(rh, x)
     if inner is None:
         return None
-    c, s = _per_pair_table(_other(plain, x)), _per_pair_table(_other(rotated, rh))
-    if c is None or s is None:
+    full_c, full_s = _other(plain, x), _other(rotated, rh)
+    c, s = _per_pair_table(full_c), _per_pair_table(full_s)
+    derive = (c is None or s is None) and _repeated_pairs(full_c) and _repeated_pairs(full_s)
+    if (c is None or s is None) and not derive:
         return "rotate_every_two(x) with cos/sin that are not repeat_interleave(table, 2) over the last dim"
     if len(plain.users) != 1 or len(rotated.users) != 1 or any(len(n.users) != 1 for n in inner):
         return "an intermediate (x * cos, rotate_every_two(x), its halves) has other users, so it cannot be fused away"
-    xt, ct, st = tensor_of(x), tensor_of(c), tensor_of(s)
+    xt = tensor_of(x)
+    if derive:
+        ct, st = tensor_of(full_c)[..., ::2], tensor_of(full_s)[..., ::2]
+    else:
+        ct, st = tensor_of(c), tensor_of(s)
     refused = _operand_guard(xt, ct, st) or _pair_shapes_guard(xt, ct)
     ot = tensor_of(add)
     if not refused and (ot is None or not same_shape(ot, xt)):
         refused = f"cos/sin of shape {tuple(ct.shape)} broadcast x {tuple(xt.shape)} to a larger shape"
-    return refused or _extend_partial(RopeMatch(x, c, s, add, add, interleaved=True))
+    if refused:
+        return refused
+    if derive:
+        c, s = _pair_table_of(add.graph, full_c), _pair_table_of(add.graph, full_s)
+    return _extend_partial(RopeMatch(x, c, s, add, add, interleaved=True))
 
 
 def _match_add(add: fx.Node) -> Union[RopeMatch, str, None]:

@@ -288,6 +288,20 @@ def deinterleave_respelled(qp, kp, inv_freq, pos):
     return rot(q), rot(k)
 
 
+def cohere_rotary(qp, kp, inv_freq, pos):
+    # transformers' Cohere (Command-R/A): the tables repeated by pairs before the cosine (repeat_interleave(freqs,
+    # 2, -1).cos() * scaling, cast), q and k upcast, rotate_half written as rotate_every_two, the result cast back.
+    q, k = heads(qp, HQ), heads(kp, HK)
+    emb = torch.repeat_interleave(pos[..., None] * inv_freq, 2, dim=-1)
+    cos, sin = (emb.cos() * 1.0).to(qp.dtype).unsqueeze(1), (emb.sin() * 1.0).to(qp.dtype).unsqueeze(1)
+
+    def rot(x):
+        xf = x.float()
+        rotated = torch.stack([-xf[..., 1::2], xf[..., ::2]], dim=-1).flatten(-2)
+        return (xf * cos + rotated * sin).to(x.dtype)
+    return rot(q), rot(k)
+
+
 def checkpointed(qp, kp, inv_freq, pos):
     return torch.utils.checkpoint.checkpoint(make_llama(), qp, kp, inv_freq, pos, use_reentrant=False)
 
@@ -386,6 +400,8 @@ MATCHES = [
     Case("interleaved-q-only", interleaved_q_only, 1, {"sloth.rope_single": 1}),
     Case("interleaved-gptj-rotate-every-two", interleaved_gptj, 2, {"sloth.rope_single": 2}),
     Case("interleaved-partial-rotary", interleaved_partial, 1, PAIR),
+    # bf16: as meta-complex, k's upcast comes after q's site, so two single launches
+    Case("interleaved-cohere-repeated-tables", cohere_rotary, None),
     Case("halves-gpt-oss", halves_gpt_oss, 1, PAIR),
     Case("deinterleave-q-only", even_odd_concatenated, 1, {"sloth.rope_single": 1}),
     Case("deinterleave-deepseek-v3", deepseek_interleave, 1, PAIR),
@@ -399,7 +415,7 @@ MATCHES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", MATCHES, ids=[c.id for c in MATCHES])
 def test_match(case, dtype):
-    if case.id == "meta-complex":
+    if case.id in ("meta-complex", "interleaved-cohere-repeated-tables"):
         fp32 = dtype == torch.float32
         case = dataclasses.replace(case, count=1 if fp32 else 2,
                                    ops=PAIR if fp32 else {"sloth.rope_single": 2})
