@@ -26,7 +26,14 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
     interleaved, GPT-J's rotate_every_two (transformers' GPT-J, CodeGen), cos/sin repeated per pair:
         out = add(mul(x, repeat_interleave(c, 2, -1)), mul(flatten(stack((neg(x[..., 1::2]), x[..., ::2]), -1), -2),
                                                            repeat_interleave(s, 2, -1)))
-        -> the same op with c and s [..., d/2] (the repeated tables are left to whoever else reads them)
+        -> the same op with c and s [..., d/2] (the repeated tables are left to whoever else reads them);
+        tables repeated by pairs further up (Cohere: repeat_interleave(freqs, 2, -1).cos() * scaling, cast,
+        unsqueezed: only elementwise ops and leading unsqueezes after the repeat) give c = table[..., ::2], a
+        node inserted once per table (so q and k still share it)
+    de-interleaving (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``, ``deinterleaving_rope_pattern``), cos/sin
+    [..., d/2], pairs (x[2i], x[2i+1]) written as halves:
+        out = cat([x1*c - x2*s, x2*c + x1*s], -1) with x1, x2 = x[..., ::2], x[..., 1::2]
+        -> ``sloth.rope(q, k, c, s, True, True)``
     halves (GPT-OSS's ``_apply_rotary_emb``, ``halves_rope_pattern``), cos/sin [..., d/2], one entry per pair
     (x[i], x[i + d/2]):
         x1, x2 = narrow(x, -1, 0, d/2), narrow(x, -1, d/2, d/2)      chunk, split or slices
@@ -40,7 +47,8 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
            nodes inserted once per freqs_cis node (so q and k still share them)
 
 Two sites rotated by the same cos and sin nodes (q and k of one attention) become one
-``torch.ops.sloth.rope(q, k, cos, sin)`` launch; a site without a partner becomes
+``torch.ops.sloth.rope(q, k, cos, sin)`` launch (joined with the two RMSNorms of their heads where those come
+right before: patterns/norm_rope.py); a site without a partner becomes
 ``torch.ops.sloth.rope_single(x, cos, sin)`` (lowering/rope.py). The op computes in fp32 and rounds once,
 and handles any cos/sin values exactly (it never assumes their halves are equal), so it is at least as
 accurate as every variant above. Anything else says no and leaves the graph as it was: a rotation with
