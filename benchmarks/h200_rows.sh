@@ -340,9 +340,10 @@ case $part in
             --sloth-options '{"offload": true, "tiled_mlp": true}'
         run long64-tiled 170 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": true, "tiled_mlp": true}' ;;
-    norm-rope)  # issue 20: the joined q/k norms and RoPE (sloth.norm_rope): its CUDA checks and op timings, then the Qwen3-MoE row
+    norm-rope)  # issue 20: the joined q/k norms and RoPE (sloth.norm_rope) and the interleaved RoPE layouts (GPT-J's,
+        # DeepSeek-V3's de-interleaving one): their CUDA checks; norm_rope's op timings, then the Qwen3-MoE row
         # without the join (SLOTH_NORM_ROPE=0), with it, and Unsloth's right after (carry .whl)
-        gpu_tests norm-rope-cuda 100 "norm_rope" tests/test_cuda_ops.py
+        gpu_tests norm-rope-cuda 100 "norm_rope or rope_pairs" tests/test_cuda_ops.py
         op_bench norm-rope-op 60 norm_rope
         SLOTH_NORM_ROPE=0 run moe-sloth-unjoined 110 --all --model qwen3-moe --variants sloth --steps 16
         run moe-sloth-joined 110 --all --model qwen3-moe --variants sloth --steps 16
