@@ -13,6 +13,8 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
 
     rh  = cat([neg(narrow(x, -1, d/2, d/2)), narrow(x, -1, 0, d/2)], -1)   x[..., :d/2] slices, chunk,
                                                                          split and narrow all end here
+          (or cat([x2, neg(x1)]), NanoChat's -rotate_half: the rotation by -theta, fused with sin negated,
+          one ``neg`` node inserted per sin table so q and k still share it)
     out = add(mul(x, cos), mul(rh, sin))          any operand order; cos/sin any tensors that broadcast
                                                   over x's leading dims ([b, h, s, d], [b, s, h, d], a
                                                   [s, d] table, ...) with last dim d
@@ -418,7 +420,8 @@ def _same_view(a: Any, b: Any) -> bool:
 
 
 def _rotation_of(rh: Any, x: fx.Node) -> Union[bool, str]:
-    """True when ``rh`` is rotate_half(x); a reason when it is a cat of two slices of x that is not;
+    """True when ``rh`` is rotate_half(x), NEGATED when it is -rotate_half(x) = cat((x2, -x1)) (NanoChat's: the
+    rotation by -theta, the op's with sin negated); a reason when it is a cat of two slices of x that is neither;
     False when it has nothing to do with x."""
     if not is_call(rh, torch.cat) or len(rh.args[0]) != 2:
         return False
@@ -432,10 +435,23 @@ def _rotation_of(rh: Any, x: fx.Node) -> Union[bool, str]:
     if not isinstance(d, int) or d % 2:
         return f"the head dim {d} is not a static even size"
     h = d // 2
-    if [p[0] for p in parts] == [True, False] and [p[3:] for p in parts] == [(h, h), (0, h)]:
-        return True
+    if [p[3:] for p in parts] == [(h, h), (0, h)] and [p[0] for p in parts] in ([True, False], [False, True]):
+        return True if parts[0][0] else NEGATED
     text = ", ".join(f"{'-' if p[0] else ''}x[..., {p[3]}:{p[3] + p[4]}]" for p in parts)
     return f"cat(({text})) is not rotate_half(x) = cat((-x[..., {h}:{d}], x[..., 0:{h}])) (wrong sign or halves)"
+
+
+# _rotation_of's verdict for cat((x2, -x1)), the rotate-half of the rotation by -theta
+NEGATED = "negated"
+
+
+def _negated_table(graph: fx.Graph, table: fx.Node) -> fx.Node:
+    """``-table``, inserted once right after it (so q's and k's sites share it and pair into one launch)."""
+    negated = table.meta.get("sloth_negated_table")
+    if negated is None or negated.graph is not graph or getattr(negated, "_erased", False):
+        negated = insert_call(graph, table.next, torch.neg, (table,), meta_from=table)
+        table.meta["sloth_negated_table"] = negated
+    return negated
 
 
 def _other(mul: fx.Node, node: Any) -> Any:
@@ -570,9 +586,13 @@ def _match_add(add: fx.Node) -> Union[RopeMatch, str, None]:
                     found = every_two
                     continue
                 verdict = _rotation_of(rh, x)
-                if verdict is True:
-                    return _guard(RopeMatch(x, _other(plain, x), _other(rotated, rh), add, add), plain, rotated, rh)
-                if isinstance(verdict, str):
+                if verdict is True or verdict is NEGATED:
+                    sin = _other(rotated, rh)
+                    m = _guard(RopeMatch(x, _other(plain, x), sin, add, add), plain, rotated, rh)
+                    if isinstance(m, RopeMatch) and verdict is NEGATED:  # x*c + (-rotate_half(x))*s: sin -> -s
+                        m = dataclasses.replace(m, sin=_negated_table(add.graph, sin))
+                    return m
+                if isinstance(verdict, str) and verdict is not NEGATED:
                     found = verdict
     return found
 

@@ -302,6 +302,19 @@ def cohere_rotary(qp, kp, inv_freq, pos):
     return rot(q), rot(k)
 
 
+def nanochat_rotary(qp, kp, inv_freq, pos):
+    # transformers' NanoChat: rotate_half with flipped signs, cat((x2, -x1)), the rotation by -theta (the op's
+    # with sin negated, one node shared by q and k).
+    q, k = heads(qp, HQ), heads(kp, HK)
+    cos, sin = cos_sin(inv_freq, pos, qp.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rot(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return x * cos + torch.cat((x2, -x1), dim=-1) * sin
+    return rot(q), rot(k)
+
+
 def checkpointed(qp, kp, inv_freq, pos):
     return torch.utils.checkpoint.checkpoint(make_llama(), qp, kp, inv_freq, pos, use_reentrant=False)
 
@@ -395,6 +408,7 @@ MATCHES = [
     Case("three-tensors", three_tensors, 2, {"sloth.rope": 1, "sloth.rope_single": 1}),
     # The checkpoint's recompute runs in the autograd engine; the float64 run does without it.
     Case("checkpointed", checkpointed, 1, PAIR, reference=LLAMA),
+    Case("negated-rotation-nanochat", nanochat_rotary, 1, PAIR),
     Case("interleaved-gptj-real", interleaved_real, 1, PAIR),
     Case("interleaved-respelled-bshd", interleaved_respelled, 1, PAIR),
     Case("interleaved-q-only", interleaved_q_only, 1, {"sloth.rope_single": 1}),
@@ -502,9 +516,6 @@ def test_interleaved_site_is_erased(case_id):
 # Near-misses: must not match, must say why (where there is a RoPE-shaped subgraph), must not crash
 # ---------------------------------------------------------------------------------------------------
 
-def sign_flipped(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((x2, -x1), dim=-1)
 
 
 def halves_swapped(x):
@@ -619,7 +630,6 @@ def make_single(rh):
 
 
 NEAR_MISSES = [
-    Case("sign-flipped", make_single(sign_flipped), 0, reason="not rotate_half"),
     Case("halves-swapped", make_single(halves_swapped), 0, reason="not rotate_half"),
     Case("no-negation", make_single(no_negation), 0),  # no neg at all: a cat of slices, not RoPE-shaped
     Case("rotate-over-seq-dim", make_single(over_seq_dim), 0, reason="not the last"),
@@ -711,7 +721,7 @@ def test_report_names_family_and_user_source_line():
 
 
 def test_report_lists_rejections_with_reason_and_line():
-    fn = make_single(sign_flipped)
+    fn = make_single(halves_swapped)
     torch.compile(fn, backend="sloth", options={"inner": "eager"})(*make_args(MATCHES[0], torch.float32, False))
     text = str(sloth.last_report())
     lineno, _ = line_of(make_single, "rh(q) * sin")
