@@ -22,6 +22,7 @@ graph with tags; the report counts the tagged outputs (a backward that never rea
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
@@ -32,10 +33,14 @@ from .options import PassOptions
 from .report import Report
 
 # Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive.
-# norm_rope's inputs (q and k before their norms) are what its own backward keeps; its two outputs are what
-# attention's backward reads (lowering/norm_rope.py). AOTAutograd tags every node it traces from a tagged one,
-# the getitems of a multi-output op included (tests/test_recompute.py checks the backward recomputes the pair).
-RECOMPUTED_OPS = ("rms_norm", "layer_norm", "norm_rope")
+# norm_rope (q/k norms and RoPE) only with SLOTH_NORM_ROPE_RECOMPUTE=1: its inputs (q and k before their norms)
+# are what its own backward keeps and its two outputs what attention's backward reads, so recomputing them saves
+# two [tokens, heads, D] tensors a layer (0.4 GiB at the Qwen3-MoE row), but on an H100 that step took 55.2 ms
+# with it against 53.1 without (benchmarks/results/2026-12-05_issue20_norm_rope.md): off by default. AOTAutograd
+# tags every node it traces from a tagged one, the getitems of a multi-output op included
+# (tests/test_norm_rope_pattern.py checks the backward recomputes the pair under the switch).
+RECOMPUTED_OPS = ("rms_norm", "layer_norm") + (("norm_rope",) if os.environ.get("SLOTH_NORM_ROPE_RECOMPUTE") == "1"
+                                               else ())
 # Checkpointed regions number themselves from 0 or 1 up; ours sits below them (see the module docstring).
 AC_GRAPH_ID = -1
 

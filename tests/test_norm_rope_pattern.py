@@ -196,7 +196,11 @@ def _partitioned(options: dict, graphs: dict):
     return backend
 
 
-def test_backward_recomputes_the_rotated_pair_instead_of_keeping_it():
+def test_backward_recomputes_the_rotated_pair_instead_of_keeping_it(monkeypatch):
+    # SLOTH_NORM_ROPE_RECOMPUTE=1 (off by default: compiler/recompute.py says why)
+    import sloth.compiler.recompute as recompute
+
+    monkeypatch.setattr(recompute, "RECOMPUTED_OPS", (*recompute.RECOMPUTED_OPS, "norm_rope"))
     torch.manual_seed(0)
     model = NormedQueryReadTwice()
     model.return_normed_q = False
@@ -221,3 +225,17 @@ def test_backward_recomputes_the_rotated_pair_instead_of_keeping_it():
     assert _ops(graphs[True]["backward"]).count("sloth.norm_rope.default") == 1
     for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_by_default_the_rotated_pair_is_kept():
+    torch.manual_seed(0)
+    model = NormedQueryReadTwice()
+    model.return_normed_q = False
+    x = torch.randn(2, 5, 32)
+    cos, sin = _rope_tables(5, 16)
+    graphs: dict = {}
+    torch._dynamo.reset()
+    sloth.reset_report()
+    torch.compile(model, backend=_partitioned({}, graphs))(x, cos, sin).sum().backward()
+    assert "norm_rope" not in sloth.report().recomputed, str(sloth.report())
+    assert _ops(graphs["backward"]).count("sloth.norm_rope.default") == 0
