@@ -12,10 +12,12 @@ Everything is fp32 and rounded once, at the output, in ``promote(norm_dtype, cos
 normalised value, the weight product, and RoPE's products and sum, so the fused result is at least as accurate.
 
 Why one op: the two norms and the RoPE are three op calls and three launches forward and three backward (a third
-of sloth's op calls in a Qwen3-MoE layer, whose step the host bounds); here one each way. And the pair is
-recomputed in the backward instead of saved (compiler/recompute.py): the backward keeps the un-normalised q and k
-for the norms' gradient anyway, so the rotated q and k that attention's backward reads cost one more launch
-there instead of two [tokens, heads, D] tensors a layer for the whole backward.
+of sloth's op calls in a Qwen3-MoE layer, whose step the host bounds); here one each way. With
+``SLOTH_NORM_ROPE_RECOMPUTE=1`` the pair is recomputed in the backward instead of saved (compiler/recompute.py):
+the backward keeps the un-normalised q and k for the norms' gradient anyway, so the rotated q and k that
+attention's backward reads cost one more launch there instead of two [tokens, heads, D] tensors a layer (0.37
+GiB at the Qwen3-MoE row), but 2.1 ms of that 53 ms step on an H100 (benchmarks/results/
+2026-12-05_issue20_norm_rope.md), so by default they are kept.
 
 Memory traffic: forward reads x (N*D), cos and sin, writes y (N*D); backward reads dy, x, cos and sin and writes
 dx, plus fp32 dW partials (one row of D a program) where a weight trains. Nothing is saved but x.
