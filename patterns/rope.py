@@ -236,67 +236,51 @@ def _half_of(node: Any, x: fx.Node) -> Optional[int]:
     return 0 if start == 0 else 1
 
 
-def _match_halves(cat: fx.Node) -> Union[RopeMatch, str]:
-    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 the halves of x (an anchor: ``is_halves_rotation``): a
-    RopeMatch whose cos and sin are the half tables (the caller doubles them), or why not."""
+def _match_rotated_parts(cat: fx.Node, part_of: Any, parts: str, one_part: str, form: str,
+                         **layout: bool) -> Union[RopeMatch, str]:
+    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 parts 0 and 1 of one tensor x as ``part_of(node, x)``
+    names them (``_half_of``: its halves; ``_strided_half``: its even and odd elements), with per-pair tables: a
+    RopeMatch of ``layout`` (the RopeMatch flags), or why not (``parts``, ``one_part`` and ``form`` word it)."""
     first, second = cat.args[0]
     for x1, c in (first.args[0].args, first.args[0].args[::-1]):
         for x2, s in (first.args[1].args, first.args[1].args[::-1]):
-            if not is_call(x1, torch.narrow):
+            if not (isinstance(x1, fx.Node) and x1.op == "call_function" and x1.args):
                 continue
             x = x1.args[0]
-            if _half_of(x1, x) != 0 or _half_of(x2, x) != 1:
+            if part_of(x1, x) != 0 or part_of(x2, x) != 1:
                 continue
             a, b = second.args
             if not ((_mul_of(a, x2, c) and _mul_of(b, x1, s)) or (_mul_of(b, x2, c) and _mul_of(a, x1, s))):
-                return "the halves are rotated with the wrong sign or tables (not x1*cos - x2*sin, x2*cos + x1*sin)"
-            ot = tensor_of(cat)
-            if cat.args[1] not in (-1, ot.dim() - 1) or not same_shape(ot, tensor_of(x)):
-                return "the rotated halves are concatenated over another dim than the last"
-            inner = [first, second, *first.args, *second.args]
-            if any(len(n.users) != 1 for n in inner) or len(x1.users) != 2 or len(x2.users) != 2:
-                return "an intermediate (x1 * cos, x2 * sin, a half of x, their difference or sum) has other users"
-            xt, ct, st = tensor_of(x), tensor_of(c), tensor_of(s)
-            refused = _operand_guard(xt, ct, st) or _pair_shapes_guard(xt, ct)
-            if refused:
-                return refused
-            return RopeMatch(x, c, s, cat, cat)
-    return ("the halves of x are not rotated as x1 * cos - x2 * sin, x2 * cos + x1 * sin with x1, x2 the first and "
-            "second half of one tensor's last dim (another split, or a partial rotary of halves)")
-
-
-def _match_deinterleaving(cat: fx.Node) -> Union[RopeMatch, str]:
-    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 = x[..., ::2], x[..., 1::2] and per-pair tables (an
-    anchor: ``is_deinterleaving_rotation``; DeepSeek-V3's ``apply_rotary_pos_emb_interleave``): a RopeMatch for the
-    op's de-interleaving layout, or why not."""
-    first, second = cat.args[0]
-    for x1, c in (first.args[0].args, first.args[0].args[::-1]):
-        for x2, s in (first.args[1].args, first.args[1].args[::-1]):
-            if not (isinstance(x1, fx.Node) and x1.op == "call_function" and x1.target is operator.getitem
-                    and x1.args):
-                continue
-            x = x1.args[0]
-            if _strided_half(x1, x) != 0 or _strided_half(x2, x) != 1:
-                continue
-            a, b = second.args
-            if not ((_mul_of(a, x2, c) and _mul_of(b, x1, s)) or (_mul_of(b, x2, c) and _mul_of(a, x1, s))):
-                return ("the even/odd elements are rotated with the wrong sign or tables (not x1*cos - x2*sin, "
-                        "x2*cos + x1*sin)")
+                return f"the {parts} are rotated with the wrong sign or tables (not x1*cos - x2*sin, x2*cos + x1*sin)"
             ot = tensor_of(cat)
             if len(cat.args) != 2 or cat.kwargs or cat.args[1] not in (-1, ot.dim() - 1) \
                     or not same_shape(ot, tensor_of(x)):
-                return "the rotated even/odd elements are concatenated over another dim than the last"
+                return f"the rotated {parts} are concatenated over another dim than the last"
             inner = [first, second, *first.args, *second.args]
             if any(len(n.users) != 1 for n in inner) or len(x1.users) != 2 or len(x2.users) != 2:
-                return ("an intermediate (x[..., ::2] * cos, x[..., 1::2] * sin, their difference or sum, an "
-                        "even/odd slice) has other users")
+                return f"an intermediate (x1 * cos, x2 * sin, {one_part}, their difference or sum) has other users"
             xt, ct, st = tensor_of(x), tensor_of(c), tensor_of(s)
             refused = _operand_guard(xt, ct, st) or _pair_shapes_guard(xt, ct)
             if refused:
                 return refused
-            return RopeMatch(x, c, s, cat, cat, interleaved=True, deinterleave=True)
-    return ("the even/odd elements of x are not rotated as x1 * cos - x2 * sin, x2 * cos + x1 * sin with x1, x2 = "
-            "x[..., ::2], x[..., 1::2] of one tensor")
+            return RopeMatch(x, c, s, cat, cat, **layout)
+    return f"the {parts} of x are not rotated as x1 * cos - x2 * sin, x2 * cos + x1 * sin with {form}"
+
+
+def _match_halves(cat: fx.Node) -> Union[RopeMatch, str]:
+    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 the halves of x (an anchor: ``is_halves_rotation``): a
+    RopeMatch whose cos and sin are the half tables (the caller doubles them), or why not."""
+    return _match_rotated_parts(cat, _half_of, "halves", "a half of x",
+                                "x1, x2 the first and second half of one tensor's last dim (another split, or a "
+                                "partial rotary of halves)")
+
+
+def _match_deinterleaving(cat: fx.Node) -> Union[RopeMatch, str]:
+    """The same with x1, x2 = x[..., ::2], x[..., 1::2] (an anchor: ``is_deinterleaving_rotation``; DeepSeek-V3's
+    ``apply_rotary_pos_emb_interleave``): a RopeMatch for the op's de-interleaving layout, or why not."""
+    return _match_rotated_parts(cat, _strided_half, "even/odd elements", "an even/odd slice of x",
+                                "x1, x2 = x[..., ::2], x[..., 1::2] of one tensor", interleaved=True,
+                                deinterleave=True)
 
 
 def _operand_guard(xt: Optional[torch.Tensor], ct: Optional[torch.Tensor], st: Optional[torch.Tensor]) -> Optional[str]:
@@ -445,13 +429,14 @@ def _rotation_of(rh: Any, x: fx.Node) -> Union[bool, str]:
 NEGATED = "negated"
 
 
-def _negated_table(graph: fx.Graph, table: fx.Node) -> fx.Node:
-    """``-table``, inserted once right after it (so q's and k's sites share it and pair into one launch)."""
-    negated = table.meta.get("sloth_negated_table")
-    if negated is None or negated.graph is not graph or getattr(negated, "_erased", False):
-        negated = insert_call(graph, table.next, torch.neg, (table,), meta_from=table)
-        table.meta["sloth_negated_table"] = negated
-    return negated
+def _inserted_once(graph: fx.Graph, table: fx.Node, key: str, target: Any, args: tuple) -> fx.Node:
+    """``target(*args)``, derived from ``table``, inserted right after it once per graph (kept in its meta under
+    ``key``), so q's and k's sites share the node and still pair into one launch."""
+    derived = table.meta.get(key)
+    if derived is None or derived.graph is not graph or getattr(derived, "_erased", False):
+        derived = insert_call(graph, table.next, target, args, meta_from=table)
+        table.meta[key] = derived
+    return derived
 
 
 def _other(mul: fx.Node, node: Any) -> Any:
@@ -525,17 +510,6 @@ def _repeated_pairs(node: Any) -> bool:
     return False
 
 
-def _pair_table_of(graph: fx.Graph, table: fx.Node) -> fx.Node:
-    """``table[..., ::2]``, the per-pair table of a pairwise-repeated one, inserted once right after it (so q's
-    site and k's share it, and the two pair into one launch)."""
-    derived = table.meta.get("sloth_pair_table")
-    if derived is None or derived.graph is not graph or getattr(derived, "_erased", False):
-        derived = insert_call(graph, table.next, operator.getitem, (table, (Ellipsis, slice(None, None, 2))),
-                              meta_from=table)
-        table.meta["sloth_pair_table"] = derived
-    return derived
-
-
 def _match_every_two(add: fx.Node, plain: fx.Node, rotated: fx.Node, x: fx.Node, rh: Any
                      ) -> Union[RopeMatch, str, None]:
     """``x * repeat_interleave(c, 2, -1) + rotate_every_two(x) * repeat_interleave(s, 2, -1)`` (GPT-J):
@@ -563,7 +537,10 @@ def _match_every_two(add: fx.Node, plain: fx.Node, rotated: fx.Node, x: fx.Node,
     if refused:
         return refused
     if derive:
-        c, s = _pair_table_of(add.graph, full_c), _pair_table_of(add.graph, full_s)
+        # table[..., ::2]: the per-pair table of a pairwise-repeated one
+        every_other = (Ellipsis, slice(None, None, 2))
+        c, s = (_inserted_once(add.graph, t, "sloth_pair_table", operator.getitem, (t, every_other))
+                for t in (full_c, full_s))
     return _extend_partial(RopeMatch(x, c, s, add, add, interleaved=True))
 
 
@@ -590,7 +567,8 @@ def _match_add(add: fx.Node) -> Union[RopeMatch, str, None]:
                     sin = _other(rotated, rh)
                     m = _guard(RopeMatch(x, _other(plain, x), sin, add, add), plain, rotated, rh)
                     if isinstance(m, RopeMatch) and verdict is NEGATED:  # x*c + (-rotate_half(x))*s: sin -> -s
-                        m = dataclasses.replace(m, sin=_negated_table(add.graph, sin))
+                        m = dataclasses.replace(m, sin=_inserted_once(add.graph, sin, "sloth_negated_table",
+                                                                      torch.neg, (sin,)))
                     return m
                 if isinstance(verdict, str) and verdict is not NEGATED:
                     found = verdict
