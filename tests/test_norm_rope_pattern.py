@@ -13,13 +13,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import sloth
 import sloth.patterns.norm_rope as pattern_module
 from sloth.compiler.backend import sloth_backend
 from test_models import VOCAB, assert_model_close, build, loss_and_grads
+from test_recompute import _partitioned
 from tolerance import assert_close
 
 
@@ -178,22 +177,6 @@ def test_not_joined_where_a_norm_must_stay(case, monkeypatch):
     eager = model(x, cos, sin)
     for a, e in zip(ours if isinstance(ours, tuple) else (ours,), eager if isinstance(eager, tuple) else (eager,)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-
-
-def _partitioned(options: dict, graphs: dict):
-    """sloth's passes, then AOTAutograd with Inductor's min-cut partitioner and no codegen (tests/test_recompute.py)."""
-    def keep(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm
-            return gm.forward
-        return compiler
-
-    def backend(gm, example_inputs):
-        sloth_backend(gm, example_inputs, options={"inner": "eager", **options})
-        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
-
-    return backend
 
 
 def test_backward_recomputes_the_rotated_pair_instead_of_keeping_it(monkeypatch):
