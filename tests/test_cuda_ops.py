@@ -164,7 +164,7 @@ def test_rope_pairs_on_cuda(shape, deinterleave, dtype):
     inputs = _cuda(rope_tests.make_interleaved_inputs(*shape, dtype))
     layout = shape[-1]
     if deinterleave:
-        rope_tests.check_against_pattern(rope_tests.fused_deinterleaving(layout),
+        rope_tests.check_against_pattern(rope_tests.fused_interleaved(layout, deinterleave=True),
                                          rope_tests.pattern_deinterleaving(layout), inputs)
     else:
         rope_tests.check_against_pattern(rope_tests.fused_interleaved(layout), rope_tests.pattern_interleaved(layout),

@@ -301,12 +301,14 @@ def pattern_interleaved(layout):
                                    rot(k, cos.unsqueeze(dim), sin.unsqueeze(dim)))
 
 
-def fused_interleaved(layout, single=False):
+def fused_interleaved(layout, single=False, deinterleave=False):
+    """The op on interleaved pairs (``deinterleave``: written as halves, DeepSeek-V3's layout), q and k in one launch
+    or (``single``) one each."""
     dim = _unsqueeze(layout)
     if single:
-        return lambda q, k, cos, sin: (rope_single(q, cos.unsqueeze(dim), sin.unsqueeze(dim), True),
-                                       rope_single(k, cos.unsqueeze(dim), sin.unsqueeze(dim), True))
-    return lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(dim), sin.unsqueeze(dim), True)
+        return lambda q, k, cos, sin: (rope_single(q, cos.unsqueeze(dim), sin.unsqueeze(dim), True, deinterleave),
+                                       rope_single(k, cos.unsqueeze(dim), sin.unsqueeze(dim), True, deinterleave))
+    return lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(dim), sin.unsqueeze(dim), True, deinterleave)
 
 
 # Odd shapes: 3 and 5 pairs (not a power of 2), one position, more k heads than q heads.
@@ -369,10 +371,12 @@ def test_interleaved_opcheck(shape, dtype, rot):
     torch.library.opcheck(torch.ops.sloth.rope_single_backward.default, (dq, cos, sin, dtype, True))
 
 
+@pytest.mark.parametrize("deinterleave,rot", [(False, 16), (True, None)], ids=["pairs-R16", "deinterleave"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interleaved_fallback_matches_triton(dtype):
-    inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype, rot=16)
-    for fused in (fused_interleaved("bshd"), fused_interleaved("bshd", single=True)):
+def test_interleaved_fallback_matches_triton(dtype, deinterleave, rot):
+    inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype, rot=rot)
+    for fused in (fused_interleaved("bshd", deinterleave=deinterleave),
+                  fused_interleaved("bshd", single=True, deinterleave=deinterleave)):
         triton_out = forward_backward(fused, *inputs)
         with pytest.MonkeyPatch.context() as mp:
             force_fallback(mp, lowering, "_rope_kernel")
@@ -392,14 +396,6 @@ def pattern_deinterleaving(layout):
                                    deinterleaving_rope_pattern(k, cos.unsqueeze(dim), sin.unsqueeze(dim)))
 
 
-def fused_deinterleaving(layout, single=False):
-    dim = _unsqueeze(layout)
-    if single:
-        return lambda q, k, cos, sin: (rope_single(q, cos.unsqueeze(dim), sin.unsqueeze(dim), True, True),
-                                       rope_single(k, cos.unsqueeze(dim), sin.unsqueeze(dim), True, True))
-    return lambda q, k, cos, sin: rope(q, k, cos.unsqueeze(dim), sin.unsqueeze(dim), True, True)
-
-
 # DeepSeek-V3's rope head is 64 dims, its k a single head shared by every q head ([b, 1, s, 64]); odd sizes too.
 DEINTERLEAVING_SHAPES = [(2, 4, 1, 9, 64, "bhsd"), (1, 3, 2, 7, 6, "bshd"), (2, 1, 3, 1, 10, "bhsd")]
 DEINTERLEAVING_CASES = [pytest.param(shape, dtype, id=f"{shape_id(*shape)}-{DTYPE_IDS[dtype]}")
@@ -411,7 +407,7 @@ def test_deinterleaving_matches_pattern(shape, dtype):
     inputs = make_interleaved_inputs(*shape, dtype)
     layout = shape[-1]
     for single in (False, True):
-        qo, ko, dq, dk = check_against_pattern(fused_deinterleaving(layout, single), pattern_deinterleaving(layout),
+        qo, ko, dq, dk = check_against_pattern(fused_interleaved(layout, single, True), pattern_deinterleaving(layout),
                                                inputs)
         assert qo.dtype == dtype and dq.dtype == dtype and qo.shape == inputs[0].shape and dk.shape == inputs[1].shape
         assert qo.is_contiguous() and dq.is_contiguous()
@@ -448,16 +444,3 @@ def test_deinterleaving_opcheck():
     torch.library.opcheck(torch.ops.sloth.rope_single.default, (q, cos, sin, True, True))
     torch.library.opcheck(torch.ops.sloth.rope_backward.default, (dq, dk, cos, sin, torch.float32, torch.float32,
                                                                   True, True))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_deinterleaving_fallback_matches_triton(dtype):
-    inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype)
-    for fused in (fused_deinterleaving("bshd"), fused_deinterleaving("bshd", single=True)):
-        triton_out = forward_backward(fused, *inputs)
-        with pytest.MonkeyPatch.context() as mp:
-            force_fallback(mp, lowering, "_rope_kernel")
-            fallback_out = forward_backward(fused, *inputs)
-        for name, a, b in zip(("q_out", "k_out", "dq", "dk"), fallback_out, triton_out):
-            assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
-            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
