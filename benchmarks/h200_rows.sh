@@ -35,6 +35,7 @@
 #   bash benchmarks/h200_rows.sh moe-new-ops  # issue 20: the ungated experts' op and the routers' timings
 #   bash benchmarks/h200_rows.sh mem16k    # issue 19: what is alive at the 16k step's peak (offload; offload + tiled)
 #   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
+#   bash benchmarks/h200_rows.sh lean lean-peers  # issue 19: the backward rewrites at 16k, on and off; Unsloth
 #   bash benchmarks/h200_rows.sh mem16k-mid  # issue 19: offload's mid_layer at 16k, with and without the tiled MLP
 #   bash benchmarks/h200_rows.sh norm-rope  # issue 20: sloth.norm_rope's CUDA checks and op timings; the MoE row
 #                                          # without and with it, then Unsloth's (carry .whl)
@@ -370,6 +371,24 @@ case $part in
         # shape and the routers (bias-corrected ones among them) against Inductor (limits add to 200 s)
         op_bench moe_experts_ungated 110 moe_experts --ungated
         op_bench moe_router 90 moe_router ;;
+    lean)  # issue 19: the backward rewrites (compiler/lean_backward.py: a recomputed down projection read only for
+        # its h dropped, the MLP's gradients written over gate and up): their CUDA checks, then the 16k checkpointed
+        # step with offload and no logits with them (the default) and without (SLOTH_LEAN_BACKWARD=0), each with
+        # what is alive at its peak; with mid_layer too (o_proj's recompute dropped as well); Unsloth's 16k row
+        # last (carry .whl)
+        gpu_tests lean-cuda 100 "not nothing" tests/test_lean_backward.py
+        run mem16k-lean 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
+        SLOTH_LEAN_BACKWARD=0 run mem16k-lean-off 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 \
+            --variants sloth --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
+        run mem16k-lean-mid 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false}' ;;
+    lean-peers)  # its second call, chained at once: sloth's default options at 16k (no offload) with and without
+        # the rewrites, then Unsloth at 16k (carry .whl)
+        run long16k-default 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth
+        SLOTH_LEAN_BACKWARD=0 run long16k-default-off 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 \
+            --steps 3 --variants sloth
+        run long16k-unsloth 250 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants unsloth ;;
     mem16k-mid)  # issue 19: offload's mid_layer (the residual between attention and MLP saved and offloaded, so the
         # backward recomputes the attention after the MLP's backward) at 16k, what is alive at each peak, with and
         # without the tiled MLP (17.81 GiB offload + tiled on the H100 of 2026-12-05)

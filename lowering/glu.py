@@ -140,14 +140,16 @@ def _glu_bwd_kernel(
     p_dy, p_g, p_u, p_dg, p_du,
     n_rows, n_cols, stride_dy, stride_g, stride_u, stride_dg, stride_du,
     ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_Y: tl.constexpr = False,
+    IN_PLACE: tl.constexpr = False,
 ):
     """dg, du; with STORE_Y also the forward's y = a(g) * u, bit for bit _glu_fwd_kernel's, written over dy.
+    IN_PLACE: p_dg is p_g and p_du is p_u (the gradients written over the activations).
 
-    Programs own disjoint tiles, but within one the thread that stores an element's y need not be the one
-    that loaded its dy: where the strides' alignment differs (dy's stride n with n % 16 == 8 against a merged
-    gate/up's 2n, seen compiled for sm_90), Triton gives the load and the store different layouts. So a
-    barrier stands before the y stores: by then every thread's dy values have been consumed by the dg and du
-    stores, so its loads are done."""
+    Programs own disjoint tiles, but within one the thread that stores an element need not be the one that
+    loaded it: where the strides' alignment differs (dy's stride n with n % 16 == 8 against a merged gate/up's
+    2n, seen compiled for sm_90), Triton gives the load and the store different layouts. So a barrier stands
+    before the first store over an input (every thread's loads are then done): before the dg and du stores
+    when they go over g and u, else before the y stores over dy (by then the dy values are consumed)."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,11 +158,14 @@ def _glu_bwd_kernel(
     b_g = tl.load(p_g + o_m[:, None] * stride_g + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_u = tl.load(p_u + o_m[:, None] * stride_u + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
     b_a, b_da = _activation_and_derivative(b_g, ACTIVATION)
+    if IN_PLACE:
+        tl.debug_barrier()
     tl.store(p_dg + o_m[:, None] * stride_dg + o_n[None, :], round_to(b_dy * b_u * b_da, p_dg.dtype.element_ty),
              mask=m_mn)
     tl.store(p_du + o_m[:, None] * stride_du + o_n[None, :], round_to(b_dy * b_a, p_du.dtype.element_ty), mask=m_mn)
     if STORE_Y:
-        tl.debug_barrier()
+        if not IN_PLACE:
+            tl.debug_barrier()
         tl.store(p_dy + o_m[:, None] * stride_dy + o_n[None, :],
                  round_to(_activation(b_g, ACTIVATION) * b_u, p_dy.dtype.element_ty), mask=m_mn)
 
@@ -260,26 +265,41 @@ def glu_forward(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) ->
 
 
 def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tensor], activation: str,
-                      y_over_dy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      y_over_dy: bool = False, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dup). With ``y_over_dy`` the forward's output ``glu(x, up)`` is written over ``dy`` too (which must
     then be a contiguous tensor the caller owns, in x's dtype): one pass gives the backward both, where a
-    caller that needs the output again (glu_lora.py) would otherwise recompute it by a pass of its own."""
+    caller that needs the output again (glu_lora.py) would otherwise recompute it by a pass of its own.
+    With ``in_place`` dx is written over ``x`` and dup over ``up`` (the caller owns both and never reads their
+    values again) and those two are returned: no new tensor of their size (compiler/lean_backward.py)."""
     _check_inputs(x, up, activation)
     if y_over_dy and (dy.dtype != x.dtype or dy.shape[:-1] != x.shape[:-1] or not dy.is_contiguous()):
         raise ValueError(f"sloth.glu_backward: y_over_dy needs dy contiguous in x's dtype and rows, got "
                          f"{dy.dtype} {tuple(dy.shape)} against {x.dtype} {tuple(x.shape)}")
+    if in_place and not (x.is_contiguous() and (up is None or up.is_contiguous())):
+        # Written through a copy (rows_2d's) the gradients would be lost: computed apart, then copied over.
+        dx, dup = glu_backward_impl(dy, x, up, activation, y_over_dy)
+        x.copy_(dx)
+        if up is not None:
+            up.copy_(dup)
+        return x, (up if up is not None else dup)
     if not use_triton(x):
         dx, dup = glu_backward_reference(dy, x, up, activation)
         if y_over_dy:
             dy.copy_(glu_reference(x, up, activation))
+        if in_place:
+            x.copy_(dx)
+            if up is not None:
+                up.copy_(dup)
+            return x, (up if up is not None else dup)
         return dx, dup
     x_2d = rows_2d(x)
     g_Nn, u_Nn = _split(x_2d, rows_2d(up) if up is not None else None)
     dy_Nn = rows_2d(dy)
     n_rows, n_cols = g_Nn.shape
     # Merged: one [N, 2n] gradient, its halves written by the same kernel through two views.
-    dx_2d = torch.empty(x_2d.shape, dtype=x.dtype, device=x.device)
-    du_Nn = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device) if up is not None else None
+    dx_2d = x_2d if in_place else torch.empty(x_2d.shape, dtype=x.dtype, device=x.device)
+    du_Nn = (u_Nn if in_place else torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)) \
+        if up is not None else None
     dg_Nn, du_Nn = _split(dx_2d, du_Nn)
     if dg_Nn.numel():
         block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
@@ -287,8 +307,10 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
             dy_Nn, g_Nn, u_Nn, dg_Nn, du_Nn,
             n_rows, n_cols, dy_Nn.stride(0), g_Nn.stride(0), u_Nn.stride(0), dg_Nn.stride(0), du_Nn.stride(0),
             ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STORE_Y=y_over_dy,
-            num_warps=num_warps,
+            IN_PLACE=in_place, num_warps=num_warps,
         )
+    if in_place:
+        return x, (up if up is not None else x.new_empty(0))
     if up is None:
         return dx_2d.view(x.shape), x.new_empty(0)
     return dx_2d.view(x.shape), du_Nn.view(up.shape)

@@ -34,7 +34,7 @@ from .backend_choice import use_triton
 from .devices import check_one_device
 from .glu import glu_backward_impl, glu_forward
 from .layout import rows_2d
-from .lora import lora_adapter_grads, lora_backward, lora_backward_dx, lora_forward
+from .lora import adapter_activation, lora_adapter_grads, lora_backward, lora_backward_dx, lora_forward
 from .qlora import dequantized_weight
 from .registration import define, fake
 
@@ -51,25 +51,36 @@ def _glu_lora_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], activation: st
 
 
 def _glu_lora_bwd(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
-                  w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
-                  grad_dtype: Optional[torch.dtype] = None
+                  w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, h: Optional[torch.Tensor], scale: float,
+                  grad_dtype: Optional[torch.dtype] = None, in_place: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_gate, d_up, da, db); d_up is empty when ``up`` is None (gate is then the merged projection); da and db
-    in ``grad_dtype`` when given (lowering/tiled_mlp.py sums them over row blocks in fp32)."""
+    in ``grad_dtype`` when given (lowering/tiled_mlp.py sums them over row blocks in fp32). ``in_place``:
+    d_gate and d_up are written over gate and up (glu_backward_impl's ``in_place``). ``h`` None: recomputed
+    from the hidden the backward forms anyway (compiler/lean_backward.py says when)."""
     if not use_triton(gate) or not FUSED_HIDDEN:
         hidden = glu_forward(gate, up, activation)
         d_hidden, da, db = lora_backward(dy, hidden, w, a, b, h, scale, True, grad_dtype)
         del hidden
-        d_gate, d_up = glu_backward_impl(d_hidden, gate, up, activation)
+        d_gate, d_up = glu_backward_impl(d_hidden, gate, up, activation, in_place=in_place)
         return d_gate, d_up, da, db
     # da needs hidden; d_gate and d_up need d_hidden, which needs only dy. So d_hidden first, then the GLU's
     # backward writes hidden over d_hidden in the pass that reads gate and up anyway, then da and db.
     dy_MN = rows_2d(dy)
     d_hidden, g_MR = lora_backward_dx(dy_MN, w, a, b, scale)
     d_gate, d_up = glu_backward_impl(d_hidden.view(*gate.shape[:-1], d_hidden.shape[-1]), gate, up, activation,
-                                     y_over_dy=True)
-    da, db = lora_adapter_grads(g_MR, d_hidden, h, dy_MN, a, b, scale, grad_dtype)  # d_hidden now holds hidden
+                                     y_over_dy=True, in_place=in_place)
+    if h is None:  # d_hidden now holds hidden, bit for bit the forward's, so h is the forward's too
+        h = adapter_activation(d_hidden, a)
+    da, db = lora_adapter_grads(g_MR, d_hidden, h, dy_MN, a, b, scale, grad_dtype)
     return d_gate, d_up, da, db
+
+
+def _glu_lora_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
+                     w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, h: Optional[torch.Tensor], scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The functional backward op's function: _glu_lora_bwd, out of place."""
+    return _glu_lora_bwd(dy, gate, up, activation, w, a, b, h, scale)
 
 
 def _glu_qlora_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str, packed: torch.Tensor,
@@ -86,10 +97,41 @@ def _glu_qlora_bwd(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tens
                    packed: torch.Tensor, absmax: torch.Tensor, absmax_code: Optional[torch.Tensor],
                    absmax_scale: Optional[torch.Tensor], absmax_offset: Optional[torch.Tensor], out_features: int,
                    in_features: int, blocksize: int, quant_type: str, a: torch.Tensor, b: torch.Tensor,
-                   h: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   h: Optional[torch.Tensor], scale: float, in_place: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     w = dequantized_weight(packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features,
                            blocksize, quant_type, gate.dtype)
-    return _glu_lora_bwd(dy, gate, up, activation, w, a, b, h, scale)
+    return _glu_lora_bwd(dy, gate, up, activation, w, a, b, h, scale, in_place=in_place)
+
+
+def _glu_qlora_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
+                      packed: torch.Tensor, absmax: torch.Tensor, absmax_code: Optional[torch.Tensor],
+                      absmax_scale: Optional[torch.Tensor], absmax_offset: Optional[torch.Tensor], out_features: int,
+                      in_features: int, blocksize: int, quant_type: str, a: torch.Tensor, b: torch.Tensor,
+                      h: Optional[torch.Tensor], scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The functional 4-bit backward op's function: _glu_qlora_bwd, out of place."""
+    return _glu_qlora_bwd(dy, gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset,
+                          out_features, in_features, blocksize, quant_type, a, b, h, scale)
+
+
+# The backwards in place: d_gate and d_up written over gate and up, only (da, db) returned. No autograd (they
+# are backward ops); compiler/lean_backward.py puts them in a compiled backward where nothing reads gate
+# and up after the backward op, and this op's output tensors are then gate and up themselves.
+def _glu_lora_bwd_inplace(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
+                          w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, h: Optional[torch.Tensor],
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _glu_lora_bwd(dy, gate, up, activation, w, a, b, h, scale, in_place=True)[2:]
+
+
+def _glu_qlora_bwd_inplace(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor], activation: str,
+                           packed: torch.Tensor, absmax: torch.Tensor, absmax_code: Optional[torch.Tensor],
+                           absmax_scale: Optional[torch.Tensor], absmax_offset: Optional[torch.Tensor],
+                           out_features: int, in_features: int, blocksize: int, quant_type: str, a: torch.Tensor,
+                           b: torch.Tensor, h: Optional[torch.Tensor], scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _glu_qlora_bwd(dy, gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset,
+                          out_features, in_features, blocksize, quant_type, a, b, h, scale, in_place=True)[2:]
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -114,7 +156,7 @@ def _backward(ctx, dy, _dh):
 def register() -> None:
     """Define ``sloth::glu_lora_linear`` and its backward (idempotent)."""
     fwd = define("sloth::glu_lora_linear", _glu_lora_fwd)
-    bwd = define("sloth::glu_lora_linear_backward", _glu_lora_bwd)
+    bwd = define("sloth::glu_lora_linear_backward", _glu_lora_bwd_op)
 
     @fake(fwd)
     def _(gate, up, activation, w, bias, a, b, scale):
@@ -130,6 +172,11 @@ def register() -> None:
                 a.new_empty(a.shape), b.new_empty(b.shape))
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
+    inplace = define("sloth::glu_lora_linear_backward_inplace", _glu_lora_bwd_inplace, mutates_args=("gate", "up"))
+
+    @fake(inplace)
+    def _(dy, gate, up, activation, w, a, b, h, scale):
+        return a.new_empty(a.shape), b.new_empty(b.shape)
 
 
 _QLORA_ARGS = ("gate", "up", "activation", "packed", "absmax", "absmax_code", "absmax_scale", "absmax_offset",
@@ -163,7 +210,7 @@ def _backward_4bit(ctx, dy, _dh):
 def register_4bit() -> None:
     """Define ``sloth::glu_qlora_linear`` and its backward (idempotent)."""
     fwd = define("sloth::glu_qlora_linear", _glu_qlora_fwd)
-    bwd = define("sloth::glu_qlora_linear_backward", _glu_qlora_bwd)
+    bwd = define("sloth::glu_qlora_linear_backward", _glu_qlora_bwd_op)
 
     @fake(fwd)
     def _(gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features,
@@ -179,6 +226,13 @@ def register_4bit() -> None:
                 a.new_empty(a.shape), b.new_empty(b.shape))
 
     fwd.register_autograd(_backward_4bit, setup_context=_setup_context_4bit)
+    inplace = define("sloth::glu_qlora_linear_backward_inplace", _glu_qlora_bwd_inplace,
+                     mutates_args=("gate", "up"))
+
+    @fake(inplace)
+    def _(dy, gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features,
+          in_features, blocksize, quant_type, a, b, h, scale):
+        return a.new_empty(a.shape), b.new_empty(b.shape)
 
 
 def glu_lora_linear(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str, w: torch.Tensor,

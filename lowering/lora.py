@@ -586,6 +586,14 @@ def lora_linear_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     return y2.view(*x.shape[:-1], w.shape[0]), h
 
 
+def adapter_activation(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """h = x2 @ a.T ([M, r], fp32), bit for bit as the forward computes it: what a backward given no h
+    (compiler/lean_backward.py) recomputes from the x it has, one pass over x."""
+    if not use_triton(x):
+        return x.reshape(-1, x.shape[-1]).float() @ a.float().t()
+    return _down(rows_2d(x), a.t())
+
+
 def lora_forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h) of the op (also the body of sloth::qlora_linear once its weight is dequantised)."""
@@ -599,10 +607,13 @@ def lora_forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
 
 
 def lora_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                  h: torch.Tensor, scale: float, need_dx: bool, grad_dtype: Optional[torch.dtype] = None
+                  h: Optional[torch.Tensor], scale: float, need_dx: bool, grad_dtype: Optional[torch.dtype] = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, da, db); dx is empty when ``need_dx`` is False. da and db come in ``grad_dtype`` when given (a
-    caller summing them over row blocks asks for fp32), else in a's and b's dtypes."""
+    caller summing them over row blocks asks for fp32), else in a's and b's dtypes. ``h`` None: recomputed
+    from x (adapter_activation)."""
+    if h is None:
+        h = adapter_activation(x, a)
     if not use_triton(x):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float()
         g = dy2 @ b.float()

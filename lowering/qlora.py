@@ -87,7 +87,7 @@ def _qlora_fwd(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, absm
 def _qlora_bwd(dy: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                absmax_code: Optional[torch.Tensor], absmax_scale: Optional[torch.Tensor],
                absmax_offset: Optional[torch.Tensor], out_features: int, in_features: int, blocksize: int,
-               quant_type: str, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
+               quant_type: str, a: torch.Tensor, b: torch.Tensor, h: Optional[torch.Tensor], scale: float,
                need_dx: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Without dx (the first adapted layer of a frozen embedding), the weight is not needed at all.
     w = dequantized_weight(packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features,

@@ -67,12 +67,12 @@ def add_twin_fake(op: Any, impl: Callable) -> None:
         torch.library.register_fake(twin, impl)
 
 
-def define(name: str, fn: Callable) -> Any:
-    """The operator ``name`` (e.g. "sloth::rms_norm") computing ``fn``, functional (it mutates no input), and
-    (with custom_op) its runtime twin."""
+def define(name: str, fn: Callable, mutates_args: tuple[str, ...] = ()) -> Any:
+    """The operator ``name`` (e.g. "sloth::rms_norm") computing ``fn``, functional unless ``mutates_args`` names
+    the inputs it writes, and (with custom_op) its runtime twin."""
     if TRITON_OP:
-        return torch.library.triton_op(name, fn, mutates_args=())
-    op = torch.library.custom_op(name, mutates_args=())(fn)
+        return torch.library.triton_op(name, fn, mutates_args=mutates_args)
+    op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
     add_twin(op, fn)
     return op
 

@@ -121,8 +121,9 @@ def lora_mlp_tiled_backward(dy: torch.Tensor, x: torch.Tensor, ws: list[torch.Te
         else:
             *projections, _ = lora_shared_forward(x_b, ws, biases, a, bs, scale)  # its h is h1[block] again
         gate, up = _gate_up(projections)
+        # Recomputed projections are this loop's own: their gradients are written over them.
         d_gate, d_up, da_d_b, db_d_b = _glu_lora_bwd(dy_MN[block], gate, up, activation, w_d, a_d, b_d, h2[block],
-                                                     scale_d, grad_dtype=fp32)
+                                                     scale_d, grad_dtype=fp32, in_place=not kept)
         del projections, gate, up
         dx_b, da_b, *dbs_b = lora_shared_backward([d_gate, d_up] if len(ws) == 2 else [d_gate], x_b, ws, a, bs,
                                                   h1[block], scale, need_dx, grad_dtype=fp32)

@@ -109,6 +109,11 @@ def _llama_launches() -> None:
         glu.glu_forward(gate, gate, activation)
         glu.glu_backward_impl(gate, gate, gate, activation)
         glu.glu_backward_impl(torch.empty(n, inter, dtype=bf16), gate, gate, activation, y_over_dy=True)
+        # in place over gate and up (compiler/lean_backward.py), with and without the hidden over dy
+        glu.glu_backward_impl(torch.empty(n, inter, dtype=bf16), gate, torch.empty(n, inter, dtype=bf16),
+                              activation, y_over_dy=True, in_place=True)
+        glu.glu_backward_impl(gate, torch.empty(n, inter, dtype=bf16), torch.empty(n, inter, dtype=bf16),
+                              activation, in_place=True)
     # Merged gate/up with n % 16 == 8: dy's stride n and gate's 2n differ in alignment, so the y stores take
     # another layout than the dy loads (the kernel's barrier is for this case).
     glu.glu_backward_impl(torch.empty(n, 1032, dtype=bf16), torch.empty(n, 2064, dtype=bf16), None, "silu",

@@ -1,0 +1,191 @@
+"""Two rewrites of the backward graphs Inductor compiles: less recomputed work and less memory, the same bits.
+
+**1. A recomputed LoRA forward read only for its adapter activation is dropped.** Each LoRA op returns
+``(y, h)`` with ``h = x @ a.T`` ([tokens, r], fp32), which its backward reads (``db = s * dy.T @ h``). In a
+checkpointed layer AOTAutograd's partitioner recomputes in the backward whatever the backward reads, so
+for the projections whose output only feeds the residual (attention's o_proj, the MLP's down projection)
+it recomputes the whole op, its base GEMM included, to get h alone:
+
+    y, h = lora_linear(x, w, ...)           y read by nothing in the backward
+    dx, da, db = lora_linear_backward(dy, x, w, a, b, h, ...)
+    becomes
+    dx, da, db = lora_linear_backward(dy, x, w, a, b, None, ...)     h recomputed inside, one pass over x
+
+For the fused down projection (``glu_lora_linear``) the backward already forms the GLU's output to compute
+da, so h costs one rank-r product over it. At Llama-3-8B's shape the dropped GEMMs are o_proj's
+(4096 x 4096) and down's (14336 x 4096): a third of the recomputed forward's GEMM work. The recomputed h is
+the forward's bit for bit (the same kernel on the same x; lowering/lora.py ``adapter_activation``).
+
+**2. Backward ops write their input gradients over activations nothing reads again.** The GLU-LoRA
+backward reads the MLP's two intermediate activations, ``gate`` and ``up`` (tokens x intermediate each),
+and writes ``d_gate`` and ``d_up`` of the same size. Where it is their last reader they take the gradients
+instead, elementwise in the same kernel pass (every element's g, u and dy are read before its dg and du
+are written; lowering/glu.py):
+
+    d_gate, d_up, da, db = glu_lora_linear_backward(dy, gate, up, ...)     two new T x I tensors
+    becomes
+    da, db = glu_lora_linear_backward_inplace(dy, gate, up, ...)           gate now holds d_gate, up d_up
+
+At Llama-3-8B's 16k tokens a T x I tensor is 448 MiB; the MLP's backward, where a checkpointed step peaks
+(benchmarks/results/2026-12-05_h100_2148_memory-peak-16k-offload.txt: gate, up, d_hidden, d_gate and d_up
+alive together, 2.2 GiB), then holds 1.3 GiB.
+
+It applies where gate and up are made by the same graph (not graph inputs), read by nothing else (once
+rewrite 1 has removed the recomputed forward that read them too), and share their memory with no other
+value of the graph. In a backward that is the checkpointed layer, which recomputes gate and up right there.
+Without checkpointing they are saved tensors, inputs of the backward graph, and stay untouched: a saved
+tensor may be one the user holds, or be read by a second backward (``retain_graph=True``).
+
+Both run in sloth's Inductor post-grad pass (compiler/runtime_ops.py), after the runtime twins.
+``SLOTH_LEAN_BACKWARD=0`` switches both off (for measuring them).
+"""
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+ENABLED: bool = os.environ.get("SLOTH_LEAN_BACKWARD", "1") != "0"
+
+
+def _overloads(name: str) -> list[Any]:
+    """``sloth::name`` and its runtime twin, where it has one."""
+    from ..lowering import registration
+
+    op = getattr(torch.ops.sloth, name).default
+    twin = registration.RUNTIME_TWINS.get(op)
+    return [op] if twin is None else [op, twin]
+
+
+def _registered() -> None:
+    from ..lowering import glu_lora, lora, qlora
+
+    lora.register()
+    qlora.register()
+    glu_lora.register()
+    glu_lora.register_4bit()
+
+
+def _h_readers() -> dict[Any, tuple[set, int]]:
+    """forward op -> (the backward ops that may read its h, the position of h among their arguments)."""
+    _registered()
+    table = {}
+    for forward, backward, position in (("lora_linear", "lora_linear_backward", 5),
+                                        ("qlora_linear", "qlora_linear_backward", 13),
+                                        ("glu_lora_linear", "glu_lora_linear_backward", 7),
+                                        ("glu_qlora_linear", "glu_qlora_linear_backward", 15)):
+        readers = set(_overloads(backward))
+        if backward.startswith("glu"):
+            readers |= set(_overloads(backward + "_inplace"))
+        for op in _overloads(forward):
+            table[op] = (readers, position)
+    return table
+
+
+def _in_place_forms() -> dict[Any, Any]:
+    """backward op -> its in-place form; both take (dy, gate, up, ...), and the in-place one returns the
+    backward's outputs from the third on (the first two, d_gate and d_up, are then gate and up)."""
+    _registered()
+    forms = {}
+    for name in ("glu_lora_linear_backward", "glu_qlora_linear_backward"):
+        forms.update(zip(_overloads(name), _overloads(name + "_inplace")))
+    return forms
+
+
+def drop_recomputed_forwards(graph: fx.Graph) -> int:
+    """Rewrite 1 of the module docstring; returns how many forward ops were dropped."""
+    table = _h_readers()
+    dropped = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in table]:
+        readers, position = table[node.target]
+        items = list(node.users)
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in items):
+            continue
+        if any(item.args[1] == 0 and item.users for item in items):
+            continue  # y is read: the op is needed
+        h_users = [user for item in items if item.args[1] == 1 for user in item.users]
+        if not h_users or not all(user.target in readers and len(user.args) > position
+                                  and user.args[position] in items
+                                  and sum(arg is user.args[position] for arg in user.args) == 1
+                                  for user in h_users):
+            continue
+        for user in h_users:
+            user.update_arg(position, None)
+        for item in items:
+            graph.erase_node(item)
+        graph.erase_node(node)
+        dropped += 1
+    return dropped
+
+
+def _storage(node: fx.Node) -> Optional[StorageWeakRef]:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (a subclass): never rewritten
+        return None
+
+
+def _owned(node: Any, op_node: fx.Node, storages: dict[StorageWeakRef, int]) -> bool:
+    """Whether ``op_node`` may write over ``node``: made by this graph, read by op_node alone, contiguous, and
+    the only value of the graph in its memory."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or list(node.users) != [op_node]:
+        return False
+    storage = _storage(node)
+    return storage is not None and storages.get(storage) == 1 and node.meta["val"].is_contiguous()
+
+
+def write_gradients_in_place(graph: fx.Graph) -> int:
+    """Rewrite 2 of the module docstring; returns how many backward ops were swapped."""
+    forms = _in_place_forms()
+    candidates = [n for n in graph.nodes if n.op == "call_function" and n.target in forms]
+    if not candidates:
+        return 0
+    storages: dict[StorageWeakRef, int] = {}
+    for node in graph.nodes:
+        storage = _storage(node)
+        if storage is not None:
+            storages[storage] = storages.get(storage, 0) + 1
+    swapped = 0
+    for node in candidates:
+        gate, up = node.args[1], node.args[2]
+        if not _owned(gate, node, storages) or not (up is None or (up is not gate and _owned(up, node, storages))):
+            continue
+        items = list(node.users)
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in items):
+            continue
+        # d_up of a merged gate/up (up None) is an empty placeholder tensor; nothing may read it, as nothing
+        # could after the swap.
+        if up is None and any(item.args[1] == 1 and item.users for item in items):
+            continue
+        with graph.inserting_before(node):
+            in_place = graph.call_function(forms[node.target], node.args, node.kwargs)
+        in_place.meta = {**node.meta, "val": tuple(node.meta["val"][2:])} if "val" in node.meta else dict(node.meta)
+        for item in items:
+            index = item.args[1]
+            if index in (0, 1):
+                if item.users:  # d_gate, d_up: now gate and up, read after the in-place op wrote them
+                    item.replace_all_uses_with(gate if index == 0 else up)
+            else:
+                with graph.inserting_before(item):
+                    new_item = graph.call_function(operator.getitem, (in_place, index - 2))
+                new_item.meta = dict(item.meta)
+                item.replace_all_uses_with(new_item)
+            graph.erase_node(item)
+        graph.erase_node(node)
+        swapped += 1
+    return swapped
+
+
+def lean_backward(graph: fx.Graph) -> tuple[int, int]:
+    """Both rewrites on ``graph``, the first first (it leaves gate and up to the backward op alone);
+    (forwards dropped, backwards made in-place)."""
+    if not ENABLED:
+        return 0, 0
+    return drop_recomputed_forwards(graph), write_gradients_in_place(graph)
