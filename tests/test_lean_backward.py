@@ -158,13 +158,13 @@ def test_pass_leaves_activations_it_does_not_own(case):
     assert lean_backward.write_gradients_in_place(gm.graph) == 0
 
 
-def _checkpointed_step(model, ids, enabled: bool, monkeypatch):
+def _checkpointed_step(model, ids, enabled: bool, monkeypatch, options=None):
     """Loss, gradients, and the generated code's calls of sloth ops by name (the forward graph's and the
     backward's together)."""
     monkeypatch.setattr(lean_backward, "ENABLED", enabled)
     torch._dynamo.reset()
     sloth.reset_report()
-    run = torch.compile(model, backend="sloth")
+    run = torch.compile(model, backend="sloth", options=options)
     (loss, grads), codes = run_and_get_code(lambda: loss_and_grads(model, ids, run=run))
     calls: dict[str, int] = {}
     for name in (m for code in codes for m in re.findall(r"torch\.ops\.sloth_rt\.(\w+)\.default\(", code)):
@@ -193,3 +193,9 @@ def test_checkpointed_lora_llama_through_inductor_gets_both_rewrites_with_the_sa
     assert calls["lora_linear"] == plain_calls["lora_linear"] == 2 * layers
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    # With offload's mid_layer that residual is saved, so o_proj is not run again either.
+    mid_loss, mid_grads, mid_calls = _checkpointed_step(model, ids, True, monkeypatch,
+                                                        {"offload": {"min_bytes": 0, "mid_layer": True}})
+    assert mid_calls["lora_linear"] == layers, mid_calls
+    assert torch.equal(mid_loss, plain_loss)
+    assert all(torch.equal(mid_grads[n], plain_grads[n]) for n in grads)
