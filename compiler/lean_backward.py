@@ -12,7 +12,10 @@ it recomputes the whole op, its base GEMM included, to get h alone:
     dx, da, db = lora_linear_backward(dy, x, w, a, b, None, ...)     h recomputed inside, one pass over x
 
 For the fused down projection (``glu_lora_linear``) the backward already forms the GLU's output to compute
-da, so h costs one rank-r product over it. At Llama-3-8B's shape the dropped GEMMs are o_proj's
+da, so h costs one rank-r product over it. The tiled MLP (``lora_mlp_tiled``, lowering/tiled_mlp.py), whose
+backward recomputes gate and up block by block anyway, is not run again at all: its backward forms both of
+its adapter activations in those blocks, so under checkpointing the tiled MLP does no more GEMM work than
+the untiled one. At Llama-3-8B's shape the dropped GEMMs are o_proj's
 (4096 x 4096) and down's (14336 x 4096): a third of the recomputed forward's GEMM work. The recomputed h is
 the forward's bit for bit (the same kernel on the same x; lowering/lora.py ``adapter_activation``).
 
@@ -62,27 +65,31 @@ def _overloads(name: str) -> list[Any]:
 
 
 def _registered() -> None:
-    from ..lowering import glu_lora, lora, qlora
+    from ..lowering import glu_lora, lora, qlora, tiled_mlp
 
     lora.register()
     qlora.register()
     glu_lora.register()
     glu_lora.register_4bit()
+    tiled_mlp.register()
 
 
-def _h_readers() -> dict[Any, tuple[set, int]]:
-    """forward op -> (the backward ops that may read its h, the position of h among their arguments)."""
+def _h_readers() -> dict[Any, tuple[set, dict[int, int]]]:
+    """forward op -> (the backward ops that may read its adapter activations, {the forward's output index: the
+    position among the backward's arguments}); the forward's output 0 is y, and it has no outputs beyond these."""
     _registered()
     table = {}
-    for forward, backward, position in (("lora_linear", "lora_linear_backward", 5),
-                                        ("qlora_linear", "qlora_linear_backward", 13),
-                                        ("glu_lora_linear", "glu_lora_linear_backward", 7),
-                                        ("glu_qlora_linear", "glu_qlora_linear_backward", 15)):
+    for forward, backward, positions in (("lora_linear", "lora_linear_backward", {1: 5}),
+                                         ("qlora_linear", "qlora_linear_backward", {1: 13}),
+                                         ("glu_lora_linear", "glu_lora_linear_backward", {1: 7}),
+                                         ("glu_qlora_linear", "glu_qlora_linear_backward", {1: 15}),
+                                         # h1 and h2; with the projections kept (more outputs) it stays
+                                         ("lora_mlp_tiled", "lora_mlp_tiled_backward", {1: 11, 2: 12})):
         readers = set(_overloads(backward))
         if backward.startswith("glu"):
             readers |= set(_overloads(backward + "_inplace"))
         for op in _overloads(forward):
-            table[op] = (readers, position)
+            table[op] = (readers, positions)
     return table
 
 
@@ -101,20 +108,22 @@ def drop_recomputed_forwards(graph: fx.Graph) -> int:
     table = _h_readers()
     dropped = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in table]:
-        readers, position = table[node.target]
+        readers, positions = table[node.target]
         items = list(node.users)
         if not all(u.op == "call_function" and u.target is operator.getitem for u in items):
             continue
         if any(item.args[1] == 0 and item.users for item in items):
             continue  # y is read: the op is needed
-        h_users = [user for item in items if item.args[1] == 1 for user in item.users]
-        if not h_users or not all(user.target in readers and len(user.args) > position
-                                  and user.args[position] in items
-                                  and sum(arg is user.args[position] for arg in user.args) == 1
-                                  for user in h_users):
+        if any(item.args[1] not in positions and item.args[1] != 0 for item in items):
+            continue  # an output the backward cannot recompute (the tiled op's kept projections)
+        uses = [(item.args[1], user) for item in items if item.args[1] in positions for user in item.users]
+        if not uses or not all(user.target in readers and len(user.args) > positions[index]
+                               and user.args[positions[index]] in items
+                               and sum(arg is user.args[positions[index]] for arg in user.args) == 1
+                               for index, user in uses):
             continue
-        for user in h_users:
-            user.update_arg(position, None)
+        for index, user in uses:
+            user.update_arg(positions[index], None)
         for item in items:
             graph.erase_node(item)
         graph.erase_node(node)

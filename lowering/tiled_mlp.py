@@ -103,10 +103,16 @@ def lora_mlp_tiled_forward(x: torch.Tensor, ws: list[torch.Tensor], biases: list
 def lora_mlp_tiled_backward(dy: torch.Tensor, x: torch.Tensor, ws: list[torch.Tensor],
                             biases: list[Optional[torch.Tensor]], a: torch.Tensor, bs: list[torch.Tensor], scale: float,
                             activation: str, w_d: torch.Tensor, a_d: torch.Tensor, b_d: torch.Tensor,
-                            h1: torch.Tensor, h2: torch.Tensor, kept: list[torch.Tensor], scale_d: float,
-                            tile_rows: int, need_dx: bool) -> list[torch.Tensor]:
+                            h1: Optional[torch.Tensor], h2: Optional[torch.Tensor], kept: list[torch.Tensor],
+                            scale_d: float, tile_rows: int, need_dx: bool) -> list[torch.Tensor]:
     """``[dx, da, db_0, ..., db_{n-1}, da_d, db_d]`` (module docstring); dx is empty when ``need_dx`` is False.
-    ``kept`` holds the forward's projections, or nothing (they are then recomputed block by block)."""
+    ``kept`` holds the forward's projections, or nothing (they are then recomputed block by block). h1 and h2
+    None (compiler/lean_backward.py: the forward was not run again for them): each block's are recomputed,
+    bit for bit the forward's, h1's by the projections' recompute, h2's from the hidden the GLU's backward
+    forms; only where the projections are recomputed too."""
+    if kept and (h1 is None or h2 is None):
+        raise ValueError("sloth.lora_mlp_tiled_backward: h1 and h2 may be left out only where the projections are "
+                         "recomputed (kept empty)")
     x_MK, dy_MN = rows_2d(x), rows_2d(dy)
     rows = x_MK.shape[0]
     fp32 = torch.float32
@@ -117,16 +123,17 @@ def lora_mlp_tiled_backward(dy: torch.Tensor, x: torch.Tensor, ws: list[torch.Te
         block = slice(start, min(start + tile_rows, rows))
         x_b = x_MK[block]
         if kept:
-            projections = [p[block] for p in kept]
+            projections, h1_b = [p[block] for p in kept], h1[block]
         else:
-            *projections, _ = lora_shared_forward(x_b, ws, biases, a, bs, scale)  # its h is h1[block] again
+            *projections, h1_b = lora_shared_forward(x_b, ws, biases, a, bs, scale)  # h1_b is h1[block] again
         gate, up = _gate_up(projections)
         # Recomputed projections are this loop's own: their gradients are written over them.
-        d_gate, d_up, da_d_b, db_d_b = _glu_lora_bwd(dy_MN[block], gate, up, activation, w_d, a_d, b_d, h2[block],
-                                                     scale_d, grad_dtype=fp32, in_place=not kept)
+        d_gate, d_up, da_d_b, db_d_b = _glu_lora_bwd(dy_MN[block], gate, up, activation, w_d, a_d, b_d,
+                                                     None if h2 is None else h2[block], scale_d, grad_dtype=fp32,
+                                                     in_place=not kept)
         del projections, gate, up
         dx_b, da_b, *dbs_b = lora_shared_backward([d_gate, d_up] if len(ws) == 2 else [d_gate], x_b, ws, a, bs,
-                                                  h1[block], scale, need_dx, grad_dtype=fp32)
+                                                  h1_b, scale, need_dx, grad_dtype=fp32)
         del d_gate, d_up
         if need_dx:
             dx[block] = dx_b
