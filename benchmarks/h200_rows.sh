@@ -371,18 +371,20 @@ case $part in
         # shape and the routers (bias-corrected ones among them) against Inductor (limits add to 200 s)
         op_bench moe_experts_ungated 110 moe_experts --ungated
         op_bench moe_router 90 moe_router ;;
-    lean)  # issue 19: the backward rewrites (compiler/lean_backward.py: a recomputed down projection read only for
-        # its h dropped, the MLP's gradients written over gate and up): their CUDA checks, then the 16k checkpointed
-        # step with offload and no logits with them (the default) and without (SLOTH_LEAN_BACKWARD=0), each with
-        # what is alive at its peak; with mid_layer too (o_proj's recompute dropped as well); Unsloth's 16k row
-        # last (carry .whl)
-        gpu_tests lean-cuda 100 "not nothing" tests/test_lean_backward.py
-        run mem16k-lean 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+    lean)  # issue 19: the backward rewrites (compiler/lean_backward.py: a recomputed down projection, or tiled MLP,
+        # read only for its adapter activations dropped; the MLP's gradients written over gate and up): their CUDA
+        # checks, then the 16k checkpointed step with offload and no logits with them (the default; what is alive
+        # at its peak) and without (SLOTH_LEAN_BACKWARD=0), then with the tiled MLP (its peak too) and with
+        # mid_layer and the tiled MLP (limits add to 570 s)
+        gpu_tests lean-cuda 70 "not nothing" tests/test_lean_backward.py
+        run mem16k-lean 130 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
             --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
-        SLOTH_LEAN_BACKWARD=0 run mem16k-lean-off 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 \
-            --variants sloth --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
-        run mem16k-lean-mid 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false}' ;;
+        SLOTH_LEAN_BACKWARD=0 run mem16k-lean-off 110 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 \
+            --variants sloth --sloth-options '{"offload": true, "return_logits": false}'
+        run mem16k-lean-tiled 140 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --memory-peak --sloth-options '{"offload": true, "return_logits": false, "tiled_mlp": true}'
+        run mem16k-lean-mid-tiled 120 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}' ;;
     lean-peers)  # its second call, chained at once: sloth's default options at 16k (no offload) with and without
         # the rewrites, then Unsloth at 16k (carry .whl)
         run long16k-default 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth
