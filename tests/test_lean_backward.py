@@ -5,7 +5,8 @@ The backward ops given no h recompute the forward's h bit for bit; the in-place 
 functional one's numbers bit for bit, with d_gate and d_up in gate's and up's memory; each rewrite applies
 only where its conditions hold (the forward's y unread; gate and up made by the graph, read by nothing else,
 sharing their memory with nothing); and a checkpointed LoRA Llama through Inductor gets both in its backward,
-with the same loss and gradients bit for bit as without them, and its tiled MLP is not run again at all.
+with the same loss and gradients bit for bit as without them; its tiled MLP is not run again at all, nor,
+with offload's mid_layer, its o_proj.
 """
 from __future__ import annotations
 
@@ -193,26 +194,22 @@ def test_checkpointed_lora_llama_through_inductor_gets_both_rewrites_with_the_sa
     assert calls["lora_linear"] == plain_calls["lora_linear"] == 2 * layers
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
-    # With offload's mid_layer that residual is saved, so o_proj is not run again either.
-    mid_loss, mid_grads, mid_calls = _checkpointed_step(model, ids, True, monkeypatch,
-                                                        {"offload": {"min_bytes": 0, "mid_layer": True}})
-    assert mid_calls["lora_linear"] == layers, mid_calls
-    assert torch.equal(mid_loss, plain_loss)
-    assert all(torch.equal(mid_grads[n], plain_grads[n]) for n in grads)
 
 
-def test_checkpointed_tiled_mlp_is_not_run_again_in_the_backward(monkeypatch, device):
+def test_checkpointed_tiled_mlp_and_o_proj_with_mid_layer_are_not_run_again(monkeypatch, device):
     # The tiled MLP's backward recomputes gate and up block by block and, given no h1 and h2, their adapter
     # activations with them: the op's forward runs once a step except in the last layer (its output is read).
+    # With offload's mid_layer the residual after attention is saved, so o_proj is not run again either.
     model = build_lora("llama", torch.float32).to(device)
     model.config.use_cache = False
     model.gradient_checkpointing_enable()
     model.train()
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
-    options = {"tiled_mlp": 8}  # 18 rows: three blocks
+    options = {"tiled_mlp": 8, "offload": {"min_bytes": 0, "mid_layer": True}}  # 18 rows: three blocks
     loss, grads, calls = _checkpointed_step(model, ids, True, monkeypatch, options)
     plain_loss, plain_grads, plain_calls = _checkpointed_step(model, ids, False, monkeypatch, options)
     assert plain_calls["lora_mlp_tiled"] == 2 * layers and calls["lora_mlp_tiled"] == layers + 1, (calls, plain_calls)
+    assert plain_calls["lora_linear"] == 2 * layers and calls["lora_linear"] == layers
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
