@@ -35,7 +35,8 @@
 #   bash benchmarks/h200_rows.sh moe-new-ops  # issue 20: the ungated experts' op and the routers' timings
 #   bash benchmarks/h200_rows.sh mem16k    # issue 19: what is alive at the 16k step's peak (offload; offload + tiled)
 #   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
-#   bash benchmarks/h200_rows.sh lean lean-peers  # issue 19: the backward rewrites at 16k, on and off; Unsloth
+#   bash benchmarks/h200_rows.sh lean lean-mid lean-peers  # issue 19: the backward rewrites at 16k, on and off,
+#                                          # tiled; mid_layer and tiled; sloth's default options and Unsloth
 #   bash benchmarks/h200_rows.sh mem16k-mid  # issue 19: offload's mid_layer at 16k, with and without the tiled MLP
 #   bash benchmarks/h200_rows.sh norm-rope  # issue 20: sloth.norm_rope's CUDA checks and op timings; the MoE row
 #                                          # without and with it, then Unsloth's (carry .whl)
@@ -374,15 +375,16 @@ case $part in
     lean)  # issue 19: the backward rewrites (compiler/lean_backward.py: a recomputed down projection, or tiled MLP,
         # read only for its adapter activations dropped; the MLP's gradients written over gate and up): their CUDA
         # checks, then the 16k checkpointed step with offload and no logits with them (the default; what is alive
-        # at its peak) and without (SLOTH_LEAN_BACKWARD=0), then with the tiled MLP (its peak too) and with
-        # mid_layer and the tiled MLP (limits add to 570 s)
+        # at its peak) and without (SLOTH_LEAN_BACKWARD=0), then with the tiled MLP (its peak too) (limits add
+        # to 450 s)
         gpu_tests lean-cuda 70 "not nothing" tests/test_lean_backward.py
         run mem16k-lean 130 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
             --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
         SLOTH_LEAN_BACKWARD=0 run mem16k-lean-off 110 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 \
             --variants sloth --sloth-options '{"offload": true, "return_logits": false}'
         run mem16k-lean-tiled 140 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --memory-peak --sloth-options '{"offload": true, "return_logits": false, "tiled_mlp": true}'
+            --memory-peak --sloth-options '{"offload": true, "return_logits": false, "tiled_mlp": true}' ;;
+    lean-mid)  # with mid_layer and the tiled MLP (o_proj not run again either)
         run mem16k-lean-mid-tiled 120 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
             --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}' ;;
     lean-peers)  # its second call, chained at once: sloth's default options at 16k (no offload) with and without
