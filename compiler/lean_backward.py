@@ -33,9 +33,9 @@ At Llama-3-8B's 16k tokens a T x I tensor is 448 MiB; the MLP's backward, where 
 (benchmarks/results/2026-12-05_h100_2148_memory-peak-16k-offload.txt: gate, up, d_hidden, d_gate and d_up
 alive together, 2.2 GiB), then holds 1.3 GiB.
 
-It applies where gate and up are made by the same graph (not graph inputs), read by nothing else (once
-rewrite 1 has removed the recomputed forward that read them too), and share their memory with no other
-value of the graph. In a backward that is the checkpointed layer, which recomputes gate and up right there.
+It applies where gate and up are made by the same graph (not graph inputs), read by nothing after the
+backward op (a recomputed forward that read them before it, as in the last layer, whose output the final
+norm's backward reads, is fine), and share their memory with no other value of the graph. In a backward that is the checkpointed layer, which recomputes gate and up right there.
 Without checkpointing they are saved tensors, inputs of the backward graph, and stay untouched: a saved
 tensor may be one the user holds, or be read by a second backward (``retain_graph=True``).
 
@@ -141,10 +141,13 @@ def _storage(node: fx.Node) -> Optional[StorageWeakRef]:
         return None
 
 
-def _owned(node: Any, op_node: fx.Node, storages: dict[StorageWeakRef, int]) -> bool:
-    """Whether ``op_node`` may write over ``node``: made by this graph, read by op_node alone, contiguous, and
-    the only value of the graph in its memory."""
-    if not isinstance(node, fx.Node) or node.op != "call_function" or list(node.users) != [op_node]:
+def _owned(node: Any, op_node: fx.Node, storages: dict[StorageWeakRef, int], order: dict[fx.Node, int]) -> bool:
+    """Whether ``op_node`` may write over ``node``: made by this graph, read after op_node by nothing (readers
+    before it are fine: Inductor orders a mutation after the reads that precede it, as for its own in-place
+    rewrites), contiguous, and the only value of the graph in its memory."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if any(order.get(user, len(order)) > order[op_node] for user in node.users):  # a node added since: after
         return False
     storage = _storage(node)
     return storage is not None and storages.get(storage) == 1 and node.meta["val"].is_contiguous()
@@ -157,14 +160,17 @@ def write_gradients_in_place(graph: fx.Graph) -> int:
     if not candidates:
         return 0
     storages: dict[StorageWeakRef, int] = {}
-    for node in graph.nodes:
+    order: dict[fx.Node, int] = {}
+    for index, node in enumerate(graph.nodes):
+        order[node] = index
         storage = _storage(node)
         if storage is not None:
             storages[storage] = storages.get(storage, 0) + 1
     swapped = 0
     for node in candidates:
         gate, up = node.args[1], node.args[2]
-        if not _owned(gate, node, storages) or not (up is None or (up is not gate and _owned(up, node, storages))):
+        if not _owned(gate, node, storages, order) or not (
+                up is None or (up is not gate and _owned(up, node, storages, order))):
             continue
         items = list(node.users)
         if not all(u.op == "call_function" and u.target is operator.getitem for u in items):
