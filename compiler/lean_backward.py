@@ -3,8 +3,8 @@
 **1. A recomputed LoRA forward read only for its adapter activation is dropped.** Each LoRA op returns
 ``(y, h)`` with ``h = x @ a.T`` ([tokens, r], fp32), which its backward reads (``db = s * dy.T @ h``). In a
 checkpointed layer AOTAutograd's partitioner recomputes in the backward whatever the backward reads, so
-for the projections whose output only feeds the residual (attention's o_proj, the MLP's down projection)
-it recomputes the whole op, its base GEMM included, to get h alone:
+where nothing in the backward reads a projection's output (the MLP's down projection, whose output only
+feeds the residual) it recomputes the whole op, its base GEMM included, to get h alone:
 
     y, h = lora_linear(x, w, ...)           y read by nothing in the backward
     dx, da, db = lora_linear_backward(dy, x, w, a, b, h, ...)
@@ -15,9 +15,12 @@ For the fused down projection (``glu_lora_linear``) the backward already forms t
 da, so h costs one rank-r product over it. The tiled MLP (``lora_mlp_tiled``, lowering/tiled_mlp.py), whose
 backward recomputes gate and up block by block anyway, is not run again at all: its backward forms both of
 its adapter activations in those blocks, so under checkpointing the tiled MLP does no more GEMM work than
-the untiled one. At Llama-3-8B's shape the dropped GEMMs are o_proj's
-(4096 x 4096) and down's (14336 x 4096): a third of the recomputed forward's GEMM work. The recomputed h is
-the forward's bit for bit (the same kernel on the same x; lowering/lora.py ``adapter_activation``).
+the untiled one. o_proj's output makes the residual the post-attention norm's backward reads, so it is
+recomputed anyway, unless offload's ``mid_layer`` saves that residual; the last layer's output is read by
+the final norm's backward, so its down projection stays too. At Llama-3-8B's shape the dropped GEMM is
+down's (14336 x 4096) in every other layer: on an H100 the 16k step took 5.2% less time
+(benchmarks/results/2026-12-06_issue19_lean_backward.md). The recomputed h is the forward's bit for bit
+(the same kernel on the same x; lowering/lora.py ``adapter_activation``).
 
 **2. Backward ops write their input gradients over activations nothing reads again.** The GLU-LoRA
 backward reads the MLP's two intermediate activations, ``gate`` and ``up`` (tokens x intermediate each),
@@ -34,10 +37,10 @@ At Llama-3-8B's 16k tokens a T x I tensor is 448 MiB; the MLP's backward, where 
 alive together, 2.2 GiB), then holds 1.3 GiB.
 
 It applies where gate and up are made by the same graph (not graph inputs), read by nothing after the
-backward op (a recomputed forward that read them before it, as in the last layer, whose output the final
-norm's backward reads, is fine), and share their memory with no other value of the graph. In a backward that is the checkpointed layer, which recomputes gate and up right there.
-Without checkpointing they are saved tensors, inputs of the backward graph, and stay untouched: a saved
-tensor may be one the user holds, or be read by a second backward (``retain_graph=True``).
+backward op (a recomputed forward that read them before it, as in the last layer, is fine), and share their
+memory with no other value of the graph. In a backward that is the checkpointed layer, which recomputes gate
+and up right there. Without checkpointing they are saved tensors, inputs of the backward graph, and stay
+untouched: a saved tensor may be one the user holds, or be read by a second backward (``retain_graph=True``).
 
 Both run in sloth's Inductor post-grad pass (compiler/runtime_ops.py), after the runtime twins.
 ``SLOTH_LEAN_BACKWARD=0`` switches both off (for measuring them).
