@@ -275,8 +275,9 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
     if y_over_dy and (dy.dtype != x.dtype or dy.shape[:-1] != x.shape[:-1] or not dy.is_contiguous()):
         raise ValueError(f"sloth.glu_backward: y_over_dy needs dy contiguous in x's dtype and rows, got "
                          f"{dy.dtype} {tuple(dy.shape)} against {x.dtype} {tuple(x.shape)}")
-    if in_place and not (x.is_contiguous() and (up is None or up.is_contiguous())):
-        # Written through a copy (rows_2d's) the gradients would be lost: computed apart, then copied over.
+    if in_place and (not use_triton(x) or not (x.is_contiguous() and (up is None or up.is_contiguous()))):
+        # The reference path writes new tensors, and a kernel writing through a copy (rows_2d's) would lose the
+        # gradients: computed apart, then copied over.
         dx, dup = glu_backward_impl(dy, x, up, activation, y_over_dy)
         x.copy_(dx)
         if up is not None:
@@ -286,11 +287,6 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
         dx, dup = glu_backward_reference(dy, x, up, activation)
         if y_over_dy:
             dy.copy_(glu_reference(x, up, activation))
-        if in_place:
-            x.copy_(dx)
-            if up is not None:
-                up.copy_(dup)
-            return x, (up if up is not None else dup)
         return dx, dup
     x_2d = rows_2d(x)
     g_Nn, u_Nn = _split(x_2d, rows_2d(up) if up is not None else None)
