@@ -37,6 +37,8 @@
 #   bash benchmarks/h200_rows.sh mem16k-offload  # the same without the tiled row
 #   bash benchmarks/h200_rows.sh lean lean-mid lean-peers  # issue 19: the backward rewrites at 16k, on and off,
 #                                          # tiled; mid_layer and tiled; sloth's default options and Unsloth
+#   bash benchmarks/h200_rows.sh h200-lean h200-lean-2 h200-moe  # issues 19, 20 on an H200: the 16k rows with the lean
+#                                          # backward and Unsloth's, 64k mid_layer + tiled, the MoE row and Unsloth's
 #   bash benchmarks/h200_rows.sh mem16k-mid  # issue 19: offload's mid_layer at 16k, with and without the tiled MLP
 #   bash benchmarks/h200_rows.sh norm-rope  # issue 20: sloth.norm_rope's CUDA checks and op timings; the MoE row
 #                                          # without and with it, then Unsloth's (carry .whl)
@@ -393,6 +395,23 @@ case $part in
         SLOTH_LEAN_BACKWARD=0 run long16k-default-off 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 \
             --steps 3 --variants sloth
         run long16k-unsloth 250 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants unsloth ;;
+    h200-lean)  # issue 19 on an H200 (2026-12-06): the lean backward's CUDA checks, then the 16k checkpointed step
+        # with sloth's default options, with offload and no logits (its peak), with mid_layer and the tiled MLP
+        # (limits add to 470 s; Unsloth's row follows in h200-lean-2)
+        gpu_tests lean-cuda 70 "not nothing" tests/test_lean_backward.py
+        run long16k-default 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth
+        run mem16k-lean 130 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
+        run mem16k-lean-mid-tiled 120 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}' ;;
+    h200-lean-2)  # its second call, chained at once (carry .whl): Unsloth at 16k, then sloth at 64k with offload,
+        # mid_layer and the tiled MLP (one warm-up, two steps)
+        run long16k-unsloth 250 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants unsloth
+        run long64-lean-mid-tiled 200 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
+            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}' ;;
+    h200-moe)  # issue 20 on an H200: sloth's default Qwen3-MoE row, then Unsloth's right after (carry .whl)
+        run moe-sloth 110 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-unsloth 220 --all --model qwen3-moe --variants unsloth --steps 16 ;;
     mem16k-mid)  # issue 19: offload's mid_layer (the residual between attention and MLP saved and offloaded, so the
         # backward recomputes the attention after the MLP's backward) at 16k, what is alive at each peak, with and
         # without the tiled MLP (17.81 GiB offload + tiled on the H100 of 2026-12-05)
