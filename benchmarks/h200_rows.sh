@@ -39,6 +39,8 @@
 #                                          # tiled; mid_layer and tiled; sloth's default options and Unsloth
 #   bash benchmarks/h200_rows.sh h200-lean h200-lean-2 h200-moe  # issues 19, 20 on an H200: the 16k rows with the lean
 #                                          # backward and Unsloth's, 64k mid_layer + tiled, the MoE row and Unsloth's
+#   bash benchmarks/h200_rows.sh gqa       # issue 19: the gqa_attention family at 16k (offload; mid_layer + tiled), Unsloth;
+#                                          # the 2 x 2048 LoRA and MoE default rows; grouped vs repeated SDPA
 #   bash benchmarks/h200_rows.sh mem16k-mid  # issue 19: offload's mid_layer at 16k, with and without the tiled MLP
 #   bash benchmarks/h200_rows.sh norm-rope  # issue 20: sloth.norm_rope's CUDA checks and op timings; the MoE row
 #                                          # without and with it, then Unsloth's (carry .whl)
@@ -412,6 +414,20 @@ case $part in
     h200-moe)  # issue 20 on an H200: sloth's default Qwen3-MoE row, then Unsloth's right after (carry .whl)
         run moe-sloth 110 --all --model qwen3-moe --variants sloth --steps 16
         run moe-unsloth 220 --all --model qwen3-moe --variants unsloth --steps 16 ;;
+    gqa)  # issue 19 (2026-12-06): the gqa_attention family (key / value heads no longer repeated for SDPA): its
+        # checks on the GPU, SDPA grouped vs repeated by kernel, then the 16k checkpointed step with offload (its
+        # peak), with mid_layer and the tiled MLP, Unsloth's right after; the 2 x 2048 LoRA and the MoE default rows
+        # (limits add to 560 s; carry .whl)
+        gpu_tests gqa-cuda 60 "bfloat16 or float32" tests/test_gqa_attention_pattern.py
+        [ -z "${DRY:-}" ] && { timeout 100 python -m benchmarks.ops.attention > "$out/logs/attention.log" 2>&1
+                               echo "attention: rc $?"; grep -E "s16384.*(sdpa-default|cudnn)" "$out/logs/attention.log" | tail -4; }
+        run gqa16k-offload 100 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
+        run gqa16k-mid-tiled 90 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
+        run gqa16k-unsloth 110 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants unsloth
+        run gqa-lora 70 --all --variants sloth --steps 10
+        run gqa-moe 60 --all --model qwen3-moe --variants sloth --steps 16 ;;
     mem16k-mid)  # issue 19: offload's mid_layer (the residual between attention and MLP saved and offloaded, so the
         # backward recomputes the attention after the MLP's backward) at 16k, what is alive at each peak, with and
         # without the tiled MLP (17.81 GiB offload + tiled on the H100 of 2026-12-05)

@@ -24,6 +24,8 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
     packed_attention  the same, its mask computed from an integer graph input (position ids, document ids)
     sink_attention  a softmax over the last dim of cat([x, c], -1) with c one column wide (through a subtraction
                     of anything: the row max): attention with a sink logit per row (GPT-OSS)
+    gqa_attention   scaled_dot_product_attention whose key or value is a tensor with its heads repeated in place
+                    (transformers' repeat_kv, repeat_interleave on dim 1)
     moe_router      torch.topk (function or method) of a float tensor of 2 or more dims: a router's choice of
                     experts, whatever scores it ranks
 
@@ -337,6 +339,12 @@ def is_expert_gemm(node: fx.Node) -> bool:
     return expert_operand(node) is not None
 
 
+def _is_repeated_kv_attention(node: fx.Node) -> bool:
+    from ..patterns.gqa_attention import is_repeated_kv_attention  # patterns import compiler modules
+
+    return is_repeated_kv_attention(node)
+
+
 ANCHORS = {
     "layer_norm": _is_layer_norm,
     "rms_norm": _is_rms_norm,
@@ -350,6 +358,7 @@ ANCHORS = {
     "packed_attention": _is_packed_attention,
     "causal_mask": _is_masked_attention,
     "sink_attention": _is_sink_attention,
+    "gqa_attention": _is_repeated_kv_attention,
 }
 
 

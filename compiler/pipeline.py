@@ -37,6 +37,7 @@ from ..patterns.moe_router import fuse_moe_router_pass
 from ..patterns.packed_attention import fuse_packed_attention_pass
 from ..patterns.rms_norm import fuse_rms_norm_pass
 from ..patterns.rope import fuse_rope_pass
+from ..patterns.gqa_attention import fuse_gqa_attention_pass
 from ..patterns.sink_attention import fuse_sink_attention_pass
 from .anchors import ANCHORS, UNMATCHED, anchors, unexplained
 from .canonicalize import canonicalize_pass
@@ -60,7 +61,8 @@ for _name, _run, _whole_module in (("layer_norm", fuse_layer_norm_pass, False), 
                                    ("moe_router", fuse_moe_router_pass, False), ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
                                    ("lora", fuse_lora_pass, False), ("packed_attention", fuse_packed_attention_pass, True),
                                    ("causal_mask", fuse_causal_mask_pass, True),
-                                   ("sink_attention", fuse_sink_attention_pass, True)):
+                                   ("sink_attention", fuse_sink_attention_pass, True),
+                                   ("gqa_attention", fuse_gqa_attention_pass, False)):
     register_family(_name, _run, anchor=ANCHORS[_name], whole_module=_whole_module, _builtin=True)
 # The built-in families' names (``families()`` lists a user's too).
 FAMILIES: tuple[str, ...] = families()

@@ -49,6 +49,6 @@ def forward_backward(fn: Callable, args: list[torch.Tensor], params: list[torch.
     """[out, d(arg) for each float arg, d(param) for each param] for a seeded cotangent."""
     args = [a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args]
     y = fn(*args)
-    dy = torch.randn(y.shape, generator=seeded(3)).to(dy_dtype or y.dtype).to(y.dtype)
+    dy = torch.randn(y.shape, generator=seeded(3)).to(dy_dtype or y.dtype).to(y.device, y.dtype)
     leaves = [a for a in args if a.requires_grad] + params
     return [y.detach(), *torch.autograd.grad(y, leaves, dy)]

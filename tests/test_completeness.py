@@ -26,7 +26,7 @@ class EveryFamily(nn.Module):
     SDPA, a LoRA linear, an nn.LayerNorm-style norm before SwiGLU, an L2-norm of the final hidden state, the
     lm_head + cross-entropy, a second attention under a packed-document mask built from position ids
     (documents start where the position is 0), a third attention with a sink logit per head under the same causal
-    mask (``masked_fill``), and an MoE block (top-2 of 3 experts, one gathered expert weight
+    mask (``masked_fill``), a fourth with one key / value head repeated to both query heads, and an MoE block (top-2 of 3 experts, one gathered expert weight
     per assignment through ``bmm``, ``index_add_`` back to the tokens)."""
 
     def __init__(self, d: int = 32, heads: int = 2, vocab: int = 40, rank: int = 4):
@@ -66,6 +66,8 @@ class EveryFamily(nn.Module):
         s = (q @ k.transpose(-2, -1) * (d // self.heads) ** -0.5).masked_fill(~mask, float("-inf"))
         s = torch.cat([s, self.sinks.view(1, -1, 1, 1).expand(b, -1, t, 1)], dim=-1)
         a = a + (s.softmax(-1)[..., :t] @ v).transpose(1, 2).reshape(b, t, d)
+        kg, vg = (z[:, :1].repeat_interleave(self.heads, dim=1) for z in (k, v))  # one key head for all
+        a = a + F.scaled_dot_product_attention(q, kg, vg, is_causal=True).transpose(1, 2).reshape(b, t, d)
         x = x + (F.linear(a, self.o_base) + F.linear(F.linear(a, self.o_a), self.o_b) * 2.0)
         gate, up = F.linear(F.layer_norm(x, (d,), self.ln_w, self.ln_b, 1e-5), self.gate_up).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, self.down)

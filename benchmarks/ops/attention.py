@@ -9,6 +9,8 @@ profiles in benchmarks/results/ show cuDNN's). Providers:
 
     sdpa-default   what SDPA picks, enable_gqa=True (the step's attention as it runs today)
     cudnn          SDPBackend.CUDNN_ATTENTION, enable_gqa=True
+    cudnn-repeat   CUDNN_ATTENTION on k, v repeated to every query head (transformers' repeat_kv, which it takes
+                   whenever it passes SDPA a mask: 5.17 under Dynamo; sloth's gqa_attention family undoes it)
     flash          SDPBackend.FLASH_ATTENTION, enable_gqa=True
     flash-repeat   FLASH_ATTENTION on k, v repeated to every query head (transformers' repeat_kv form)
     efficient      SDPBackend.EFFICIENT_ATTENTION on repeated k, v
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch, seq, heads, kv_heads, dim in shapes:
         torch._dynamo.reset()
         providers = {"sdpa-default": _sdpa(None, False), "cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, False),
+                     "cudnn-repeat": _sdpa(SDPBackend.CUDNN_ATTENTION, True),
                      "flash": _sdpa(SDPBackend.FLASH_ATTENTION, False),
                      "flash-repeat": _sdpa(SDPBackend.FLASH_ATTENTION, True),
                      "efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION, True)}
