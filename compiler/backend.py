@@ -23,12 +23,13 @@ from .mask_inputs import compile_reading_masks
 from .offload_partition import OffloadPartitioner, OffloadPolicy
 from .options import PassOptions
 from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS
+from ..patterns.gqa_attention import GQA_WHEN_CAUSAL
 from .pipeline import resolve_families, run_passes
 from .report import Report
 from .runtime_ops import with_runtime_twins
 
 # The keys sloth's passes write into a graph's meta (read back by this module and compiler/mask_inputs.py).
-_PASS_RECORDS = (returned_logits.META_KEY, MASK_INPUT_SITES, PROVEN_OUTPUTS)
+_PASS_RECORDS = (returned_logits.META_KEY, MASK_INPUT_SITES, PROVEN_OUTPUTS, GQA_WHEN_CAUSAL)
 log = logging.getLogger("sloth")
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")

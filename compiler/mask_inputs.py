@@ -4,9 +4,10 @@ patterns/causal_mask.py records, in a graph's meta, the SDPA sites that read a m
 (``MASK_INPUT_SITES``) and the outputs the graph returns that are masks proven causal (``PROVEN_OUTPUTS``). This
 module turns both into what runs:
 
-    a graph with mask-input sites    compiled with ``is_causal=True`` at them, and as written; each call runs the
-                                     first when every such input is a tensor runtime/proven_masks.py knows causal
-                                     (unchanged since), the second otherwise
+    a graph with mask-input sites    compiled with ``is_causal=True`` at them (and the key / value heads the
+                                     gqa_attention family recorded read unrepeated: ``GQA_WHEN_CAUSAL``), and as
+                                     written; each call runs the first when every such input is a tensor
+                                     runtime/proven_masks.py knows causal (unchanged since), the second otherwise
     a graph with proven mask outputs each call marks those outputs (the tensors it returns) as proven
 
 A tensor is known causal when the graph that made it proved it (a closed computation, the same values on every
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS, set_causal
+from ..patterns.gqa_attention import GQA_WHEN_CAUSAL, set_grouped
 from ..runtime import proven_masks
 
 
@@ -34,10 +36,13 @@ def compile_reading_masks(gm: fx.GraphModule, compile_once: Callable[[bool], Cal
     if not sites:
         compiled = compile_once(True)
     else:
+        grouped = gm.meta.get(GQA_WHEN_CAUSAL, ())
         originals = [(node, node.args, dict(node.kwargs)) for _, node, _ in sites]
         modules = list({id(m): m for m, _, _ in sites}.values())
         for _, node, _ in sites:
             set_causal(node)
+        for _, node, key, value in grouped:  # sites of the list above: restored with it
+            set_grouped(node, key, value)
         _recompile(gm, modules)
         causal = compile_once(True)
         for node, args, kwargs in originals:

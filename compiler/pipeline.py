@@ -62,7 +62,7 @@ for _name, _run, _whole_module in (("layer_norm", fuse_layer_norm_pass, False), 
                                    ("lora", fuse_lora_pass, False), ("packed_attention", fuse_packed_attention_pass, True),
                                    ("causal_mask", fuse_causal_mask_pass, True),
                                    ("sink_attention", fuse_sink_attention_pass, True),
-                                   ("gqa_attention", fuse_gqa_attention_pass, False)):
+                                   ("gqa_attention", fuse_gqa_attention_pass, True)):
     register_family(_name, _run, anchor=ANCHORS[_name], whole_module=_whole_module, _builtin=True)
 # The built-in families' names (``families()`` lists a user's too).
 FAMILIES: tuple[str, ...] = families()

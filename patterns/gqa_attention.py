@@ -28,6 +28,11 @@ Variants (on the canonical graph, whatever module wrote them), checked by shape,
                                                                         clone() before it)
     repeat_interleave(x, G, dim=1)  (or dim=-3)
 
+A site whose mask is a graph input another graph made (FSDP2's per-layer graphs, a graph break: the causal_mask
+family compiles such a graph twice, ``is_causal`` and as written, chosen per call) gets the grouped heads in its
+``is_causal`` version only (``GQA_WHEN_CAUSAL`` in the graph's meta, applied by compiler/mask_inputs.py): the
+version as written keeps the mask and so its repeats.
+
 ``x.repeat(1, G, 1, 1)`` is another mapping (key head ``h % Hk``) and is not matched. Left as they were, with the
 reason in the report: an SDPA that keeps a mask (the fused kernels take groups only without one: torch picks
 its math kernel, which repeats the heads anyway), dropout (its random stream is drawn per query head; the
@@ -47,9 +52,13 @@ import torch.fx as fx
 from ..compiler.fx_utils import is_function, is_method, is_number, module_path, source_location, tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
-from .causal_mask import _SDPA
+from ..compiler.fx_utils import subgraphs
+from .causal_mask import _SDPA, MASK_INPUT_SITES
 
 FAMILY = "gqa_attention"
+# Graph meta key: the SDPA sites whose mask is chosen per call, to read grouped heads in the graph's is_causal
+# version: [(graph module, SDPA node, key heads node, value heads node)] (compiler/mask_inputs.py applies them).
+GQA_WHEN_CAUSAL = "sloth_gqa_when_causal_sites"
 _SPELLING = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # torch's SDPBackend numbering (torch._fused_sdp_choice's answer): the kernel that repeats grouped heads itself.
 _MATH = 0
@@ -163,9 +172,11 @@ def _grouped_backend(device: str, dtype: torch.dtype, q_heads: int, kv_heads: in
     return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, enable_gqa=True))
 
 
-def _refusal(params: dict[str, Any], k: tuple[fx.Node, int], v: tuple[fx.Node, int]) -> Optional[str]:
-    """Why the site keeps its repeated heads, or None."""
-    if params["attn_mask"] is not None:
+def _refusal(params: dict[str, Any], k: tuple[fx.Node, int], v: tuple[fx.Node, int],
+             when_causal: bool = False) -> Optional[str]:
+    """Why the site keeps its repeated heads, or None; ``when_causal``: judged for the graph's version in which the
+    causal_mask family dropped the mask (the site's mask is chosen per call)."""
+    if params["attn_mask"] is not None and not when_causal:
         return ("SDPA keeps a mask: torch's fused kernels take grouped heads only without one (its math kernel, "
                 "which it would pick, repeats them anyway)")
     dropout = params["dropout_p"]
@@ -182,7 +193,7 @@ def _refusal(params: dict[str, Any], k: tuple[fx.Node, int], v: tuple[fx.Node, i
         return "is_causal or enable_gqa is not a constant False/True"
     try:
         backend = _grouped_backend(str(q.device), q.dtype, q.shape[1], key.shape[1], q.shape[-1], value.shape[-1],
-                                   params["is_causal"], bool(q.requires_grad or key.requires_grad))
+                                   when_causal or params["is_causal"], bool(q.requires_grad or key.requires_grad))
     except (RuntimeError, TypeError) as error:
         return f"torch could not say which kernel would take grouped heads here ({error})"
     if backend == _MATH:
@@ -191,44 +202,63 @@ def _refusal(params: dict[str, Any], k: tuple[fx.Node, int], v: tuple[fx.Node, i
     return None
 
 
+def set_grouped(node: fx.Node, key: fx.Node, value: fx.Node) -> None:
+    """Make the SDPA call ``node`` read ``key`` and ``value`` with ``enable_gqa=True``, wherever they were passed."""
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    for position, name, new in ((1, "key", key), (2, "value", value)):
+        if position < len(args):
+            args[position] = new
+        else:
+            kwargs[name] = new
+    if len(args) > 7:
+        args[7] = True
+    else:
+        kwargs["enable_gqa"] = True
+    node.args, node.kwargs = tuple(args), kwargs
+
+
 def fuse_gqa_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                             options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Pass every SDPA's in-place repeated key and value heads unrepeated, with ``enable_gqa=True``, where the
-    guards of the module docstring allow; the repeats left without readers are erased."""
-    changed = False
-    for node in list(gm.graph.nodes):
-        if not is_repeated_kv_attention(node):
-            continue
-        params = _parameters(node)
-        k, v = repeated_heads(params["key"]), repeated_heads(params["value"])
-        if k is None or v is None:
-            report.reject(FAMILY, node, "only one of key and value has its heads repeated")
-            continue
-        why = _refusal(params, k, v)
-        if why:
-            report.reject(FAMILY, node, why)
-            continue
-        repeated = [params["key"], params["value"]]
-        args = list(node.args)
-        kwargs = dict(node.kwargs)
-        for position, name, new in ((1, "key", k[0]), (2, "value", v[0])):
-            if position < len(args):
-                args[position] = new
-            else:
-                kwargs[name] = new
-        if len(args) > 7:
-            args[7] = True
-        else:
-            kwargs["enable_gqa"] = True
-        node.args, node.kwargs = tuple(args), kwargs
-        _erase_chains(repeated)
-        changed = True
-        report.replaced(Site(FAMILY, "enable_gqa=True", module_path(node), source_location(node),
-                             f"{tensor_of(k[0]).shape[1]} key / value heads read by "
-                             f"{tensor_of(k[0]).shape[1] * k[1]} query heads, not repeated"))
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
+    guards of the module docstring allow, in ``gm`` and its bodies; the repeats left without readers are erased.
+    Sites whose mask is chosen per call are recorded for the graph's is_causal version (``GQA_WHEN_CAUSAL``)."""
+    per_call = {node for _, node, _ in gm.meta.get(MASK_INPUT_SITES, ())}
+    when_causal = []
+    for graph_module in [gm, *subgraphs(gm)]:
+        changed = False
+        for node in list(graph_module.graph.nodes):
+            if not is_repeated_kv_attention(node):
+                continue
+            params = _parameters(node)
+            k, v = repeated_heads(params["key"]), repeated_heads(params["value"])
+            if k is None or v is None:
+                report.reject(FAMILY, node, "only one of key and value has its heads repeated")
+                continue
+            chosen_per_call = node in per_call and params["attn_mask"] is not None
+            why = _refusal(params, k, v, when_causal=chosen_per_call)
+            if why:
+                report.reject(FAMILY, node, why)
+                continue
+            heads = f"{tensor_of(k[0]).shape[1]} key / value heads read by {tensor_of(k[0]).shape[1] * k[1]} query heads"
+            if chosen_per_call:
+                when_causal.append((graph_module, node, k[0], v[0]))
+                report.kept_on_purpose(FAMILY, node)
+                report.replaced(Site(FAMILY, "enable_gqa=True when causal", module_path(node), source_location(node),
+                                     f"{heads}, not repeated in the version run when the mask is causal (chosen "
+                                     "per call); repeated in the version as written"))
+                continue
+            repeated = [params["key"], params["value"]]
+            set_grouped(node, k[0], v[0])
+            _erase_chains(repeated)
+            changed = True
+            report.replaced(Site(FAMILY, "enable_gqa=True", module_path(node), source_location(node),
+                                 f"{heads}, not repeated"))
+        if changed:
+            graph_module.graph.lint()
+            graph_module.recompile()
+    if when_causal:
+        gm.meta[GQA_WHEN_CAUSAL] = when_causal
     return gm
 
 
