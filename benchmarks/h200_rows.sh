@@ -431,10 +431,10 @@ case $part in
     gqa-short)  # the gqa part without the kernel table and Unsloth's row (for a call with ~6 min of device time
         # left; limits add to 380 s)
         gpu_tests gqa-cuda 50 "bfloat16" tests/test_gqa_attention_pattern.py
-        run gqa16k-offload 100 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --memory-peak --sloth-options '{"offload": true, "return_logits": false}'
-        run gqa16k-mid-tiled 90 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
+        run gqa16k-offload 90 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --sloth-options '{"offload": true, "return_logits": false}'
+        run gqa16k-mid-tiled 100 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
         run gqa-lora 75 --all --variants sloth --steps 10
         run gqa-moe 65 --all --model qwen3-moe --variants sloth --steps 16 ;;
     mem16k-mid)  # issue 19: offload's mid_layer (the residual between attention and MLP saved and offloaded, so the
