@@ -242,7 +242,7 @@ def test_dumps_show_each_pass_that_changed_the_graph(tmp_path):
     assert os.path.dirname(folder) == str(tmp_path) and re.fullmatch(r"graph_\d+_\d+", os.path.basename(folder))
     assert f"graphs dumped to: {folder}" in str(report)
     changed = ["canonicalize", "layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "moe_router", "glu",
-               "cross_entropy", "lora", "packed_attention", "causal_mask", "sink_attention"]  # not softcap
+               "cross_entropy", "lora", "packed_attention", "causal_mask", "sink_attention", "gqa_attention"]  # not softcap
     expected = ["00_before.py"] + [f"{i:02d}_{stage}.{ext}" for i, stage in enumerate(changed, 1)
                                    for ext in ("diff", "py")]
     assert _stages(folder) == sorted(expected)
@@ -253,7 +253,7 @@ def test_dumps_show_each_pass_that_changed_the_graph(tmp_path):
            "moe_router": "sloth.moe_router", "glu": "sloth.glu",
            "cross_entropy": "sloth.linear_cross_entropy", "lora": "sloth.lora_linear",
            "packed_attention": "sloth.document_attention", "causal_mask": "is_causal = True",
-           "sink_attention": "sloth.sink_attention"}
+           "sink_attention": "sloth.sink_attention", "gqa_attention": "enable_gqa = True"}
     for i, stage in enumerate(changed[1:], 2):
         diff = read(f"{i:02d}_{stage}.diff")
         added = [line for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
