@@ -166,10 +166,13 @@ def _grouped_backend(device: str, dtype: torch.dtype, q_heads: int, kv_heads: in
                      value_dim: int, is_causal: bool, requires_grad: bool) -> int:
     """The SDPA backend torch picks for grouped heads with these properties (``torch._fused_sdp_choice`` on
     small tensors: it reads devices, dtypes, heads and head dims, not the sequence length)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     def probe(heads: int, dim: int) -> torch.Tensor:
         return torch.zeros(1, heads, _PROBE_LENGTH, dim, device=device, dtype=dtype, requires_grad=requires_grad)
-    q, k, v = probe(q_heads, head_dim), probe(kv_heads, head_dim), probe(kv_heads, value_dim)
-    return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, enable_gqa=True))
+    with unset_fake_temporarily():  # real tensors: the choice is made by the device's own dispatch
+        q, k, v = probe(q_heads, head_dim), probe(kv_heads, head_dim), probe(kv_heads, value_dim)
+        return int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, enable_gqa=True))
 
 
 def _refusal(params: dict[str, Any], k: tuple[fx.Node, int], v: tuple[fx.Node, int],
