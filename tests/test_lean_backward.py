@@ -1,11 +1,12 @@
-"""The backward rewrites of compiler/lean_backward.py: recomputed LoRA forwards read only for h dropped, and
-gradients written over activations nothing reads again.
+"""The backward rewrites of compiler/lean_backward.py: recomputed LoRA forwards read only for h dropped,
+gradients written over activations nothing reads again, and input norms formed again after the attention's
+backward.
 
 The backward ops given no h recompute the forward's h bit for bit; the in-place GLU-LoRA backward gives the
 functional one's numbers bit for bit, with d_gate and d_up in gate's and up's memory; each rewrite applies
 only where its conditions hold (the forward's y unread; gate and up made by the graph, read by nothing else,
-sharing their memory with nothing); and a checkpointed LoRA Llama through Inductor gets both in its backward,
-with the same loss and gradients bit for bit as without them; its tiled MLP is not run again at all, nor,
+sharing their memory with nothing); and a checkpointed LoRA Llama through Inductor gets all three in its
+backward, with the same loss and gradients bit for bit as without them; its tiled MLP is not run again at all, nor,
 with offload's mid_layer, its o_proj.
 """
 from __future__ import annotations
