@@ -26,8 +26,9 @@ class EveryFamily(nn.Module):
     SDPA, a LoRA linear, an nn.LayerNorm-style norm before SwiGLU, an L2-norm of the final hidden state, the
     lm_head + cross-entropy, a second attention under a packed-document mask built from position ids
     (documents start where the position is 0), a third attention with a sink logit per head under the same causal
-    mask (``masked_fill``), a fourth with one key / value head repeated to both query heads, and an MoE block (top-2 of 3 experts, one gathered expert weight
-    per assignment through ``bmm``, ``index_add_`` back to the tokens)."""
+    mask (``masked_fill``), a fourth with one key / value head repeated to both query heads, and an MoE block
+    (top-2 of 3 experts, one gathered expert weight per assignment through ``bmm``, ``index_add_`` back to the
+    tokens)."""
 
     def __init__(self, d: int = 32, heads: int = 2, vocab: int = 40, rank: int = 4):
         super().__init__()
