@@ -133,6 +133,8 @@ def join_qk_norms(gm: fx.GraphModule, rope: fx.Node, report: Report) -> Optional
 
     if not JOIN or arg_of(rope, 5, "deinterleave", False):
         return None  # switched off; or DeepSeek's layout, whose rope heads no per-head norm precedes
+    if not hasattr(torch.ops.sloth, "rms_norm"):
+        return None  # never defined in this process (the rms_norm family off): no norm node can be in the graph
     rms_norm = torch.ops.sloth.rms_norm.default
     found = [_norm_behind(x, rms_norm) for x in rope.args[:2]]
     if any(f is None for f in found):

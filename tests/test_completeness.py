@@ -10,6 +10,9 @@ the model's own adapted linears (an oracle outside the graph).
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,3 +185,17 @@ def test_replaced_and_reported_equal_the_anchors(model_type, four_bit):
     # The oracle outside the graph: peft's own adapted linears, each one site replaced or reported.
     assert report.counts.get("lora", 0) + reasons["lora"] == adapted, str(report)
     assert report.counts.get("lora", 0) == adapted, str(report)
+
+
+def test_rope_alone_in_a_fresh_process():
+    # The rope family without rms_norm in a process where no sloth.rms_norm was ever defined (in the suite's own
+    # processes an earlier test has defined it): the q/k-norm join must find no norm, not fail on the missing op.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = ("import os; os.environ.setdefault('TRITON_INTERPRET', '1'); import torch, sloth; "
+            "from test_completeness import EveryFamily, every_family_inputs; "
+            "torch.compile(EveryFamily(), backend='sloth', options={'inner': 'eager', 'patterns': ['rope']})"
+            "(*every_family_inputs()); print(sloth.report().counts)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=tests,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "{'rope': 1}", result.stdout
