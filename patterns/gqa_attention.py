@@ -53,13 +53,13 @@ from ..compiler.fx_utils import is_function, is_method, is_number, module_path, 
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..compiler.fx_utils import subgraphs
-from .causal_mask import _SDPA, MASK_INPUT_SITES
+from .causal_mask import MASK_INPUT_SITES
+from .packed_attention import _sdpa_arguments
 
 FAMILY = "gqa_attention"
 # Graph meta key: the SDPA sites whose mask is chosen per call, to read grouped heads in the graph's is_causal
 # version: [(graph module, SDPA node, key heads node, value heads node)] (compiler/mask_inputs.py applies them).
 GQA_WHEN_CAUSAL = "sloth_gqa_when_causal_sites"
-_SPELLING = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # torch's SDPBackend numbering (torch._fused_sdp_choice's answer): the kernel that repeats grouped heads itself.
 _MATH = 0
 _PROBE_LENGTH = 128  # the probe's sequence length: the backend choice reads heads, head dim, dtype, device
@@ -143,21 +143,11 @@ def repeated_heads(node: Any) -> Optional[tuple[fx.Node, int]]:
     return source, wide[2]
 
 
-def _parameters(node: fx.Node) -> dict[str, Any]:
-    """SDPA's parameters by name, however they were passed (absent ones at their defaults)."""
-    params = dict(zip(_SPELLING, node.args))
-    params.update(node.kwargs)
-    for name, default in (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
-                          ("enable_gqa", False)):
-        params.setdefault(name, default)
-    return params
-
-
 def is_repeated_kv_attention(node: fx.Node) -> bool:
     """An SDPA call whose key or value has its heads repeated in place: the family's anchor."""
-    if node.op != "call_function" or node.target not in _SDPA:
+    params = _sdpa_arguments(node)
+    if params is None:
         return False
-    params = _parameters(node)
     return repeated_heads(params.get("key")) is not None or repeated_heads(params.get("value")) is not None
 
 
@@ -233,7 +223,7 @@ def fuse_gqa_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
         for node in list(graph_module.graph.nodes):
             if not is_repeated_kv_attention(node):
                 continue
-            params = _parameters(node)
+            params = _sdpa_arguments(node)
             k, v = repeated_heads(params["key"]), repeated_heads(params["value"])
             if k is None or v is None:
                 report.reject(FAMILY, node, "only one of key and value has its heads repeated")
