@@ -41,6 +41,7 @@
 #                                          # backward and Unsloth's, 64k mid_layer + tiled, the MoE row and Unsloth's
 #   bash benchmarks/h200_rows.sh gqa       # issue 19: the gqa_attention family at 16k (offload; mid_layer + tiled), Unsloth;
 #                                          # the 2 x 2048 LoRA and MoE default rows; grouped vs repeated SDPA
+#   bash benchmarks/h200_rows.sh gqa-2     # its second call: the checks, the peak's contents, the MoE rows
 #   bash benchmarks/h200_rows.sh mem16k-mid  # issue 19: offload's mid_layer at 16k, with and without the tiled MLP
 #   bash benchmarks/h200_rows.sh norm-rope  # issue 20: sloth.norm_rope's CUDA checks and op timings; the MoE row
 #                                          # without and with it, then Unsloth's (carry .whl)
@@ -437,6 +438,14 @@ case $part in
             --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
         run gqa-lora 75 --all --variants sloth --steps 10
         run gqa-moe 65 --all --model qwen3-moe --variants sloth --steps 16 ;;
+    gqa-2)  # the second call after gqa (2026-12-06): its GPU checks again (the first call's failed on the missing
+        # backend name, fixed in tests/conftest.py), what is alive at the mid_layer + tiled peak, and the MoE default
+        # row with Unsloth's right after (limits add to 540 s; carry .whl)
+        gpu_tests gqa-cuda 60 "bfloat16 or float32" tests/test_gqa_attention_pattern.py
+        run gqa16k-mid-tiled-peak 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 2 --variants sloth \
+            --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
+        run gqa-moe 110 --all --model qwen3-moe --variants sloth --steps 16
+        run gqa-moe-unsloth 220 --all --model qwen3-moe --variants unsloth --steps 16 ;;
     mem16k-mid)  # issue 19: offload's mid_layer (the residual between attention and MLP saved and offloaded, so the
         # backward recomputes the attention after the MLP's backward) at 16k, what is alive at each peak, with and
         # without the tiled MLP (17.81 GiB offload + tiled on the H100 of 2026-12-05)
