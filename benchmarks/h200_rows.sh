@@ -72,6 +72,7 @@
 #   bash benchmarks/h200_rows.sh ws1-again # issue 21: DDP after the split fixes, FSDP2 with 8 warm-up steps
 #   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
 #   bash benchmarks/h200_rows.sh long-l4-sloth  # issue 19: 4 layers at 256k and 512k (then long-l4-unsloth)
+#   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-gpt-oss  # issue 20: the moe_experts op at GPT-OSS-20B's and Qwen3-MoE's shapes
 #   bash benchmarks/h200_rows.sh gpt-oss gpt-oss-unsloth  # issue 20: the GPT-OSS-20B step on 8 layers, then Unsloth's
@@ -522,6 +523,13 @@ case $part in
         run long256-L4-sloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
             --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
         run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
+            --variants unsloth ;;
+    long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
+        # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
+        # 480 s; carry .whl)
+        run long320-L4-sloth 260 --all --layers 4 --batch 1 --seq 327680 --grad-ckpt --warmup 0 --steps 1 \
+            --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
+        run long320-L4-unsloth 220 --all --layers 4 --batch 1 --seq 327680 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
     long512-l4)  # long-l4-sloth and long-l4-unsloth at 512k only, one call (carry .whl/unsloth; limits add to 580 s)
         run long512-L4-sloth 300 --all --layers 4 --batch 1 --seq 524288 --grad-ckpt --warmup 0 --steps 1 \
