@@ -43,6 +43,7 @@ from ..lowering import document_attention as document_attention_op
 from ..lowering import sink_attention as sink_attention_op
 from .causal_mask import (_closed_producers, _evaluate, _is_symbolic, _value_bytes, _body_operands, allowed_of,
                           erase_unused, evaluation_budget)
+from .gqa_attention import repeated_heads
 from .mask_rows import RowBlocks
 
 FAMILY = "sink_attention"
@@ -111,22 +112,10 @@ def is_sink_attention(node: fx.Node) -> bool:
 
 
 def _repeated_from(node: Any) -> Any:
-    """The key / value heads ``node`` repeats to every query head (transformers' ``repeat_kv``:
-    ``x[:, :, None].expand(B, Hk, G, T, D).reshape(B, Hk * G, T, D)``, or ``repeat_interleave(x, G, 1)``)."""
-    if (is_method(node, "reshape", "view") or is_function(node, torch.reshape)) and is_method(node.args[0], "expand"):
-        expanded = node.args[0]
-        source = expanded.args[0]
-        if is_function(source, operator.getitem) and isinstance(source.args[1], tuple) and len(source.args[1]) == 5 \
-                and source.args[1][2] is None and all(isinstance(i, slice) and i == slice(None) for i in
-                                                      source.args[1][:2] + source.args[1][3:]):
-            return source.args[0]
-        if is_method(source, "unsqueeze") and source.args[1] == 2:
-            return source.args[0]
-        return node
-    if (is_method(node, "repeat_interleave") or is_function(node, torch.repeat_interleave)) and len(node.args) >= 2 \
-            and arg_of(node, 2, "dim") == 1:
-        return node.args[0]
-    return node
+    """The key / value heads ``node`` repeats in place to every query head (transformers' ``repeat_kv``,
+    ``repeat_interleave(x, G, 1)`` and the other spellings ``repeated_heads`` checks by shape), else ``node``."""
+    repeated = repeated_heads(node)
+    return node if repeated is None else repeated[0]
 
 
 def _transposed(node: Any) -> Optional[Any]:

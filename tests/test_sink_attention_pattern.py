@@ -136,6 +136,7 @@ def test_hand_written_sink_attention(window, mask, dtype) -> None:
     details = _sites(report)
     assert len(details) == 2, str(report)
     assert all(("causal" if window >= 13 else f"sliding window of {window}") in d for d in details), details
+    assert all("4 heads over 2" in d for d in details), details  # the op reads k and v before repeat_interleave
     assert all(f"sinks.{i}" in ours[1] for i in range(2))
     assert_model_close(ours, eager, reference, dtype)
 
