@@ -72,6 +72,7 @@
 #   bash benchmarks/h200_rows.sh ws1-again # issue 21: DDP after the split fixes, FSDP2 with 8 warm-up steps
 #   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
 #   bash benchmarks/h200_rows.sh long-l4-sloth  # issue 19: 4 layers at 256k and 512k (then long-l4-unsloth)
+#   bash benchmarks/h200_rows.sh prefetch-late  # issue 19: offload's prefetch_after_attention at 16k (one row)
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-gpt-oss  # issue 20: the moe_experts op at GPT-OSS-20B's and Qwen3-MoE's shapes
@@ -524,6 +525,10 @@ case $part in
             --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
         run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
+    prefetch-late)  # issue 19 (2026-12-06): offload's prefetch_after_attention at 16k with mid_layer and the tiled
+        # MLP, one row for a short call (17.19 GiB, 1857.0 ms without it on the H100 of that morning)
+        run prefetch-late-16k 110 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --sloth-options '{"offload": {"mid_layer": true, "prefetch_after_attention": true}, "return_logits": false, "tiled_mlp": true}' ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
         # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
         # 480 s; carry .whl)

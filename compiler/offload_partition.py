@@ -45,33 +45,39 @@ DEFAULT_MIN_BYTES = 64 * 2**20  # below this (8k tokens of a 4096-wide model in 
 class OffloadPolicy:
     """Which saved activations go to host memory: those of at least ``min_bytes``, except the ``keep_last``
     the backward reads first. ``mid_layer``: also save (and so offload) each checkpointed layer's residual
-    stream between its blocks (``save_mid_layer_residuals``)."""
+    stream between its blocks (``save_mid_layer_residuals``). ``prefetch_after_attention``: where an attention
+    backward runs between two reloads, start the second's copy only after it (``offload_saved``)."""
     min_bytes: int = DEFAULT_MIN_BYTES
     keep_last: int = 1
     mid_layer: bool = False
+    prefetch_after_attention: bool = False
 
     @classmethod
     def from_user(cls, value: Any) -> Optional["OffloadPolicy"]:
         """The policy for ``options={"offload": value}``: False/None off, True the defaults, or a dict with
-        ``min_bytes``, ``keep_last`` and/or ``mid_layer``; a clear error for anything else."""
+        ``min_bytes``, ``keep_last``, ``mid_layer`` and/or ``prefetch_after_attention``; a clear error for
+        anything else."""
         if value is None or value is False:
             return None
         if value is True:
             return cls()
         if isinstance(value, dict):
-            unknown = set(value) - {"min_bytes", "keep_last", "mid_layer"}
+            unknown = set(value) - {"min_bytes", "keep_last", "mid_layer", "prefetch_after_attention"}
             if unknown:
-                raise ValueError(f"sloth: offload takes min_bytes, keep_last and mid_layer, not {sorted(unknown)}")
+                raise ValueError(f"sloth: offload takes min_bytes, keep_last, mid_layer and prefetch_after_attention, "
+                                 f"not {sorted(unknown)}")
             policy = cls(**value)
             for name in ("min_bytes", "keep_last"):
                 got = getattr(policy, name)
                 if not isinstance(got, int) or isinstance(got, bool) or got < 0:
                     raise ValueError(f"sloth: offload's {name} must be an integer >= 0, got {got!r}")
-            if not isinstance(policy.mid_layer, bool):
-                raise ValueError(f"sloth: offload's mid_layer must be True or False, got {policy.mid_layer!r}")
+            for name in ("mid_layer", "prefetch_after_attention"):
+                got = getattr(policy, name)
+                if not isinstance(got, bool):
+                    raise ValueError(f"sloth: offload's {name} must be True or False, got {got!r}")
             return policy
-        raise ValueError(f"sloth: offload must be True, False or a dict of min_bytes / keep_last / mid_layer, "
-                         f"got {value!r}")
+        raise ValueError(f"sloth: offload must be True, False or a dict of min_bytes / keep_last / mid_layer / "
+                         f"prefetch_after_attention, got {value!r}")
 
 
 _NORMS = ("sloth::rms_norm", "sloth::layer_norm")
@@ -140,6 +146,45 @@ def _contiguous(value: torch.Tensor) -> bool:
         return False
 
 
+def _is_attention_backward(node: fx.Node) -> bool:
+    """An attention's backward in a partitioned backward graph: SDPA's per-kernel backward ops (cuDNN, flash,
+    efficient, the CPU flash), or a custom op's backward named so (sloth's sink and document attention)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    name = target._schema.name
+    return "attention" in name and "backward" in name
+
+
+def _late_prefetches(bw: fx.GraphModule, chosen: list, bw_order: dict) -> dict[int, fx.Node]:
+    """For each reload i whose next reload's copy would otherwise start with it: the last attention backward
+    between reload i's first use and reload i + 1's, where that copy then starts instead (a tensor of that op's
+    output; its first, if the op returns several). {i: that node}; reloads with no attention between them keep the
+    look-ahead as it was.
+
+    Why: a reload's device buffer is allocated when its copy starts. With ``mid_layer`` the backward reloads each
+    layer's input before its attention is recomputed and then starts the copy of the next layer's mid-layer
+    residual, whose buffer was then alive through the attention's backward, where the 16k step peaks (its
+    workspace: 514 MiB of cuDNN's at Llama-3-8B 16k on an H100). Started after it, the copy has the q/k/v
+    projections' backward to hide behind instead of the whole attention backward."""
+    late = {}
+    for i in range(len(chosen) - 1):
+        start, end = chosen[i][0], chosen[i + 1][0]  # positions in the graph as partitioned (``bw_order``)
+        attention = [n for n in bw.graph.nodes
+                     if start < bw_order.get(n, -1) < end and _is_attention_backward(n)]
+        if not attention:
+            continue
+        point = attention[-1]
+        if not isinstance(point.meta.get("val"), torch.Tensor):  # several outputs: after the first one read
+            outputs = sorted((u for u in point.users if isinstance(u.meta.get("val"), torch.Tensor)),
+                             key=bw_order.__getitem__)
+            if not outputs:
+                continue
+            point = outputs[0]
+        late[i] = point
+    return late
+
+
 def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, policy: OffloadPolicy) -> OffloadRecord:
     """Rewrite a partitioned (forward, backward) pair so the chosen saved activations live on the host."""
     output = fw.graph.find_nodes(op="output")[0]
@@ -189,13 +234,22 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
     with _fake(host_values[0]):
         token.meta["val"] = torch.empty(0, device=device)
     ours = {token}  # the prefetch and the reloads read host tensors; every other user gets the reloaded one
+    late = _late_prefetches(bw, chosen, bw_order) if policy.prefetch_after_attention else {}
+    after = {0: token}  # reload i -> the token it waits on (the prefetch that started its copy)
+    for i, point in late.items():  # the copy reload i + 1 needs, started right after an attention's backward
+        with bw.graph.inserting_after(point):
+            later = bw.graph.call_function(torch.ops.sloth.offload_prefetch.default,
+                                           (chosen[i + 1][3], host_values[i + 1].device, point))
+        with _fake(host_values[0]):
+            later.meta["val"] = torch.empty(0, device=device)
+        ours.add(later)
+        after[i + 1] = later
     for i, (_, _, saved, placeholder, first_use) in enumerate(chosen):
-        following = chosen[i + 1][3] if i + 1 < len(chosen) else None
+        following = chosen[i + 1][3] if i + 1 < len(chosen) and i not in late else None
         users = [u for u in placeholder.users if u not in ours]
         with bw.graph.inserting_before(first_use):
             reloaded = bw.graph.call_function(torch.ops.sloth.reload.default,
-                                              (placeholder, following, token if i == 0 else None,
-                                               host_values[i].device))
+                                              (placeholder, following, after.get(i), host_values[i].device))
         reloaded.meta["val"] = host_values[i]
         ours.add(reloaded)
         for user in users:
@@ -226,4 +280,4 @@ class OffloadPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Optional[Any]:
         return (get_hash_for_files((__file__, offload_runtime.__file__)), self.policy.min_bytes, self.policy.keep_last,
-                self.policy.mid_layer)
+                self.policy.mid_layer, self.policy.prefetch_after_attention)

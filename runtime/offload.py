@@ -7,6 +7,12 @@ compiled forward and backward graphs, and the state they share across one traini
                ...
                h1 = sloth::reload(h1_cpu, h2_cpu, None)        wait for h1's copy (issued above); start h2's
 
+    or, with ``prefetch_after_attention``, where an attention's backward runs between two reloads:
+               h2 = sloth::reload(h2_cpu, None, None)           wait for h2's copy; start nothing
+               dq = aten._scaled_dot_product_..._backward(...)
+               token3 = sloth::offload_prefetch(h3_cpu, dq)     start h3's copy after the attention's backward
+               h3 = sloth::reload(h3_cpu, h4_cpu, token3)
+
 One side stream per device carries every copy, device-to-host in the forward and host-to-device in the
 backward, so the copies queue behind one another and never behind compute. Each copy waits for an event
 recorded on the compute stream when it is issued (its source is ready there) and records its own event; the
@@ -38,7 +44,7 @@ import torch
 # custom_op's per-call Python wrappers (~30 us a call on the H200).
 _LIB = torch.library.Library("sloth", "FRAGMENT")
 _LIB.define("offload(Tensor x) -> Tensor")
-_LIB.define("offload_prefetch(Tensor x_host, Device device) -> Tensor")
+_LIB.define("offload_prefetch(Tensor x_host, Device device, Tensor? after=None) -> Tensor")
 _LIB.define("reload(Tensor x_host, Tensor? next_host, Tensor? after, Device device) -> Tensor")
 
 
@@ -234,7 +240,8 @@ def _start_reload(host: torch.Tensor, device: torch.device) -> None:
     _in_flight[key] = (target, done)
 
 
-def _prefetch(x_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _prefetch(x_host: torch.Tensor, device: torch.device, after: Optional[torch.Tensor] = None) -> torch.Tensor:
+    # ``after``: only ordering (the graph places this op after the op that made it: an attention's backward)
     _start_reload(x_host, device)
     return torch.empty(0, device=device)
 
@@ -266,7 +273,7 @@ def _offload_fake(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.register_fake("sloth::offload_prefetch", lib=_LIB)
-def _prefetch_fake(x_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _prefetch_fake(x_host: torch.Tensor, device: torch.device, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.empty(0, device=device)
 
 

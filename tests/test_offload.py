@@ -146,9 +146,9 @@ def test_transformers_checkpointing_with_peft_lora():
     assert report.counts.get("lora", 0) > 0, str(report)
 
 
-def _order_in_backward(mid_layer: bool, monkeypatch) -> tuple[list[str], tuple, list]:
+def _order_in_backward(mid_layer: bool, monkeypatch, **offload) -> tuple[list[str], tuple, list]:
     """(the sloth and attention ops of the backward graph, in order; loss and gradients; offload records) of a
-    checkpointed 2-layer Llama with LoRA, offloaded with ``mid_layer``."""
+    checkpointed 2-layer Llama with LoRA, offloaded with ``mid_layer`` (and the other ``offload`` options)."""
     from sloth.compiler import offload_partition
 
     graphs = []
@@ -168,7 +168,7 @@ def _order_in_backward(mid_layer: bool, monkeypatch) -> tuple[list[str], tuple, 
     torch._dynamo.reset()
     sloth.reset_report()
     run = torch.compile(model, backend="sloth",
-                        options={"inner": "aot_eager", "offload": {"min_bytes": 0, "mid_layer": mid_layer}})
+                        options={"inner": "aot_eager", "offload": {"min_bytes": 0, "mid_layer": mid_layer, **offload}})
     got = loss_and_grads(model, ids, run=run)
     (bw,) = graphs
     names = [n.target.name() for n in bw.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
@@ -195,12 +195,35 @@ def test_mid_layer_residuals_offloaded_and_attention_recomputed_after_the_mlp_ba
     assert first(order, "sloth::rope") > first(order, "sloth::glu_lora_linear_backward"), order
 
 
+@pytest.mark.parametrize("mid_layer", [True, False], ids=["mid_layer", "layer_inputs"])
+def test_prefetch_after_attention_starts_the_next_copy_after_the_attention_backward(mid_layer, monkeypatch):
+    # prefetch_after_attention: where an attention's backward runs between two reloads, the second's copy (and
+    # its device buffer) starts right after it, from its own prefetch op, instead of with the first reload; the
+    # same bits, the same tensors moved, every reload still announced by the one before or by a prefetch.
+    plain_order, plain, plain_records = _order_in_backward(mid_layer, monkeypatch)
+    order, got, records = _order_in_backward(mid_layer, monkeypatch, prefetch_after_attention=True)
+    assert torch.equal(got[0], plain[0])
+    assert got[1].keys() == plain[1].keys() and all(torch.equal(got[1][n], plain[1][n]) for n in got[1])
+    assert [r.tensors for r in records] == [r.tensors for r in plain_records]
+    assert plain_order.count("sloth::offload_prefetch") == 1, plain_order  # the one at the top of the backward
+    attention = [i for i, name in enumerate(order) if "scaled_dot_product" in name and "backward" in name]
+    late = [i for i, name in enumerate(order) if name == "sloth::offload_prefetch"][1:]
+    # the last layer's attention backward is followed by the copy the next reload needs; the first layer's is the
+    # backward's last (nothing left to fetch); in between, each layer's
+    assert len(attention) == 2 and len(late) == 1, order
+    assert late[0] == attention[0] + 1, order
+    reloads = [i for i, name in enumerate(order) if name == "sloth::reload"]
+    assert any(r > late[0] for r in reloads), order
+    assert sloth.report().offload and all(r.tensors for r in records)
+
+
 @pytest.mark.parametrize("value, message", [
     ("yes", "offload must be True, False or a dict"),
     ({"min_bytes": -1}, "min_bytes must be an integer >= 0"),
     ({"keep_last": 1.5}, "keep_last must be an integer >= 0"),
-    ({"layers": 3}, "offload takes min_bytes, keep_last and mid_layer"),
+    ({"layers": 3}, "offload takes min_bytes, keep_last, mid_layer and prefetch_after_attention"),
     ({"mid_layer": 1}, "mid_layer must be True or False"),
+    ({"prefetch_after_attention": "yes"}, "prefetch_after_attention must be True or False"),
 ])
 def test_bad_offload_option(value, message):
     with pytest.raises(Exception, match=message):
