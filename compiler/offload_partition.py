@@ -148,7 +148,8 @@ def _contiguous(value: torch.Tensor) -> bool:
 
 def _is_attention_backward(node: fx.Node) -> bool:
     """An attention's backward in a partitioned backward graph: SDPA's per-kernel backward ops (cuDNN, flash,
-    efficient, the CPU flash), or a custom op's backward named so (sloth's sink and document attention)."""
+    efficient, the CPU flash), or a custom op's backward named so (sloth's sink and document attention). Not
+    FlexAttention's, a higher-order op: there the look-ahead stays as it was."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
@@ -168,17 +169,17 @@ def _late_prefetches(bw: fx.GraphModule, chosen: list, bw_order: dict) -> dict[i
     workspace: 514 MiB of cuDNN's at Llama-3-8B 16k on an H100). Started after it, the copy has the q/k/v
     projections' backward to hide behind instead of the whole attention backward."""
     late = {}
+    attentions = [n for n in bw.graph.nodes if n in bw_order and _is_attention_backward(n)]
     for i in range(len(chosen) - 1):
         start, end = chosen[i][0], chosen[i + 1][0]  # positions in the graph as partitioned (``bw_order``)
-        attention = [n for n in bw.graph.nodes
-                     if start < bw_order.get(n, -1) < end and _is_attention_backward(n)]
+        attention = [n for n in attentions if start < bw_order[n] < end]
         if not attention:
             continue
         point = attention[-1]
         if not isinstance(point.meta.get("val"), torch.Tensor):  # several outputs: after the first one read
             outputs = sorted((u for u in point.users if isinstance(u.meta.get("val"), torch.Tensor)),
                              key=bw_order.__getitem__)
-            if not outputs:
+            if not outputs or bw_order[outputs[0]] >= end:  # read only after reload i + 1's use: no place
                 continue
             point = outputs[0]
         late[i] = point
@@ -240,8 +241,8 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
         with bw.graph.inserting_after(point):
             later = bw.graph.call_function(torch.ops.sloth.offload_prefetch.default,
                                            (chosen[i + 1][3], host_values[i + 1].device, point))
-        with _fake(host_values[0]):
-            later.meta["val"] = torch.empty(0, device=device)
+        with _fake(host_values[i + 1]):
+            later.meta["val"] = torch.empty(0, device=host_values[i + 1].device)
         ours.add(later)
         after[i + 1] = later
     for i, (_, _, saved, placeholder, first_use) in enumerate(chosen):

@@ -10,7 +10,7 @@ compiled forward and backward graphs, and the state they share across one traini
     or, with ``prefetch_after_attention``, where an attention's backward runs between two reloads:
                h2 = sloth::reload(h2_cpu, None, None)           wait for h2's copy; start nothing
                dq = aten._scaled_dot_product_..._backward(...)
-               token3 = sloth::offload_prefetch(h3_cpu, dq)     start h3's copy after the attention's backward
+               token3 = sloth::offload_prefetch(h3_cpu, dev, dq)  start h3's copy after the attention's backward
                h3 = sloth::reload(h3_cpu, h4_cpu, token3)
 
 One side stream per device carries every copy, device-to-host in the forward and host-to-device in the

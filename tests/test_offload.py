@@ -7,6 +7,8 @@ moving a tensor and back changes no bit.
 from __future__ import annotations
 
 import copy
+import operator
+from typing import Optional
 
 import pytest
 import torch
@@ -146,12 +148,15 @@ def test_transformers_checkpointing_with_peft_lora():
     assert report.counts.get("lora", 0) > 0, str(report)
 
 
-def _order_in_backward(mid_layer: bool, monkeypatch, **offload) -> tuple[list[str], tuple, list]:
+def _order_in_backward(mid_layer: bool, monkeypatch, graphs: Optional[list] = None,
+                       **offload) -> tuple[list[str], tuple, list]:
     """(the sloth and attention ops of the backward graph, in order; loss and gradients; offload records) of a
-    checkpointed 2-layer Llama with LoRA, offloaded with ``mid_layer`` (and the other ``offload`` options)."""
+    checkpointed 2-layer Llama with LoRA, offloaded with ``mid_layer`` (and the other ``offload`` options); the
+    backward graph module is appended to ``graphs`` if given."""
     from sloth.compiler import offload_partition
 
-    graphs = []
+    graphs = [] if graphs is None else graphs
+    kept_before = len(graphs)
 
     def keeping(fw, bw, num_fwd_outputs, policy):
         record = _OFFLOAD_SAVED(fw, bw, num_fwd_outputs, policy)
@@ -170,7 +175,7 @@ def _order_in_backward(mid_layer: bool, monkeypatch, **offload) -> tuple[list[st
     run = torch.compile(model, backend="sloth",
                         options={"inner": "aot_eager", "offload": {"min_bytes": 0, "mid_layer": mid_layer, **offload}})
     got = loss_and_grads(model, ids, run=run)
-    (bw,) = graphs
+    (bw,) = graphs[kept_before:]
     names = [n.target.name() for n in bw.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
              and (n.target.namespace == "sloth" or "scaled_dot_product" in n.target.name())]
     return names, got, sloth.report().offload
@@ -201,7 +206,23 @@ def test_prefetch_after_attention_starts_the_next_copy_after_the_attention_backw
     # its device buffer) starts right after it, from its own prefetch op, instead of with the first reload; the
     # same bits, the same tensors moved, every reload still announced by the one before or by a prefetch.
     plain_order, plain, plain_records = _order_in_backward(mid_layer, monkeypatch)
-    order, got, records = _order_in_backward(mid_layer, monkeypatch, prefetch_after_attention=True)
+    runtime.reset_stats()
+    graphs = []
+    order, got, records = _order_in_backward(mid_layer, monkeypatch, graphs, prefetch_after_attention=True)
+    assert runtime.stats.reloaded > 0
+    assert runtime.stats.prefetch_hits == runtime.stats.reloaded  # every copy started ahead
+    (bw,) = graphs
+    nodes = list(bw.graph.nodes)
+    late = [n for n in nodes if n.target == torch.ops.sloth.offload_prefetch.default][1:]
+    assert len(late) == 1, order
+    # its ``after`` is an output of the attention backward just before it, and the reload before it starts no copy
+    made_by = late[0].args[2]
+    source = made_by.args[0] if made_by.target is operator.getitem else made_by
+    assert "attention" in str(source.target) and "backward" in str(source.target), source.format_node()
+    assert nodes.index(late[0]) == nodes.index(made_by) + 1
+    reloads = [n for n in nodes if n.target == torch.ops.sloth.reload.default]
+    before = [r for r in reloads if nodes.index(r) < nodes.index(late[0])]
+    assert before[-1].args[1] is None and any(r.args[2] is late[0] for r in reloads), before[-1].format_node()
     assert torch.equal(got[0], plain[0])
     assert got[1].keys() == plain[1].keys() and all(torch.equal(got[1][n], plain[1][n]) for n in got[1])
     assert [r.tensors for r in records] == [r.tensors for r in plain_records]

@@ -42,6 +42,9 @@ def test_gpt_oss_attention_is_fused(dtype) -> None:
     details = _sites(report)
     assert len(details) == model.config.num_hidden_layers, str(report)
     assert any("sliding window of 4" in d for d in details) and any("causal" in d for d in details), details
+    heads = f"{model.config.num_attention_heads} heads over {model.config.num_key_value_heads}"
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    assert all(heads in d for d in details), details  # the op reads k and v before transformers' repeat_kv
     assert not [r for r in report.rejections if r.family == "sink_attention"], str(report)
     assert all(f"model.layers.{i}.self_attn.sinks" in ours[1] for i in range(model.config.num_hidden_layers))
     assert_model_close(ours, eager, reference, dtype)
