@@ -228,13 +228,13 @@ def test_prefetch_after_attention_starts_the_next_copy_after_the_attention_backw
     assert [r.tensors for r in records] == [r.tensors for r in plain_records]
     assert plain_order.count("sloth::offload_prefetch") == 1, plain_order  # the one at the top of the backward
     attention = [i for i, name in enumerate(order) if "scaled_dot_product" in name and "backward" in name]
-    late = [i for i, name in enumerate(order) if name == "sloth::offload_prefetch"][1:]
+    late_at = [i for i, name in enumerate(order) if name == "sloth::offload_prefetch"][1:]
     # the last layer's attention backward is followed by the copy the next reload needs; the first layer's is the
-    # backward's last (nothing left to fetch); in between, each layer's
-    assert len(attention) == 2 and len(late) == 1, order
-    assert late[0] == attention[0] + 1, order
-    reloads = [i for i, name in enumerate(order) if name == "sloth::reload"]
-    assert any(r > late[0] for r in reloads), order
+    # backward's last (nothing left to fetch); with more layers, each one's in between
+    assert len(attention) == 2 and len(late_at) == 1, order
+    assert late_at[0] == attention[0] + 1, order
+    reload_at = [i for i, name in enumerate(order) if name == "sloth::reload"]
+    assert any(r > late_at[0] for r in reload_at), order
     assert sloth.report().offload and all(r.tensors for r in records)
 
 
