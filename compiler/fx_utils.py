@@ -176,6 +176,13 @@ def is_method(node: Any, *names: str) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
 
 
+def is_attention_backward(node: fx.Node) -> bool:
+    """An attention kernel's backward in a backward graph, by its op's name: SDPA's per-kernel ops (cuDNN, flash,
+    efficient, the CPU's), FlexAttention's, or one of sloth's (sink and document attention)."""
+    name = str(node.target)
+    return node.op == "call_function" and "attention" in name and "backward" in name
+
+
 def arg_of(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
     """The argument of ``node`` at ``position``, or passed as keyword ``name``, else ``default``."""
     return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)

@@ -71,6 +71,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .fx_utils import is_attention_backward
+
 ENABLED: bool = os.environ.get("SLOTH_LEAN_BACKWARD", "1") != "0"
 
 
@@ -217,12 +219,6 @@ def write_gradients_in_place(graph: fx.Graph) -> int:
     return swapped
 
 
-def _is_attention_backward(node: fx.Node) -> bool:
-    """An attention kernel's backward: SDPA's (cuDNN, flash, efficient, the CPU's) or one of sloth's."""
-    name = str(node.target)
-    return node.op == "call_function" and "attention" in name and "backward" in name
-
-
 def norm_again_after_attention(graph: fx.Graph) -> int:
     """Rewrite 3 of the module docstring; returns how many norms were formed again."""
     from ..lowering import rms_norm
@@ -230,7 +226,7 @@ def norm_again_after_attention(graph: fx.Graph) -> int:
     rms_norm.register()
     norms = set(_overloads("rms_norm"))
     order = {node: index for index, node in enumerate(graph.nodes)}
-    attention = [order[n] for n in graph.nodes if _is_attention_backward(n)]
+    attention = [order[n] for n in graph.nodes if is_attention_backward(n)]
     formed = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in norms]:
         users = sorted(node.users, key=order.__getitem__)

@@ -37,6 +37,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime import offload as offload_runtime
+from . import fx_utils
+from .fx_utils import is_attention_backward
 
 DEFAULT_MIN_BYTES = 64 * 2**20  # below this (8k tokens of a 4096-wide model in bf16) a copy costs more than it frees
 
@@ -146,17 +148,6 @@ def _contiguous(value: torch.Tensor) -> bool:
         return False
 
 
-def _is_attention_backward(node: fx.Node) -> bool:
-    """An attention's backward in a partitioned backward graph: SDPA's per-kernel backward ops (cuDNN, flash,
-    efficient, the CPU flash), or a custom op's backward named so (sloth's sink and document attention). Not
-    FlexAttention's, a higher-order op: there the look-ahead stays as it was."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    name = target._schema.name
-    return "attention" in name and "backward" in name
-
-
 def _late_prefetches(bw: fx.GraphModule, chosen: list, bw_order: dict) -> dict[int, fx.Node]:
     """For each reload i whose next reload's copy would otherwise start with it: the last attention backward
     between reload i's first use and reload i + 1's, where that copy then starts instead (a tensor of that op's
@@ -169,7 +160,7 @@ def _late_prefetches(bw: fx.GraphModule, chosen: list, bw_order: dict) -> dict[i
     workspace: 514 MiB of cuDNN's at Llama-3-8B 16k on an H100). Started after it, the copy has the q/k/v
     projections' backward to hide behind instead of the whole attention backward."""
     late = {}
-    attentions = [n for n in bw.graph.nodes if n in bw_order and _is_attention_backward(n)]
+    attentions = [n for n in bw.graph.nodes if n in bw_order and is_attention_backward(n)]
     for i in range(len(chosen) - 1):
         start, end = chosen[i][0], chosen[i + 1][0]  # positions in the graph as partitioned (``bw_order``)
         attention = [n for n in attentions if start < bw_order[n] < end]
@@ -280,5 +271,5 @@ class OffloadPartitioner(CustomPartitionerFn):
         return fw, bw
 
     def uuid(self) -> Optional[Any]:
-        return (get_hash_for_files((__file__, offload_runtime.__file__)), self.policy.min_bytes, self.policy.keep_last,
-                self.policy.mid_layer, self.policy.prefetch_after_attention)
+        return (get_hash_for_files((__file__, offload_runtime.__file__, fx_utils.__file__)), self.policy.min_bytes,
+                self.policy.keep_last, self.policy.mid_layer, self.policy.prefetch_after_attention)

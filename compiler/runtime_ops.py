@@ -22,7 +22,7 @@ from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..lowering import registration
-from . import lean_backward
+from . import fx_utils, lean_backward
 
 
 def swap_to_runtime_twins(graph: fx.Graph) -> int:
@@ -54,7 +54,7 @@ class RuntimeTwinsPass(CustomGraphPass):
         # Inductor's cache keys compiled graphs by this: the source of this pass and of the op -> twin mapping,
         # and the user's pass's uuid (none, or a falsy one, makes Inductor bypass its cache, as theirs alone
         # would).
-        mine = (get_hash_for_files((__file__, registration.__file__, lean_backward.__file__)),
+        mine = (get_hash_for_files((__file__, registration.__file__, lean_backward.__file__, fx_utils.__file__)),
                 lean_backward.ENABLED)
         if self.then is None:
             return mine
