@@ -72,7 +72,6 @@
 #   bash benchmarks/h200_rows.sh ws1-again # issue 21: DDP after the split fixes, FSDP2 with 8 warm-up steps
 #   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
 #   bash benchmarks/h200_rows.sh long-l4-sloth  # issue 19: 4 layers at 256k and 512k (then long-l4-unsloth)
-#   bash benchmarks/h200_rows.sh prefetch-late  # issue 19: offload's prefetch_after_attention at 16k (one row)
 #   bash benchmarks/h200_rows.sh next-19   # issue 19: prefetch_after_attention at 16k beside its baseline, Unsloth
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
@@ -527,10 +526,6 @@ case $part in
             --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
         run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
-    prefetch-late)  # issue 19 (2026-12-06): offload's prefetch_after_attention at 16k with mid_layer and the tiled
-        # MLP, one row for a short call (17.19 GiB, 1857.0 ms without it on the H100 of that morning)
-        run prefetch-late-16k 110 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --sloth-options '{"offload": {"mid_layer": true, "prefetch_after_attention": true}, "return_logits": false, "tiled_mlp": true}' ;;
     next-19)  # issue 19, for the next call: offload's prefetch_after_attention at 16k (mid_layer, tiled MLP) beside
         # the same options without it, on one machine, then Unsloth's row (limits add to 330 s; carry .whl)
         run next19-late 110 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
