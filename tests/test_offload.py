@@ -204,11 +204,12 @@ def test_mid_layer_residuals_offloaded_and_attention_recomputed_after_the_mlp_ba
 def test_prefetch_after_attention_starts_the_next_copy_after_the_attention_backward(mid_layer, monkeypatch):
     # prefetch_after_attention: where an attention's backward runs between two reloads, the second's copy (and
     # its device buffer) starts right after it, from its own prefetch op, instead of with the first reload; the
-    # same bits, the same tensors moved, every reload still announced by the one before or by a prefetch.
-    plain_order, plain, plain_records = _order_in_backward(mid_layer, monkeypatch)
+    # same bits, the same tensors moved, every reload still announced by the one before or by a prefetch. On by
+    # default: the run with the defaults is the late one.
+    plain_order, plain, plain_records = _order_in_backward(mid_layer, monkeypatch, prefetch_after_attention=False)
     runtime.reset_stats()
     graphs = []
-    order, got, records = _order_in_backward(mid_layer, monkeypatch, graphs, prefetch_after_attention=True)
+    order, got, records = _order_in_backward(mid_layer, monkeypatch, graphs)
     assert runtime.stats.reloaded > 0
     assert runtime.stats.prefetch_hits == runtime.stats.reloaded  # every copy started ahead
     (bw,) = graphs
