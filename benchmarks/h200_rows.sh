@@ -72,7 +72,7 @@
 #   bash benchmarks/h200_rows.sh ws1-again # issue 21: DDP after the split fixes, FSDP2 with 8 warm-up steps
 #   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
 #   bash benchmarks/h200_rows.sh long-l4-sloth  # issue 19: 4 layers at 256k and 512k (then long-l4-unsloth)
-#   bash benchmarks/h200_rows.sh next-19   # issue 19: prefetch_after_attention at 16k beside its baseline, Unsloth
+#   bash benchmarks/h200_rows.sh next-19   # issue 19: 16k with the attention backward in head chunks, its checks, Unsloth
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
@@ -526,17 +526,17 @@ case $part in
             --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
         run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
-    next-19)  # issue 19, for the next call: offload's prefetch_after_attention at 16k (mid_layer, tiled MLP) beside
-        # the same options without it, on one machine, then Unsloth's row (limits add to 330 s; carry .whl)
-        run next19-late 110 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --sloth-options '{"offload": {"mid_layer": true, "prefetch_after_attention": true}, "return_logits": false, "tiled_mlp": true}'
-        run next19-base 100 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
-        run next19-unsloth 120 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants unsloth ;;
+    next-19)  # issue 19, for the next call: the 16k step with the attention backward in head chunks (default since
+        # 2026-12-06, compiler/attention_chunks.py; mid_layer, tiled MLP, no logits), its CUDA checks, then
+        # Unsloth's row (limits add to 495 s; a fresh machine's cold caches need the first run's 230; carry .whl)
+        run next19-chunks 230 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --memory-peak --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
+        gpu_tests attention-chunks-cuda 90 "" tests/test_attention_chunks.py
+        run next19-unsloth 175 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants unsloth ;;
     next-20)  # issue 20, for the next call: the Qwen3-MoE row with sloth's defaults, with moe_recompute and no
-        # logits (the memory target's options), then Unsloth's right after (limits add to 440 s; carry .whl)
-        run next20-default 110 --all --model qwen3-moe --variants sloth --steps 16
-        run next20-lean 110 --all --model qwen3-moe --variants sloth --steps 16 \
+        # logits (the memory target's options), then Unsloth's right after (limits add to 540 s; carry .whl)
+        run next20-default 170 --all --model qwen3-moe --variants sloth --steps 16
+        run next20-lean 150 --all --model qwen3-moe --variants sloth --steps 16 \
             --sloth-options '{"moe_recompute": true, "return_logits": false}'
         run next20-unsloth 220 --all --model qwen3-moe --variants unsloth --steps 16 ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then

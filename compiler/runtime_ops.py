@@ -1,5 +1,5 @@
 """Swap sloth's custom ops for their runtime twins in the graphs Inductor compiles (and, in the same post-grad
-pass, the backward rewrites of compiler/lean_backward.py).
+pass, the backward rewrites of compiler/lean_backward.py and compiler/attention_chunks.py).
 
 AOTAutograd traces each ``torch.ops.sloth.*`` op through its registered autograd into a forward and a
 backward graph; from then on nothing calls that autograd: the compiled forward runs inside AOTAutograd's own
@@ -22,7 +22,7 @@ from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..lowering import registration
-from . import fx_utils, lean_backward
+from . import attention_chunks, fx_utils, lean_backward
 
 
 def swap_to_runtime_twins(graph: fx.Graph) -> int:
@@ -39,7 +39,8 @@ def swap_to_runtime_twins(graph: fx.Graph) -> int:
 
 class RuntimeTwinsPass(CustomGraphPass):
     """``swap_to_runtime_twins`` as an Inductor post-grad pass, then ``lean_backward``
-    (compiler/lean_backward.py), then ``then`` (a user's own pass), if any."""
+    (compiler/lean_backward.py), then ``chunk_attention_backwards`` (compiler/attention_chunks.py), then ``then``
+    (a user's own pass), if any."""
 
     def __init__(self, then: Optional[Any] = None):
         self.then = then
@@ -47,6 +48,7 @@ class RuntimeTwinsPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         swap_to_runtime_twins(graph)
         lean_backward.lean_backward(graph)
+        attention_chunks.chunk_attention_backwards(graph)
         if self.then is not None:
             self.then(graph)
 
@@ -54,8 +56,10 @@ class RuntimeTwinsPass(CustomGraphPass):
         # Inductor's cache keys compiled graphs by this: the source of this pass and of the op -> twin mapping,
         # and the user's pass's uuid (none, or a falsy one, makes Inductor bypass its cache, as theirs alone
         # would).
-        mine = (get_hash_for_files((__file__, registration.__file__, lean_backward.__file__, fx_utils.__file__)),
-                lean_backward.ENABLED)
+        mine = (get_hash_for_files((__file__, registration.__file__, lean_backward.__file__, fx_utils.__file__,
+                                    attention_chunks.__file__)),
+                lean_backward.ENABLED, attention_chunks.ENABLED, attention_chunks.MIN_BYTES,
+                attention_chunks.CHUNK_BYTES)
         if self.then is None:
             return mine
         theirs = self.then.uuid() if hasattr(self.then, "uuid") else None

@@ -1,0 +1,156 @@
+"""compiler/attention_chunks.py: a long sequence's attention backward split over chunks of key heads (and their
+query heads), the outputs concatenated in their own layout.
+
+On the CPU the split runs flash's CPU backward per chunk: the same bits as the whole call, the same strides, for
+grouped and ungrouped heads in fp32 and bf16; left whole under its size threshold, with dropout or a mask, and
+where the key heads do not divide; and a checkpointed LoRA Llama through Inductor gets it in every layer's
+backward with the same loss and gradients bit for bit as without it. On a GPU (the ``device`` fixture) the same
+model runs SDPA's CUDA kernel (cuDNN or flash) split the same way.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import operator
+import re
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import sloth
+from sloth.compiler import attention_chunks
+from pattern_checks import seeded
+from test_models import VOCAB, assert_model_close, build_lora, loss_and_grads
+
+aten = torch.ops.aten
+_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _inputs(q_heads: int, k_heads: int, dtype: torch.dtype, seq: int = 37, dim: int = 16):
+    """q, k, v as [B, H, S, D] views of [B, S, H, D] tensors (a model's layout), and dO in q's layout."""
+    gen = seeded(3)
+    make = lambda heads: torch.randn(2, seq, heads, dim, generator=gen).to(dtype).transpose(1, 2)  # noqa: E731
+    return make(q_heads), make(k_heads), make(k_heads), make(q_heads)
+
+
+def _traced(dropout: float = 0.0, mask: bool = False):
+    """A graph of flash's CPU forward and backward (fake values in its meta, as Inductor's graphs have)."""
+    def step(q, k, v, d_out):
+        attn_mask = torch.zeros(q.shape[2], k.shape[2], dtype=q.dtype) if mask else None
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, not mask, attn_mask=attn_mask)
+        return _BACKWARD(d_out, q, k, v, out, lse, dropout, not mask, attn_mask=attn_mask)
+    return step
+
+
+def _backward_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    (node,) = [n for n in gm.graph.nodes if n.target == _BACKWARD]
+    return node
+
+
+@pytest.fixture
+def small_thresholds(monkeypatch):
+    """Every attention backward large enough, and chunks as fine as the key heads allow."""
+    monkeypatch.setattr(attention_chunks, "MIN_BYTES", 0)
+    monkeypatch.setattr(attention_chunks, "CHUNK_BYTES", 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_heads,k_heads", [(8, 2), (6, 3), (4, 4)], ids=["grouped-4", "grouped-2", "ungrouped"])
+def test_split_backward_gives_the_whole_calls_bits_and_layout(q_heads, k_heads, dtype, small_thresholds):
+    args = _inputs(q_heads, k_heads, dtype)
+    gm = make_fx(_traced(), tracing_mode="fake")(*args)
+    want = gm(*args)
+    assert attention_chunks.chunk_count(_backward_node(gm)) == k_heads
+    assert attention_chunks.chunk_attention_backwards(gm.graph) == 1
+    gm.graph.lint()
+    gm.recompile()
+    calls = [n for n in gm.graph.nodes if n.target == _BACKWARD]
+    assert len(calls) == k_heads
+    for call in calls:  # each chunk reads one key head and its group of query heads
+        assert call.meta["val"][0].shape[1] == q_heads // k_heads and call.meta["val"][1].shape[1] == 1
+    got = gm(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype
+        assert torch.equal(g, w)
+
+
+def test_chunk_count_follows_the_sizes(monkeypatch):
+    # 8 query heads of 16, 2 key heads, 37 tokens, batch 2, fp32: the query is 37,888 bytes
+    args = _inputs(8, 2, torch.float32)
+    node = _backward_node(make_fx(_traced(), tracing_mode="fake")(*args))
+    query_bytes = args[0].numel() * 4
+    monkeypatch.setattr(attention_chunks, "MIN_BYTES", query_bytes + 1)
+    assert attention_chunks.chunk_count(node) == 1  # under the threshold: whole
+    monkeypatch.setattr(attention_chunks, "MIN_BYTES", query_bytes)
+    monkeypatch.setattr(attention_chunks, "CHUNK_BYTES", query_bytes // 2)
+    assert attention_chunks.chunk_count(node) == 2
+    monkeypatch.setattr(attention_chunks, "CHUNK_BYTES", query_bytes // 8)
+    assert attention_chunks.chunk_count(node) == 2  # no finer than one key head a chunk
+
+
+@pytest.mark.parametrize("case", ["dropout", "mask", "disabled"])
+def test_left_whole_where_the_split_would_change_the_math(case, small_thresholds, monkeypatch):
+    args = _inputs(8, 2, torch.float32)
+    gm = make_fx(_traced(dropout=0.1 if case == "dropout" else 0.0, mask=case == "mask"), tracing_mode="fake")(*args)
+    if case == "disabled":
+        monkeypatch.setattr(attention_chunks, "ENABLED", False)
+    else:
+        assert attention_chunks.chunk_count(_backward_node(gm)) == 1
+    assert attention_chunks.chunk_attention_backwards(gm.graph) == 0
+    assert len([n for n in gm.graph.nodes if n.target == _BACKWARD]) == 1
+
+
+def test_an_output_nothing_reads_goes_with_its_copies(small_thresholds):
+    def step(q, k, v, d_out):
+        d_q, d_k, _ = _traced()(q, k, v, d_out)
+        return d_q, d_k
+    args = _inputs(8, 2, torch.float32)
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    want = gm(*args)
+    assert attention_chunks.chunk_attention_backwards(gm.graph) == 1
+    gm.graph.lint()
+    gm.recompile()
+    cats = [n for n in gm.graph.nodes if n.target == aten.cat.default]
+    assert len(cats) == 2  # dV's concatenation dropped
+    assert all(torch.equal(g, w) for g, w in zip(gm(*args), want))
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.getitem and not n.users]
+
+
+def _checkpointed_step(model, ids, enabled: bool, monkeypatch):
+    """Loss, gradients, and the generated code's calls of an SDPA backward kernel (on a cache hit too)."""
+    monkeypatch.setattr(attention_chunks, "ENABLED", enabled)
+    torch._dynamo.reset()
+    sloth.reset_report()
+    # The backend function, not its name: a checkout that is not pip-installed (the device's) has no entry point.
+    run = torch.compile(model, backend=functools.partial(sloth.sloth_backend, options={}))
+    (loss, grads), codes = run_and_get_code(lambda: loss_and_grads(model, ids, run=run))
+    calls = sum(len(re.findall(r"aten\._scaled_dot_product_\w+_attention\w*_backward\.default\(", code))
+                for code in codes)
+    return loss, grads, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_checkpointed_gqa_llama_through_inductor_splits_every_layer(dtype, small_thresholds, monkeypatch, device):
+    # fp32: the same bits as without the split. bf16: flash's CPU kernel rounds a group's dK and dV differently
+    # when it holds fewer heads (an ulp here and there), so the model is held to the tolerance rule against
+    # eager and float64 instead.
+    model = build_lora("llama", dtype).to(device)
+    model.config.use_cache = False  # else transformers warns under checkpointing, which splits the graph
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
+    loss, grads, calls = _checkpointed_step(model, ids, True, monkeypatch)
+    assert sloth.report().counts.get("gqa_attention") == model.config.num_hidden_layers
+    plain_loss, plain_grads, plain_calls = _checkpointed_step(model, ids, False, monkeypatch)
+    k_heads = model.config.num_key_value_heads
+    assert plain_calls == model.config.num_hidden_layers and calls == k_heads * plain_calls, (calls, plain_calls)
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys()
+    if dtype == torch.float32:
+        assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+        return
+    reference = copy.deepcopy(model).double()
+    reference.gradient_checkpointing_disable()
+    assert_model_close((loss, grads), loss_and_grads(model, ids), loss_and_grads(reference, ids), dtype)
