@@ -62,8 +62,9 @@ def _val(node: Any) -> Optional[torch.Tensor]:
 
 
 def _is_empty(arg: Any) -> bool:
-    """An absent tensor argument (None) or one with no elements (the offsets a dense batch's forward returns)."""
-    if arg is None:
+    """An absent tensor argument (None, or a node whose value is None: an undefined tensor, as the offsets of a
+    dense batch's cuDNN and flash forwards are) or one with no elements."""
+    if arg is None or (isinstance(arg, fx.Node) and "val" in arg.meta and arg.meta["val"] is None):
         return True
     value = _val(arg)
     return value is not None and value.numel() == 0
