@@ -136,6 +136,9 @@ def test_checkpointed_gqa_llama_through_inductor_splits_every_layer(dtype, small
     # fp32: the same bits as without the split. bf16: flash's CPU kernel rounds a group's dK and dV differently
     # when it holds fewer heads (an ulp here and there), so the model is held to the tolerance rule against
     # eager and float64 instead.
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("on CUDA, SDPA runs fp32 grouped heads on its math kernel: gqa_attention leaves them repeated "
+                    "(reported) and no fused backward is left to split")
     model = build_lora("llama", dtype).to(device)
     model.config.use_cache = False  # else transformers warns under checkpointing, which splits the graph
     model.gradient_checkpointing_enable()
