@@ -218,7 +218,11 @@ def build_model(args: argparse.Namespace, device: str) -> tuple[torch.nn.Module,
         _quantize_linears_nf4(model)
     if args.grad_ckpt:
         # Non-reentrant: works with frozen embeddings (no enable_input_require_grads) and with Dynamo.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.2x names it activation_checkpointing_enable (the old name warns, and goes in v6).
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM",
                       target_parameters=expert_targets(args))
     model = get_peft_model(model, lora)
