@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from ..compiler.anchors import ANCHORS, near
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, linear_parts, module_path,
-                                 replace_and_erase, source_location, tensor_of)
+                                 replace_and_erase, source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..compiler.writes import mutated_producer, written
@@ -192,7 +192,8 @@ def _tensor_scaled_adapter(node: fx.Node) -> Optional[str]:
     """Why ``node`` is left alone when it is ``t * adapter``, a low-rank chain of two bias-free projections of
     trainable factors (``s * F.linear(F.linear(x, a), b)``) multiplied by a tensor ``t`` of one factor per
     output feature or one number, rather than a constant: DoRA's magnitude / ||W + s B A|| rescaling has this
-    form, and so does a scale kept in a tensor. None for anything else (the low-rank check keeps ordinary
+    form, and so does a scale kept in a tensor; or by a symbolic number (a SymFloat: ``dynamic=True`` makes
+    peft's float scaling a graph input). None for anything else (the low-rank check keeps ordinary
     two-layer MLPs out of the report, the shape check masks and per-token factors)."""
     if not (is_call(node, torch.mul) and len(node.args) == 2
             and all(isinstance(arg, fx.Node) for arg in node.args)):
@@ -205,15 +206,22 @@ def _tensor_scaled_adapter(node: fx.Node) -> Optional[str]:
         if down is None or down[2] is not None:
             continue
         at, bt, ot = tensor_of(down[1]), tensor_of(up[1]), tensor_of(other)
-        if at is None or bt is None or ot is None or at.dim() != 2 or bt.dim() != 2:
+        if at is None or bt is None or at.dim() != 2 or bt.dim() != 2:
             continue
         rank = at.shape[0]
+        low_rank = at.requires_grad and bt.requires_grad and bt.shape[1] == rank \
+            and 2 * rank <= min(at.shape[1], bt.shape[0])
+        if ot is None and isinstance(value_of(other), (torch.SymFloat, torch.SymInt)) and low_rank:
+            return (f"the adapter's output (rank {rank}) is multiplied by a symbolic number, not a constant "
+                    "(torch.compile(dynamic=True) makes Python floats such as peft's scaling graph inputs); only "
+                    "base + constant * adapter is fused")
+        if ot is None:
+            continue
         # A factor per output feature ([N], [1, N], ...; DoRA's is [1, N]) or one number in a tensor: a mask or
         # a per-token factor ([b, s, 1]; a norm's rsqrt) multiplies many other things too.
         per_feature = ot.numel() == 1 or (ot.dim() >= 1 and ot.shape[-1] == bt.shape[0]
                                           and all(size == 1 for size in ot.shape[:-1]))
-        if per_feature and at.requires_grad and bt.requires_grad and bt.shape[1] == rank \
-                and 2 * rank <= min(at.shape[1], bt.shape[0]):
+        if per_feature and low_rank:
             return (f"the adapter's output (rank {rank}) is multiplied by a tensor of shape {tuple(ot.shape)}, not a "
                     "constant (DoRA's magnitude / ||W + s B A|| rescaling has this form); only base + constant * "
                     "adapter is fused")

@@ -444,15 +444,17 @@ def loss_and_grads(model: nn.Module, ids: torch.Tensor, run=None) -> tuple[torch
 
 
 def check_model(model: nn.Module, dtype: torch.dtype, expected: int, reason: Optional[str] = None,
-                reference: bool = True) -> sloth.Report:
-    """Compile with every family, check the lora count, and compare loss and every LoRA gradient with eager."""
+                reference: bool = True, dynamic: Optional[bool] = None) -> sloth.Report:
+    """Compile with every family (and ``dynamic``), check the lora count, and compare loss and every LoRA gradient
+    with eager."""
     families = list(sloth.FAMILIES)
     ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
     if reference:
         ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), ids)
     torch.manual_seed(5)
     eager_loss, eager_grads = loss_and_grads(model, ids)
-    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager", "patterns": families})
+    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager", "patterns": families},
+                             dynamic=dynamic)
     torch.manual_seed(5)
     loss, grads = loss_and_grads(model, ids, run=compiled)
     report = sloth.report()
@@ -527,6 +529,17 @@ def test_peft_dora_is_not_fused_and_says_why():
     report = sloth.report()
     dora = [r for r in report.rejections if r.family == "lora"]
     assert len(dora) == 2 and all("DoRA" in r.reason and "dora.py" in r.source for r in dora), str(report)
+
+
+def test_peft_scaling_made_symbolic_by_dynamic_true_is_reported():
+    # torch.compile(dynamic=True) makes Python floats graph inputs, peft's scaling among them: the adapter is then
+    # multiplied by a SymFloat, not a constant. Every adapted linear is left with that reason (it used to be left
+    # with none), and the values are eager's.
+    model = tiny_peft_model("llama", torch.float32)
+    report = check_model(model, torch.float32, expected=0, reason="multiplied by a symbolic number", dynamic=True)
+    adapted = sum(1 for m in model.modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    modules = {r.module for r in report.rejections if r.family == "lora"}
+    assert adapted == 7 and len(modules) == adapted, str(report)
 
 
 @pytest.mark.parametrize("hidden,gate_shape", [(K, (3, N)), (R, (3, 1))], ids=["full-width-gated", "low-rank-masked"])
