@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import sloth
 from sloth.compiler import attention_chunks
+from checkpointing import disable_checkpointing, enable_checkpointing
 from pattern_checks import seeded
 from test_models import VOCAB, assert_model_close, build_lora, loss_and_grads
 
@@ -141,7 +142,7 @@ def test_checkpointed_gqa_llama_through_inductor_splits_every_layer(dtype, small
                     "(reported) and no fused backward is left to split")
     model = build_lora("llama", dtype).to(device)
     model.config.use_cache = False  # else transformers warns under checkpointing, which splits the graph
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
     loss, grads, calls = _checkpointed_step(model, ids, True, monkeypatch)
@@ -155,5 +156,5 @@ def test_checkpointed_gqa_llama_through_inductor_splits_every_layer(dtype, small
         assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
         return
     reference = copy.deepcopy(model).double()
-    reference.gradient_checkpointing_disable()
+    disable_checkpointing(reference)
     assert_model_close((loss, grads), loss_and_grads(model, ids), loss_and_grads(reference, ids), dtype)

@@ -18,6 +18,7 @@ from sloth.patterns.causal_mask import causal_mask_pattern, causal_reason, causa
 from tests.pattern_checks import forward_backward, graph_of, seeded
 from tests.test_models import VOCAB, assert_model_close, build, loss_and_grads, tiny_config
 from tests.tolerance import assert_close
+from checkpointing import enable_checkpointing
 
 B, H, L, D = 2, 3, 7, 8  # odd sizes: a transposed or shifted mask cannot pass by symmetry
 
@@ -411,7 +412,7 @@ def test_transformers_materialised_causal_mask(transformers_517_masks, model_typ
     the loss and every gradient agree with eager under the whole-model tolerance rule."""
     model = build(model_type, torch.float32)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, use_reentrant=False)
     model.train()
     ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
     sloth.reset_report()

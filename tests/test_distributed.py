@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 import sloth
 from sloth.runtime import proven_masks
+from checkpointing import enable_checkpointing
 from test_models import assert_model_close
 
 pytest.importorskip("peft")
@@ -97,7 +98,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             proven_masks.reset()
             model = tiny_lora_llama(_arch(engine))
             if engine == "fsdp2-ckpt":
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_checkpointing(model, use_reentrant=False)
             options = {"inner": "inductor" if engine.endswith("-inductor") else "aot_eager"}
             if "fsdp2" in engine:
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sloth  # noqa: F401  (importing sloth wraps the hook, before or after transformers is imported)
 from sloth.compiler import input_grads_hook
+from checkpointing import enable_checkpointing
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -34,7 +35,7 @@ def build(reentrant: bool | None, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if reentrant is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        enable_checkpointing(model, use_reentrant=reentrant)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
                                                        task_type="CAUSAL_LM", init_lora_weights=False))
     model.train()
@@ -147,7 +148,8 @@ def test_opt_out_leaves_the_hook_and_it_splits_the_graph():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", GRAPHS], capture_output=True, text=True, timeout=240,
                             env={**os.environ, "SLOTH_INPUT_GRADS_TRACEABLE": "0", "PYTHONPATH": os.pathsep.join(
-                                [os.path.dirname(root), root, os.environ.get("PYTHONPATH", "")])})
+                                [os.path.dirname(root), root, os.path.join(root, "tests"),
+                                 os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr[-3000:]
     registered, graphs = result.stdout.strip().splitlines()[-1].split()
     # what the adjustment is for, so the one-graph test above can fail

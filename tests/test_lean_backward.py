@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import sloth
 from sloth.compiler import lean_backward
 from sloth.lowering import glu_lora, lora
+from checkpointing import enable_checkpointing
 from pattern_checks import seeded
 from test_models import VOCAB, build_lora, loss_and_grads
 
@@ -182,7 +183,7 @@ def _checkpointed_step(model, ids, enabled: bool, monkeypatch, options=None):
 def test_checkpointed_lora_llama_through_inductor_gets_the_rewrites_with_the_same_bits(monkeypatch, device):
     model = build_lora("llama", torch.float32).to(device)
     model.config.use_cache = False  # else transformers warns under checkpointing, which splits the graph
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
@@ -213,7 +214,7 @@ def test_checkpointed_tiled_mlp_and_o_proj_with_mid_layer_are_not_run_again(monk
     # With offload's mid_layer the residual after attention is saved, so o_proj is not run again either.
     model = build_lora("llama", torch.float32).to(device)
     model.config.use_cache = False
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)

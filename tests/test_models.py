@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import sloth
+from checkpointing import enable_checkpointing
 from tolerance import assert_close, rms_err
 
 VOCAB = 96
@@ -211,7 +212,7 @@ def test_gradient_checkpointing_bodies_are_rewritten() -> None:
     reference = copy.deepcopy(model).double()
     ref_loss, ref_grads = loss_and_grads(reference, ids)
     eager_loss, eager_grads = loss_and_grads(model, ids)
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
     loss, grads = loss_and_grads(model, ids, run=compiled)

@@ -19,6 +19,7 @@ import torch.utils.checkpoint as checkpoint
 import sloth
 from sloth.compiler.offload_partition import offload_saved as _OFFLOAD_SAVED  # the rewrite, before any test wraps it
 from sloth.runtime import offload as runtime
+from checkpointing import enable_checkpointing
 from test_models import VOCAB, build_lora, loss_and_grads
 
 
@@ -133,7 +134,7 @@ def test_small_tensors_stay_by_default():
 def test_transformers_checkpointing_with_peft_lora():
     model = build_lora("llama", torch.float32)
     model.config.num_hidden_layers = 2
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
     plain = loss_and_grads(model, ids, run=torch.compile(model, backend="sloth", options={"inner": "aot_eager"}))
@@ -167,7 +168,7 @@ def _order_in_backward(mid_layer: bool, monkeypatch, graphs: Optional[list] = No
     model = build_lora("llama", torch.float32)
     model.config.num_hidden_layers = 2
     model.config.use_cache = False  # else transformers warns under checkpointing, which splits the graph
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
     torch._dynamo.reset()

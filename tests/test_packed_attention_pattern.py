@@ -21,6 +21,7 @@ import sloth
 from sloth.patterns.packed_attention import probe_ids
 from sloth.runtime.packing import RULES, document_bounds
 from sloth.lowering.document_attention import allowed_from_bounds
+from checkpointing import enable_checkpointing
 from test_models import assert_model_close
 from pattern_checks import seeded
 
@@ -82,7 +83,7 @@ def check(model: nn.Module, batch: dict, dtype: torch.dtype = torch.float32, inn
 def test_flattened_batch_matches_eager(model_type, checkpointing):
     model = tiny(model_type)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, use_reentrant=False)
         model.train()  # transformers checkpoints only in training mode; the model has no dropout
     report = check(model, flattened_batch([7, 13, 1, 11]))
     assert report.counts.get("packed_attention") == 2, str(report)
@@ -241,7 +242,7 @@ def _rows_only(monkeypatch, block_elements: int) -> list:
 def test_flattened_batch_checked_by_row_blocks(monkeypatch):
     seen = _rows_only(monkeypatch, 3 * 32)  # 32 tokens: blocks of 3 rows, the last one short
     model = tiny("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, use_reentrant=False)
     model.train()
     report = check(model, flattened_batch([7, 13, 1, 11]))
     assert report.counts.get("packed_attention") == 2, str(report)

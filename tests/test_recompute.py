@@ -14,6 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import sloth
 from sloth.compiler.backend import sloth_backend
+from checkpointing import enable_checkpointing
 from test_models import VOCAB, build_lora
 
 def _partitioned(options: dict, graphs: dict):
@@ -160,7 +161,7 @@ def test_checkpointed_lora_model_with_tagged_norms(monkeypatch, strict):
 
         monkeypatch.setattr(partitioners, "cleanup_recompute_tags", _strict_cleanup_recompute_tags)
     model = build_lora("llama", torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, use_reentrant=False)
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     eager = _loss_and_lora_grads(model, ids, model)
     graphs: dict = {}

@@ -15,6 +15,7 @@ import sloth
 from tests.pattern_checks import seeded
 from tests.test_models import VOCAB, assert_model_close, loss_and_grads
 from tests.test_moe_pattern import _compare, moe_model
+from checkpointing import enable_checkpointing
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
@@ -54,7 +55,7 @@ def test_gpt_oss_checkpointed_layers() -> None:
     # With gradient checkpointing each layer is a body that receives its mask as an input: the call sites' masks
     # are proven (a sliding and a full one), the bodies rewritten.
     model = _gpt_oss(torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, use_reentrant=False)
     model.train()
     ours, eager, reference, report = _compare(model, torch.float32)
     assert len(_sites(report)) == model.config.num_hidden_layers, str(report)

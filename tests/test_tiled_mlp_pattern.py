@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import sloth
+from checkpointing import enable_checkpointing
 from pattern_checks import seeded
 from test_lora_pattern import VOCAB, loss_and_grads, tiny_peft_model
 from tolerance import assert_close
@@ -27,7 +28,7 @@ def tiny_tiled_model(model_type: str, dtype: torch.dtype, checkpointed: bool = F
     targets = ["q_proj", "v_proj", *MLP] if model_type == "llama" else ["qkv_proj", "gate_up_proj", "down_proj"]
     model = tiny_peft_model(model_type, dtype, 2, target_modules=targets)
     if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, use_reentrant=False)
         model.enable_input_require_grads()
     return model.train()
 
