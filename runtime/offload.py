@@ -7,7 +7,7 @@ compiled forward and backward graphs, and the state they share across one traini
                ...
                h1 = sloth::reload(h1_cpu, h2_cpu, None)        wait for h1's copy (issued above); start h2's
 
-    or, with ``prefetch_after_attention``, where an attention's backward runs between two reloads:
+    and, with ``prefetch_after_attention`` (the default), where an attention's backward runs between two reloads:
                h2 = sloth::reload(h2_cpu, None, None)           wait for h2's copy; start nothing
                dq = aten._scaled_dot_product_..._backward(...)
                token3 = sloth::offload_prefetch(h3_cpu, dev, dq)  start h3's copy after the attention's backward
