@@ -21,9 +21,13 @@ smallest divisor of Hk that brings a chunk's query under ``CHUNK_BYTES`` (32 MiB
 workspace is small and the extra launches would cost more than the memory is worth.
 
 It applies to SDPA's cuDNN and flash backwards (and flash's CPU kernel, which the CPU tests use), with no
-dropout (its random stream is drawn over all heads), no mask or bias, and no nested (variable-length) batch.
-Run in sloth's Inductor post-grad pass (compiler/runtime_ops.py) after compiler/lean_backward.py's rewrites;
-``SLOTH_ATTENTION_CHUNKS=0`` switches it off (for measuring it).
+dropout (its random stream is drawn over all heads), no mask or bias, no nested (variable-length) batch, and head
+counts fixed at compile time (the slices are cut at them). Each chunk's logsumexp is copied to a contiguous
+tensor ([B, Hq/n, S] fp32, 512 KiB a chunk at 16k tokens): flash's CUDA backward indexes it as if it were
+contiguous, which a slice across heads is not once B > 1 (cuDNN and the CPU kernel read its strides).
+Run in sloth's Inductor post-grad pass (compiler/runtime_ops.py) after compiler/lean_backward.py's rewrites, so
+``SLOTH_RUNTIME_TWINS=0``, which drops that pass, drops this too; ``SLOTH_ATTENTION_CHUNKS=0`` switches it
+alone off (for measuring it).
 """
 from __future__ import annotations
 
@@ -42,16 +46,17 @@ aten = torch.ops.aten
 
 
 def _arguments() -> dict[Any, dict[str, Any]]:
-    """Per backward op: the positions of its per-head tensors (those of the query heads, those of the key heads),
-    and of what must be absent or zero for a split by heads to keep the math (dropout, mask or bias, nested
+    """Per backward op: the positions of its per-head tensors (those of the query heads, those of the key heads,
+    the logsumexp among the former), and of what must be absent or zero for a split by heads to keep the math (dropout, mask or bias, nested
     batches' offsets)."""
     table = {
         aten._scaled_dot_product_cudnn_attention_backward.default:
-            dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), dropout=13, absent=(8,), empty=(9, 10)),
+            dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), logsumexp=5, dropout=13, absent=(8,), empty=(9, 10)),
         aten._scaled_dot_product_flash_attention_backward.default:
-            dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), dropout=10, absent=(), empty=(6, 7)),
+            dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), logsumexp=5, dropout=10, absent=(), empty=(6, 7)),
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-            dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), dropout=6, absent=(), empty=(), mask="attn_mask"),
+            dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), logsumexp=5, dropout=6, absent=(), empty=(),
+                 mask="attn_mask"),
     }
     return table
 
@@ -97,6 +102,8 @@ def chunk_count(node: fx.Node) -> int:
     if any(v is None for v in values):
         return 1
     d_out, query, out, lse, key, value = values
+    if not all(isinstance(v.shape[1], int) for v in values):
+        return 1  # a symbolic head count: slices cut at today's count would be wrong for another
     shapes = [tuple(_hint(s) for s in v.shape) for v in (d_out, query, out, key, value)]
     if any(len(s) != 4 or None in s for s in shapes) or lse.dim() < 3:
         return 1
@@ -171,6 +178,8 @@ def split_attention_backward(graph: fx.Graph, node: fx.Node, n: int) -> bool:
             for positions, step in ((spec["query_heads"], q_step), (spec["key_heads"], k_step)):
                 for i in positions:
                     args[i] = _call(graph, aten.slice.Tensor, (node.args[i], 1, c * step, (c + 1) * step))
+            lse = spec["logsumexp"]
+            args[lse] = _call(graph, aten.clone.default, (args[lse],), {"memory_format": torch.contiguous_format})
             chunk = _call(graph, node.target, tuple(args), dict(node.kwargs))
             for i in range(3):
                 chunk_outputs[i].append(_call(graph, operator.getitem, (chunk, i)))

@@ -158,3 +158,82 @@ def test_checkpointed_gqa_llama_through_inductor_splits_every_layer(dtype, small
     reference = copy.deepcopy(model).double()
     disable_checkpointing(reference)
     assert_model_close((loss, grads), loss_and_grads(model, ids), loss_and_grads(reference, ids), dtype)
+
+
+_CUDNN = aten._scaled_dot_product_cudnn_attention_backward.default
+_FLASH = aten._scaled_dot_product_flash_attention_backward.default
+
+
+def _fake_cuda_graph(backward, layout: str, dropout: float = 0.0, bias: bool = False, offsets: bool = False):
+    """A graph of one CUDA SDPA backward on fake tensors (no GPU needed): batch 2, 8 query heads, 2 key heads, the
+    forward's outputs as placeholders, in ``layout`` ("bshd": views of [B, S, H, D], a model's; "bhsd")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        def make(heads):
+            if layout == "bshd":
+                return torch.empty(2, 64, heads, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            return torch.empty(2, heads, 64, 64, device="cuda", dtype=torch.bfloat16)
+        q, k, v, d_out = make(8), make(2), make(2), make(8)
+        if backward is _CUDNN:
+            forward = aten._scaled_dot_product_cudnn_attention.default(q, k, v, None, True, 0.0, True)
+        else:
+            forward = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True)
+        extra = torch.empty(8, 64, 64, device="cuda", dtype=torch.bfloat16)
+        cum = torch.tensor([0, 64, 128], device="cuda", dtype=torch.int32)
+    graph = torch.fx.Graph()
+    nodes = {}
+    for name, value in dict(q=q, k=k, v=v, d_out=d_out, out=forward[0], lse=forward[1], seed=forward[6],
+                            offset=forward[7], bias=extra, cum=cum).items():
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = value
+    n = nodes
+    cum_seq = n["cum"] if offsets else None
+    if backward is _CUDNN:
+        args = (n["d_out"], n["q"], n["k"], n["v"], n["out"], n["lse"], n["seed"], n["offset"],
+                n["bias"] if bias else None, cum_seq, cum_seq, 64, 64, dropout, True)
+    else:
+        args = (n["d_out"], n["q"], n["k"], n["v"], n["out"], n["lse"], cum_seq, cum_seq, 64, 64, dropout, True,
+                n["seed"], n["offset"])
+    node = attention_chunks._call(graph, backward, args)
+    outputs = [attention_chunks._call(graph, operator.getitem, (node, i)) for i in range(3)]
+    graph.output(tuple(outputs))
+    return graph, node, [tuple(o.meta["val"].stride()) for o in outputs]
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("backward", [_CUDNN, _FLASH], ids=["cudnn", "flash"])
+def test_cuda_backwards_split_with_their_layouts_and_a_contiguous_logsumexp(backward, layout, small_thresholds):
+    # The CUDA kernels' argument positions, checked on fake tensors: each chunk reads its own heads, its logsumexp
+    # contiguous (flash's CUDA backward indexes it as contiguous: a slice across heads is not, at batch 2), and
+    # the joined outputs have the strides the graph was traced with.
+    graph, node, strides = _fake_cuda_graph(backward, layout)
+    assert attention_chunks.chunk_count(node) == 2
+    assert attention_chunks.chunk_attention_backwards(graph) == 1
+    graph.lint()
+    calls = [n for n in graph.nodes if n.target == backward]
+    assert len(calls) == 2
+    for call in calls:
+        q, k, lse = (call.args[i].meta["val"] for i in (1, 2, 5))
+        assert q.shape[1] == 4 and k.shape[1] == 1 and lse.shape[1] == 4 and lse.is_contiguous()
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    assert [tuple(r.meta["val"].stride()) for r in output.args[0]] == strides
+
+
+@pytest.mark.parametrize("backward,case", [(_CUDNN, "dropout"), (_CUDNN, "bias"), (_CUDNN, "offsets"),
+                                           (_FLASH, "dropout"), (_FLASH, "offsets")],  # flash takes no bias
+                         ids=["cudnn-dropout", "cudnn-bias", "cudnn-offsets", "flash-dropout", "flash-offsets"])
+def test_cuda_backwards_left_whole_where_the_split_would_change_the_math(backward, case, small_thresholds):
+    graph, node, _ = _fake_cuda_graph(backward, "bshd", dropout=0.1 if case == "dropout" else 0.0,
+                                      bias=case == "bias", offsets=case == "offsets")
+    assert attention_chunks.chunk_count(node) == 1
+    assert attention_chunks.chunk_attention_backwards(graph) == 0
+
+
+def test_symbolic_head_counts_are_left_whole(small_thresholds):
+    # Traced with every size symbolic, the heads too: slices cut at the traced count would be wrong for another.
+    args = _inputs(8, 2, torch.float32)
+    gm = make_fx(_traced(), tracing_mode="symbolic")(*args)
+    assert not isinstance(_backward_node(gm).args[1].meta["val"].shape[1], int)
+    assert attention_chunks.chunk_count(_backward_node(gm)) == 1
+    assert attention_chunks.chunk_attention_backwards(gm.graph) == 0
