@@ -31,6 +31,7 @@ alone off (for measuring it).
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from typing import Any, Optional
@@ -45,11 +46,12 @@ CHUNK_BYTES = 32 * 2**20  # each chunk's query at most this large, where the key
 aten = torch.ops.aten
 
 
+@functools.cache
 def _arguments() -> dict[Any, dict[str, Any]]:
     """Per backward op: the positions of its per-head tensors (those of the query heads, those of the key heads,
-    the logsumexp among the former), and of what must be absent or zero for a split by heads to keep the math (dropout, mask or bias, nested
-    batches' offsets)."""
-    table = {
+    the logsumexp among the former), and of what must be absent or zero for a split by heads to keep the math
+    (dropout, mask or bias, nested batches' offsets). Built once: the pass asks it of every node of a graph."""
+    return {
         aten._scaled_dot_product_cudnn_attention_backward.default:
             dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), logsumexp=5, dropout=13, absent=(8,), empty=(9, 10)),
         aten._scaled_dot_product_flash_attention_backward.default:
@@ -58,7 +60,6 @@ def _arguments() -> dict[Any, dict[str, Any]]:
             dict(query_heads=(0, 1, 4, 5), key_heads=(2, 3), logsumexp=5, dropout=6, absent=(), empty=(),
                  mask="attn_mask"),
     }
-    return table
 
 
 def _val(node: Any) -> Optional[torch.Tensor]:
@@ -171,7 +172,8 @@ def split_attention_backward(graph: fx.Graph, node: fx.Node, n: int) -> bool:
     q_heads = _hint(_val(node.args[1]).shape[1])
     k_heads = _hint(_val(node.args[2]).shape[1])
     q_step, k_step = q_heads // n, k_heads // n
-    chunk_outputs: list[list[fx.Node]] = [[], [], []]
+    read = sorted({item.args[1] for item in items if item.users})  # not a gradient nothing asked for
+    chunk_outputs: dict[int, list[fx.Node]] = {i: [] for i in read}
     with graph.inserting_before(node):
         for c in range(n):
             args = list(node.args)
@@ -181,29 +183,20 @@ def split_attention_backward(graph: fx.Graph, node: fx.Node, n: int) -> bool:
             lse = spec["logsumexp"]
             args[lse] = _call(graph, aten.clone.default, (args[lse],), {"memory_format": torch.contiguous_format})
             chunk = _call(graph, node.target, tuple(args), dict(node.kwargs))
-            for i in range(3):
+            for i in read:
                 chunk_outputs[i].append(_call(graph, operator.getitem, (chunk, i)))
-        whole = []
-        for i in range(3):
+        whole = {}
+        for i in read:
             order = layouts[i]
             inverse = [order.index(d) for d in range(len(order))]
             permuted = [_call(graph, aten.permute.default, (part, order)) for part in chunk_outputs[i]]
             joined = _call(graph, aten.cat.default, (permuted, order.index(1)))
-            whole.append(_call(graph, aten.permute.default, (joined, inverse)))
+            whole[i] = _call(graph, aten.permute.default, (joined, inverse))
     for item in items:
-        item.replace_all_uses_with(whole[item.args[1]])
+        if item.users:
+            item.replace_all_uses_with(whole[item.args[1]])
         graph.erase_node(item)
     graph.erase_node(node)
-    for i in range(3):  # an output nothing read (a gradient not asked for) goes with its copies
-        if not whole[i].users:
-            joined = whole[i].args[0]
-            permuted = list(joined.args[0])
-            graph.erase_node(whole[i])
-            graph.erase_node(joined)
-            for part in permuted:
-                item = part.args[0]
-                graph.erase_node(part)
-                graph.erase_node(item)
     return True
 
 
