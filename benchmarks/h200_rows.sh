@@ -72,7 +72,8 @@
 #   bash benchmarks/h200_rows.sh ws1-again # issue 21: DDP after the split fixes, FSDP2 with 8 warm-up steps
 #   bash benchmarks/h200_rows.sh long256-sloth  # issue 19: sloth at 256k (then long128-unsloth, long256-unsloth)
 #   bash benchmarks/h200_rows.sh long-l4-sloth  # issue 19: 4 layers at 256k and 512k (then long-l4-unsloth)
-#   bash benchmarks/h200_rows.sh next-19   # issue 19: 64k with the attention backward in head chunks, Unsloth; 16k 2048-row blocks
+#   bash benchmarks/h200_rows.sh next-19 next-19-unsloth  # issue 19: 64k with the attention backward in head chunks,
+#                                          # 16k 2048-row blocks, the chunks' CUDA tests; then Unsloth at 64k and 16k
 #   bash benchmarks/h200_rows.sh chunks-16k  # issue 19: 16k with the attention backward in head chunks, its checks, Unsloth
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
@@ -91,7 +92,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k|moe-new-ops|next-19|next-20|chunks-16k)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k|moe-new-ops|next-19|next-19-unsloth|next-20|chunks-16k)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -527,14 +528,18 @@ case $part in
             --variants sloth --sloth-options '{"offload": true, "tiled_mlp": true, "return_logits": false}'
         run long256-L4-unsloth 200 --all --layers 4 --batch 1 --seq 262144 --grad-ckpt --warmup 0 --steps 1 \
             --variants unsloth ;;
-    next-19)  # issue 19, for the next call: what the attention backward in head chunks (default since 2026-12-06,
-        # compiler/attention_chunks.py) does at 64k (mid_layer, tiled MLP, no logits), Unsloth's 64k row right after,
-        # then 16k with 2048-row MLP blocks on the same machine (limits add to 570 s; carry .whl)
-        run next19-64k 220 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
+    next-19)  # issue 19: what the attention backward in head chunks (default since 2026-12-06,
+        # compiler/attention_chunks.py) does at 64k (mid_layer, tiled MLP, no logits), then 16k with 2048-row MLP
+        # blocks, then the chunks' CUDA tests (limits add to 570 s: a fresh machine's cold caches need them; then
+        # next-19-unsloth on the same machine; carry .whl)
+        run next19-64k 290 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 2 --variants sloth \
             --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": true}'
+        run next19-16k-2048 190 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
+            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": 2048}'
+        gpu_tests attention-chunks-cuda 90 "" tests/test_attention_chunks.py ;;
+    next-19-unsloth)  # Unsloth's 64k and 16k rows, right after next-19 on the same machine (limits add to 375 s)
         run next19-64k-unsloth 200 --all --batch 1 --seq 65536 --grad-ckpt --warmup 1 --steps 1 --variants unsloth
-        run next19-16k-2048 150 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
-            --sloth-options '{"offload": {"mid_layer": true}, "return_logits": false, "tiled_mlp": 2048}' ;;
+        run next19-16k-unsloth 175 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants unsloth ;;
     chunks-16k)  # issue 19 (2026-12-06): the 16k step with the attention backward in head chunks, what is alive at its
         # peak, the chunks' CUDA checks, then Unsloth's row (limits add to 495 s; carry .whl)
         run next19-chunks 230 --all --batch 1 --seq 16384 --grad-ckpt --warmup 2 --steps 3 --variants sloth \
