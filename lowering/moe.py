@@ -105,12 +105,15 @@ only for weights that require grad (frozen experts under LoRA get none, and thei
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
+from .backend_choice import triton_interpreter_on, use_triton
 from .devices import check_one_device
 from .glu import glu_forward
+from .grouped_gemm import grouped_mm, grouped_mm_weight
 from .moe_kernels import (combine, expert_glu_forward, expert_glu_math, glu_backward_weighted, inverse_permutation,
                           segment_sum)
 from .registration import define, fake
@@ -222,36 +225,73 @@ class _Lazy:
         return self._value
 
 
+class _Gathered(_Lazy):
+    """``source[index]``, the sorted rows of a [T, .] tensor (token ``index[s]`` for sorted row s): the Triton grouped
+    GEMM reads them through the index; any other use forms the [S, .] copy, once."""
+
+    def __init__(self, source: torch.Tensor, index: torch.Tensor):
+        super().__init__(lambda: source[index])
+        self.source, self.index = source, index
+
+
+# Which grouped GEMM the op runs: "auto" (torch._grouped_mm where it runs, else Triton's where Triton runs, else the
+# reference), or "triton", "grouped_mm" to measure one against the other (SLOTH_MOE_GEMM, read at import).
+GEMM_CHOICE = os.environ.get("SLOTH_MOE_GEMM", "auto")
+if GEMM_CHOICE not in ("auto", "triton", "grouped_mm"):
+    raise ValueError(f"SLOTH_MOE_GEMM must be auto, triton or grouped_mm, got {GEMM_CHOICE!r}")
+
+
 class GroupedGemm:
     """The grouped GEMMs of one op call over the groups ``offs`` (the rows of expert e; ``group_of_row``, a tensor
-    or ``_Lazy``, names each row's expert): ``gemm(a, b)`` is ``torch._grouped_mm(a, b, offs=offs)`` where that
-    runs, else ``_grouped_mm_reference``.
+    or ``_Lazy``, names each row's expert): ``gemm(a, b)`` is ``torch._grouped_mm(a, b, offs=offs)`` computed by
+    ``backend``: "grouped_mm" (torch's), "triton" (lowering/grouped_gemm.py, which reads a ``_Gathered`` operand
+    through its index) or "reference" (``_grouped_mm_reference``).
 
-    Which of the two is decided once a call (``_grouped_mm_plan``), not once a GEMM: every operand other than the
-    op's weights is a tensor the call forms, fresh (so aligned) with row strides among H, 2I (I ungated), I and the
-    adapters' ranks, which the plan's size check covers, or a transpose of one. A check per GEMM cost ~9 us of host
-    time on the CPU, 18 of them a call with LoRA on the experts."""
+    Which is decided once a call (``_grouped_mm_plan``), not once a GEMM: every operand other than the op's weights
+    is a tensor the call forms, fresh (so aligned) with row strides among H, 2I (I ungated), I and the adapters'
+    ranks, which the plan's size check covers, or a transpose of one. A check per GEMM cost ~9 us of host time on
+    the CPU, 18 of them a call with LoRA on the experts."""
 
-    def __init__(self, offs: torch.Tensor, group_of_row, use_grouped_mm: bool):
-        self.offs, self.group_of_row, self.use_grouped_mm = offs, group_of_row, use_grouped_mm
+    def __init__(self, offs: torch.Tensor, group_of_row, backend: str):
+        self.offs, self.group_of_row, self.backend = offs, group_of_row, backend
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if self.use_grouped_mm:
+    def __call__(self, a, b: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            if b.dim() == 2:  # [K, S] x [S, N] -> [E, K, N]: a is left.t()
+                return grouped_mm_weight(a.value().t() if isinstance(a, _Gathered) else a.t(), b, self.offs)
+            if isinstance(a, _Gathered):
+                return grouped_mm(a.source, b, self.offs, a.index)
+            return grouped_mm(a, b, self.offs)
+        if isinstance(a, _Gathered):
+            a = a.value()
+        if self.backend == "grouped_mm":
             return torch._grouped_mm(a, b, offs=self.offs)
         ids = self.group_of_row
         return _grouped_mm_reference(a, b, self.offs, ids.value() if isinstance(ids, _Lazy) else ids)
 
 
+def gemm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    """Whether the op's grouped GEMMs run without the reference's gathered weights (S*k*n memory): torch's
+    ``_grouped_mm`` (``grouped_mm_runs``) or Triton's (any CUDA device, or the CPU under Triton's interpreter)."""
+    triton_runs = device.type == "cuda" or (device.type == "cpu" and triton_interpreter_on())
+    return grouped_mm_runs(device, dtype, hidden, inter) or (GEMM_CHOICE != "grouped_mm" and triton_runs)
+
+
 def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                     factors: tuple) -> bool:
-    """Whether one call's grouped GEMMs take ``torch._grouped_mm`` (``GroupedGemm``): ``grouped_mm_runs`` at its
-    sizes (H and I; it checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k,
-    and the rank) multiples of 16 bytes too, and both weights (maybe transposed views) 16-byte aligned.
-    ``factors``: the adapters' contiguous factors, None where not given (the op checked their dtype and shapes)."""
+                     factors: tuple) -> str:
+    """The backend of one call's grouped GEMMs (``GroupedGemm``): "grouped_mm" where ``grouped_mm_runs`` at its sizes
+    (H and I; it checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k, and the
+    rank) multiples of 16 bytes too, and both weights (maybe transposed views) 16-byte aligned, unless
+    SLOTH_MOE_GEMM=triton; else "triton" where Triton runs on x, else "reference". ``factors``: the adapters'
+    contiguous factors, None where not given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()
-    return (grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
+    if (GEMM_CHOICE != "triton" and grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
             and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors if f is not None)
-            and _aligned(gate_up_proj) and _aligned(down_proj))
+            and _aligned(gate_up_proj) and _aligned(down_proj)):
+        return "grouped_mm"
+    if GEMM_CHOICE != "grouped_mm" and use_triton(x):
+        return "triton"
+    return "reference"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -378,7 +418,7 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2)))
     # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
     # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
-    gu_S2I, h_SI = _first_gemm(gemm, x[order // top_k], gate_up_proj, b1, a1, gate_up_lora_scale, gate_up_bias,
+    gu_S2I, h_SI = _first_gemm(gemm, _Gathered(x, order // top_k), gate_up_proj, b1, a1, gate_up_lora_scale, gate_up_bias,
                                sorted_ids, act, interleaved, alpha, limit, gated)
     y_SH = gemm(h_SI, down_proj.transpose(1, 2))
     if b2 is not None:
@@ -390,10 +430,10 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     return out, (gu_S2I.new_empty((0, gu_S2I.shape[1])) if recompute_gu else gu_S2I), order, offs
 
 
-def _first_gemm(gemm: GroupedGemm, x_SH: torch.Tensor, gate_up_proj: torch.Tensor, b1, a1, scale: float,
+def _first_gemm(gemm: GroupedGemm, x_SH: _Gathered, gate_up_proj: torch.Tensor, b1, a1, scale: float,
                 gate_up_bias, sorted_ids: torch.Tensor | _Lazy, act: str, interleaved: bool, alpha: float,
                 limit: float, gated: bool, with_h: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(gu [S, 2I], h [S, I]) of the sorted rows ``x_SH``: the first grouped GEMM, its adapter, the gate/up bias
+    """(gu [S, 2I], h [S, I]) of the sorted rows ``x_SH`` (the tokens' rows, read through the index): the first grouped GEMM, its adapter, the gate/up bias
     (added by the expert GLU kernel, which returns gu with it) and the GLU. The forward's and, under
     ``recompute_gu``, the backward's: the same calls in the same order, so the same bits. Without ``with_h`` the
     lowering/glu.py GLU is skipped and h is None (the expert GLU kernel, which adds the bias, still runs)."""
@@ -413,11 +453,12 @@ def _transposed(w: torch.Tensor) -> bool:
     return w.stride(1) == 1 and w.stride(2) != 1
 
 
-def _weight_grad(gemm: GroupedGemm, left: torch.Tensor, right: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _weight_grad(gemm: GroupedGemm, left, right, like: torch.Tensor) -> torch.Tensor:
     """d W[e] = sum over e's rows of left_r^T right_r ([E, k, n] from left [S, k] and right [S, n]), laid out as
     ``like`` (``torch.empty_like``'s strides, which the fake implementation gives): for a transposed weight it is
     formed as [E, n, k] and transposed, so the gradient reaches the [E, n, k] parameter with no copy (at
-    GPT-OSS-20B's experts the copies would move 1.6 GB a backward)."""
+    GPT-OSS-20B's experts the copies would move 1.6 GB a backward). A gathered operand is formed here."""
+    left, right = (t.value() if isinstance(t, _Gathered) else t for t in (left, right))
     if _transposed(like):
         return gemm(right.t(), left).transpose(1, 2)
     return gemm(left.t(), right)
@@ -447,9 +488,9 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2)))
     s1, s2 = gate_up_lora_scale, down_lora_scale
     if gu.shape[0] != order.shape[0]:  # the forward ran with recompute_gu: gu again, as the forward formed it
-        gu, _ = _first_gemm(gemm, x[token_of_row], gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,
+        gu, _ = _first_gemm(gemm, _Gathered(x, token_of_row), gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,
                             interleaved, alpha, limit, gated, with_h=False)
-    dout_SH = dout.to(x.dtype)[token_of_row]
+    dout_SH = _Gathered(dout.to(x.dtype), token_of_row)
     c_SI = gemm(dout_SH, down_proj)
     if b2 is not None:  # c = W_d_eff^T dout = W_d^T dout + s2 A2^T (B2^T dout)
         v2_Sr = gemm(dout_SH, b2) * s2
@@ -459,9 +500,9 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     if down_bias is not None:
         # y_r = W_d h_r + b2[e], so d w_r gains <dout_t, b2[e]>; d b2[e] sums w_r dout_t over e's rows
         if compute_dw:
-            d_w_add = (dout_SH.float() * down_bias[sorted_ids.value()].float()).sum(-1)
+            d_w_add = (dout_SH.value().float() * down_bias[sorted_ids.value()].float()).sum(-1)
         if compute_d_down_bias:
-            d_down_bias = segment_sum(dout_SH, offs, sorted_ids.value(), top_k_weights.reshape(-1)[order],
+            d_down_bias = segment_sum(dout_SH.value(), offs, sorted_ids.value(), top_k_weights.reshape(-1)[order],
                                       down_bias.dtype)
     down_lora_trains = b2 is not None and compute_d_down_lora
     d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS.get(act, act), compute_dw,
@@ -475,7 +516,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     d_down = _weight_grad(gemm, dout_SH, hw_SI, down_proj) if compute_d_down else x.new_empty(0)
     d_b2, d_a2 = x.new_empty(0), x.new_empty(0)
     if down_lora_trains:  # d B2[e] = sum_r dout_t (s2 A2 w_r h_r)^T,  d A2[e] = sum_r (s2 B2^T dout_t) (w_r h_r)^T
-        d_b2 = gemm(dout_SH.t(), gemm(hw_SI, a2.transpose(1, 2)) * s2)
+        d_b2 = gemm(dout_SH.value().t(), gemm(hw_SI, a2.transpose(1, 2)) * s2)
         d_a2 = gemm(v2_Sr.t(), hw_SI)
     del dout_SH, hw_SI
     gate_up_lora_trains = b1 is not None and compute_d_gate_up_lora
@@ -490,12 +531,12 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
         dx = combine(dx_SH, inverse_permutation(order), top_k, None, x.dtype)
     d_gate_up, d_b1, d_a1 = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if compute_d_gate_up or gate_up_lora_trains:
-        x_SH = x[token_of_row]
+        x_SH = _Gathered(x, token_of_row)
         if compute_d_gate_up:
             d_gate_up = _weight_grad(gemm, d_gu, x_SH, gate_up_proj)
         if gate_up_lora_trains:  # d B1[e] = sum_r d gu_r (s1 A1 x_t)^T,  d A1[e] = sum_r (s1 B1^T d gu_r) x_t^T
             d_b1 = gemm(d_gu.t(), gemm(x_SH, a1.transpose(1, 2)) * s1)
-            d_a1 = gemm(v1_Sr.t(), x_SH)
+            d_a1 = gemm(v1_Sr.t(), x_SH.value())
     return dx, dw, d_gate_up, d_down, d_gate_up_bias, d_down_bias, d_b1, d_a1, d_b2, d_a2
 
 

@@ -472,10 +472,11 @@ def _accept(site: MoeSite) -> Optional[str]:
     moe = _lowering()
     rows, inter = _value(site.idx).numel(), w2.shape[1 if site.transposed else 2]
     reference_bytes = rows * w1.shape[1] * w1.shape[2] * x.element_size()  # one gathered W1[e] a row
-    if not moe.grouped_mm_runs(x.device, x.dtype, x.shape[1], inter) and reference_bytes > REFERENCE_BYTES:
-        return (f"torch._grouped_mm does not run {str(x.dtype).replace('torch.', '')} experts of width {inter} on "
-                f"{x.device.type} here, and the op's fallback would gather {reference_bytes / 2**30:.1f} GiB of expert "
-                "weights (on an sm90 GPU the op takes bfloat16 with H and I multiples of 8)")
+    if not moe.gemm_runs(x.device, x.dtype, x.shape[1], inter) and reference_bytes > REFERENCE_BYTES:
+        return (f"neither torch._grouped_mm nor sloth's Triton grouped GEMM runs {str(x.dtype).replace('torch.', '')} "
+                f"experts of width {inter} on {x.device.type} here, and the op's fallback would gather "
+                f"{reference_bytes / 2**30:.1f} GiB of expert weights (on a GPU the op takes every float dtype; on the "
+                "CPU, torch >= 2.9's _grouped_mm needs H and I multiples of 16 bytes)")
     tolerance = PROBE_TOLERANCE[out.dtype]
     with unset_fake_temporarily(), torch.no_grad():
         try:

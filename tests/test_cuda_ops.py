@@ -32,18 +32,22 @@ def _cuda(tensors):
     return [t.cuda() for t in tensors]
 
 
-# Qwen3-MoE's layer in bf16 only: in fp32 the op takes the reference GEMM, whose gathered weights at that size
-# ([S, H, 2I] fp32, 96 GiB) the pattern refuses to fuse (patterns/moe.py's REFERENCE_BYTES).
+# Qwen3-MoE's layer (1024 tokens) in fp32 too: torch._grouped_mm takes bf16 only, so fp32 and the unaligned shapes
+# run the Triton grouped GEMM (lowering/grouped_gemm.py); "triton" runs it where _grouped_mm would too.
+@pytest.mark.parametrize("gemm", ["auto", "triton"])
 @pytest.mark.parametrize("T,H,I,E,K,unused,dtype", [
-    pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),  # unaligned: the reference GEMM
+    pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),  # unaligned: Triton's grouped GEMM
     pytest.param(13, 24, 20, 5, 2, (3,), torch.bfloat16, id="odd-bf16"),
     pytest.param(300, 256, 96, 16, 4, (5,), torch.float32, id="aligned-fp32"),
     pytest.param(300, 256, 96, 16, 4, (5,), torch.bfloat16, id="aligned-bf16"),  # _grouped_mm in bf16
-    pytest.param(1024, 2048, 768, 128, 8, (), torch.bfloat16, id="qwen3-moe-bf16")])  # 1024 tokens
-def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype):
+    pytest.param(1024, 2048, 768, 128, 8, (), torch.float32, id="qwen3-moe-fp32"),
+    pytest.param(1024, 2048, 768, 128, 8, (), torch.bfloat16, id="qwen3-moe-bf16")])
+def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype, gemm, monkeypatch):
+    monkeypatch.setattr(moe, "GEMM_CHOICE", gemm)
     masters = _cuda(moe_tests.make_inputs(T, H, I, E, K, unused_experts=unused))
-    if dtype == torch.bfloat16 and (H, I) != (24, 20):
-        assert moe.grouped_mm_runs(masters[0].device, dtype, H, I)
+    runs = moe.grouped_mm_runs(masters[0].device, dtype, H, I)  # sm90, bf16, 16-byte rows
+    expected = "grouped_mm" if gemm == "auto" and runs else "triton"
+    assert moe._grouped_mm_plan(masters[0].to(dtype), masters[3].to(dtype), masters[4].to(dtype), ()) == expected
     moe_tests.check_against_pattern(masters, dtype, "silu")
     moe_tests.check_against_pattern(masters, dtype, "gelu_tanh", frozen=True)
 

@@ -434,19 +434,21 @@ def test_ungated_near_miss_stays_with_reason(act) -> None:
 
 
 def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
-    # Where torch._grouped_mm does not run (fp32 on a GPU, widths not a multiple of 16 bytes), the op's fallback
-    # gathers one expert weight per row; past REFERENCE_BYTES the site stays, saying why.
+    # Where neither torch._grouped_mm nor the Triton grouped GEMM runs (the CPU without Triton's interpreter, widths
+    # not a multiple of 16 bytes), the op's fallback gathers one expert weight per row; past REFERENCE_BYTES the site
+    # stays, saying why.
     from sloth.lowering import moe as lowering_moe
     from sloth.patterns import moe as pattern_moe
 
-    monkeypatch.setattr(lowering_moe, "grouped_mm_runs", lambda *args: False)
+    monkeypatch.setattr(lowering_moe, "gemm_runs", lambda *args: False)
     monkeypatch.setattr(pattern_moe, "REFERENCE_BYTES", 0)
     module = HandWrittenMoe()
     x = torch.randn(13, 24, generator=seeded(4))
     sloth.reset_report()
     torch.testing.assert_close(torch.compile(module, backend="sloth", options={"inner": "aot_eager"})(x), module(x))
     [reason] = [r.reason for r in sloth.report().rejections if r.family == "moe_route"]
-    assert "torch._grouped_mm does not run" in reason and "GiB of expert weights" in reason, reason
+    assert "neither torch._grouped_mm nor sloth's Triton grouped GEMM runs" in reason, reason
+    assert "GiB of expert weights" in reason, reason
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
