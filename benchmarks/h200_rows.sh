@@ -76,6 +76,7 @@
 #                                          # 16k 2048-row blocks, the chunks' CUDA tests; then Unsloth at 64k and 16k
 #   bash benchmarks/h200_rows.sh chunks-16k  # issue 19: 16k with the attention backward in head chunks, its checks, Unsloth
 #   bash benchmarks/h200_rows.sh grouped-gemm  # issue 20: torch._grouped_mm against the Triton grouped GEMM, checks, steps
+#   bash benchmarks/h200_rows.sh grouped-gemm-2  # issue 20: the checks, the default MoE step (mixed GEMMs), lean memory
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
@@ -93,7 +94,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k|moe-new-ops|next-19|next-19-unsloth|next-20|grouped-gemm|chunks-16k)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k|moe-new-ops|next-19|next-19-unsloth|next-20|grouped-gemm|grouped-gemm-2|chunks-16k)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -561,6 +562,14 @@ case $part in
                                echo "grouped_gemm: rc $?"; grep -E "^\{" "$out/logs/grouped_gemm.log"; }
         run grouped-moe-default 165 --all --model qwen3-moe --variants sloth --steps 16
         SLOTH_MOE_GEMM=triton run grouped-moe-triton 165 --all --model qwen3-moe --variants sloth --steps 16 ;;
+    grouped-gemm-2)  # issue 20 (2026-12-06): the checks again (fp32 summed in two levels, tiles fitted to the
+        # device), the default step ("mixed": the gathered GEMMs in Triton), the memory target's options with the q/k
+        # norms recomputed and the peak's contents, then the default step with torch._grouped_mm only
+        gpu_tests grouped-gemm-cuda 100 "moe_experts or grouped" tests/test_grouped_gemm.py tests/test_cuda_ops.py
+        SLOTH_NORM_ROPE_RECOMPUTE=1 run grouped2-lean-nr 140 --all --model qwen3-moe --variants sloth --steps 12 \
+            --memory-peak --sloth-options '{"moe_recompute": true, "return_logits": false}'
+        run grouped2-default 120 --all --model qwen3-moe --variants sloth --steps 16
+        SLOTH_MOE_GEMM=grouped_mm run grouped2-grouped-mm 100 --all --model qwen3-moe --variants sloth --steps 16 ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
         # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
         # 480 s; carry .whl)

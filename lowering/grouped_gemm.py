@@ -32,6 +32,8 @@ the tokens (T x K values, a few MiB) stay in L2.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -43,10 +45,13 @@ from .rounding import INTERPRETED, round_to
 
 @triton.jit
 def _dot(b_a, b_b, b_acc, IEEE: tl.constexpr):
-    """b_acc + b_a @ b_b in fp32: IEEE products for fp32 operands; the interpreter's dot takes 16-bit operands
-    widened to fp32 first (it returned garbage for bf16 ones under Triton 3.9: exact products either way)."""
+    """b_acc + b_a @ b_b in fp32. 16-bit operands on a GPU: the tensor cores' product accumulated into b_acc (the
+    order cuBLAS's grouped GEMM uses too: bit-equal to it at the benchmark's shapes). fp32 operands: IEEE products
+    (FMAs), each BLOCK_K slice summed on its own and then added, two-level summation: one running sum over K = 2048
+    made the router weights' gradient 2.7x eager's error on an H100 (cuBLAS splits K for few rows); the interpreter
+    takes 16-bit operands widened to fp32 (its dot returned garbage for bf16 ones under Triton 3.9)."""
     if IEEE or INTERPRETED:
-        return tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), b_acc, input_precision="ieee")
+        return b_acc + tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(b_a, b_b, b_acc)
 
@@ -130,14 +135,58 @@ def _grouped_mm_weight_kernel(
     tl.store(p_o, round_to(b_acc, p_out.dtype.element_ty), mask=m_k[:, None] & m_n[None, :])
 
 
-def _config(a: torch.Tensor) -> dict:
-    """Tile sizes: 128 x 128 x 64, 8 warps, 3 stages for 16-bit operands on a GPU, 64 x 64 x 32 for fp32 (IEEE
-    products are FMAs, no tensor cores), small tiles in the interpreter (whose time grows with the tile's work)."""
+# Tile sizes for 16-bit operands on a GPU, the fastest of five settings at three MoE shapes on an H100
+# (benchmarks/results/2026-12-06_h100_103628_grouped_gemm.md): the row form at 128 x 256 x 64 (8 warps, 3 stages),
+# 0.51-0.89x the time of 128 x 128 x 64; the weight form at 64 x 128 x 64 (4 warps, 4 stages; 128 x 256 needs 240 KiB
+# of shared memory, over the H100's 227).
+_ROW_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+_WEIGHT_TILES = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+# fp32 operands multiply in IEEE FMAs (no tensor cores): small tiles.
+_FP32_TILES = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    """Shared memory one program may use on CUDA device ``index`` (bytes): 227 KiB on an H100, 163 on an A100,
+    99 on an L4 or RTX 4090."""
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def _fitted(tiles: dict, limit: int, size: int, weight_form: bool) -> dict:
+    """``tiles`` with fewer stages, then narrower tiles, until the pipelined operand tiles fit ``limit`` bytes (stages
+    x (A tile + B tile) x element size: what Triton asked for when a setting did not fit)."""
+    tiles = dict(tiles)
+
+    def need() -> int:
+        m, n, k = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+        return tiles["num_stages"] * ((k * m + m * n) if weight_form else (m * k + k * n)) * size
+
+    while need() > limit:
+        if tiles["num_stages"] > 2:
+            tiles["num_stages"] -= 1
+        elif tiles["BLOCK_N"] > 64:
+            tiles["BLOCK_N"] //= 2
+            tiles["num_warps"] = 4
+        elif tiles["BLOCK_M"] > 32:
+            tiles["BLOCK_M"] //= 2
+        else:
+            break
+    return tiles
+
+
+def _config(a: torch.Tensor, weight_form: bool = False) -> dict:
+    """The tile sizes for operand ``a``'s device and dtype (above); small ones in the interpreter, whose time grows
+    with the tile's work."""
     if a.device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4)
-    if a.dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    return _cuda_config(index, a.dtype, weight_form)
+
+
+@functools.cache
+def _cuda_config(index: int, dtype: torch.dtype, weight_form: bool) -> dict:
+    tiles = _FP32_TILES if dtype == torch.float32 else _WEIGHT_TILES if weight_form else _ROW_TILES
+    return _fitted(tiles, _shared_memory(index), dtype.itemsize, weight_form)
 
 
 def _check(name: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
@@ -184,7 +233,7 @@ def grouped_mm_weight(left: torch.Tensor, right: torch.Tensor, offs: torch.Tenso
     out = torch.empty((n_groups, n_k, n_n), dtype=left.dtype, device=left.device)
     if out.numel() == 0:
         return out
-    c = config or _config(left)
+    c = config or _config(left, weight_form=True)
     launch(_grouped_mm_weight_kernel)[(n_groups, cdiv(n_k, c["BLOCK_K"]), cdiv(n_n, c["BLOCK_N"]))](
         left, right, offs, out,
         n_k, n_n, left.stride(0), left.stride(1), right.stride(0), right.stride(1),

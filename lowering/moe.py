@@ -234,18 +234,30 @@ class _Gathered(_Lazy):
         self.source, self.index = source, index
 
 
-# Which grouped GEMM the op runs: "auto" (torch._grouped_mm where it runs, else Triton's where Triton runs, else the
-# reference), or "triton", "grouped_mm" to measure one against the other (SLOTH_MOE_GEMM, read at import).
+# Which grouped GEMMs the op runs: "auto" (below), or "triton", "grouped_mm" for one kind throughout, to measure one
+# against the other (SLOTH_MOE_GEMM, read at import).
 GEMM_CHOICE = os.environ.get("SLOTH_MOE_GEMM", "auto")
 if GEMM_CHOICE not in ("auto", "triton", "grouped_mm"):
     raise ValueError(f"SLOTH_MOE_GEMM must be auto, triton or grouped_mm, got {GEMM_CHOICE!r}")
+# "auto" reads the tokens' rows through the sort order in Triton's GEMM (the forward's first GEMM, its recompute, the
+# backward's first) where experts get at most this many rows on average, and runs every other GEMM in
+# torch._grouped_mm. H100, bf16, 4096 tokens (benchmarks/results/2026-12-06_h100_103628_grouped_gemm.md), ms with
+# _grouped_mm's gather included / Triton's 128 x 256 tiles:
+#     Qwen3-MoE (256 rows an expert):    first GEMM 0.522 / 0.537, backward's first 0.333 / 0.267
+#     GPT-OSS-20B (512 rows an expert):  1.125 / 1.168, 0.586 / 0.572
+#     Mixtral-8x7B (1024 rows an expert): 3.280 / 3.690, 1.556 / 1.758
+# and the GEMMs on rows the op forms anyway (second forward, dx, weight gradients) 1.2-2.4x slower in Triton. At
+# Qwen3-MoE's shape the pair saves 0.05 ms a layer and, more to the point, never writes the two gathered [S, H]
+# copies (128 MiB each, both alive at the backward's peak under moe_recompute).
+GATHER_ROWS_PER_EXPERT = 256
 
 
 class GroupedGemm:
     """The grouped GEMMs of one op call over the groups ``offs`` (the rows of expert e; ``group_of_row``, a tensor
     or ``_Lazy``, names each row's expert): ``gemm(a, b)`` is ``torch._grouped_mm(a, b, offs=offs)`` computed by
     ``backend``: "grouped_mm" (torch's), "triton" (lowering/grouped_gemm.py, which reads a ``_Gathered`` operand
-    through its index) or "reference" (``_grouped_mm_reference``).
+    through its index), "mixed" (Triton's for a ``_Gathered`` operand, torch's for the rest) or "reference"
+    (``_grouped_mm_reference``).
 
     Which is decided once a call (``_grouped_mm_plan``), not once a GEMM: every operand other than the op's weights
     is a tensor the call forms, fresh (so aligned) with row strides among H, 2I (I ungated), I and the adapters'
@@ -256,15 +268,15 @@ class GroupedGemm:
         self.offs, self.group_of_row, self.backend = offs, group_of_row, backend
 
     def __call__(self, a, b: torch.Tensor) -> torch.Tensor:
+        if isinstance(a, _Gathered) and b.dim() == 3 and self.backend in ("triton", "mixed"):
+            return grouped_mm(a.source, b, self.offs, a.index)
         if self.backend == "triton":
             if b.dim() == 2:  # [K, S] x [S, N] -> [E, K, N]: a is left.t()
                 return grouped_mm_weight(a.value().t() if isinstance(a, _Gathered) else a.t(), b, self.offs)
-            if isinstance(a, _Gathered):
-                return grouped_mm(a.source, b, self.offs, a.index)
             return grouped_mm(a, b, self.offs)
         if isinstance(a, _Gathered):
             a = a.value()
-        if self.backend == "grouped_mm":
+        if self.backend in ("grouped_mm", "mixed"):
             return torch._grouped_mm(a, b, offs=self.offs)
         ids = self.group_of_row
         return _grouped_mm_reference(a, b, self.offs, ids.value() if isinstance(ids, _Lazy) else ids)
@@ -278,17 +290,19 @@ def gemm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter: int)
 
 
 def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                     factors: tuple) -> str:
-    """The backend of one call's grouped GEMMs (``GroupedGemm``): "grouped_mm" where ``grouped_mm_runs`` at its sizes
-    (H and I; it checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k, and the
-    rank) multiples of 16 bytes too, and both weights (maybe transposed views) 16-byte aligned, unless
-    SLOTH_MOE_GEMM=triton; else "triton" where Triton runs on x, else "reference". ``factors``: the adapters'
-    contiguous factors, None where not given (the op checked their dtype and shapes)."""
+                     factors: tuple, n_rows: int = 0) -> str:
+    """The backend of one call's grouped GEMMs (``GroupedGemm``). Where ``grouped_mm_runs`` at its sizes (H and I; it
+    checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k, and the rank) are
+    multiples of 16 bytes too and both weights (maybe transposed views) 16-byte aligned: "grouped_mm", or on a GPU
+    "mixed" when the experts get at most ``GATHER_ROWS_PER_EXPERT`` of the ``n_rows`` sorted rows on average. Else "triton"
+    where Triton runs on x, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one. ``factors``: the
+    adapters' contiguous factors, None where not given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()
     if (GEMM_CHOICE != "triton" and grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
             and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors if f is not None)
             and _aligned(gate_up_proj) and _aligned(down_proj)):
-        return "grouped_mm"
+        few_rows = n_rows <= GATHER_ROWS_PER_EXPERT * gate_up_proj.shape[0]
+        return "mixed" if GEMM_CHOICE == "auto" and few_rows and x.device.type == "cuda" else "grouped_mm"
     if GEMM_CHOICE != "grouped_mm" and use_triton(x):
         return "triton"
     return "reference"
@@ -415,7 +429,8 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     top_k = top_k_index.shape[1]
     order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
-    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2)))
+    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2),
+                                                        top_k_index.numel()))
     # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
     # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
     gu_S2I, h_SI = _first_gemm(gemm, _Gathered(x, order // top_k), gate_up_proj, b1, a1, gate_up_lora_scale, gate_up_bias,
@@ -485,7 +500,8 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     # The experts of the sorted rows, which the reference grouped GEMM and the biases read: formed once, on first use.
     sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
-    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2)))
+    gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2),
+                                                        top_k_index.numel()))
     s1, s2 = gate_up_lora_scale, down_lora_scale
     if gu.shape[0] != order.shape[0]:  # the forward ran with recompute_gu: gu again, as the forward formed it
         gu, _ = _first_gemm(gemm, _Gathered(x, token_of_row), gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sloth.lowering.grouped_gemm import grouped_mm, grouped_mm_weight
+from sloth.lowering.grouped_gemm import _ROW_TILES, _WEIGHT_TILES, _fitted, grouped_mm, grouped_mm_weight
 from tolerance import assert_close
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -128,3 +128,18 @@ def test_bad_inputs_are_named():
         grouped_mm(a, b, _offs([4]))
     with pytest.raises(ValueError, match="row count"):
         grouped_mm_weight(a, torch.randn(5, 8), _offs([2, 2]))
+
+
+@pytest.mark.parametrize("weight_form", [False, True], ids=["rows", "weight"])
+def test_tiles_fit_the_devices_shared_memory(weight_form):
+    # The H100's 227 KiB takes the measured tiles as they are; an A100's 163 and an L4's 99 get fewer stages, then
+    # narrower tiles, until the pipelined operand tiles fit (a setting that does not fit fails at launch).
+    tiles = _WEIGHT_TILES if weight_form else _ROW_TILES
+    assert _fitted(tiles, 227 << 10, 2, weight_form) == tiles
+    for limit in (163 << 10, 99 << 10, 48 << 10):
+        fitted = _fitted(tiles, limit, 2, weight_form)
+        m, n, k = fitted["BLOCK_M"], fitted["BLOCK_N"], fitted["BLOCK_K"]
+        need = fitted["num_stages"] * ((k * m + m * n) if weight_form else (m * k + k * n)) * 2
+        assert need <= limit and fitted["num_stages"] >= 2, (limit, fitted)
+    assert _fitted(_ROW_TILES, 99 << 10, 2, False)["num_stages"] == 2  # 96 KiB in two stages
+    assert _fitted(_ROW_TILES, 48 << 10, 2, False)["BLOCK_N"] < _ROW_TILES["BLOCK_N"]

@@ -186,21 +186,31 @@ def test_gpt_oss_frozen_experts_and_biases(dtype):
     check_variant(masters, biases, dtype, "swiglu_oai", True, frozen=True)
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "mixed", "reference"])
 @pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)], ids=["gated-silu", "ungated-relu2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_grouped_gemm_backends_agree(monkeypatch, dtype, act, gated, backend):
     # The aligned shape runs torch._grouped_mm's CPU kernel; the Triton grouped GEMM (tokens read through the sort
-    # order, weight gradients too) and the reference must give the same numbers, every gradient within the rule.
+    # order, weight gradients too), the two mixed (Triton's where the tokens are read through the order, as "auto"
+    # runs on a GPU) and the reference must give the same numbers, every gradient within the rule.
     masters = make_inputs(17, 32, 16, 4, 2, unused_experts=(1,), gated=gated)
     x32 = masters[0].to(dtype)
-    assert lowering._grouped_mm_plan(x32, masters[3].to(dtype), masters[4].to(dtype), ()) == "grouped_mm"
+    assert lowering._grouped_mm_plan(x32, masters[3].to(dtype), masters[4].to(dtype), (), 34) == "grouped_mm"
     grouped = check_against_pattern(masters, dtype, act, gated=gated)
     monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args: backend)
     other = check_against_pattern(masters, dtype, act, gated=gated)
     for name, a, b in zip(GRAD_NAMES, grouped, other):
         torch.testing.assert_close(a, b, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-4 if
                                    dtype == torch.float32 else 2e-2, msg=lambda m: f"{name}: {m}")
+
+
+def test_lora_experts_on_every_backend(monkeypatch):
+    # LoRA on both expert GEMMs, adapters and experts training: their products read the gathered tokens too (the Triton GEMM
+    # through the order, the others on the formed copy); every gradient within the rule on each backend.
+    masters, adapters = make_inputs(17, 32, 16, 4, 2, unused_experts=(2,)), make_adapters(4, 32, 16, 8)
+    for backend in ("grouped_mm", "mixed", "triton", "reference"):
+        monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args, b=backend: b)
+        check_lora(masters, adapters, torch.float32, base_trains=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
