@@ -149,7 +149,8 @@ _FP32_TILES = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3
 def _shared_memory(index: int) -> int:
     """Shared memory one program may use on CUDA device ``index`` (bytes): 227 KiB on an H100, 163 on an A100,
     99 on an L4 or RTX 4090."""
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block  # (ROCm: not given)
 
 
 def _fitted(tiles: dict, limit: int, size: int, weight_form: bool) -> dict:
