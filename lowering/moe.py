@@ -110,7 +110,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .backend_choice import triton_interpreter_on, use_triton
+from .backend_choice import triton_interpreter_on
 from .devices import check_one_device
 from .glu import glu_forward
 from .grouped_gemm import grouped_mm, grouped_mm_weight
@@ -282,11 +282,21 @@ class GroupedGemm:
         return _grouped_mm_reference(a, b, self.offs, ids.value() if isinstance(ids, _Lazy) else ids)
 
 
+def _triton_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether "auto" may run the Triton grouped GEMM here: 16-bit floats on a GPU, any float in the CPU interpreter.
+    Not fp32 on a GPU: at 512 tokens of Qwen3-MoE's H and I (32 experts) the router weights' gradient came out at
+    2.9x eager's error on an H100 (tests/test_cuda_ops.py's rule is 2x; the cause is not found), so fp32 experts keep
+    the reference GEMM there as before, which the pattern refuses at sizes its gathered weights cannot hold."""
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float16) or GEMM_CHOICE == "triton"
+    return device.type == "cpu" and triton_interpreter_on()
+
+
 def gemm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
     """Whether the op's grouped GEMMs run without the reference's gathered weights (S*k*n memory): torch's
-    ``_grouped_mm`` (``grouped_mm_runs``) or Triton's (any CUDA device, or the CPU under Triton's interpreter)."""
-    triton_runs = device.type == "cuda" or (device.type == "cpu" and triton_interpreter_on())
-    return grouped_mm_runs(device, dtype, hidden, inter) or (GEMM_CHOICE != "grouped_mm" and triton_runs)
+    ``_grouped_mm`` (``grouped_mm_runs``) or Triton's (``_triton_gemm_runs``)."""
+    return grouped_mm_runs(device, dtype, hidden, inter) or (GEMM_CHOICE != "grouped_mm"
+                                                              and _triton_gemm_runs(device, dtype))
 
 
 def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -295,7 +305,7 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k, and the rank) are
     multiples of 16 bytes too and both weights (maybe transposed views) 16-byte aligned: "grouped_mm", or on a GPU
     "mixed" when the experts get at most ``GATHER_ROWS_PER_EXPERT`` of the ``n_rows`` sorted rows on average. Else "triton"
-    where Triton runs on x, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one. ``factors``: the
+    where ``_triton_gemm_runs``, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one. ``factors``: the
     adapters' contiguous factors, None where not given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()
     if (GEMM_CHOICE != "triton" and grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
@@ -303,7 +313,7 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
             and _aligned(gate_up_proj) and _aligned(down_proj)):
         few_rows = n_rows <= GATHER_ROWS_PER_EXPERT * gate_up_proj.shape[0]
         return "mixed" if GEMM_CHOICE == "auto" and few_rows and x.device.type == "cuda" else "grouped_mm"
-    if GEMM_CHOICE != "grouped_mm" and use_triton(x):
+    if GEMM_CHOICE != "grouped_mm" and _triton_gemm_runs(x.device, x.dtype):
         return "triton"
     return "reference"
 
@@ -524,7 +534,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     d_gu, dw_S, hw_SI = glu_backward_weighted(c_SI, gu, top_k_weights, order, ACTIVATIONS.get(act, act), compute_dw,
                                               compute_d_down or down_lora_trains, interleaved, alpha, limit, d_w_add,
                                               gated)
-    del c_SI  # as in the forward, each [S, .] intermediate is dropped after its last read
+    del c_SI, gu  # as in the forward, each [S, .] intermediate is dropped after its last read (gu: when recomputed)
     if gate_up_bias is not None and compute_d_gate_up_bias:
         d_gate_up_bias = segment_sum(d_gu, offs, sorted_ids.value(), None, gate_up_bias.dtype)
     # A fresh empty tensor for each gradient not formed: a custom op's outputs may not alias one another.

@@ -475,8 +475,8 @@ def _accept(site: MoeSite) -> Optional[str]:
     if not moe.gemm_runs(x.device, x.dtype, x.shape[1], inter) and reference_bytes > REFERENCE_BYTES:
         return (f"neither torch._grouped_mm nor sloth's Triton grouped GEMM runs {str(x.dtype).replace('torch.', '')} "
                 f"experts of width {inter} on {x.device.type} here, and the op's fallback would gather "
-                f"{reference_bytes / 2**30:.1f} GiB of expert weights (on a GPU the op takes every float dtype; on the "
-                "CPU, torch >= 2.9's _grouped_mm needs H and I multiples of 16 bytes)")
+                f"{reference_bytes / 2**30:.1f} GiB of expert weights (on a GPU the op takes bfloat16 and float16; on "
+                "the CPU, torch >= 2.9's _grouped_mm needs H and I multiples of 16 bytes)")
     tolerance = PROBE_TOLERANCE[out.dtype]
     with unset_fake_temporarily(), torch.no_grad():
         try:

@@ -32,24 +32,24 @@ def _cuda(tensors):
     return [t.cuda() for t in tensors]
 
 
-# Qwen3-MoE's layer (1024 tokens; in fp32 its H and I with 32 experts, so that the float64 oracle fits beside the
-# other workers): torch._grouped_mm takes bf16 only, so fp32 and the unaligned shapes run the Triton grouped GEMM
-# (lowering/grouped_gemm.py), and "auto" reads the tokens through the order in it ("mixed"); "triton" runs it
-# throughout.
+# Qwen3-MoE's layer (1024 tokens) in bf16: torch._grouped_mm with the tokens read through the order in the Triton
+# grouped GEMM ("mixed"), or Triton's throughout ("triton"); the unaligned bf16 shape runs Triton's either way. fp32
+# keeps the reference GEMM unless "triton" is forced (lowering/moe.py's _triton_gemm_runs says why: at 512 tokens of
+# this layer's widths its router-weight gradient was 2.9x eager's error on an H100).
 @pytest.mark.parametrize("gemm", ["auto", "triton"])
 @pytest.mark.parametrize("T,H,I,E,K,unused,dtype", [
     pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),  # unaligned: Triton's grouped GEMM
     pytest.param(13, 24, 20, 5, 2, (3,), torch.bfloat16, id="odd-bf16"),
     pytest.param(300, 256, 96, 16, 4, (5,), torch.float32, id="aligned-fp32"),
     pytest.param(300, 256, 96, 16, 4, (5,), torch.bfloat16, id="aligned-bf16"),  # _grouped_mm in bf16
-    pytest.param(512, 2048, 768, 32, 4, (), torch.float32, id="qwen3-moe-width-fp32"),  # 32 experts: fp64 fits
     pytest.param(1024, 2048, 768, 128, 8, (), torch.bfloat16, id="qwen3-moe-bf16")])
 def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype, gemm, monkeypatch):
     monkeypatch.setattr(moe, "GEMM_CHOICE", gemm)
     masters = _cuda(moe_tests.make_inputs(T, H, I, E, K, unused_experts=unused))
     runs = moe.grouped_mm_runs(masters[0].device, dtype, H, I)  # sm90, bf16, 16-byte rows
     few_rows = T * K <= moe.GATHER_ROWS_PER_EXPERT * E
-    expected = ("mixed" if few_rows else "grouped_mm") if gemm == "auto" and runs else "triton"
+    triton = "triton" if dtype != torch.float32 or gemm == "triton" else "reference"
+    expected = ("mixed" if few_rows else "grouped_mm") if gemm == "auto" and runs else triton
     plan = moe._grouped_mm_plan(masters[0].to(dtype), masters[3].to(dtype), masters[4].to(dtype), (), T * K)
     assert plan == expected
     moe_tests.check_against_pattern(masters, dtype, "silu")
