@@ -175,18 +175,24 @@ def _fitted(tiles: dict, limit: int, size: int, weight_form: bool) -> dict:
     return tiles
 
 
-def _config(a: torch.Tensor, weight_form: bool = False) -> dict:
-    """The tile sizes for operand ``a``'s device and dtype (above); small ones in the interpreter, whose time grows
-    with the tile's work."""
+def _config(a: torch.Tensor, n_n: int, n_k: int = 0, weight_form: bool = False) -> dict:
+    """The tile sizes for operand ``a``'s device and dtype (above), narrowed to the output's width ``n_n`` (and, for
+    the weight form, its height ``n_k``) where that is smaller: a LoRA factor's products are rank r wide, and a
+    256-wide tile would multiply 16 columns of data and 240 of zeros; small tiles in the interpreter, whose time
+    grows with the tile's work."""
     if a.device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    return _cuda_config(index, a.dtype, weight_form)
+    return _cuda_config(index, a.dtype, weight_form, min(next_power_of_2(n_n), 256),
+                        min(next_power_of_2(n_k), 256) if weight_form else 0)
 
 
 @functools.cache
-def _cuda_config(index: int, dtype: torch.dtype, weight_form: bool) -> dict:
-    tiles = _FP32_TILES if dtype == torch.float32 else _WEIGHT_TILES if weight_form else _ROW_TILES
+def _cuda_config(index: int, dtype: torch.dtype, weight_form: bool, width: int, height: int) -> dict:
+    tiles = dict(_FP32_TILES if dtype == torch.float32 else _WEIGHT_TILES if weight_form else _ROW_TILES)
+    tiles["BLOCK_N"] = max(16, min(tiles["BLOCK_N"], width))
+    if weight_form:  # the weight kernel's BLOCK_K tiles the output's rows
+        tiles["BLOCK_K"] = max(16, min(tiles["BLOCK_K"], height))
     return _fitted(tiles, _shared_memory(index), dtype.itemsize, weight_form)
 
 
@@ -212,7 +218,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch
     out = torch.empty((n_rows, n_n), dtype=a.dtype, device=a.device)
     if n_rows == 0 or n_n == 0:
         return out
-    c = config or _config(a)
+    c = config or _config(a, n_n)
     launch(_grouped_mm_kernel)[(cdiv(n_rows, c["BLOCK_M"]) + n_groups, cdiv(n_n, c["BLOCK_N"]))](
         a, rows if rows is not None else offs, b, offs, out,
         n_k, n_n, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
@@ -234,7 +240,7 @@ def grouped_mm_weight(left: torch.Tensor, right: torch.Tensor, offs: torch.Tenso
     out = torch.empty((n_groups, n_k, n_n), dtype=left.dtype, device=left.device)
     if out.numel() == 0:
         return out
-    c = config or _config(left, weight_form=True)
+    c = config or _config(left, n_n, n_k, weight_form=True)
     launch(_grouped_mm_weight_kernel)[(n_groups, cdiv(n_k, c["BLOCK_K"]), cdiv(n_n, c["BLOCK_N"]))](
         left, right, offs, out,
         n_k, n_n, left.stride(0), left.stride(1), right.stride(0), right.stride(1),

@@ -143,3 +143,17 @@ def test_tiles_fit_the_devices_shared_memory(weight_form):
         assert need <= limit and fitted["num_stages"] >= 2, (limit, fitted)
     assert _fitted(_ROW_TILES, 99 << 10, 2, False)["num_stages"] == 2  # 96 KiB in two stages
     assert _fitted(_ROW_TILES, 48 << 10, 2, False)["BLOCK_N"] < _ROW_TILES["BLOCK_N"]
+
+
+def test_tiles_narrow_to_a_rank_wide_output(monkeypatch):
+    # A LoRA factor's products are rank r wide: the tile is narrowed to them (16 columns, not 256 of which 240 are
+    # zeros), and the weight form's output rows too.
+    import sloth.lowering.grouped_gemm as grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "_shared_memory", lambda index: 227 << 10)
+    config = grouped_gemm._cuda_config.__wrapped__
+    assert config(0, torch.bfloat16, False, 16, 0)["BLOCK_N"] == 16
+    assert config(0, torch.bfloat16, False, 256, 0) == _ROW_TILES  # _config caps the width at 256
+    weight = config(0, torch.bfloat16, True, 16, 16)
+    assert weight["BLOCK_N"] == 16 and weight["BLOCK_K"] == 16
+    assert config(0, torch.bfloat16, True, 256, 256) == _WEIGHT_TILES
