@@ -118,8 +118,9 @@ def _grouped_mm_weight_kernel(
     i_g = tl.program_id(0)
     row_start = tl.load(p_offs + i_g - 1, mask=i_g > 0, other=0).to(tl.int32)
     row_end = tl.load(p_offs + i_g).to(tl.int32)
-    o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    o_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64: o_k * stride and o_n * stride reach K * S or N * S for column-major operands
+    o_k = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    o_n = (tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_k, m_n = o_k < n_k, o_n < n_n
     o_m = tl.arange(0, BLOCK_M)
     b_acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -210,6 +211,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch
     without ``rows``), ``b`` [E, K, N] with any strides, ``offs`` [E] the groups' row ends, ``rows`` [S] int.
     ``config`` overrides the tile sizes (benchmarks/ops/grouped_gemm.py)."""
     _check("sloth grouped_mm", a, b, offs)
+    offs = offs.contiguous()  # the kernels read offs and rows as dense vectors
+    rows = rows.contiguous() if rows is not None else None
     n_rows = rows.shape[0] if rows is not None else a.shape[0]
     n_groups, n_k, n_n = b.shape
     if a.shape[1] != n_k or offs.shape[0] != n_groups:
@@ -233,6 +236,7 @@ def grouped_mm_weight(left: torch.Tensor, right: torch.Tensor, offs: torch.Tenso
     """[E, K, N]: out[e] = sum over group e's rows of left[s]^T right[s] (``torch._grouped_mm(left.t(), right,
     offs=offs)``), ``left`` [S, K], ``right`` [S, N], any strides; zero for an empty group."""
     _check("sloth grouped_mm_weight", left, right, offs)
+    offs = offs.contiguous()
     if left.shape[0] != right.shape[0]:
         raise ValueError(f"sloth grouped_mm_weight: left and right need one row count, got {tuple(left.shape)} and "
                          f"{tuple(right.shape)}")

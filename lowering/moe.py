@@ -283,20 +283,22 @@ class GroupedGemm:
 
 
 def _triton_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether "auto" may run the Triton grouped GEMM here: 16-bit floats on a GPU, any float in the CPU interpreter.
-    Not fp32 on a GPU: at 512 tokens of Qwen3-MoE's H and I (32 experts) the router weights' gradient came out at
-    2.9x eager's error on an H100 (tests/test_cuda_ops.py's rule is 2x; the cause is not found), so fp32 experts keep
-    the reference GEMM there as before, which the pattern refuses at sizes its gathered weights cannot hold."""
+    """Whether "auto" may run the Triton grouped GEMM here: 16-bit floats on a GPU of sm80 or later, any float in the
+    CPU interpreter. Not fp32 on a GPU: at 512 tokens of Qwen3-MoE's H and I (32 experts) the router weights'
+    gradient came out at 2.9x eager's error on an H100 (tests/test_cuda_ops.py's rule is 2x; the cause is not found),
+    so fp32 experts keep the reference GEMM there as before, which the pattern refuses at sizes its gathered weights
+    cannot hold. Not before sm80 (bf16 tensor-core products): untested there, the reference as before."""
     if device.type == "cuda":
-        return dtype in (torch.bfloat16, torch.float16) or GEMM_CHOICE == "triton"
+        return _capability(_index(device)) >= (8, 0) and (dtype in (torch.bfloat16, torch.float16)
+                                                           or GEMM_CHOICE == "triton")
     return device.type == "cpu" and triton_interpreter_on()
 
 
 def gemm_runs(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> bool:
     """Whether the op's grouped GEMMs run without the reference's gathered weights (S*k*n memory): torch's
     ``_grouped_mm`` (``grouped_mm_runs``) or Triton's (``_triton_gemm_runs``)."""
-    return grouped_mm_runs(device, dtype, hidden, inter) or (GEMM_CHOICE != "grouped_mm"
-                                                              and _triton_gemm_runs(device, dtype))
+    return ((GEMM_CHOICE != "triton" and grouped_mm_runs(device, dtype, hidden, inter))
+            or (GEMM_CHOICE != "grouped_mm" and _triton_gemm_runs(device, dtype)))
 
 
 def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

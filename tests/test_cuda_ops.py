@@ -38,8 +38,9 @@ def _cuda(tensors):
 # this layer's widths its router-weight gradient was 2.9x eager's error on an H100).
 @pytest.mark.parametrize("gemm", ["auto", "triton"])
 @pytest.mark.parametrize("T,H,I,E,K,unused,dtype", [
-    pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),  # unaligned: Triton's grouped GEMM
-    pytest.param(13, 24, 20, 5, 2, (3,), torch.bfloat16, id="odd-bf16"),
+    pytest.param(13, 24, 20, 5, 2, (3,), torch.float32, id="odd-fp32"),  # fp32: the reference unless forced
+    pytest.param(13, 24, 20, 5, 2, (3,), torch.bfloat16, id="odd-bf16"),  # unaligned: Triton's grouped GEMM
+    pytest.param(300, 256, 96, 16, 4, (5,), torch.float16, id="aligned-fp16"),  # _grouped_mm takes no fp16
     pytest.param(300, 256, 96, 16, 4, (5,), torch.float32, id="aligned-fp32"),
     pytest.param(300, 256, 96, 16, 4, (5,), torch.bfloat16, id="aligned-bf16"),  # _grouped_mm in bf16
     pytest.param(1024, 2048, 768, 128, 8, (), torch.bfloat16, id="qwen3-moe-bf16")])

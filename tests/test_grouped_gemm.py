@@ -2,8 +2,9 @@
 
 Oracle: each group's rows multiplied by its matrix with ``torch.matmul`` at the tested dtype ("eager") and in float64
 (the reference); the tolerance rule of tests/tolerance.py. Odd sizes, empty groups at the start, middle and end, one
-group holding every row, rows read through an index (the experts' sorted tokens), operands transposed, and fewer
-rows in the groups than the operand has (the rows past the last group are left as they were).
+group holding every row, groups of several row tiles (at the interpreter's tiles and at 16-wide ones), rows read
+through an index (the experts' sorted tokens), operands transposed, index vectors as strided views, and fewer rows in
+the groups than the operand has.
 """
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ GROUPS = {
     "one-group-all": [0, 0, 23, 0],
     "small": [1, 2],
     "many": [3, 0, 1, 7, 2, 0, 4, 5, 1, 0, 6],
+    # groups of several row tiles (the interpreter's tiles are 32 rows, SMALL_TILES' 16): exact multiples, one row
+    # past a multiple, and the grid's worst case (every group one row into a new tile)
+    "multi-tile": [33, 0, 64, 17, 70, 32, 1],
 }
+# tiles of 16 (BLOCK_M, BLOCK_N, BLOCK_K): more row tiles a group and more K steps at these sizes
+SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
 
 
 def _offs(sizes: list[int]) -> torch.Tensor:
@@ -37,11 +43,12 @@ def _per_group(a: torch.Tensor, b: torch.Tensor, sizes: list[int], dtype: torch.
     return out
 
 
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default-tiles", "16-tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("groups", list(GROUPS), ids=list(GROUPS))
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
 @pytest.mark.parametrize("b_layout", ["kn", "nk-transposed"])
-def test_grouped_mm_matches_per_group_matmuls(dtype, groups, gather, b_layout, device):
+def test_grouped_mm_matches_per_group_matmuls(dtype, groups, gather, b_layout, tiles, device):
     sizes = GROUPS[groups]
     g = torch.Generator().manual_seed(len(sizes))
     n_rows, n_k, n_n = sum(sizes), 37, 45
@@ -57,7 +64,7 @@ def test_grouped_mm_matches_per_group_matmuls(dtype, groups, gather, b_layout, d
         source, rows = torch.randn(n_rows, n_k, generator=g), None
         a = source
     out = grouped_mm(source.to(device, dtype), b.to(device, dtype), _offs(sizes).to(device),
-                     rows.to(device) if rows is not None else None).cpu()
+                     rows.to(device) if rows is not None else None, config=tiles).cpu()
     assert out.shape == (n_rows, n_n) and out.dtype == dtype
     eager = _per_group(a.to(dtype), b.to(dtype), sizes, dtype)
     reference = _per_group(a.to(dtype), b.to(dtype), sizes, torch.float64)
@@ -65,8 +72,8 @@ def test_grouped_mm_matches_per_group_matmuls(dtype, groups, gather, b_layout, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_mm_leaves_rows_past_the_groups(dtype, device):
-    # offs[-1] < S: like torch._grouped_mm, the rows after the last group are not written.
+def test_grouped_mm_with_rows_past_the_last_group(dtype, device):
+    # offs[-1] < S: the groups' rows are right (the rest, like torch._grouped_mm's, are left unspecified).
     a = torch.randn(10, 16, dtype=dtype)
     b = torch.randn(2, 16, 24, dtype=dtype)
     offs = torch.tensor([3, 7], dtype=torch.int32)
@@ -75,19 +82,40 @@ def test_grouped_mm_leaves_rows_past_the_groups(dtype, device):
     assert_close("grouped_mm", out[:7], _per_group(a, b, [3, 4], dtype)[:7], reference[:7])
 
 
+def test_strided_index_vectors_are_read_as_given(device):
+    # offs and rows as strided views (every other element of a longer vector): read through their strides.
+    g = torch.Generator().manual_seed(5)
+    sizes = [4, 0, 6, 3]
+    offs_view = torch.stack([_offs(sizes), torch.full((4,), 10 ** 6, dtype=torch.int32)], 1).reshape(-1)[::2]
+    source = torch.randn(7, 16, generator=g)
+    rows = torch.randint(0, 7, (26,), generator=g)
+    rows_view = rows[::2]
+    b = torch.randn(4, 16, 24, generator=g)
+    out = grouped_mm(source.to(device), b.to(device), offs_view.to(device), rows_view.to(device)).cpu()
+    reference = _per_group(source[rows_view], b, sizes, torch.float64)
+    assert_close("grouped_mm", out, _per_group(source[rows_view], b, sizes, torch.float32), reference)
+    left, right = torch.randn(13, 8, generator=g), torch.randn(13, 12, generator=g)
+    weight = grouped_mm_weight(left.to(device), right.to(device), offs_view.to(device)).cpu()
+    start = 0
+    for e, n in enumerate(sizes):
+        torch.testing.assert_close(weight[e], left[start:start + n].t() @ right[start:start + n], atol=1e-5, rtol=1e-5)
+        start += n
+
+
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default-tiles", "16-tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("groups", list(GROUPS), ids=list(GROUPS))
 @pytest.mark.parametrize("layout", ["rows", "columns"])
-def test_grouped_mm_weight_matches_per_group_sums(dtype, groups, layout, device):
+def test_grouped_mm_weight_matches_per_group_sums(dtype, groups, layout, tiles, device):
     sizes = GROUPS[groups]
     g = torch.Generator().manual_seed(7 + len(sizes))
     n_rows, n_k, n_n = sum(sizes), 29, 35
     left = torch.randn(n_rows, n_k, generator=g).to(dtype)
     right = torch.randn(n_rows, n_n, generator=g).to(dtype)
     on_device = [t.to(device) for t in (left, right)]
-    if layout == "columns":  # column-major operands (a transpose's view, as the op's weight gradients pass)
+    if layout == "columns":  # column-major operands (a transpose's view; the op's own are row-major)
         on_device = [t.t().contiguous().t() for t in on_device]
-    out = grouped_mm_weight(*on_device, _offs(sizes).to(device)).cpu()
+    out = grouped_mm_weight(*on_device, _offs(sizes).to(device), config=tiles).cpu()
     assert out.shape == (len(sizes), n_k, n_n) and out.dtype == dtype
 
     def sums(dt):

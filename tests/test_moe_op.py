@@ -204,6 +204,21 @@ def test_grouped_gemm_backends_agree(monkeypatch, dtype, act, gated, backend):
                                    dtype == torch.float32 else 2e-2, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("choice", ["auto", "triton", "grouped_mm"])
+@pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "plain-cpu"])
+def test_pattern_and_plan_agree_on_the_reference(monkeypatch, choice, interpreted):
+    # patterns/moe.py refuses large experts where the op would take its reference GEMM (gemm_runs False); the op's
+    # plan must then be the reference and otherwise not, under every SLOTH_MOE_GEMM and with or without the
+    # interpreter (found in review: gemm_runs said yes under "triton" on a plain CPU while the plan took the reference).
+    monkeypatch.setattr(lowering, "GEMM_CHOICE", choice)
+    monkeypatch.setattr(lowering, "triton_interpreter_on", lambda: interpreted)
+    for H, I, dtype in ((32, 16, torch.float32), (32, 16, torch.bfloat16), (24, 20, torch.bfloat16)):
+        masters = make_inputs(5, H, I, 4, 2)
+        x, w1, w2 = masters[0].to(dtype), masters[3].to(dtype), masters[4].to(dtype)
+        runs = lowering.gemm_runs(x.device, dtype, H, I)
+        assert runs == (lowering._grouped_mm_plan(x, w1, w2, (), 10) != "reference"), (H, I, dtype)
+
+
 def test_lora_experts_on_every_backend(monkeypatch):
     # LoRA on both expert GEMMs, adapters and experts training: their products read the gathered tokens too (the Triton GEMM
     # through the order, the others on the formed copy); every gradient within the rule on each backend.
