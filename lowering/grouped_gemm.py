@@ -1,5 +1,5 @@
 """Grouped GEMMs over rows sorted by group, in Triton: the MoE experts' GEMMs (lowering/moe.py) where
-``torch._grouped_mm`` does not run, and with the row gather in the GEMM's loads.
+``torch._grouped_mm`` does not run, and those that read the tokens' rows through the sort order (no gathered copy).
 
 Legend as in lowering/moe.py: S rows sorted by group (expert), E groups, ``offs`` [E] int32 the end of each group's
 rows (group e is rows ``offs[e-1] <= s < offs[e]``, ``offs[-1] = 0``), K the reduced size, N the output width.
@@ -21,7 +21,7 @@ Rows at or past ``offs[-1]`` are not written (``torch._grouped_mm`` leaves them 
 
 Both accumulate in fp32 and round once. fp32 operands multiply in IEEE fp32 (``input_precision="ieee"``), not
 TF32: eager fp32 matmuls do not round their inputs to TF32 either (``torch.backends.cuda.matmul.allow_tf32`` is off
-by default), and the tests hold every op to twice eager's error.
+by default). The op sends fp32 here only in the CPU interpreter (or when SLOTH_MOE_GEMM=triton forces it).
 
 Scheduling, with no host sync: the host knows S and E but not the group sizes. The first kernel's grid is an upper
 bound on the row tiles, ``cdiv(S, BLOCK_M) + E`` (each group wastes at most one partial tile), by the column tiles;
@@ -46,10 +46,11 @@ from .rounding import INTERPRETED, round_to
 @triton.jit
 def _dot(b_a, b_b, b_acc, IEEE: tl.constexpr):
     """b_acc + b_a @ b_b in fp32. 16-bit operands on a GPU: the tensor cores' product accumulated into b_acc (the
-    order cuBLAS's grouped GEMM uses too: bit-equal to it at the benchmark's shapes). fp32 operands: IEEE products
-    (FMAs), each BLOCK_K slice summed on its own and then added, two-level summation: one running sum over K = 2048
-    made the router weights' gradient 2.7x eager's error on an H100 (cuBLAS splits K for few rows); the interpreter
-    takes 16-bit operands widened to fp32 (its dot returned garbage for bf16 ones under Triton 3.9)."""
+    order CUTLASS's grouped GEMM uses too: bit-equal to torch._grouped_mm at the benchmark's shapes). fp32 operands:
+    IEEE products (FMAs), each BLOCK_K slice summed on its own and then added (two-level summation; it did not bring
+    the op's router-weight gradient within 2x of eager's error on an H100, so fp32 experts on a GPU keep the
+    reference GEMM, lowering/moe.py's _triton_gemm_runs). The interpreter takes 16-bit operands widened to fp32 (its
+    dot returned garbage for bf16 ones under Triton 3.9)."""
     if IEEE or INTERPRETED:
         return b_acc + tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), input_precision="ieee")
     else:

@@ -41,18 +41,22 @@ the GEMMs changes (moe_kernels' kernels with ``GATED=False``), and the gated pat
 Dispatch, with no host sync and no data-dependent shape: the S assignments are sorted by expert id (stable, so
 rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
 ``searchsorted`` on the sorted ids (no [S, E] one-hot, no ``bincount``, whose size depends on the largest id).
-Rows are gathered in that order, the two expert GEMMs are grouped GEMMs over ``offs``, the GLU is
+The tokens' rows are read in that order, the two expert GEMMs are grouped GEMMs over ``offs``, the GLU is
 ``lowering/glu.py``'s kernel (fp32 inside, one rounding), and the weighted sum back to tokens is one kernel
 (``lowering/moe_kernels.py``'s ``combine``) reading each token's K rows through the inverse permutation and summing
 them in fp32: every token has exactly K rows, so the scatter-add is a deterministic reduction, with no atomics
 (``index_add_`` on CUDA adds duplicates in arbitrary order).
 Ids must lie in [0, E): checking that needs a host sync, so it is not checked; rows with other ids are undefined.
 
-Grouped GEMM: ``torch._grouped_mm`` where it runs (CUDA bf16, and the CPU kernel of torch >= 2.9 for fp32/bf16/
-fp16), both needing 16-byte-aligned strides (H and 2I, I multiples of 8 bf16 elements); elsewhere
-``_grouped_mm_reference``, the same math with per-row gathered weights (bmm over [S, k, n] weight copies, no
-per-expert loop: a loop would need the group sizes on the host). Measured on torch 2.13 CPU: ``_grouped_mm``
-raises "strides should be multiple of 16 bytes" for bf16 I=20, and leaves rows past ``offs[-1]`` uninitialised.
+Grouped GEMM (``_grouped_mm_plan``): ``torch._grouped_mm`` where it runs (CUDA bf16 on sm90, and the CPU kernel of
+torch >= 2.9 for fp32/bf16/fp16), both needing 16-byte-aligned strides (H and 2I, I multiples of 8 bf16 elements);
+on a GPU the GEMMs that read the tokens' rows go to lowering/grouped_gemm.py's Triton kernel, which reads them
+through the order instead of a gathered [S, H] copy, where experts average few rows ("mixed", ``GATHER_ROWS_PER_EXPERT``
+says where it pays); where ``_grouped_mm`` does not run, the Triton kernel takes every GEMM (16-bit floats on sm80+,
+any float in the CPU interpreter); elsewhere ``_grouped_mm_reference``, the same math with per-row gathered weights
+(bmm over [S, k, n] weight copies, no per-expert loop: a loop would need the group sizes on the host). Measured on
+torch 2.13 CPU: ``_grouped_mm`` raises "strides should be multiple of 16 bytes" for bf16 I=20, and leaves rows past
+``offs[-1]`` uninitialised.
 
 Backward derivation. Per sorted row r (token t, expert e, router weight w_r), with gu_r = W_gu[e] x_t = (g_r, u_r),
 h_r = a(g_r) * u_r, y_r = W_d[e] h_r and out_t = sum_r w_r y_r; given dout::
@@ -447,8 +451,8 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                                                         top_k_index.numel()))
     # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
     # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
-    gu_S2I, h_SI = _first_gemm(gemm, _Gathered(x, order // top_k), gate_up_proj, b1, a1, gate_up_lora_scale, gate_up_bias,
-                               sorted_ids, act, interleaved, alpha, limit, gated)
+    gu_S2I, h_SI = _first_gemm(gemm, _Gathered(x, order // top_k), gate_up_proj, b1, a1, gate_up_lora_scale,
+                               gate_up_bias, sorted_ids, act, interleaved, alpha, limit, gated)
     y_SH = gemm(h_SI, down_proj.transpose(1, 2))
     if b2 is not None:
         y_SH = y_SH + _adapter_rows(gemm, h_SI, b2, a2, down_lora_scale)
@@ -462,10 +466,11 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
 def _first_gemm(gemm: GroupedGemm, x_SH: _Gathered, gate_up_proj: torch.Tensor, b1, a1, scale: float,
                 gate_up_bias, sorted_ids: torch.Tensor | _Lazy, act: str, interleaved: bool, alpha: float,
                 limit: float, gated: bool, with_h: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(gu [S, 2I], h [S, I]) of the sorted rows ``x_SH`` (the tokens' rows, read through the index): the first grouped GEMM, its adapter, the gate/up bias
-    (added by the expert GLU kernel, which returns gu with it) and the GLU. The forward's and, under
-    ``recompute_gu``, the backward's: the same calls in the same order, so the same bits. Without ``with_h`` the
-    lowering/glu.py GLU is skipped and h is None (the expert GLU kernel, which adds the bias, still runs)."""
+    """(gu [S, 2I], h [S, I]) of the sorted rows ``x_SH`` (the tokens' rows, read through the index): the first
+    grouped GEMM, its adapter, the gate/up bias (added by the expert GLU kernel, which returns gu with it) and the
+    GLU. The forward's and, under ``recompute_gu``, the backward's: the same calls in the same order, so the same
+    bits. Without ``with_h`` the lowering/glu.py GLU is skipped and h is None (the expert GLU kernel, which adds the
+    bias, still runs)."""
     gu_S2I = gemm(x_SH, gate_up_proj.transpose(1, 2))
     if b1 is not None:
         gu_S2I = gu_S2I + _adapter_rows(gemm, x_SH, b1, a1, scale)
@@ -518,8 +523,8 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
                                                         top_k_index.numel()))
     s1, s2 = gate_up_lora_scale, down_lora_scale
     if gu.shape[0] != order.shape[0]:  # the forward ran with recompute_gu: gu again, as the forward formed it
-        gu, _ = _first_gemm(gemm, _Gathered(x, token_of_row), gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids, act,
-                            interleaved, alpha, limit, gated, with_h=False)
+        gu, _ = _first_gemm(gemm, _Gathered(x, token_of_row), gate_up_proj, b1, a1, s1, gate_up_bias, sorted_ids,
+                            act, interleaved, alpha, limit, gated, with_h=False)
     dout_SH = _Gathered(dout.to(x.dtype), token_of_row)
     c_SI = gemm(dout_SH, down_proj)
     if b2 is not None:  # c = W_d_eff^T dout = W_d^T dout + s2 A2^T (B2^T dout)

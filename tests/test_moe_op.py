@@ -220,8 +220,8 @@ def test_pattern_and_plan_agree_on_the_reference(monkeypatch, choice, interprete
 
 
 def test_lora_experts_on_every_backend(monkeypatch):
-    # LoRA on both expert GEMMs, adapters and experts training: their products read the gathered tokens too (the Triton GEMM
-    # through the order, the others on the formed copy); every gradient within the rule on each backend.
+    # LoRA on both expert GEMMs, adapters and experts training: their products read the gathered tokens too (the
+    # Triton GEMM through the order, the others on the formed copy); every gradient within the rule on each backend.
     masters, adapters = make_inputs(17, 32, 16, 4, 2, unused_experts=(2,)), make_adapters(4, 32, 16, 8)
     for backend in ("grouped_mm", "mixed", "triton", "reference"):
         monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args, b=backend: b)
