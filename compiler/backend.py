@@ -14,6 +14,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch._dynamo.exc  # RestartAnalysis: a compile Dynamo discards
 import torch._functorch.config  # enable_autograd_cache, patched per compile
 import torch.fx as fx
 
@@ -199,8 +200,15 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         with sdpa_priority(attention), torch._functorch.config.patch(
                 enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
             compiled = compile_reading_masks(gm, compile_once, check=pass_options.mask_check)
-    finally:
+    except torch._dynamo.exc.RestartAnalysis:
+        # Dynamo traces the frame again and calls sloth anew (seen under dynamic=True: AOTAutograd cannot make a
+        # tensor of a symbolic float such as an RMSNorm's eps and asks Dynamo to specialise it): this compile is
+        # discarded, so its report is not published (the report counted every graph and site twice).
+        raise
+    except BaseException:
         _publish(graph_report)
+        raise
+    _publish(graph_report)
     if show_report:
         print(graph_report)
     slots = gm.meta.get(returned_logits.META_KEY)

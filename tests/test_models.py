@@ -204,6 +204,35 @@ def test_fullgraph_inference_and_dynamic_lengths() -> None:
     assert sloth.last_report().counts["glu"] == count_gated_mlp_calls(model, ids)
 
 
+def test_a_compile_dynamo_restarts_is_not_reported() -> None:
+    # Under dynamic=True AOTAutograd cannot make a tensor of a symbolic float (an RMSNorm's eps) and Dynamo traces
+    # the frame again, calling the backend a second time; the first compile is discarded, and its report was
+    # published anyway: 2 graphs and two losses for a model with one of each.
+    from torch._dynamo.exc import RestartAnalysis
+
+    model = build("llama", torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    calls, restarts = [0], [0]
+
+    def counting_backend(gm, example_inputs):
+        calls[0] += 1
+        try:
+            return sloth.sloth_backend(gm, example_inputs, options={"inner": "aot_eager"})
+        except RestartAnalysis:
+            restarts[0] += 1
+            raise
+
+    sloth.reset_report()
+    compiled = torch.compile(model, backend=counting_backend, dynamic=True)
+    torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss)
+    if not restarts[0]:
+        pytest.skip("this torch did not restart Dynamo's analysis here: nothing to check")
+    report = sloth.report()
+    assert report.graphs == calls[0] - restarts[0] == 1, (report.graphs, calls, restarts)
+    assert report.counts["cross_entropy"] == 1
+    assert report.counts["rms_norm"] == count_rms_norm_calls(model, ids)
+
+
 def test_gradient_checkpointing_bodies_are_rewritten() -> None:
     """Checkpointed decoder layers become higher-order-op subgraphs; their norms are found there too."""
     model = build("llama", torch.float32)
