@@ -27,6 +27,9 @@ GROUPS = {
 }
 # tiles of 16 (BLOCK_M, BLOCK_N, BLOCK_K): more row tiles a group and more K steps at these sizes
 SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
+# every group set at the interpreter's tiles, and the several-tile groups at 16-wide ones too
+TILED = [pytest.param(g, None, id=f"{g}-default-tiles") for g in GROUPS] + \
+    [pytest.param("multi-tile", SMALL_TILES, id="multi-tile-16-tiles")]
 
 
 def _offs(sizes: list[int]) -> torch.Tensor:
@@ -43,9 +46,8 @@ def _per_group(a: torch.Tensor, b: torch.Tensor, sizes: list[int], dtype: torch.
     return out
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default-tiles", "16-tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("groups", list(GROUPS), ids=list(GROUPS))
+@pytest.mark.parametrize("groups,tiles", TILED)
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
 @pytest.mark.parametrize("b_layout", ["kn", "nk-transposed"])
 def test_grouped_mm_matches_per_group_matmuls(dtype, groups, gather, b_layout, tiles, device):
@@ -102,9 +104,8 @@ def test_strided_index_vectors_are_read_as_given(device):
         start += n
 
 
-@pytest.mark.parametrize("tiles", [None, SMALL_TILES], ids=["default-tiles", "16-tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("groups", list(GROUPS), ids=list(GROUPS))
+@pytest.mark.parametrize("groups,tiles", TILED)
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 def test_grouped_mm_weight_matches_per_group_sums(dtype, groups, layout, tiles, device):
     sizes = GROUPS[groups]
