@@ -275,8 +275,8 @@ class GroupedGemm:
         if isinstance(a, _Gathered) and b.dim() == 3 and self.backend in ("triton", "mixed"):
             return grouped_mm(a.source, b, self.offs, a.index)
         if self.backend == "triton":
-            if b.dim() == 2:  # [K, S] x [S, N] -> [E, K, N]: a is left.t()
-                return grouped_mm_weight(a.value().t() if isinstance(a, _Gathered) else a.t(), b, self.offs)
+            if b.dim() == 2:  # [K, S] x [S, N] -> [E, K, N]: a is left.t() (never gathered: _weight_grad forms it)
+                return grouped_mm_weight(a.t(), b, self.offs)
             return grouped_mm(a, b, self.offs)
         if isinstance(a, _Gathered):
             a = a.value()

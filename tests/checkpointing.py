@@ -1,7 +1,7 @@
 """Turning on a transformers model's activation checkpointing under either of its names.
 
-transformers 5.2x renamed ``gradient_checkpointing_enable`` / ``_disable`` to ``activation_checkpointing_*``; the old names warn and go in v6, and the
-device's transformers 5.17 has only them. The tests call these helpers, so a fresh install of whichever
+transformers 5.2x renamed ``gradient_checkpointing_enable`` / ``_disable`` to ``activation_checkpointing_*``;
+the old names warn and go in v6, and the device's transformers 5.17 has only them. The tests call these helpers, so a fresh install of whichever
 transformers PyPI serves keeps passing.
 """
 from __future__ import annotations
@@ -27,4 +27,3 @@ def disable_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_disable()
     else:
         model.gradient_checkpointing_disable()
-
