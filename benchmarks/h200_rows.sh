@@ -77,6 +77,8 @@
 #   bash benchmarks/h200_rows.sh chunks-16k  # issue 19: 16k with the attention backward in head chunks, its checks, Unsloth
 #   bash benchmarks/h200_rows.sh grouped-gemm  # issue 20: torch._grouped_mm against the Triton grouped GEMM, checks, steps
 #   bash benchmarks/h200_rows.sh grouped-gemm-2  # issue 20: the checks, the default MoE step (mixed GEMMs), lean memory
+#   bash benchmarks/h200_rows.sh layout-20 layout-20-peers  # issue 20: q and k written in [b, s, h, d] memory (no
+#                                          # copy of attention's output): checks, MoE rows, Unsloth's, the 8B LoRA row
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
@@ -570,6 +572,17 @@ case $part in
             --memory-peak --sloth-options '{"moe_recompute": true, "return_logits": false}'
         run grouped2-default 120 --all --model qwen3-moe --variants sloth --steps 16
         SLOTH_MOE_GEMM=grouped_mm run grouped2-grouped-mm 100 --all --model qwen3-moe --variants sloth --steps 16 ;;
+    layout-20)  # issue 20 (2026-12-06 afternoon): rope and norm_rope write q and k in the projection's [b, s, h, d]
+        # memory (bshd_out), so the attention's output needs no copy: their CUDA checks, the default MoE step with
+        # the peak's contents, the memory target's options (limits add to 540 s on a cold machine)
+        gpu_tests bshd-cuda 150 "rope or bshd" tests/test_cuda_ops.py
+        run layout-moe-default 160 --all --model qwen3-moe --variants sloth --steps 16 --memory-peak
+        SLOTH_NORM_ROPE_RECOMPUTE=1 run layout-moe-lean 140 --all --model qwen3-moe --variants sloth --steps 12 \
+            --sloth-options '{"moe_recompute": true, "return_logits": false}' ;;
+    layout-20-peers)  # its second call, chained at once (carry .whl): Unsloth's MoE row, then sloth's 8B LoRA default
+        # row (the dense step's attention outputs; limits add to 400 s)
+        run layout-moe-unsloth 200 --all --model qwen3-moe --variants unsloth --steps 16
+        run layout-lora-default 200 --all --steps 10 --variants sloth ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
         # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
         # 480 s; carry .whl)

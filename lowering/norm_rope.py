@@ -30,6 +30,9 @@ Rot(n)`` (RoPE, linear in n)::
     dx = r * (g - xh * mean(g * xh))  lowering/rms_norm.py's derivation with dy := dn
     dw = sum over rows of dn * xh     (fp32 partial sums per program, then one .sum(0))
 
+``bshd_out`` writes y, and in the backward dx, of 4-D ``[b, h, s, d]`` in ``[b, s, h, d]`` memory, as
+lowering/rope.py's (its docstring says why: attention's output needs no copy then).
+
 cos and sin get no gradient (position tables: lowering/rope.py says why); asking for one raises.
 """
 from __future__ import annotations
@@ -44,9 +47,10 @@ import triton.language as tl
 from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv
+from .layout import empty_heads, in_heads_layout
 from .registration import define, fake, launch
 from .rms_norm import MAX_HIDDEN, rms_norm_backward_reference
-from .rope import _block_sizes, _check_inputs as _check_rope_inputs, _out_dtype, _rows_meta, rope_reference
+from .rope import _block_sizes, _check_inputs as _check_rope_inputs, _lead_strides, _out_dtype, _rows_meta, rope_reference
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,19 +78,19 @@ def _row_offsets(o_m, n1, n2, s0, s1, s2):
 @triton.jit
 def _norm_rope_fwd_block(
     p_x, p_w, p_cos, p_sin, p_y, i_blk,
-    n_rows, n1, n2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
+    n_rows, n1, n2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2, sy0, sy1, sy2,
     half, n_pass, eps, offset,
     HAS_WEIGHT: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Normalise and rotate BLOCK_M rows of one tensor; y is contiguous."""
+    """Normalise and rotate BLOCK_M rows of one tensor (y's rows at strides sy*)."""
     n_cols = 2 * half + n_pass
     o_m = (i_blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     m_m = o_m < n_rows
     o_x = _row_offsets(o_m, n1, n2, sx0, sx1, sx2)
     o_c = _row_offsets(o_m, n1, n2, sc0, sc1, sc2)
     o_s = _row_offsets(o_m, n1, n2, ss0, ss1, ss2)
-    o_y = (o_m * n_cols)[:, None]
+    o_y = _row_offsets(o_m, n1, n2, sy0, sy1, sy2)
     o_h = tl.arange(0, BLOCK_H)[None, :]
     m_h = o_h < half
     m_mh = m_m[:, None] & m_h
@@ -122,8 +126,8 @@ def _norm_rope_fwd_block(
 @triton.jit
 def _norm_rope_fwd_kernel(
     p_q, p_k, p_wq, p_wk, p_cos, p_sin, p_qo, p_ko,
-    n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
-    n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
+    n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q, sy0_q, sy1_q, sy2_q,
+    n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k, sy0_k, sy1_k, sy2_k,
     half, n_pass, n_blocks_q, eps_q, eps_k, offset_q, offset_k,
     HAS_WEIGHT_Q: tl.constexpr, HAS_WEIGHT_K: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -133,24 +137,24 @@ def _norm_rope_fwd_kernel(
     if i_b < n_blocks_q:
         _norm_rope_fwd_block(p_q, p_wq, p_cos, p_sin, p_qo, i_b,
                              n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
-                             half, n_pass, eps_q, offset_q,
+                             sy0_q, sy1_q, sy2_q, half, n_pass, eps_q, offset_q,
                              HAS_WEIGHT_Q, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
     else:
         _norm_rope_fwd_block(p_k, p_wk, p_cos, p_sin, p_ko, i_b - n_blocks_q,
                              n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
-                             half, n_pass, eps_k, offset_k,
+                             sy0_k, sy1_k, sy2_k, half, n_pass, eps_k, offset_k,
                              HAS_WEIGHT_K, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
 @triton.jit
 def _norm_rope_bwd_block(
     p_dy, p_x, p_w, p_cos, p_sin, p_dx, p_dw, i_blk, i_part,
-    n_rows, n1, n2, sd0, sd1, sd2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
+    n_rows, n1, n2, sd0, sd1, sd2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2, sy0, sy1, sy2,
     half, n_pass, eps, offset,
     HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """dx (contiguous) of BLOCK_M rows of one tensor, and with COMPUTE_DW their dW in row ``i_part`` of the fp32
+    """dx (rows at strides sy*) of BLOCK_M rows of one tensor, and with COMPUTE_DW their dW in row ``i_part`` of the fp32
     partials (module docstring)."""
     n_cols = 2 * half + n_pass
     o_m = (i_blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -159,7 +163,7 @@ def _norm_rope_bwd_block(
     o_x = _row_offsets(o_m, n1, n2, sx0, sx1, sx2)
     o_c = _row_offsets(o_m, n1, n2, sc0, sc1, sc2)
     o_s = _row_offsets(o_m, n1, n2, ss0, ss1, ss2)
-    o_y = (o_m * n_cols)[:, None]
+    o_y = _row_offsets(o_m, n1, n2, sy0, sy1, sy2)
     o_h = tl.arange(0, BLOCK_H)[None, :]
     m_h = o_h < half
     m_mh = m_m[:, None] & m_h
@@ -220,7 +224,9 @@ def _norm_rope_bwd_block(
 def _norm_rope_bwd_kernel(
     p_dq, p_dk, p_q, p_k, p_wq, p_wk, p_cos, p_sin, p_dq_in, p_dk_in, p_dw,
     n_rows_q, n1_q, n2_q, sd0_q, sd1_q, sd2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
+    sy0_q, sy1_q, sy2_q,
     n_rows_k, n1_k, n2_k, sd0_k, sd1_k, sd2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
+    sy0_k, sy1_k, sy2_k,
     half, n_pass, n_blocks_q, eps_q, eps_k, offset_q, offset_k,
     HAS_WEIGHT_Q: tl.constexpr, HAS_WEIGHT_K: tl.constexpr, COMPUTE_DW_Q: tl.constexpr, COMPUTE_DW_K: tl.constexpr,
     HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -231,12 +237,12 @@ def _norm_rope_bwd_kernel(
     if i_b < n_blocks_q:
         _norm_rope_bwd_block(p_dq, p_q, p_wq, p_cos, p_sin, p_dq_in, p_dw, i_b, i_b,
                              n_rows_q, n1_q, n2_q, sd0_q, sd1_q, sd2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q,
-                             ss0_q, ss1_q, ss2_q, half, n_pass, eps_q, offset_q,
+                             ss0_q, ss1_q, ss2_q, sy0_q, sy1_q, sy2_q, half, n_pass, eps_q, offset_q,
                              HAS_WEIGHT_Q, COMPUTE_DW_Q, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
     else:
         _norm_rope_bwd_block(p_dk, p_k, p_wk, p_cos, p_sin, p_dk_in, p_dw, i_b - n_blocks_q, i_b,
                              n_rows_k, n1_k, n2_k, sd0_k, sd1_k, sd2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k,
-                             ss0_k, ss1_k, ss2_k, half, n_pass, eps_k, offset_k,
+                             ss0_k, ss1_k, ss2_k, sy0_k, sy1_k, sy2_k, half, n_pass, eps_k, offset_k,
                              HAS_WEIGHT_K, COMPUTE_DW_K, HAS_PASS, INTERLEAVED, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
@@ -310,24 +316,25 @@ def _geometry(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, interleaved: 
 
 def _norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
                    k_weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float,
-                   q_offset: float, k_offset: float, norm_dtype: torch.dtype, interleaved: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   q_offset: float, k_offset: float, norm_dtype: torch.dtype, interleaved: bool = False,
+                   bshd_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(q, k, q_weight, k_weight, cos, sin, interleaved)
     out_dtype = _out_dtype(norm_dtype, cos, sin)
     if not use_triton(q):
-        return (norm_rope_reference(q, q_weight, q_eps, q_offset, cos, sin, out_dtype, interleaved),
-                norm_rope_reference(k, k_weight, k_eps, k_offset, cos, sin, out_dtype, interleaved))
+        return (in_heads_layout(norm_rope_reference(q, q_weight, q_eps, q_offset, cos, sin, out_dtype, interleaved),
+                                bshd_out),
+                in_heads_layout(norm_rope_reference(k, k_weight, k_eps, k_offset, cos, sin, out_dtype, interleaved),
+                                bshd_out))
     q, k = _unit_last(q), _unit_last(k)
     cos, sin = _unit_last(cos), _unit_last(sin)
     q_weight, k_weight = _unit(q_weight), _unit(k_weight)
-    q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=out_dtype, device=k.device)
+    q_out, k_out = empty_heads(q, q.shape, out_dtype, bshd_out), empty_heads(k, k.shape, out_dtype, bshd_out)
     half, n_pass, block_m, block_h, block_p, num_warps, n_blocks = _geometry(q, k, cos, interleaved)
     if sum(n_blocks) == 0:
         return q_out, k_out
     launch(_norm_rope_fwd_kernel)[(sum(n_blocks),)](
         q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k, cos, sin,
-        q_out, k_out, *_rows_meta(q, cos, sin), *_rows_meta(k, cos, sin),
+        q_out, k_out, *_rows_meta(q, cos, sin), *_lead_strides(q_out), *_rows_meta(k, cos, sin), *_lead_strides(k_out),
         half, n_pass, n_blocks[0], float(q_eps), float(k_eps), float(q_offset), float(k_offset),
         HAS_WEIGHT_Q=q_weight is not None, HAS_WEIGHT_K=k_weight is not None, HAS_PASS=n_pass > 0,
         INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=num_warps,
@@ -338,7 +345,7 @@ def _norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Te
 def _norm_rope_bwd(dq: torch.Tensor, dk: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                    q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor], cos: torch.Tensor,
                    sin: torch.Tensor, q_eps: float, k_eps: float, q_offset: float, k_offset: float,
-                   compute_dwq: bool, compute_dwk: bool, interleaved: bool = False
+                   compute_dwq: bool, compute_dwk: bool, interleaved: bool = False, bshd_out: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq_in, dk_in, d q_weight, d k_weight); a weight's gradient is an empty tensor where not asked for (or
     the weight is None)."""
@@ -350,12 +357,11 @@ def _norm_rope_bwd(dq: torch.Tensor, dk: torch.Tensor, q: torch.Tensor, k: torch
     if not use_triton(q):
         dq_in, dwq = norm_rope_backward_reference(dq, q, q_weight, q_eps, q_offset, cos, sin, compute_dwq, interleaved)
         dk_in, dwk = norm_rope_backward_reference(dk, k, k_weight, k_eps, k_offset, cos, sin, compute_dwk, interleaved)
-        return dq_in, dk_in, dwq, dwk
+        return in_heads_layout(dq_in.to(q.dtype), bshd_out), in_heads_layout(dk_in.to(k.dtype), bshd_out), dwq, dwk
     q, k, dq, dk = _unit_last(q), _unit_last(k), _unit_last(dq), _unit_last(dk)
     cos, sin = _unit_last(cos), _unit_last(sin)
     q_weight, k_weight = _unit(q_weight), _unit(k_weight)
-    dq_in = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk_in = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dq_in, dk_in = empty_heads(q, q.shape, q.dtype, bshd_out), empty_heads(k, k.shape, k.dtype, bshd_out)
     half, n_pass, block_m, block_h, block_p, num_warps, n_blocks = _geometry(q, k, cos, interleaved)
     head = q.shape[-1]
     partials = torch.empty((sum(n_blocks), head) if compute_dwq or compute_dwk else (0,), dtype=torch.float32,
@@ -364,7 +370,8 @@ def _norm_rope_bwd(dq: torch.Tensor, dk: torch.Tensor, q: torch.Tensor, k: torch
         launch(_norm_rope_bwd_kernel)[(sum(n_blocks),)](
             dq, dk, q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k,
             cos, sin, dq_in, dk_in, partials if partials.numel() else dq_in,
-            *_meta_with_grad(q, dq, cos, sin), *_meta_with_grad(k, dk, cos, sin),
+            *_meta_with_grad(q, dq, cos, sin), *_lead_strides(dq_in), *_meta_with_grad(k, dk, cos, sin),
+            *_lead_strides(dk_in),
             half, n_pass, n_blocks[0], float(q_eps), float(k_eps), float(q_offset), float(k_offset),
             HAS_WEIGHT_Q=q_weight is not None, HAS_WEIGHT_K=k_weight is not None,
             COMPUTE_DW_Q=compute_dwq, COMPUTE_DW_K=compute_dwk, HAS_PASS=n_pass > 0, INTERLEAVED=interleaved,
@@ -386,10 +393,13 @@ def _meta_with_grad(x: torch.Tensor, dy: torch.Tensor, cos: torch.Tensor, sin: t
 # ---------------------------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, q_offset, k_offset, _norm_dtype, interleaved = inputs
+    # graphs made before bshd_out omit it
+    q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, q_offset, k_offset, _norm_dtype, interleaved, bshd_out = \
+        (*inputs, False)[:13]
     ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
     ctx.scalars = (q_eps, k_eps, q_offset, k_offset)
-    ctx.interleaved = interleaved
+    ctx.interleaved, ctx.bshd_out = interleaved, bshd_out
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, dq, dk):
@@ -404,9 +414,9 @@ def _backward(ctx, dq, dk):
     compute_dwk = k_weight is not None and ctx.needs_input_grad[3]
     dq_in, dk_in, dwq, dwk = torch.ops.sloth.norm_rope_backward(dq, dk, q, k, q_weight, k_weight, cos, sin,
                                                                 *ctx.scalars, compute_dwq, compute_dwk,
-                                                                ctx.interleaved)
+                                                                ctx.interleaved, ctx.bshd_out)
     return (dq_in, dk_in, dwq if compute_dwq else None, dwk if compute_dwk else None,
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)[:ctx.n_inputs]
 
 
 @functools.cache
@@ -416,18 +426,19 @@ def register() -> None:
     bwd = define("sloth::norm_rope_backward", _norm_rope_bwd)
 
     @fake(fwd)
-    def _(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, q_offset, k_offset, norm_dtype, interleaved=False):
+    def _(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, q_offset, k_offset, norm_dtype, interleaved=False,
+          bshd_out=False):
         check_one_device("sloth.norm_rope", ("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight),
                          ("cos", cos), ("sin", sin))  # meta inputs land here (lowering/devices.py)
         out_dtype = _out_dtype(norm_dtype, cos, sin)
-        return q.new_empty(q.shape, dtype=out_dtype), k.new_empty(k.shape, dtype=out_dtype)
+        return empty_heads(q, q.shape, out_dtype, bshd_out), empty_heads(k, k.shape, out_dtype, bshd_out)
 
     @fake(bwd)
     def _(dq, dk, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, q_offset, k_offset, compute_dwq, compute_dwk,
-          interleaved=False):
+          interleaved=False, bshd_out=False):
         dwq = q_weight.new_empty(q_weight.shape) if compute_dwq and q_weight is not None else q.new_empty(0)
         dwk = k_weight.new_empty(k_weight.shape) if compute_dwk and k_weight is not None else k.new_empty(0)
-        return q.new_empty(q.shape), k.new_empty(k.shape), dwq, dwk
+        return empty_heads(q, q.shape, q.dtype, bshd_out), empty_heads(k, k.shape, k.dtype, bshd_out), dwq, dwk
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
 
@@ -435,12 +446,13 @@ def register() -> None:
 def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
               cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
               norm_dtype: Optional[torch.dtype] = None, interleaved: bool = False, k_eps: Optional[float] = None,
-              k_offset: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              k_offset: Optional[float] = None, bshd_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm each head of q and k over its last dim, then rotate both by cos/sin, in one launch; see the module
     docstring for the exact math. ``norm_dtype`` (default q's dtype) is the norms' output dtype, which with cos
-    and sin decides the result's; ``k_eps`` and ``k_offset`` default to q's."""
+    and sin decides the result's; ``k_eps`` and ``k_offset`` default to q's; ``bshd_out`` lays 4-D results
+    [b, h, s, d] out as [b, s, h, d] (lowering/rope.py), the backward's input gradients too."""
     register()
     return torch.ops.sloth.norm_rope(q, k, q_weight, k_weight, cos, sin, float(eps),
                                      float(eps if k_eps is None else k_eps), float(offset),
                                      float(offset if k_offset is None else k_offset), norm_dtype or q.dtype,
-                                     interleaved)
+                                     interleaved, bshd_out)

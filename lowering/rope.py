@@ -46,6 +46,15 @@ written to the two halves of y, the layout the attention then reads::
 
 the interleaved rotation with the output permuted (its backward reads dy through the same permutation).
 
+Output layout. y is contiguous by default. ``bshd_out=True`` (the pass sets it where q and k are a projection's
+output viewed as heads and transposed, ``[b, s, h, d]`` in memory) writes a 4-D y of shape ``[b, h, s, d]`` in
+``[b, s, h, d]`` memory, as eager's elementwise RoPE does (it keeps a dense input's layout); the backward writes
+dx likewise. cuDNN's attention lays its output out like its query, so the attention's output is then the
+``[b, s, h * d]`` rows the o projection reads, a view; with a contiguous q Inductor copied it in every layer (32
+MiB a layer at 2 x 2048 tokens, 32 heads of 128, kept beside the original for the backward). The layout comes
+from the argument, never from the input's strides: the fake and the kernel agree whatever layout Inductor gives
+the input.
+
 cos and sin get no gradient: they come from position ids and a frozen
 ``inv_freq`` buffer in every model we know of; the pass refuses a site whose cos or sin requires grad,
 and the op's backward raises rather than return a silently missing gradient.
@@ -62,6 +71,7 @@ import triton.language as tl
 from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
+from .layout import empty_heads, in_heads_layout
 from .registration import define, fake, launch
 from .rounding import round_to
 
@@ -100,12 +110,12 @@ def _rope_pairs(p_x, p_cos, p_sin, p_y, o_x, o_c, o_s, o_y, o_h, m_mh, half, BAC
 @triton.jit
 def _rope_block(
     p_x, p_cos, p_sin, p_y, i_blk,
-    n_rows, n1, n2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
+    n_rows, n1, n2, sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2, sy0, sy1, sy2,
     half, n_pass,
     BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Rotate BLOCK_M rows of one tensor: rows are (i0, i1, i2) of x's leading dims, y is contiguous."""
+    """Rotate BLOCK_M rows of one tensor: rows are (i0, i1, i2) of x's leading dims, and of y's (strides sy*)."""
     o_m = (i_blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     m_m = o_m < n_rows
     i2 = o_m % n2
@@ -114,7 +124,7 @@ def _rope_block(
     o_x = (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
     o_c = (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None]
     o_s = (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None]
-    o_y = (o_m * (2 * half + n_pass))[:, None]
+    o_y = (i0 * sy0 + i1 * sy1 + i2 * sy2)[:, None]
     o_h = tl.arange(0, BLOCK_H)[None, :]
     m_mh = m_m[:, None] & (o_h < half)
     if INTERLEAVED:
@@ -144,8 +154,8 @@ def _rope_block(
 @triton.jit
 def _rope_kernel(
     p_q, p_k, p_cos, p_sin, p_qo, p_ko,
-    n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
-    n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
+    n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q, sy0_q, sy1_q, sy2_q,
+    n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k, sy0_k, sy1_k, sy2_k,
     half, n_pass, n_blocks_q,
     BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -158,11 +168,11 @@ def _rope_kernel(
     if i_b < n_blocks_q:
         _rope_block(p_q, p_cos, p_sin, p_qo, i_b,
                     n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
-                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
+                    sy0_q, sy1_q, sy2_q, half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
     else:
         _rope_block(p_k, p_cos, p_sin, p_ko, i_b - n_blocks_q,
                     n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
-                    half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
+                    sy0_k, sy1_k, sy2_k, half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
 def _out_dtype(x_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
@@ -240,6 +250,11 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backwa
     return y.to(out_dtype or _out_dtype(x.dtype, cos, sin)).contiguous()
 
 
+def _lead_strides(t: torch.Tensor) -> list[int]:
+    """The strides of ``t``'s leading dims, padded to MAX_DIMS - 1 as ``_rows_meta`` pads x."""
+    return list(t.view((1,) * (MAX_DIMS - t.dim()) + tuple(t.shape)).stride()[:3])
+
+
 def _rows_meta(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[int]:
     """[n_rows, n1, n2, 3 strides of x, of cos, of sin] with cos/sin broadcast to x's leading dims."""
     pad = (1,) * (MAX_DIMS - x.dim())
@@ -266,20 +281,23 @@ def _block_sizes(n_rows: int, half: int, n_pass: int) -> tuple[int, int, int, in
 
 
 def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dtypes: list[torch.dtype],
-            backward: bool, interleaved: bool = False, deinterleave: bool = False) -> list[torch.Tensor]:
-    """Rotate one or two tensors (q, k) with one cos/sin in one launch; contiguous outputs."""
+            backward: bool, interleaved: bool = False, deinterleave: bool = False, bshd_out: bool = False
+            ) -> list[torch.Tensor]:
+    """Rotate one or two tensors (q, k) with one cos/sin in one launch; outputs contiguous, or with ``bshd_out``
+    laid out as [b, s, h, d] (lowering/layout.py's ``empty_heads``)."""
     if deinterleave and not interleaved:
         raise ValueError("sloth.rope: deinterleave=True rotates interleaved pairs; it needs interleaved=True")
     if not use_triton(xs[0]):
-        return [rope_reference(x, cos, sin, backward, dt, interleaved, deinterleave) for x, dt in zip(xs, out_dtypes)]
+        return [in_heads_layout(rope_reference(x, cos, sin, backward, dt, interleaved, deinterleave), bshd_out)
+                for x, dt in zip(xs, out_dtypes)]
     # The kernel reads unit-stride rows; a transposed projection view ([b, s, h, d] -> [b, h, s, d])
     # already has them, so this copies only exotic layouts.
     xs = [x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous() for x in xs]
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    ys = [torch.empty(x.shape, dtype=dt, device=x.device) for x, dt in zip(xs, out_dtypes)]
+    ys = [empty_heads(x, x.shape, dt, bshd_out) for x, dt in zip(xs, out_dtypes)]
     rot, head = cos.shape[-1] * (2 if interleaved else 1), xs[0].shape[-1]
-    metas = [_rows_meta(x, cos, sin) for x in xs]
+    metas = [_rows_meta(x, cos, sin) + _lead_strides(y) for x, y in zip(xs, ys)]
     n_rows = [m[0] for m in metas]
     block_m, block_h, block_p, num_warps = _block_sizes(max(n_rows), rot // 2, head - rot)
     n_blocks = [cdiv(n, block_m) for n in n_rows]
@@ -298,33 +316,33 @@ def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dt
 
 
 def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-              deinterleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              deinterleave: bool = False, bshd_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs((q, k), cos, sin, interleaved)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"sloth.rope: q and k must have one head dim, got {q.shape[-1]} and {k.shape[-1]}")
     q_rot, k_rot = _launch([q, k], cos, sin, [_out_dtype(q.dtype, cos, sin), _out_dtype(k.dtype, cos, sin)], False,
-                           interleaved, deinterleave)
+                           interleaved, deinterleave, bshd_out)
     return q_rot, k_rot
 
 
 def _rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
-              k_dtype: torch.dtype, interleaved: bool = False, deinterleave: bool = False
+              k_dtype: torch.dtype, interleaved: bool = False, deinterleave: bool = False, bshd_out: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs((dq, dk), cos, sin, interleaved)
-    dq_in, dk_in = _launch([dq, dk], cos, sin, [q_dtype, k_dtype], True, interleaved, deinterleave)
+    dq_in, dk_in = _launch([dq, dk], cos, sin, [q_dtype, k_dtype], True, interleaved, deinterleave, bshd_out)
     return dq_in, dk_in
 
 
 def _rope_single_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-                     deinterleave: bool = False) -> torch.Tensor:
+                     deinterleave: bool = False, bshd_out: bool = False) -> torch.Tensor:
     _check_inputs((x,), cos, sin, interleaved)
-    return _launch([x], cos, sin, [_out_dtype(x.dtype, cos, sin)], False, interleaved, deinterleave)[0]
+    return _launch([x], cos, sin, [_out_dtype(x.dtype, cos, sin)], False, interleaved, deinterleave, bshd_out)[0]
 
 
 def _rope_single_bwd(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_dtype: torch.dtype,
-                     interleaved: bool = False, deinterleave: bool = False) -> torch.Tensor:
+                     interleaved: bool = False, deinterleave: bool = False, bshd_out: bool = False) -> torch.Tensor:
     _check_inputs((dy,), cos, sin, interleaved)
-    return _launch([dy], cos, sin, [x_dtype], True, interleaved, deinterleave)[0]
+    return _launch([dy], cos, sin, [x_dtype], True, interleaved, deinterleave, bshd_out)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -338,11 +356,12 @@ def _no_cos_sin_grad(ctx, i_cos: int) -> None:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, cos, sin, interleaved, deinterleave = (*inputs, False)[:6]  # graphs made before deinterleave omit it
+    # graphs made before deinterleave and bshd_out omit them
+    q, k, cos, sin, interleaved, deinterleave, bshd_out = (*inputs, False, False)[:7]
     ctx.save_for_backward(cos, sin)
     ctx.dtypes = (q.dtype, k.dtype)
     ctx.shapes = (q.shape, k.shape)
-    ctx.layout = (interleaved, deinterleave)
+    ctx.layout = (interleaved, deinterleave, bshd_out)
     ctx.n_inputs = len(inputs)
 
 
@@ -354,14 +373,14 @@ def _backward(ctx, dq, dk):
     dq = dq if dq is not None else cos.new_zeros(q_shape)
     dk = dk if dk is not None else cos.new_zeros(k_shape)
     dq_in, dk_in = torch.ops.sloth.rope_backward(dq, dk, cos, sin, *ctx.dtypes, *ctx.layout)
-    return (dq_in, dk_in, None, None, None, None)[:ctx.n_inputs]
+    return (dq_in, dk_in, None, None, None, None, None)[:ctx.n_inputs]
 
 
 def _setup_context_single(ctx, inputs, output) -> None:
-    x, cos, sin, interleaved, deinterleave = (*inputs, False)[:5]
+    x, cos, sin, interleaved, deinterleave, bshd_out = (*inputs, False, False)[:6]
     ctx.save_for_backward(cos, sin)
     ctx.dtype = x.dtype
-    ctx.layout = (interleaved, deinterleave)
+    ctx.layout = (interleaved, deinterleave, bshd_out)
     ctx.n_inputs = len(inputs)
 
 
@@ -369,7 +388,7 @@ def _backward_single(ctx, dy):
     _no_cos_sin_grad(ctx, 1)
     cos, sin = ctx.saved_tensors
     dx = torch.ops.sloth.rope_single_backward(dy, cos, sin, ctx.dtype, *ctx.layout)
-    return (dx, None, None, None, None)[:ctx.n_inputs]
+    return (dx, None, None, None, None, None)[:ctx.n_inputs]
 
 
 @functools.cache
@@ -382,38 +401,39 @@ def register() -> None:
 
     # The forward fakes check devices: a call with a meta input runs the fake, not the op (lowering/devices.py).
     @fake(fwd)
-    def _(q, k, cos, sin, interleaved=False, deinterleave=False):
+    def _(q, k, cos, sin, interleaved=False, deinterleave=False, bshd_out=False):
         _check_devices((q, k), cos, sin)
-        return q.new_empty(q.shape, dtype=_out_dtype(q.dtype, cos, sin)), \
-            k.new_empty(k.shape, dtype=_out_dtype(k.dtype, cos, sin))
+        return (empty_heads(q, q.shape, _out_dtype(q.dtype, cos, sin), bshd_out),
+                empty_heads(k, k.shape, _out_dtype(k.dtype, cos, sin), bshd_out))
 
     @fake(bwd)
-    def _(dq, dk, cos, sin, q_dtype, k_dtype, interleaved=False, deinterleave=False):
-        return dq.new_empty(dq.shape, dtype=q_dtype), dk.new_empty(dk.shape, dtype=k_dtype)
+    def _(dq, dk, cos, sin, q_dtype, k_dtype, interleaved=False, deinterleave=False, bshd_out=False):
+        return empty_heads(dq, dq.shape, q_dtype, bshd_out), empty_heads(dk, dk.shape, k_dtype, bshd_out)
 
     @fake(fwd1)
-    def _(x, cos, sin, interleaved=False, deinterleave=False):
+    def _(x, cos, sin, interleaved=False, deinterleave=False, bshd_out=False):
         _check_devices((x,), cos, sin)
-        return x.new_empty(x.shape, dtype=_out_dtype(x.dtype, cos, sin))
+        return empty_heads(x, x.shape, _out_dtype(x.dtype, cos, sin), bshd_out)
 
     @fake(bwd1)
-    def _(dy, cos, sin, x_dtype, interleaved=False, deinterleave=False):
-        return dy.new_empty(dy.shape, dtype=x_dtype)
+    def _(dy, cos, sin, x_dtype, interleaved=False, deinterleave=False, bshd_out=False):
+        return empty_heads(dy, dy.shape, x_dtype, bshd_out)
 
     fwd.register_autograd(_backward, setup_context=_setup_context)
     fwd1.register_autograd(_backward_single, setup_context=_setup_context_single)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-         deinterleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+         deinterleave: bool = False, bshd_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by the same cos/sin in one launch; see the module docstring for the exact math
-    (``deinterleave``: interleaved pairs written to halves, DeepSeek's layout; needs ``interleaved``)."""
+    (``deinterleave``: interleaved pairs written to halves, DeepSeek's layout; needs ``interleaved``;
+    ``bshd_out``: 4-D results [b, h, s, d] laid out as [b, s, h, d], the backward's input gradients too)."""
     register()
-    return torch.ops.sloth.rope(q, k, cos, sin, interleaved, deinterleave)
+    return torch.ops.sloth.rope(q, k, cos, sin, interleaved, deinterleave, bshd_out)
 
 
 def rope_single(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-                deinterleave: bool = False) -> torch.Tensor:
+                deinterleave: bool = False, bshd_out: bool = False) -> torch.Tensor:
     """Rotate one tensor; see the module docstring for the exact math."""
     register()
-    return torch.ops.sloth.rope_single(x, cos, sin, interleaved, deinterleave)
+    return torch.ops.sloth.rope_single(x, cos, sin, interleaved, deinterleave, bshd_out)

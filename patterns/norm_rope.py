@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from ..compiler.fx_utils import arg_of, insert_call, is_last_dim, same_size, tensor_of, value_of
 from ..compiler.report import Report
+from ..lowering.layout import empty_heads, is_bshd
 
 JOIN = os.environ.get("SLOTH_NORM_ROPE", "1") != "0"
 
@@ -157,9 +158,12 @@ def join_qk_norms(gm: fx.GraphModule, rope: fx.Node, report: Report) -> Optional
     eps, offsets = [float(v) for v in eps], [float(v) for v in offsets]
     cos, sin = rope.args[2], rope.args[3]
     interleaved = bool(arg_of(rope, 4, "interleaved", False))
-    values = tuple(t.new_empty(t.shape, dtype=t.dtype) for t in value_of(rope))  # the rope's: same shapes, dtype
+    # q and k before their norms are the projections' outputs: the result takes their layout (lowering/rope.py)
+    bshd = all(is_bshd(tensor_of(n)) for n in (q_in, k_in))
+    values = tuple(empty_heads(t, t.shape, t.dtype, bshd) for t in value_of(rope))  # the rope's shapes and dtypes
     fused = insert_call(graph, rope, torch.ops.sloth.norm_rope.default,
-                        (q_in, k_in, *weights, cos, sin, *eps, *offsets, dtypes[0], interleaved),
+                        (q_in, k_in, *weights, cos, sin, *eps, *offsets, dtypes[0], interleaved)
+                        + ((True,) if bshd else ()),
                         meta_from=rope, value=values)
     rope.replace_all_uses_with(fused)
     graph.erase_node(rope)

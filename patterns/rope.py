@@ -77,6 +77,7 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, is_method, module_path,
                                  replace_and_erase, same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
+from ..lowering.layout import empty_heads, is_bshd
 from ..compiler.report import Report, Site
 from .norm_rope import join_qk_norms
 
@@ -617,16 +618,24 @@ def _extend_partial(m: RopeMatch) -> RopeMatch:
     return RopeMatch(big, m.cos, m.sin, user, m.anchor, interleaved=m.interleaved, deinterleave=m.deinterleave)
 
 
-def _out_value(m: RopeMatch) -> torch.Tensor:
-    """The fake of the op's result: a fresh contiguous tensor of x's shape in the result dtype."""
+def _out_value(m: RopeMatch, bshd: bool) -> torch.Tensor:
+    """The fake of the op's result: a fresh tensor of x's shape in the result dtype, laid out as the op lays it."""
     xt = tensor_of(m.x)
-    return xt.new_empty(xt.shape, dtype=tensor_of(m.out).dtype)
+    return empty_heads(xt, xt.shape, tensor_of(m.out).dtype, bshd)
 
 
-def _flag(m: RopeMatch) -> tuple:
-    """The op's ``interleaved`` and ``deinterleave`` arguments, given only when True: rotate-half sites keep their
-    graph as it was."""
-    return (True, True) if m.deinterleave else (True,) if m.interleaved else ()
+def _bshd(ms: Sequence[RopeMatch]) -> bool:
+    """Whether every x is a projection's output viewed as heads ([b, s, h, d] memory): the op then writes its
+    result in that layout (lowering/rope.py, "Output layout")."""
+    return all(is_bshd(tensor_of(m.x)) for m in ms)
+
+
+def _flag(m: RopeMatch, bshd: bool = False) -> tuple:
+    """The op's ``interleaved``, ``deinterleave`` and ``bshd_out`` arguments, given up to the last True one: a
+    contiguous rotate-half site keeps its graph as it was."""
+    flags = (m.interleaved, m.deinterleave, bshd)
+    last = max((i + 1 for i, f in enumerate(flags) if f), default=0)
+    return tuple(bool(f) for f in flags[:last])
 
 
 def _replace_out(m: RopeMatch, new: fx.Node, keep: Sequence[fx.Node]) -> None:
@@ -651,15 +660,17 @@ def _replace_out(m: RopeMatch, new: fx.Node, keep: Sequence[fx.Node]) -> None:
 
 
 def _replace_single(gm: fx.GraphModule, m: RopeMatch) -> None:
-    fused = insert_call(gm.graph, m.out, torch.ops.sloth.rope_single.default, (m.x, m.cos, m.sin) + _flag(m),
-                        meta_from=m.anchor, value=_out_value(m))
+    bshd = _bshd([m])
+    fused = insert_call(gm.graph, m.out, torch.ops.sloth.rope_single.default, (m.x, m.cos, m.sin) + _flag(m, bshd),
+                        meta_from=m.anchor, value=_out_value(m, bshd))
     _replace_out(m, fused, keep=(m.x, m.cos, m.sin))
 
 
 def _replace_pair(gm: fx.GraphModule, q: RopeMatch, k: RopeMatch, before: fx.Node) -> fx.Node:
     graph = gm.graph
-    values = (_out_value(q), _out_value(k))
-    fused = insert_call(graph, before, torch.ops.sloth.rope.default, (q.x, k.x, q.cos, q.sin) + _flag(q),
+    bshd = _bshd([q, k])
+    values = (_out_value(q, bshd), _out_value(k, bshd))
+    fused = insert_call(graph, before, torch.ops.sloth.rope.default, (q.x, k.x, q.cos, q.sin) + _flag(q, bshd),
                         meta_from=q.anchor, value=values)
     # Both getitems go in before either old result is erased: ``before`` may be one of them.
     items = [insert_call(graph, before, operator.getitem, (fused, i), meta_from=m.anchor, value=values[i])

@@ -22,6 +22,8 @@ import test_rope_op as rope_tests
 import test_sink_attention_op as sink_tests
 import test_tiled_mlp_op as tiled_tests
 import sloth.lowering.moe as moe
+from sloth.lowering.norm_rope import norm_rope
+from sloth.lowering.rope import rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the kernels run in the "
                                 "interpreter in the CPU tests instead")
@@ -160,6 +162,31 @@ def test_norm_rope_on_cuda(shape, rot, interleaved, dtype):
     layout = shape[-1]
     norm_rope_tests.check_against_pattern(norm_rope_tests.fused(layout, interleaved),
                                           norm_rope_tests.pattern(layout, interleaved), inputs)
+
+
+# bshd_out: q and k (and in the backward their gradients) written in the projection's [b, s, h, d] memory, the
+# Qwen3-MoE and Llama-3-8B attention shapes at 2 x 2048 tokens; checked against the pattern, and the SDPA output
+# then in [b, s, h * d] rows (cuDNN's lays it out like its query; flash's always is).
+@pytest.mark.parametrize("shape", [(2, 32, 4, 2048, 128, "bhsd"), (2, 32, 8, 2048, 128, "bhsd"), (2, 3, 1, 7, 64, "bhsd")],
+                         ids=["qwen3-moe", "llama-3-8b", "odd"])
+@pytest.mark.parametrize("joined", [False, True], ids=["rope", "norm_rope"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bshd_out_on_cuda(shape, joined, dtype):
+    if joined:
+        inputs = norm_rope_tests.make_inputs(*shape, dtype, device="cuda")
+        c, s = inputs[4].unsqueeze(1), inputs[5].unsqueeze(1)
+        fused = lambda q, k, wq, wk, cos, sin: norm_rope(q, k, wq, wk, c, s, bshd_out=True)  # noqa: E731
+        qo, ko, dq, dk, *_ = norm_rope_tests.check_against_pattern(fused, norm_rope_tests.pattern("bhsd"), inputs)
+    else:
+        inputs = _cuda(rope_tests.make_inputs(*shape, dtype))
+        c, s = inputs[2].unsqueeze(1), inputs[3].unsqueeze(1)
+        fused = lambda q, k, cos, sin: rope(q, k, c, s, False, False, True)  # noqa: E731
+        qo, ko, dq, dk = rope_tests.check_against_pattern(fused, rope_tests.pattern_pair("bhsd"), inputs)
+    assert all(t.transpose(1, 2).is_contiguous() for t in (qo, ko, dq, dk))
+    if dtype != torch.float32 and shape[3] > 64:
+        kv = ko.repeat_interleave(qo.shape[1] // ko.shape[1], 1)
+        out = torch.nn.functional.scaled_dot_product_attention(qo, kv, kv, is_causal=True)
+        assert out.transpose(1, 2).is_contiguous()  # the o projection's rows, a view
 
 
 # RoPE's interleaved pairs (GPT-J, Meta's complex form) and DeepSeek-V3's de-interleaving layout (pairs in, halves

@@ -193,3 +193,33 @@ def test_bad_inputs_name_the_problem():
         norm_rope(q, k[..., :8], wq, wk, c, s)
     with pytest.raises(TypeError, match="k_weight must be float32"):
         norm_rope(q, k, wq, wk.to(torch.int32), c, s)
+
+
+@pytest.mark.parametrize("input_layout", ["bhsd", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fallback", [False, True], ids=["triton", "reference"])
+def test_bshd_out_writes_that_layout_with_the_same_values(input_layout, dtype, fallback, monkeypatch):
+    # Results and the input gradients in the projection's [b, s, h, d] memory (lowering/rope.py, "Output layout"),
+    # whatever the input's layout; the weights' gradients unchanged.
+    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 24, "bhsd", dtype, rot=16)
+    if input_layout == "contiguous":
+        q, k = q.contiguous(), k.contiguous()
+    if fallback:
+        force_fallback(monkeypatch, lowering, "_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel")
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    runs = {bshd: forward_backward(lambda q, k, wq, wk, cos, sin: norm_rope(q, k, wq, wk, c, s, bshd_out=bshd),
+                                   q, k, wq, wk, cos, sin, dq, dk) for bshd in (False, True)}
+    for i, (name, plain, laid) in enumerate(zip(NAMES, runs[False], runs[True])):
+        if i < 4:
+            one_head = laid.shape[1] == 1  # k's single head: both layouts are one memory
+            assert plain.is_contiguous() and laid.transpose(1, 2).is_contiguous(), name
+            assert one_head or not laid.is_contiguous(), name
+        assert torch.equal(plain, laid), name
+
+
+def test_bshd_out_opcheck():
+    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 32, "bhsd", torch.float32)
+    lowering.register()
+    args = (q.requires_grad_(True), k.requires_grad_(True), wq.requires_grad_(True), wk, cos.unsqueeze(1),
+            sin.unsqueeze(1), 1e-6, 1e-5, 0.0, 0.0, torch.float32, False, True)
+    torch.library.opcheck(torch.ops.sloth.norm_rope.default, args)

@@ -444,3 +444,47 @@ def test_deinterleaving_opcheck():
     torch.library.opcheck(torch.ops.sloth.rope_single.default, (q, cos, sin, True, True))
     torch.library.opcheck(torch.ops.sloth.rope_backward.default, (dq, dk, cos, sin, torch.float32, torch.float32,
                                                                   True, True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# bshd_out: results (and the backward's input gradients) in the projection's [b, s, h, d] memory
+# ---------------------------------------------------------------------------------------------------
+
+def _is_bshd(t: torch.Tensor) -> bool:
+    return t.transpose(1, 2).is_contiguous() and not (t.shape[1] > 1 and t.shape[2] > 1 and t.is_contiguous())
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("input_layout", ["bhsd", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fallback", [False, True], ids=["triton", "reference"])
+def test_bshd_out_writes_that_layout_with_the_same_values(interleaved, input_layout, dtype, fallback, monkeypatch):
+    # The layout comes from the argument, not from the input: a contiguous input gets the [b, s, h, d] memory too.
+    b, hq, hk, s, d = 2, 3, 1, 7, 24
+    make = make_interleaved_inputs if interleaved else make_inputs
+    q, k, cos, sin, dq, dk = make(b, hq, hk, s, d, "bhsd", dtype, rot=16)
+    if input_layout == "contiguous":
+        q, k = q.contiguous(), k.contiguous()
+    if fallback:
+        force_fallback(monkeypatch, lowering, "_rope_kernel")
+    c, sn = cos.unsqueeze(1), sin.unsqueeze(1)
+    runs = {bshd: forward_backward(lambda q, k, cos, sin: rope(q, k, c, sn, interleaved, False, bshd), q, k, cos, sin,
+                                   dq, dk) for bshd in (False, True)}
+    singles = forward_backward(lambda q, k, cos, sin: (rope_single(q, c, sn, interleaved, False, True),
+                                                       rope_single(k, c, sn, interleaved, False, True)),
+                               q, k, cos, sin, dq, dk)
+    for name, plain, laid, single in zip(("q_out", "k_out", "dq", "dk"), runs[False], runs[True], singles):
+        assert plain.is_contiguous() and _is_bshd(laid) and _is_bshd(single), name
+        assert torch.equal(plain, laid) and torch.equal(plain, single), name  # the same kernel math, another layout
+
+
+def test_bshd_out_opcheck():
+    register()
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 5, 16, "bhsd", torch.float32)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    torch.library.opcheck(torch.ops.sloth.rope.default,
+                          (q.requires_grad_(True), k.requires_grad_(True), cos, sin, False, False, True))
+    torch.library.opcheck(torch.ops.sloth.rope_single.default, (q, cos, sin, False, False, True))
+    torch.library.opcheck(torch.ops.sloth.rope_backward.default, (dq, dk, cos, sin, q.dtype, k.dtype, False, False,
+                                                                  True))
+    torch.library.opcheck(torch.ops.sloth.rope_single_backward.default, (dq, cos, sin, q.dtype, False, False, True))

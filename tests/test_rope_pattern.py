@@ -485,8 +485,11 @@ def test_the_fused_op_is_in_the_graph():
     (fused,) = [n for n in nodes if n.target is torch.ops.sloth.rope.default]
     assert not [n for n in nodes if n.target in (torch.narrow, torch.neg)]
     assert [n.target for n in nodes].count(torch.cat) == 1  # only cos_sin's table remains
-    q, k, cos, sin = fused.args
+    q, k, cos, sin, *flags = fused.args
     assert q.target == "transpose" and k.target == "transpose"  # the non-contiguous views, read in place
+    # ... and the rotated q and k are written in their [b, s, h, d] memory (lowering/rope.py, "Output layout")
+    assert flags == [False, False, True]
+    assert all(t.transpose(1, 2).is_contiguous() for t in fused.meta["example_value"])
     assert cos is not sin and cos.target == "unsqueeze"
 
 
