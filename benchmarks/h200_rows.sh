@@ -79,6 +79,8 @@
 #   bash benchmarks/h200_rows.sh grouped-gemm-2  # issue 20: the checks, the default MoE step (mixed GEMMs), lean memory
 #   bash benchmarks/h200_rows.sh layout-20 layout-20-peers  # issue 20: q and k written in [b, s, h, d] memory (no
 #                                          # copy of attention's output): checks, MoE rows, Unsloth's, the 8B LoRA row
+#   bash benchmarks/h200_rows.sh moe-final moe-final-experts  # issue 20: the Qwen3-MoE rows, eager, Inductor, sloth,
+#                                          # Unsloth; then with LoRA on the experts, sloth and Unsloth
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
@@ -583,6 +585,15 @@ case $part in
         # row (the dense step's attention outputs; limits add to 400 s)
         run layout-moe-unsloth 200 --all --model qwen3-moe --variants unsloth --steps 16
         run layout-lora-default 200 --all --steps 10 --variants sloth ;;
+    moe-final)  # issue 20: the Qwen3-MoE row (LoRA on attention) in one call: eager, Inductor, sloth with its default
+        # options, then Unsloth right after (limits add to 570 s on a cold machine; carry .whl)
+        run moe-final-peers 300 --all --model qwen3-moe --variants eager,inductor --steps 12
+        run moe-final-sloth 120 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-final-unsloth 150 --all --model qwen3-moe --variants unsloth --steps 16 ;;
+    moe-final-experts)  # its second call, chained at once: LoRA on attention and experts, sloth then Unsloth (limits
+        # add to 330 s)
+        run moe-final-experts-sloth 150 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
+        run moe-final-experts-unsloth 180 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12 ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
         # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
         # 480 s; carry .whl)
