@@ -50,7 +50,8 @@ from .host_math import cdiv
 from .layout import empty_heads, in_heads_layout
 from .registration import define, fake, launch
 from .rms_norm import MAX_HIDDEN, rms_norm_backward_reference
-from .rope import _block_sizes, _check_inputs as _check_rope_inputs, _lead_strides, _out_dtype, _rows_meta, rope_reference
+from .rope import (_block_sizes, _check_inputs as _check_rope_inputs, _lead_strides, _out_dtype, _rows_meta,
+                   rope_reference)
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -154,8 +155,8 @@ def _norm_rope_bwd_block(
     HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, HAS_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """dx (rows at strides sy*) of BLOCK_M rows of one tensor, and with COMPUTE_DW their dW in row ``i_part`` of the fp32
-    partials (module docstring)."""
+    """dx (rows at strides sy*) of BLOCK_M rows of one tensor, and with COMPUTE_DW their dW in row ``i_part`` of the
+    fp32 partials (module docstring)."""
     n_cols = 2 * half + n_pass
     o_m = (i_blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     m_m = o_m < n_rows
@@ -357,7 +358,7 @@ def _norm_rope_bwd(dq: torch.Tensor, dk: torch.Tensor, q: torch.Tensor, k: torch
     if not use_triton(q):
         dq_in, dwq = norm_rope_backward_reference(dq, q, q_weight, q_eps, q_offset, cos, sin, compute_dwq, interleaved)
         dk_in, dwk = norm_rope_backward_reference(dk, k, k_weight, k_eps, k_offset, cos, sin, compute_dwk, interleaved)
-        return in_heads_layout(dq_in.to(q.dtype), bshd_out), in_heads_layout(dk_in.to(k.dtype), bshd_out), dwq, dwk
+        return in_heads_layout(dq_in, bshd_out), in_heads_layout(dk_in, bshd_out), dwq, dwk
     q, k, dq, dk = _unit_last(q), _unit_last(k), _unit_last(dq), _unit_last(dk)
     cos, sin = _unit_last(cos), _unit_last(sin)
     q_weight, k_weight = _unit(q_weight), _unit(k_weight)

@@ -168,11 +168,13 @@ def _rope_kernel(
     if i_b < n_blocks_q:
         _rope_block(p_q, p_cos, p_sin, p_qo, i_b,
                     n_rows_q, n1_q, n2_q, sx0_q, sx1_q, sx2_q, sc0_q, sc1_q, sc2_q, ss0_q, ss1_q, ss2_q,
-                    sy0_q, sy1_q, sy2_q, half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
+                    sy0_q, sy1_q, sy2_q, half, n_pass,
+                    BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
     else:
         _rope_block(p_k, p_cos, p_sin, p_ko, i_b - n_blocks_q,
                     n_rows_k, n1_k, n2_k, sx0_k, sx1_k, sx2_k, sc0_k, sc1_k, sc2_k, ss0_k, ss1_k, ss2_k,
-                    sy0_k, sy1_k, sy2_k, half, n_pass, BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
+                    sy0_k, sy1_k, sy2_k, half, n_pass,
+                    BACKWARD, HAS_PASS, INTERLEAVED, DEINTERLEAVE, BLOCK_M, BLOCK_H, BLOCK_P)
 
 
 def _out_dtype(x_dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:

@@ -167,8 +167,8 @@ def test_norm_rope_on_cuda(shape, rot, interleaved, dtype):
 # bshd_out: q and k (and in the backward their gradients) written in the projection's [b, s, h, d] memory, the
 # Qwen3-MoE and Llama-3-8B attention shapes at 2 x 2048 tokens; checked against the pattern, and the SDPA output
 # then in [b, s, h * d] rows (cuDNN's lays it out like its query; flash's always is).
-@pytest.mark.parametrize("shape", [(2, 32, 4, 2048, 128, "bhsd"), (2, 32, 8, 2048, 128, "bhsd"), (2, 3, 1, 7, 64, "bhsd")],
-                         ids=["qwen3-moe", "llama-3-8b", "odd"])
+@pytest.mark.parametrize("shape", [(2, 32, 4, 2048, 128, "bhsd"), (2, 32, 8, 2048, 128, "bhsd"),
+                                   (2, 3, 1, 7, 64, "bhsd")], ids=["qwen3-moe", "llama-3-8b", "odd"])
 @pytest.mark.parametrize("joined", [False, True], ids=["rope", "norm_rope"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bshd_out_on_cuda(shape, joined, dtype):
