@@ -590,10 +590,14 @@ case $part in
         run moe-final-peers 300 --all --model qwen3-moe --variants eager,inductor --steps 12
         run moe-final-sloth 120 --all --model qwen3-moe --variants sloth --steps 16
         run moe-final-unsloth 150 --all --model qwen3-moe --variants unsloth --steps 16 ;;
-    moe-final-experts)  # its second call, chained at once: LoRA on attention and experts, sloth then Unsloth (limits
-        # add to 330 s)
+    moe-final-experts)  # its second call, chained at once: LoRA on attention and experts, sloth then Unsloth, then
+        # sloth with the mixed GEMMs (SLOTH_MOE_GEMM=mixed; limits add to 430 s)
         run moe-final-experts-sloth 150 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
-        run moe-final-experts-unsloth 180 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12 ;;
+        run moe-final-experts-unsloth 180 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12
+        SLOTH_MOE_GEMM=mixed run moe-final-experts-mixed 100 --all --model qwen3-moe --lora-experts --variants sloth \
+            --steps 12 ;;
+    moe-mixed-checks)  # the op's CUDA checks with LoRA on the experts through the mixed GEMMs (limits add to 120 s)
+        gpu_tests moe-lora-cuda 120 "moe_lora or moe_experts" tests/test_cuda_ops.py ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
         # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
         # 480 s; carry .whl)

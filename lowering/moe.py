@@ -238,11 +238,12 @@ class _Gathered(_Lazy):
         self.source, self.index = source, index
 
 
-# Which grouped GEMMs the op runs: "auto" (below), or "triton", "grouped_mm" for one kind throughout, to measure one
-# against the other (SLOTH_MOE_GEMM, read at import).
+# Which grouped GEMMs the op runs: "auto" (below), or "triton", "grouped_mm" for one kind throughout, or "mixed"
+# wherever torch._grouped_mm runs on a GPU (whatever the rows an expert and the adapters), to measure one against
+# another (SLOTH_MOE_GEMM, read at import).
 GEMM_CHOICE = os.environ.get("SLOTH_MOE_GEMM", "auto")
-if GEMM_CHOICE not in ("auto", "triton", "grouped_mm"):
-    raise ValueError(f"SLOTH_MOE_GEMM must be auto, triton or grouped_mm, got {GEMM_CHOICE!r}")
+if GEMM_CHOICE not in ("auto", "triton", "grouped_mm", "mixed"):
+    raise ValueError(f"SLOTH_MOE_GEMM must be auto, triton, grouped_mm or mixed, got {GEMM_CHOICE!r}")
 # "auto" reads the tokens' rows through the sort order in Triton's GEMM (the forward's first GEMM, its recompute, the
 # backward's first) where experts get at most this many rows on average, and runs every other GEMM in
 # torch._grouped_mm. H100, bf16, 4096 tokens (benchmarks/results/2026-12-06_h100_103628_grouped_gemm.md), ms with
@@ -312,7 +313,8 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     multiples of 16 bytes too and both weights (maybe transposed views) 16-byte aligned: "grouped_mm", or on a GPU
     "mixed" when the experts get at most ``GATHER_ROWS_PER_EXPERT`` of the ``n_rows`` sorted rows on average and
     have no LoRA factors (their rank-r GEMMs through Triton are not yet timed). Else "triton"
-    where ``_triton_gemm_runs``, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one. ``factors``: the
+    where ``_triton_gemm_runs``, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one, mixed takes
+    "mixed" on a GPU wherever "grouped_mm" would run. ``factors``: the
     adapters' contiguous factors, None where not given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()
     if (GEMM_CHOICE != "triton" and grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
@@ -320,7 +322,8 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
             and _aligned(gate_up_proj) and _aligned(down_proj)):
         few_rows = n_rows <= GATHER_ROWS_PER_EXPERT * gate_up_proj.shape[0]
         plain = all(f is None for f in factors)  # LoRA on the experts through "mixed" is not yet timed on a GPU
-        return "mixed" if GEMM_CHOICE == "auto" and few_rows and plain and x.device.type == "cuda" else "grouped_mm"
+        auto = GEMM_CHOICE == "auto" and few_rows and plain
+        return "mixed" if (auto or GEMM_CHOICE == "mixed") and x.device.type == "cuda" else "grouped_mm"
     if GEMM_CHOICE != "grouped_mm" and _triton_gemm_runs(x.device, x.dtype):
         return "triton"
     return "reference"

@@ -92,8 +92,11 @@ def test_moe_gpt_oss_on_cuda(T, H, I, E, K, unused, dtype):
     pytest.param(13, 24, 20, 5, 2, 3, torch.bfloat16, id="odd-bf16"),
     pytest.param(300, 256, 96, 16, 4, 16, torch.bfloat16, id="aligned-bf16"),
     pytest.param(1024, 2048, 768, 128, 8, 16, torch.bfloat16, id="qwen3-moe-r16-bf16")])
-def test_moe_lora_on_cuda(T, H, I, E, K, r, dtype):
-    # LoRA on both expert GEMMs (peft's target_parameters), the adapters' grouped products on the GPU, base frozen
+@pytest.mark.parametrize("gemm", ["auto", "mixed"])
+def test_moe_lora_on_cuda(T, H, I, E, K, r, dtype, gemm, monkeypatch):
+    # LoRA on both expert GEMMs (peft's target_parameters), the adapters' grouped products on the GPU, base frozen;
+    # "mixed" reads the tokens through the order in Triton's GEMM for the base's and the adapters' gathered products
+    monkeypatch.setattr(moe, "GEMM_CHOICE", gemm)
     masters = _cuda(moe_tests.make_inputs(T, H, I, E, K))
     moe_tests.check_lora(masters, _cuda(moe_tests.make_adapters(E, H, I, r, permuted=True)), dtype)
 

@@ -204,7 +204,7 @@ def test_grouped_gemm_backends_agree(monkeypatch, dtype, act, gated, backend):
                                    dtype == torch.float32 else 2e-2, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("choice", ["auto", "triton", "grouped_mm"])
+@pytest.mark.parametrize("choice", ["auto", "triton", "grouped_mm", "mixed"])
 @pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "plain-cpu"])
 def test_pattern_and_plan_agree_on_the_reference(monkeypatch, choice, interpreted):
     # patterns/moe.py refuses large experts where the op would take its reference GEMM (gemm_runs False); the op's
