@@ -607,6 +607,11 @@ case $part in
         SLOTH_MOE_GEMM=mixed run experts-now-mixed 100 --all --model qwen3-moe --lora-experts --variants sloth \
             --steps 12
         run experts-now-unsloth 190 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12 ;;
+    moe-experts-short)  # moe-experts-now without Unsloth's row, for a call with little device time (limits add to 310 s)
+        gpu_tests moe-lora-cuda 100 "moe_lora" tests/test_cuda_ops.py
+        run experts-now-sloth 120 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
+        SLOTH_MOE_GEMM=mixed run experts-now-mixed 90 --all --model qwen3-moe --lora-experts --variants sloth \
+            --steps 12 ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
         # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
         # 480 s; carry .whl)
