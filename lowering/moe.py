@@ -313,9 +313,9 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     multiples of 16 bytes too and both weights (maybe transposed views) 16-byte aligned: "grouped_mm", or on a GPU
     "mixed" when the experts get at most ``GATHER_ROWS_PER_EXPERT`` of the ``n_rows`` sorted rows on average and
     have no LoRA factors (their rank-r GEMMs through Triton are not yet timed). Else "triton"
-    where ``_triton_gemm_runs``, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one, mixed takes
-    "mixed" on a GPU wherever "grouped_mm" would run. ``factors``: the
-    adapters' contiguous factors, None where not given (the op checked their dtype and shapes)."""
+    where ``_triton_gemm_runs``, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one; mixed takes
+    "mixed" on a GPU wherever "grouped_mm" would run. ``factors``: the adapters' contiguous factors, None where not
+    given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()
     if (GEMM_CHOICE != "triton" and grouped_mm_runs(x.device, x.dtype, hidden, down_proj.shape[2])
             and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors if f is not None)

@@ -77,8 +77,8 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, is_method, module_path,
                                  replace_and_erase, same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
-from ..lowering.layout import empty_heads, is_bshd
 from ..compiler.report import Report, Site
+from ..lowering.layout import empty_heads, is_bshd
 from .norm_rope import join_qk_norms
 
 FAMILY = "rope"
