@@ -253,19 +253,16 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backwa
 
 
 def _lead_strides(t: torch.Tensor) -> list[int]:
-    """The strides of ``t``'s leading dims, padded to MAX_DIMS - 1 as ``_rows_meta`` pads x."""
+    """The strides of ``t``'s MAX_DIMS - 1 leading dims, ``t`` padded with leading 1s (a view of any layout)."""
     return list(t.view((1,) * (MAX_DIMS - t.dim()) + tuple(t.shape)).stride()[:3])
 
 
 def _rows_meta(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[int]:
     """[n_rows, n1, n2, 3 strides of x, of cos, of sin] with cos/sin broadcast to x's leading dims."""
-    pad = (1,) * (MAX_DIMS - x.dim())
     lead = tuple(x.shape[:-1])
-    x4 = x.view(pad + tuple(x.shape))  # adding leading 1s is a view of any layout
-    c4 = cos.expand(lead + cos.shape[-1:]).view(pad + lead + cos.shape[-1:])
-    s4 = sin.expand(lead + sin.shape[-1:]).view(pad + lead + sin.shape[-1:])
-    n0, n1, n2 = x4.shape[:3]
-    return [n0 * n1 * n2, n1, n2, *x4.stride()[:3], *c4.stride()[:3], *s4.stride()[:3]]
+    n0, n1, n2 = ((1,) * (MAX_DIMS - x.dim()) + tuple(x.shape))[:3]
+    return [n0 * n1 * n2, n1, n2, *_lead_strides(x), *_lead_strides(cos.expand(lead + cos.shape[-1:])),
+            *_lead_strides(sin.expand(lead + sin.shape[-1:]))]
 
 
 def _block_sizes(n_rows: int, half: int, n_pass: int) -> tuple[int, int, int, int]:
