@@ -26,6 +26,7 @@ import torch
 from torch._ops import OpOverload
 
 from .backend_choice import triton_interpreter_on
+from .static_launch import static_launcher
 
 TRITON_OP: bool = (os.environ.get("SLOTH_TRITON_OP", "0") == "1" and not triton_interpreter_on()
                    and hasattr(torch.library, "triton_op"))
@@ -98,7 +99,8 @@ def launch(kernel: Any) -> Any:
     in Python and called its launcher directly, skipping ``JITFunction.run``. On the H200 it was slower than
     Triton 3.6's own dispatch, whose argument specialisation is native code: 23.9 vs 16.4 us a launch, LoRA
     step 277.5 vs 263.4 ms on one lease (benchmarks/results/2026-11-29_212631_launch_overhead.json and the
-    e2e records beside it; commit bfd1dc1)."""
+    e2e records beside it; commit bfd1dc1). What is kept instead: lowering/static_launch.py, which keeps Triton's
+    native specialisation and cache key and replaces only what follows them."""
     if TRITON_OP:
         return torch.library.wrap_triton(kernel)
-    return kernel
+    return static_launcher(kernel)
