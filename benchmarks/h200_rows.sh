@@ -610,11 +610,12 @@ case $part in
             --steps 12
         run experts-now-unsloth 190 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12 ;;
     static-ab)  # lowering/static_launch.py: its checks and every op's CUDA checks through it, host us per launch and
-        # op call without and with it, the MoE step with it (limits add to 500 s)
-        gpu_tests static-cuda 200 "static or cuda" tests/test_static_launch.py tests/test_cuda_ops.py
-        SLOTH_STATIC_LAUNCH=0 launch_overhead lo-static-off 90
-        launch_overhead lo-static-on 90
-        run moe-static-on 120 --all --model qwen3-moe --variants sloth --steps 16 ;;
+        # op call without and with it, the MoE step with it and its host profile (limits add to 530 s)
+        gpu_tests static-cuda 170 "static or cuda" tests/test_static_launch.py tests/test_cuda_ops.py
+        SLOTH_STATIC_LAUNCH=0 launch_overhead lo-static-off 80
+        launch_overhead lo-static-on 80
+        run moe-static-on 120 --all --model qwen3-moe --variants sloth --steps 16
+        run moe-static-hostprof 80 --all --model qwen3-moe --variants sloth --host-profile --no-telemetry ;;
     static-steps)  # the MoE step without the static launcher, Unsloth's; LoRA on the experts with it, and with the
         # mixed GEMMs (limits add to 560 s; carry .whl)
         SLOTH_STATIC_LAUNCH=0 run moe-static-off 120 --all --model qwen3-moe --variants sloth --steps 16
