@@ -311,8 +311,9 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     """The backend of one call's grouped GEMMs (``GroupedGemm``). Where ``grouped_mm_runs`` at its sizes (H and I; it
     checks 2I too, the gated first weight's rows), each adapter factor's last two sizes (n or k, and the rank) are
     multiples of 16 bytes too and both weights (maybe transposed views) 16-byte aligned: "grouped_mm", or on a GPU
-    "mixed" when the experts get at most ``GATHER_ROWS_PER_EXPERT`` of the ``n_rows`` sorted rows on average and
-    have no LoRA factors (their rank-r GEMMs through Triton are not yet timed). Else "triton"
+    "mixed" when the experts get at most ``GATHER_ROWS_PER_EXPERT`` of the ``n_rows`` sorted rows on average, with
+    or without LoRA factors (the Qwen3-MoE step with LoRA on attention and experts, one H100 lease: 70.8 ms with
+    "mixed", 72.6 with "grouped_mm", benchmarks/results/2026-12-06_issue20_static_launch_h100.md). Else "triton"
     where ``_triton_gemm_runs``, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one; mixed takes
     "mixed" on a GPU wherever "grouped_mm" would run. ``factors``: the adapters' contiguous factors, None where not
     given (the op checked their dtype and shapes)."""
@@ -321,8 +322,7 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
             and all((f.shape[-1] * size) % 16 == 0 and (f.shape[-2] * size) % 16 == 0 for f in factors if f is not None)
             and _aligned(gate_up_proj) and _aligned(down_proj)):
         few_rows = n_rows <= GATHER_ROWS_PER_EXPERT * gate_up_proj.shape[0]
-        plain = all(f is None for f in factors)  # LoRA on the experts through "mixed" is not yet timed on a GPU
-        auto = GEMM_CHOICE == "auto" and few_rows and plain
+        auto = GEMM_CHOICE == "auto" and few_rows
         return "mixed" if (auto or GEMM_CHOICE == "mixed") and x.device.type == "cuda" else "grouped_mm"
     if GEMM_CHOICE != "grouped_mm" and _triton_gemm_runs(x.device, x.dtype):
         return "triton"

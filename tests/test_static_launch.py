@@ -120,6 +120,7 @@ def test_launch_hooks_fall_back_to_triton(monkeypatch):
 def test_ops_launch_statically_with_the_same_bits(dtype, monkeypatch):
     from sloth.lowering import rms_norm as rms_norm_module
 
+    rms_norm_module.register()
     x = torch.randn(37, 200, device="cuda", dtype=dtype)
     w = torch.randn(200, device="cuda", dtype=dtype)
     fast_out = torch.ops.sloth.rms_norm(x, w, 1e-6, 0.0, dtype)
