@@ -134,12 +134,10 @@ run() {  # run NAME SECONDS ARGS...: one e2e invocation with a time limit, its l
 }
 
 launch_overhead() {  # benchmarks/launch_overhead.py with a time limit, its rows printed, its log kept
-    # (launch_overhead [NAME [SECONDS]]: the log's name, default launch_overhead, and the limit, default 150)
-    local name=${1:-launch_overhead} limit=${2:-150}
-    [ -n "${DRY:-}" ] && { echo "$(env | grep '^SLOTH_' | tr '\n' ' ')python -m benchmarks.launch_overhead"; return; }
-    timeout "$limit" python -m benchmarks.launch_overhead > "$out/logs/$name.log" 2>&1
-    echo "$name: rc $?"
-    grep -E "^\{" "$out/logs/$name.log"
+    [ -n "${DRY:-}" ] && { echo "python -m benchmarks.launch_overhead"; return; }
+    timeout 150 python -m benchmarks.launch_overhead > "$out/logs/launch_overhead.log" 2>&1
+    echo "launch_overhead: rc $?"
+    grep -E "^\{" "$out/logs/launch_overhead.log"
 }
 
 op_bench() {  # op_bench NAME SECONDS MODULE ARGS...: one benchmarks/ops module with a time limit, its log kept and
@@ -609,20 +607,6 @@ case $part in
         SLOTH_MOE_GEMM=mixed run experts-now-mixed 100 --all --model qwen3-moe --lora-experts --variants sloth \
             --steps 12
         run experts-now-unsloth 190 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12 ;;
-    static-ab)  # lowering/static_launch.py: its checks and every op's CUDA checks through it, host us per launch and
-        # op call without and with it, the MoE step with it and its host profile (limits add to 530 s)
-        gpu_tests static-cuda 170 "static or cuda" tests/test_static_launch.py tests/test_cuda_ops.py
-        SLOTH_STATIC_LAUNCH=0 launch_overhead lo-static-off 80
-        launch_overhead lo-static-on 80
-        run moe-static-on 120 --all --model qwen3-moe --variants sloth --steps 16
-        run moe-static-hostprof 80 --all --model qwen3-moe --variants sloth --host-profile --no-telemetry ;;
-    static-steps)  # the MoE step without the static launcher, Unsloth's; LoRA on the experts with it, and with the
-        # mixed GEMMs (limits add to 560 s; carry .whl)
-        SLOTH_STATIC_LAUNCH=0 run moe-static-off 120 --all --model qwen3-moe --variants sloth --steps 16
-        run moe-unsloth 190 --all --model qwen3-moe --variants unsloth --steps 16
-        run experts-static-on 140 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
-        SLOTH_MOE_GEMM=mixed run experts-static-mixed 110 --all --model qwen3-moe --lora-experts --variants sloth \
-            --steps 12 ;;
     moe-experts-short)  # moe-experts-now without Unsloth's row, for a call with little device time (limits add to 310 s)
         gpu_tests moe-lora-cuda 100 "moe_lora" tests/test_cuda_ops.py
         run experts-now-sloth 120 --all --model qwen3-moe --lora-experts --variants sloth --steps 12

@@ -113,14 +113,10 @@ def main() -> int:
     qkv_a = torch.cat([a, a, a])
     qkv_dy = [dy, dy[:, :1024].contiguous(), dy[:, 1024:2048].contiguous()]
     qkv_h = torch.randn(m, 3 * r, device=dev)
-    from sloth.lowering.registration import launch
-
-    up_add_args = (base, h, q, m, n, r, base.stride(0), h.stride(0), q.stride(0), q.stride(1), 0.5, 64)
-    up_add_meta = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, num_warps=4, num_stages=2)
     calls = {
-        "one launch (_lora_up_add_kernel)": lambda: lora._lora_up_add_kernel[(1, 64)](*up_add_args, **up_add_meta),
-        # As the ops launch it: lowering/registration.py's launch, the static launcher unless SLOTH_STATIC_LAUNCH=0.
-        "one launch through launch()": lambda: launch(lora._lora_up_add_kernel)[(1, 64)](*up_add_args, **up_add_meta),
+        "one launch (_lora_up_add_kernel)": lambda: lora._lora_up_add_kernel[(1, 64)](
+            base, h, q, m, n, r, base.stride(0), h.stride(0), q.stride(0), q.stride(1), 0.5, 64,
+            BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, num_warps=4, num_stages=2),
         "sloth::lora_linear": lambda: torch.ops.sloth.lora_linear(x, w, None, a, b, 2.0),
         "sloth::lora_linear_backward": lambda: torch.ops.sloth.lora_linear_backward(dy, x, w, a, b, h, 2.0, True),
         "lora_forward, no dispatcher": lambda: lora.lora_forward(x, w, None, a, b, 2.0),
@@ -156,11 +152,7 @@ def main() -> int:
         rows.append({"call": name, "host us": round(_host_us(fn), 2)})
         print(rows[-1], flush=True)
     _print_profile(calls["one launch (_lora_up_add_kernel)"])
-    _print_profile(calls["one launch through launch()"])
-    from sloth.lowering import static_launch
-
-    record = common.result_record("launch_overhead", {"m": m, "k": k, "n": n, "r": r, "dtype": "bf16",
-                                                      "static_launch": static_launch._ENABLED},
+    record = common.result_record("launch_overhead", {"m": m, "k": k, "n": n, "r": r, "dtype": "bf16"},
                                   ["call", "host us"], rows)
     common.write_result(record)
     return 0

@@ -26,7 +26,6 @@ import torch
 from torch._ops import OpOverload
 
 from .backend_choice import triton_interpreter_on
-from .static_launch import static_launcher
 
 TRITON_OP: bool = (os.environ.get("SLOTH_TRITON_OP", "0") == "1" and not triton_interpreter_on()
                    and hasattr(torch.library, "triton_op"))
@@ -99,8 +98,11 @@ def launch(kernel: Any) -> Any:
     in Python and called its launcher directly, skipping ``JITFunction.run``. On the H200 it was slower than
     Triton 3.6's own dispatch, whose argument specialisation is native code: 23.9 vs 16.4 us a launch, LoRA
     step 277.5 vs 263.4 ms on one lease (benchmarks/results/2026-11-29_212631_launch_overhead.json and the
-    e2e records beside it; commit bfd1dc1). What is kept instead: lowering/static_launch.py, which keeps Triton's
-    native specialisation and cache key and replaces only what follows them."""
+    e2e records beside it; commit bfd1dc1). Tried again on 2026-12-06 and not kept either: Triton's own binder
+    and cache key, then torch's static launcher (the C launch Inductor uses for its kernels) instead of Triton's
+    launcher and launch metadata. On one H100 lease with Triton 3.6 it was no faster: 10.97 vs 11.13 us a launch,
+    the Qwen3-MoE step 49.9 vs 49.65 ms (medians), since most of a launch is the native specialisation and the C
+    launch, which both paths keep (benchmarks/results/2026-12-06_issue20_static_launch_h100.md, commit 8592dd2)."""
     if TRITON_OP:
         return torch.library.wrap_triton(kernel)
-    return static_launcher(kernel)
+    return kernel
