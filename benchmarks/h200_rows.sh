@@ -81,7 +81,7 @@
 #                                          # copy of attention's output): checks, MoE rows, Unsloth's, the 8B LoRA row
 #   bash benchmarks/h200_rows.sh moe-final moe-final-experts  # issue 20: the Qwen3-MoE rows, eager, Inductor, sloth,
 #                                          # Unsloth; then with LoRA on the experts, sloth and Unsloth
-#   bash benchmarks/h200_rows.sh moe-experts-now  # issue 20: LoRA on the experts, checks and rows, mixed GEMMs beside
+#   bash benchmarks/h200_rows.sh moe-experts-now  # issue 20: LoRA on the experts, checks and rows, _grouped_mm beside
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
 #   bash benchmarks/h200_rows.sh long256-l4  # issue 19: sloth and Unsloth at 256k on 4 layers, one call (carry .whl)
@@ -600,18 +600,18 @@ case $part in
     moe-mixed-checks)  # the op's CUDA checks with LoRA on the experts through the mixed GEMMs (limits add to 120 s)
         gpu_tests moe-lora-cuda 120 "moe_lora or moe_experts" tests/test_cuda_ops.py ;;
     moe-experts-now)  # issue 20 in one call: the op's CUDA checks with LoRA on the experts (mixed GEMMs among them),
-        # the Qwen3-MoE step with LoRA on attention and experts, sloth with and without the mixed GEMMs, then Unsloth
-        # (limits add to 540 s; carry .whl)
+        # the Qwen3-MoE step with LoRA on attention and experts, sloth (the mixed GEMMs, default since 2026-12-06) and
+        # with _grouped_mm for every expert GEMM, then Unsloth (limits add to 540 s; carry .whl)
         gpu_tests moe-lora-cuda 110 "moe_lora" tests/test_cuda_ops.py
         run experts-now-sloth 140 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
-        SLOTH_MOE_GEMM=mixed run experts-now-mixed 100 --all --model qwen3-moe --lora-experts --variants sloth \
-            --steps 12
+        SLOTH_MOE_GEMM=grouped_mm run experts-now-grouped-mm 100 --all --model qwen3-moe --lora-experts \
+            --variants sloth --steps 12
         run experts-now-unsloth 190 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12 ;;
     moe-experts-short)  # moe-experts-now without Unsloth's row, for a call with little device time (limits add to 310 s)
         gpu_tests moe-lora-cuda 100 "moe_lora" tests/test_cuda_ops.py
         run experts-now-sloth 120 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
-        SLOTH_MOE_GEMM=mixed run experts-now-mixed 90 --all --model qwen3-moe --lora-experts --variants sloth \
-            --steps 12 ;;
+        SLOTH_MOE_GEMM=grouped_mm run experts-now-grouped-mm 90 --all --model qwen3-moe --lora-experts \
+            --variants sloth --steps 12 ;;
     long320-l4)  # issue 19, the longest context on one H100 (2026-12-06): 4 layers at 320k tokens, sloth then
         # Unsloth (estimated from the 256k rows: sloth ~48 GiB, Unsloth ~83 GiB, past the H100's 79; limits add to
         # 480 s; carry .whl)
