@@ -244,6 +244,28 @@ def test_frozen_experts_get_no_gradient(dtype):
     check_against_pattern(masters, dtype, "silu", frozen=True)
 
 
+@pytest.mark.parametrize("backend", ["grouped_mm", "mixed", "triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_on_gpt_oss_experts_on_every_backend(monkeypatch, dtype, backend):
+    # GPT-OSS's experts (weights stored [E, H, 2I] / [E, I, H] and passed as transposed views, biases, interleaved
+    # gate/up, the clamped GLU) with LoRA on both GEMMs: since 2026-12-06 a GPU takes the mixed GEMMs with expert
+    # adapters too, so each backend must give every gradient within the rule.
+    # Sizes and rank whose rows are multiples of 16 bytes in bf16, as torch._grouped_mm (the first two backends)
+    # needs (the plan never gives it others).
+    T, H, I, E, K = 17, 32, 16, 4, 2
+    x, index, weights, gate_up, down, dout = make_inputs(T, H, I, E, K, unused_experts=(2,))
+    stored = [(gate_up * 6).transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()]  # GPT-OSS's storage
+    masters = (x, index, weights, stored[0].transpose(1, 2), stored[1].transpose(1, 2), dout)
+    g = torch.Generator().manual_seed(4)
+    biases = (torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g))
+    monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args: backend)
+    grads = check_lora(masters, make_adapters(E, H, I, 8, permuted=True), dtype, act="swiglu_oai", biases=biases,
+                       interleaved=True)
+    for grad in grads[3:]:
+        assert grad.abs().max() > 0  # every adapter factor trains
+        assert not grad[2].any()  # expert 2 gets no token: an exactly zero adapter gradient
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora", "ungated"])
 def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
     # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
@@ -506,10 +528,11 @@ def make_adapters(E, H, I, r, seed=7, permuted=False, gated=True):
 
 
 def check_lora(masters, adapters, dtype, on=("gate_up", "down"), base_trains=False, scales=(2.0, 0.5), act="silu",
-               **options):
+               biases=(None, None), interleaved=False, **options):
     """Forward and every gradient (x, router weights, each given adapter factor and, when ``base_trains``, the
     expert weights) of the op against the pattern (the adapters merged by baddbmm, as peft does) at ``dtype`` and
-    in float64; ``options`` passed to both (``gated=False``)."""
+    in float64; ``biases`` (frozen) and ``interleaved`` as the op takes them; ``options`` passed to both
+    (``gated=False``)."""
     x, index, weights, gate_up, down, dout = masters
 
     def run(fn, cast):
@@ -517,7 +540,8 @@ def check_lora(masters, adapters, dtype, on=("gate_up", "down"), base_trains=Fal
         gu_, d_ = (cast(t).requires_grad_(base_trains) for t in (gate_up, down))
         factors = [cast(t).requires_grad_() if (i < 2 and "gate_up" in on) or (i >= 2 and "down" in on) else None
                    for i, t in enumerate(adapters)]
-        out = fn(x_, index, w_, gu_, d_, act, None, None, False, 1.702, 7.0, *factors, *scales, **options)
+        b1, b2 = (cast(b) if b is not None else None for b in biases)
+        out = fn(x_, index, w_, gu_, d_, act, b1, b2, interleaved, 1.702, 7.0, *factors, *scales, **options)
         wrt = [x_, w_, *([gu_, d_] if base_trains else []), *(f for f in factors if f is not None)]
         return [out.detach(), *torch.autograd.grad(out, wrt, cast(dout))]
 
