@@ -266,6 +266,18 @@ def test_lora_on_gpt_oss_experts_on_every_backend(monkeypatch, dtype, backend):
         assert not grad[2].any()  # expert 2 gets no token: an exactly zero adapter gradient
 
 
+@pytest.mark.parametrize("backend", ["grouped_mm", "mixed", "triton", "reference"])
+def test_lora_on_ungated_experts_on_every_backend(monkeypatch, backend):
+    # Ungated experts (NemotronH's relu2, up_proj [E, I, H]) with LoRA on both GEMMs, in bf16, on each backend.
+    T, H, I, E, K = 17, 32, 16, 4, 2
+    masters = make_inputs(T, H, I, E, K, unused_experts=(2,), gated=False)
+    monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args: backend)
+    grads = check_lora(masters, make_adapters(E, H, I, 8, permuted=True, gated=False), torch.bfloat16, act="relu2",
+                       gated=False)
+    for grad in grads[3:]:
+        assert grad.abs().max() > 0 and not grad[2].any()
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora", "ungated"])
 def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
     # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
