@@ -80,7 +80,8 @@
 #   bash benchmarks/h200_rows.sh layout-20 layout-20-peers  # issue 20: q and k written in [b, s, h, d] memory (no
 #                                          # copy of attention's output): checks, MoE rows, Unsloth's, the 8B LoRA row
 #   bash benchmarks/h200_rows.sh moe-final moe-final-experts  # issue 20: the Qwen3-MoE rows, eager, Inductor, sloth,
-#                                          # Unsloth; then with LoRA on the experts, sloth and Unsloth
+#                                          # Unsloth; then with LoRA on the experts, sloth and Unsloth, and the
+#                                          # q/k norms recomputed beside the default (what closes issue 20 on an H200)
 #   bash benchmarks/h200_rows.sh moe-experts-now  # issue 20: LoRA on the experts, checks and rows, _grouped_mm beside
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
 #   bash benchmarks/h200_rows.sh long320-l4  # issue 19: sloth and Unsloth at 320k on 4 layers (H100), one call
@@ -591,12 +592,14 @@ case $part in
         run moe-final-peers 300 --all --model qwen3-moe --variants eager,inductor --steps 12
         run moe-final-sloth 120 --all --model qwen3-moe --variants sloth --steps 16
         run moe-final-unsloth 150 --all --model qwen3-moe --variants unsloth --steps 16 ;;
-    moe-final-experts)  # its second call, chained at once: LoRA on attention and experts, sloth then Unsloth, then
-        # sloth with the mixed GEMMs (SLOTH_MOE_GEMM=mixed; limits add to 430 s)
+    moe-final-experts)  # its second call, chained at once: LoRA on attention and experts, sloth (the mixed GEMMs, its
+        # default since 2026-12-06) then Unsloth, then the q/k norms recomputed (SLOTH_NORM_ROPE_RECOMPUTE=1, last timed
+        # before q and k kept the projection's layout) beside the default MoE row (limits add to 570 s)
         run moe-final-experts-sloth 150 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
         run moe-final-experts-unsloth 180 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12
-        SLOTH_MOE_GEMM=mixed run moe-final-experts-mixed 100 --all --model qwen3-moe --lora-experts --variants sloth \
-            --steps 12 ;;
+        SLOTH_NORM_ROPE_RECOMPUTE=1 run moe-final-norm-rope-recompute 110 --all --model qwen3-moe --variants sloth \
+            --steps 16
+        run moe-final-sloth-again 110 --all --model qwen3-moe --variants sloth --steps 16 ;;
     moe-mixed-checks)  # the op's CUDA checks with LoRA on the experts through the mixed GEMMs (limits add to 120 s)
         gpu_tests moe-lora-cuda 120 "moe_lora or moe_experts" tests/test_cuda_ops.py ;;
     moe-experts-now)  # issue 20 in one call: the op's CUDA checks with LoRA on the experts (mixed GEMMs among them),
