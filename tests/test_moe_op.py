@@ -245,37 +245,29 @@ def test_frozen_experts_get_no_gradient(dtype):
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "mixed", "triton", "reference"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_lora_on_gpt_oss_experts_on_every_backend(monkeypatch, dtype, backend):
-    # GPT-OSS's experts (weights stored [E, H, 2I] / [E, I, H] and passed as transposed views, biases, interleaved
-    # gate/up, the clamped GLU) with LoRA on both GEMMs: since 2026-12-06 a GPU takes the mixed GEMMs with expert
-    # adapters too, so each backend must give every gradient within the rule.
-    # Sizes and rank whose rows are multiples of 16 bytes in bf16, as torch._grouped_mm (the first two backends)
-    # needs (the plan never gives it others).
-    T, H, I, E, K = 17, 32, 16, 4, 2
-    x, index, weights, gate_up, down, dout = make_inputs(T, H, I, E, K, unused_experts=(2,))
-    stored = [(gate_up * 6).transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()]  # GPT-OSS's storage
-    masters = (x, index, weights, stored[0].transpose(1, 2), stored[1].transpose(1, 2), dout)
-    g = torch.Generator().manual_seed(4)
-    biases = (torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g))
+@pytest.mark.parametrize("variant,dtype", [("gpt-oss", torch.float32), ("gpt-oss", torch.bfloat16),
+                                           ("ungated", torch.bfloat16)], ids=["gpt-oss-fp32", "gpt-oss-bf16",
+                                                                              "ungated-bf16"])
+def test_lora_on_gpt_oss_and_ungated_experts_on_every_backend(monkeypatch, variant, dtype, backend):
+    # LoRA on both GEMMs of GPT-OSS's experts (weights stored [E, H, 2I] / [E, I, H] and passed as transposed views,
+    # biases, interleaved gate/up, the clamped GLU) and of ungated experts (NemotronH's relu2, up_proj [E, I, H]):
+    # since 2026-12-06 a GPU takes the mixed GEMMs with expert adapters too, so each backend must give every gradient
+    # within the rule. Sizes and rank whose rows are multiples of 16 bytes in bf16, as torch._grouped_mm (the first
+    # two backends) needs (the plan never gives it others).
+    T, H, I, E, K, r = 17, 32, 16, 4, 2, 8
     monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args: backend)
-    grads = check_lora(masters, make_adapters(E, H, I, 8, permuted=True), dtype, act="swiglu_oai", biases=biases,
-                       interleaved=True)
+    if variant == "gpt-oss":
+        x, index, weights, gate_up_t, down_t, biases, dout = _gpt_oss_inputs(T, H, I, E, K)
+        masters = (x, index, weights, gate_up_t.detach().transpose(1, 2), down_t.detach().transpose(1, 2), dout)
+        grads = check_lora(masters, make_adapters(E, H, I, r, permuted=True), dtype, act="swiglu_oai",
+                           biases=tuple(b.detach() for b in biases), interleaved=True)
+    else:
+        masters = make_inputs(T, H, I, E, K, unused_experts=(2,), gated=False)
+        grads = check_lora(masters, make_adapters(E, H, I, r, permuted=True, gated=False), dtype, act="relu2",
+                           gated=False)
     for grad in grads[3:]:
         assert grad.abs().max() > 0  # every adapter factor trains
         assert not grad[2].any()  # expert 2 gets no token: an exactly zero adapter gradient
-
-
-@pytest.mark.parametrize("backend", ["grouped_mm", "mixed", "triton", "reference"])
-def test_lora_on_ungated_experts_on_every_backend(monkeypatch, backend):
-    # Ungated experts (NemotronH's relu2, up_proj [E, I, H]) with LoRA on both GEMMs, in bf16, on each backend.
-    T, H, I, E, K = 17, 32, 16, 4, 2
-    masters = make_inputs(T, H, I, E, K, unused_experts=(2,), gated=False)
-    monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args: backend)
-    grads = check_lora(masters, make_adapters(E, H, I, 8, permuted=True, gated=False), torch.bfloat16, act="relu2",
-                       gated=False)
-    for grad in grads[3:]:
-        assert grad.abs().max() > 0 and not grad[2].any()
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora", "ungated"])
@@ -649,14 +641,15 @@ def test_opcheck_backward():
                               (dout, x, index, weights, gate_up, down, gu, order, offs, "gelu", *flags))
 
 
-def _gpt_oss_inputs():
-    """GPT-OSS's layout: weights stored [E, H, 2I] / [E, I, H] and passed as transposed views, with biases."""
-    x, index, weights, gate_up, down, dout = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,))
+def _gpt_oss_inputs(T=13, H=24, I=20, E=5, K=2):
+    """GPT-OSS's layout: weights stored [E, H, 2I] / [E, I, H] and passed as transposed views, with biases; expert 2
+    gets no token."""
+    x, index, weights, gate_up, down, dout = make_inputs(T, H, I, E, K, unused_experts=(2,))
     gate_up_t = (gate_up * 6).transpose(1, 2).contiguous().requires_grad_(True)
     down_t = down.transpose(1, 2).contiguous().requires_grad_(True)
     g = torch.Generator().manual_seed(4)
-    biases = (torch.randn(5, 40, generator=g).requires_grad_(True),
-              torch.randn(5, 24, generator=g).requires_grad_(True))
+    biases = (torch.randn(E, 2 * I, generator=g).requires_grad_(True),
+              torch.randn(E, H, generator=g).requires_grad_(True))
     return x, index, weights, gate_up_t, down_t, biases, dout
 
 
