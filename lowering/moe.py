@@ -39,8 +39,10 @@ and LoRA factors (B1 ``[E, I, r]``) are the gated path's with 2I replaced by I; 
 the GEMMs changes (moe_kernels' kernels with ``GATED=False``), and the gated path runs exactly the launches it ran.
 
 Dispatch, with no host sync and no data-dependent shape: the S assignments are sorted by expert id (stable, so
-rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows, found by
-``searchsorted`` on the sorted ids (no [S, E] one-hot, no ``bincount``, whose size depends on the largest id).
+rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows. The forward's sort,
+offs, inverse permutation and token of each row come from one counting sort in two launches
+(lowering/moe_routing.py: per-block one-hot counts, no ``bincount``, whose size depends on the largest id); the
+backward forms the token of each row and the inverse again from the saved order.
 The tokens' rows are read in that order, the two expert GEMMs are grouped GEMMs over ``offs``, the GLU is
 ``lowering/glu.py``'s kernel (fp32 inside, one rounding), and the weighted sum back to tokens is one kernel
 (``lowering/moe_kernels.py``'s ``combine``) reading each token's K rows through the inverse permutation and summing
@@ -120,6 +122,7 @@ from .glu import glu_forward
 from .grouped_gemm import grouped_mm, grouped_mm_weight
 from .moe_kernels import (combine, expert_glu_forward, expert_glu_math, glu_backward_weighted, inverse_permutation,
                           segment_sum)
+from .moe_routing import route
 from .registration import define, fake
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -412,14 +415,6 @@ def _dense_glu(act: str, interleaved: bool, gate_up_bias, gated: bool) -> bool:
     return gated and act in ACTIVATIONS and not interleaved and gate_up_bias is None
 
 
-def _routing(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order [S] int64, sorted expert ids [S], offs [E] int32): all on the device, no host sync."""
-    sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
-    bounds = torch.arange(n_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
-    return order, sorted_ids, offs
-
-
 def _adapter_rows(gemm: GroupedGemm, rows: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, scale: float
                   ) -> torch.Tensor:
     """scale * B[e] A[e] rows_r for each sorted row r of expert e ([S, k] -> [S, n]): a LoRA adapter's share of an
@@ -448,13 +443,13 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     _check_inputs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act, gate_up_bias, down_bias,
                   gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a, interleaved, gated)
     top_k = top_k_index.shape[1]
-    order, sorted_ids, offs = _routing(top_k_index, gate_up_proj.shape[0])
+    order, sorted_ids, offs, inverse, token_of_row = route(top_k_index, gate_up_proj.shape[0])
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
     gemm = GroupedGemm(offs, sorted_ids, _grouped_mm_plan(x, gate_up_proj, down_proj, (b1, a1, b2, a2),
                                                         top_k_index.numel()))
     # Each [S, .] intermediate is dropped after its last read, so the next is not allocated beside it (x_SH and
     # y_SH are S*H elements each, 128 MiB at Qwen3-MoE's layer of 4096 tokens).
-    gu_S2I, h_SI = _first_gemm(gemm, _Gathered(x, order // top_k), gate_up_proj, b1, a1, gate_up_lora_scale,
+    gu_S2I, h_SI = _first_gemm(gemm, _Gathered(x, token_of_row), gate_up_proj, b1, a1, gate_up_lora_scale,
                                gate_up_bias, sorted_ids, act, interleaved, alpha, limit, gated)
     y_SH = gemm(h_SI, down_proj.transpose(1, 2))
     if b2 is not None:
@@ -462,7 +457,7 @@ def moe_experts_forward(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     del h_SI
     if down_bias is not None:
         y_SH = y_SH + down_bias[sorted_ids]
-    out = combine(y_SH, inverse_permutation(order), top_k, top_k_weights, x.dtype)
+    out = combine(y_SH, inverse, top_k, top_k_weights, x.dtype)
     return out, (gu_S2I.new_empty((0, gu_S2I.shape[1])) if recompute_gu else gu_S2I), order, offs
 
 

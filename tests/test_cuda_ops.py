@@ -59,6 +59,27 @@ def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype, gemm, monkeypatch):
     moe_tests.check_against_pattern(masters, dtype, "gelu_tanh", frozen=True)
 
 
+# The counting-sort dispatch (lowering/moe_routing.py) compiled for the GPU, value for value against the stable sort:
+# Qwen3-MoE's step (2 x 2048 tokens of top-8 over 128 experts: 128 blocks), the largest it takes there (MAX_BLOCKS
+# blocks), DeepSeek-V3's 256 experts, GPT-OSS's 32 of top-4, and every token to one expert.
+@pytest.mark.parametrize("tokens,top_k,n_experts,one_expert", [
+    (4096, 8, 128, False), (8192, 8, 128, False), (4096, 8, 256, False), (4096, 4, 32, False), (777, 2, 8, False),
+    (4096, 8, 128, True)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_moe_routing_on_cuda(tokens, top_k, n_experts, one_expert, dtype, monkeypatch):
+    import sloth.lowering.moe_routing as moe_routing
+
+    launched = []
+    monkeypatch.setattr(moe_routing, "launch", lambda kernel: launched.append(kernel) or kernel)
+    g = torch.Generator(device="cuda").manual_seed(tokens + n_experts)
+    index = torch.full((tokens, top_k), 7, dtype=dtype, device="cuda") if one_expert else \
+        torch.randint(0, n_experts, (tokens, top_k), generator=g, dtype=dtype, device="cuda")
+    got, want = moe_routing.route(index, n_experts), moe_routing.route_reference(index, n_experts)
+    assert len(launched) == 2  # the kernels, not the fallback
+    for name, a, b in zip(moe_routing.Routing._fields, got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 # Ungated experts (NemotronH's relu2, silu), their GATED=False kernels compiled for the GPU; the last at the shape of
 # Nemotron-3-Nano-30B-A3B's experts (hidden 2688, width 1856, 128 experts, top-6) over 1024 tokens.
 @pytest.mark.parametrize("T,H,I,E,K,unused,dtype", [

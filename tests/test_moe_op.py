@@ -13,6 +13,7 @@ import torch
 
 import sloth.lowering.moe as lowering
 import sloth.lowering.moe_kernels as moe_kernels
+import sloth.lowering.moe_routing as moe_routing
 from sloth.lowering.moe import ACTIVATIONS, UNGATED_ACTIVATIONS, moe_experts, moe_experts_pattern, register
 from op_checks import RecordOps
 from tolerance import assert_close
@@ -270,10 +271,13 @@ def test_lora_on_gpt_oss_and_ungated_experts_on_every_backend(monkeypatch, varia
         assert not grad[2].any()  # expert 2 gets no token: an exactly zero adapter gradient
 
 
+@pytest.mark.parametrize("route", ["counting", "sort"])
 @pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora", "ungated"])
-def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
+def test_no_host_sync_and_nothing_of_size_T_by_E(variant, route, monkeypatch):
     # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
-    # GPT-OSS's variant with its biases and their gradients, and LoRA on the experts, too.
+    # GPT-OSS's variant with its biases and their gradients, and LoRA on the experts, too; with either dispatch
+    # (lowering/moe_routing.py's counting sort, or SLOTH_MOE_ROUTE=sort's PyTorch ops).
+    monkeypatch.setattr(moe_routing, "ROUTE_CHOICE", route)
     T, H, I, E, K = 13, 24, 20, 7, 2
     x, index, weights, gate_up, down, _ = make_inputs(T, H, I, E, K, gated=variant != "ungated")
     g = torch.Generator().manual_seed(1)
@@ -285,7 +289,14 @@ def test_no_host_sync_and_nothing_of_size_T_by_E(variant):
              }.get(variant, ("silu",))
     calls = _recorded_forward_backward(x, index, weights, gate_up, down, *extra)
     names = [name for name, _ in calls]
-    assert "aten.sort.stable" in names, names  # the op's own calls were recorded (its GEMMs may be Triton's)
+    # The op's own calls were recorded (its GEMMs may be Triton's): the sort, or the counting sort's [blocks, E + 1]
+    # counts.
+    if route == "sort":
+        assert "aten.sort.stable" in names, names
+    else:
+        assert "aten.sort.stable" not in names, names
+        assert any(o.shape == (1, E + 1) and o.dtype == torch.int32 for _, outs in calls for o in outs
+                   if isinstance(o, torch.Tensor)), names
     assert not [n for n in names if "_local_scalar_dense" in n or "nonzero" in n], names
     for name, outs in calls:
         for o in outs:
