@@ -42,7 +42,7 @@ Dispatch, with no host sync and no data-dependent shape: the S assignments are s
 rows of one expert keep token order); ``offs[e]`` (int32, [E]) is the end of expert e's rows. The forward's sort,
 offs, inverse permutation and token of each row come from one counting sort in two launches
 (lowering/moe_routing.py: per-block one-hot counts, no ``bincount``, whose size depends on the largest id); the
-backward forms the token of each row and the inverse again from the saved order.
+backward forms the token of each row and the inverse again from the saved order (one launch).
 The tokens' rows are read in that order, the two expert GEMMs are grouped GEMMs over ``offs``, the GLU is
 ``lowering/glu.py``'s kernel (fp32 inside, one rounding), and the weighted sum back to tokens is one kernel
 (``lowering/moe_kernels.py``'s ``combine``) reading each token's K rows through the inverse permutation and summing
@@ -120,9 +120,8 @@ from .backend_choice import triton_interpreter_on
 from .devices import check_one_device
 from .glu import glu_forward
 from .grouped_gemm import grouped_mm, grouped_mm_weight
-from .moe_kernels import (combine, expert_glu_forward, expert_glu_math, glu_backward_weighted, inverse_permutation,
-                          segment_sum)
-from .moe_routing import route
+from .moe_kernels import combine, expert_glu_forward, expert_glu_math, glu_backward_weighted, segment_sum
+from .moe_routing import invert_order, route
 from .registration import define, fake
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -513,7 +512,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
     d gate_up_lora_a, d down_lora_b, d down_lora_a), each an empty tensor where not asked for (an adapter's two
     factors are asked for together)."""
     top_k = top_k_index.shape[1]
-    token_of_row = order // top_k
+    inverse, token_of_row = invert_order(order, top_k)
     # The experts of the sorted rows, which the reference grouped GEMM and the biases read: formed once, on first use.
     sorted_ids = _Lazy(lambda: top_k_index.reshape(-1)[order])
     b1, a1, b2, a2 = (_contiguous(t) for t in (gate_up_lora_b, gate_up_lora_a, down_lora_b, down_lora_a))
@@ -561,7 +560,7 @@ def moe_experts_backward(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch
         dx_SH = gemm(d_gu, gate_up_proj)
         if v1_Sr is not None:  # dx_t gains sum_r s1 A1^T B1^T d gu_r
             dx_SH = dx_SH + gemm(v1_Sr, a1)
-        dx = combine(dx_SH, inverse_permutation(order), top_k, None, x.dtype)
+        dx = combine(dx_SH, inverse, top_k, None, x.dtype)
     d_gate_up, d_b1, d_a1 = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if compute_d_gate_up or gate_up_lora_trains:
         x_SH = _Gathered(x, token_of_row)

@@ -85,13 +85,6 @@ def _combine_kernel(
     tl.store(p_out + i_t * stride_out + o_n, round_to(b_acc, p_out.dtype.element_ty), mask=m_n)
 
 
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inverse[order[i]] = i, on the device (one scatter; no sort)."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
-    return inverse
-
-
 def combine_reference(rows: torch.Tensor, inverse: torch.Tensor, top_k: int, scale: torch.Tensor | None,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """``combine`` in plain PyTorch (fp32, one rounding): where Triton does not run."""

@@ -21,7 +21,9 @@ Why: per MoE layer the forward ran ``torch.sort`` (a CUB radix sort: its tempora
 launches), ``arange`` + ``searchsorted`` for offs, ``arange`` + an index-put for the inverse and a floor-divide for
 the token of each row: about seven launches and ~250 us of host time a layer under cProfile on an H100
 (benchmarks/results/2026-12-06_h100_1317_hostprofile-sloth-qwen3-moe.txt), on a step that waits on its host. This is
-two launches. ``SLOTH_MOE_ROUTE=sort`` (read at import) keeps the PyTorch ops, which also run wherever Triton does not.
+two launches. The backward forms the inverse and the token of each row again from the saved order in one launch
+(``invert_order``) instead of three. ``SLOTH_MOE_ROUTE=sort`` (read at import) keeps the PyTorch ops, which also run
+wherever Triton does not.
 """
 from __future__ import annotations
 
@@ -118,6 +120,32 @@ def _route_scatter_kernel(p_ids, p_counts, p_order, p_sorted, p_inverse, p_token
     tl.store(p_sorted + b_pos64, b_raw, mask=m_s)
     tl.store(p_token + b_pos64, o_s64 // TOP_K, mask=m_s)
     tl.store(p_inverse + o_s64, b_pos64, mask=m_s)
+
+
+@triton.jit
+def _invert_order_kernel(p_order, p_inverse, p_token, S, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """inverse[order[r]] = r and token[r] = order[r] // TOP_K for a block of rows r."""
+    o_r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_r = o_r < S
+    b_order = tl.load(p_order + o_r, mask=m_r, other=0)
+    tl.store(p_inverse + b_order, o_r, mask=m_r)
+    tl.store(p_token + o_r, b_order // TOP_K, mask=m_r)
+
+
+def invert_order(order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inverse [S], token [S]) of a saved ``order`` (a permutation of [0, S), int64): what ``route`` gave the forward
+    beside it, formed again for the backward in one launch where Triton runs (else an index-put and a floor-divide)."""
+    if top_k < 1:
+        raise ValueError(f"sloth.moe_experts: top_k must be at least 1, got {top_k}")
+    n_rows = order.shape[0]
+    if ROUTE_CHOICE == "sort" or not use_triton(order) or n_rows == 0 or not order.is_contiguous():
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(n_rows, device=order.device, dtype=order.dtype)
+        return inverse, order // top_k
+    inverse, token = torch.empty_like(order), torch.empty_like(order)
+    launch(_invert_order_kernel)[(cdiv(n_rows, 1024),)](order, inverse, token, n_rows, TOP_K=top_k, BLOCK=1024,
+                                                       num_warps=4)
+    return inverse, token
 
 
 def route_reference(top_k_index: torch.Tensor, n_experts: int) -> Routing:

@@ -59,7 +59,8 @@ def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype, gemm, monkeypatch):
     moe_tests.check_against_pattern(masters, dtype, "gelu_tanh", frozen=True)
 
 
-# The counting-sort dispatch (lowering/moe_routing.py) compiled for the GPU, value for value against the stable sort:
+# The counting-sort dispatch (lowering/moe_routing.py) and the backward's invert_order compiled for the GPU, value for
+# value against the stable sort:
 # Qwen3-MoE's step (2 x 2048 tokens of top-8 over 128 experts: 128 blocks), the largest it takes there (MAX_BLOCKS
 # blocks), DeepSeek-V3's 256 experts, GPT-OSS's 32 of top-4, and every token to one expert.
 @pytest.mark.parametrize("tokens,top_k,n_experts,one_expert", [
@@ -75,9 +76,11 @@ def test_moe_routing_on_cuda(tokens, top_k, n_experts, one_expert, dtype, monkey
     index = torch.full((tokens, top_k), 7, dtype=dtype, device="cuda") if one_expert else \
         torch.randint(0, n_experts, (tokens, top_k), generator=g, dtype=dtype, device="cuda")
     got, want = moe_routing.route(index, n_experts), moe_routing.route_reference(index, n_experts)
-    assert len(launched) == 2  # the kernels, not the fallback
     for name, a, b in zip(moe_routing.Routing._fields, got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+    inverse, token = moe_routing.invert_order(got.order, top_k)  # the backward's
+    assert torch.equal(inverse, want.inverse) and torch.equal(token, want.token)
+    assert len(launched) == 3  # the kernels, not the fallbacks
 
 
 # Ungated experts (NemotronH's relu2, silu), their GATED=False kernels compiled for the GPU; the last at the shape of

@@ -428,7 +428,8 @@ def test_combine_sums_each_tokens_rows(T, K, H, dtype, scaled):
     rows = torch.randn(T * K, H, generator=g)
     scale = torch.softmax(torch.randn(T, K, generator=g), -1) if scaled else None
     order = _permutation(T * K, H)
-    inverse = moe_kernels.inverse_permutation(order)
+    inverse, token = moe_routing.invert_order(order, K)
+    assert torch.equal(token, order // K)
     assert torch.equal(order[inverse], torch.arange(T * K))
 
     def eager(rows, scale):  # the first version's math at the tested dtype: gather, scale, sum over K

@@ -84,3 +84,15 @@ def test_bad_input_names_the_problem():
         route(torch.zeros(6, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="at least 1"):
         route(torch.zeros(3, 2, dtype=torch.int64), 0)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 1), (300, 8), (1500, 3)])
+def test_invert_order_gives_the_routes_inverse_and_tokens(tokens, top_k, launches):
+    # The backward's one launch, from the saved order: what route gave the forward beside it.
+    index = torch.randint(0, 16, (tokens, top_k), generator=torch.Generator().manual_seed(tokens))
+    routing = route_reference(index, 16)
+    inverse, token = moe_routing.invert_order(routing.order, top_k)
+    assert launches == ["_invert_order_kernel"]
+    assert torch.equal(inverse, routing.inverse) and torch.equal(token, routing.token)
+    with pytest.raises(ValueError, match="top_k must be at least 1"):
+        moe_routing.invert_order(routing.order, 0)
