@@ -8,11 +8,12 @@ For assignment i (token i // K) with expert e_i in [0, E), the outputs are::
     order[pos(i)] = i,  sorted_ids[pos(i)] = e_i,  token[pos(i)] = i // K,  inverse[i] = pos(i)
 
 ``_route_counts_kernel`` counts each block of block_s assignments per expert ([blocks, E + 1] int32, a one-hot
-compare summed over the block; the last column counts ids outside [0, E)); ``_route_scatter_kernel``, one program per block again, sums the counts of all
-blocks (the totals, whose exclusive prefix sum is each expert's first row) and of the blocks before its own (its
-base within each expert), ranks its assignments within their expert by a cumulative sum of the one-hot over the
-block, and writes the four permutation arrays at pos(i) (and offs, once). Every pos(i) is written exactly once, so
-the result is deterministic and equal to ``torch.sort(stable=True)``'s, with no atomics and no host sync.
+compare summed over the block; the last column counts ids outside [0, E)); ``_route_scatter_kernel``, one program
+per block again, sums the counts of all blocks (the totals, whose exclusive prefix sum is each expert's first row)
+and of the blocks before its own (its base within each expert), ranks its assignments within their expert by a
+cumulative sum of the one-hot over the block, and writes the four permutation arrays at pos(i) (and offs, once).
+Every pos(i) is written exactly once, so the result is deterministic and equal to ``torch.sort(stable=True)``'s,
+with no atomics and no host sync.
 
 Ids outside [0, E) (which the op documents as undefined, since checking needs a host sync) still get distinct rows
 after every expert's, so the outputs stay permutations and no write leaves its array.
@@ -23,8 +24,8 @@ the token of each row: about seven launches, on a step that waits on its host. T
 H100 (benchmarks/ops/moe_routing.py; benchmarks/results/2026-12-06_issue20_final_rows_routing_h100.md): at Qwen3-MoE's
 4096 tokens of top-8 over 128 experts 52.0 us of host time a call against 134.7 (about 1 ms a 12-layer step), and
 at 8192 tokens 39.8 us of GPU time against 83.7. The backward forms the inverse and the token of each row again from
-the saved order in one launch (``invert_order``) instead of three: 2.9 against 7.8 us of GPU time. ``SLOTH_MOE_ROUTE=sort`` (read at import) keeps the PyTorch ops, which also run
-wherever Triton does not.
+the saved order in one launch (``invert_order``) instead of three: 2.9 against 7.8 us of GPU time.
+``SLOTH_MOE_ROUTE=sort`` (read at import) keeps the PyTorch ops, which also run wherever Triton does not.
 """
 from __future__ import annotations
 
@@ -140,23 +141,26 @@ def invert_order(order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"sloth.moe_experts: top_k must be at least 1, got {top_k}")
     n_rows = order.shape[0]
     if ROUTE_CHOICE == "sort" or not use_triton(order) or n_rows == 0 or not order.is_contiguous():
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(n_rows, device=order.device, dtype=order.dtype)
-        return inverse, order // top_k
+        return invert_order_reference(order, top_k)
     inverse, token = torch.empty_like(order), torch.empty_like(order)
     launch(_invert_order_kernel)[(cdiv(n_rows, 1024),)](order, inverse, token, n_rows, TOP_K=top_k, BLOCK=1024,
                                                        num_warps=4)
     return inverse, token
 
 
+def invert_order_reference(order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``invert_order`` in PyTorch ops: an index-put for the inverse, a floor-divide for the tokens."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
+    return inverse, order // top_k
+
+
 def route_reference(top_k_index: torch.Tensor, n_experts: int) -> Routing:
-    """``route`` in PyTorch ops: a stable sort, ``searchsorted`` for offs, an index-put for the inverse."""
+    """``route`` in PyTorch ops: a stable sort, ``searchsorted`` for offs, then ``invert_order_reference``."""
     sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
     bounds = torch.arange(n_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, bounds, right=True, out_int32=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
-    return Routing(order, sorted_ids, offs, inverse, order // top_k_index.shape[1])
+    return Routing(order, sorted_ids, offs, *invert_order_reference(order, top_k_index.shape[1]))
 
 
 def route(top_k_index: torch.Tensor, n_experts: int) -> Routing:

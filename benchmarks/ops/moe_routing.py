@@ -36,14 +36,9 @@ SHAPES = [  # (tokens, top-k, experts)
 def _providers(mr, index: torch.Tensor, n_experts: int):
     order = index.reshape(-1).argsort(stable=True)
     top_k = index.shape[1]
-
-    def invert_reference():
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return inverse, order // top_k
-
     return {"counting": lambda: mr.route(index, n_experts), "sort": lambda: mr.route_reference(index, n_experts),
-            "invert": lambda: mr.invert_order(order, top_k), "invert-ref": invert_reference}
+            "invert": lambda: mr.invert_order(order, top_k),
+            "invert-ref": lambda: mr.invert_order_reference(order, top_k)}
 
 
 def _host_us(fn, calls: int = 200) -> float:
