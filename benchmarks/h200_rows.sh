@@ -82,6 +82,8 @@
 #   bash benchmarks/h200_rows.sh moe-final moe-final-experts  # issue 20: the Qwen3-MoE rows, eager, Inductor, sloth,
 #                                          # Unsloth; then with LoRA on the experts, sloth and Unsloth, and the
 #                                          # q/k norms recomputed beside the default (what closes issue 20 on an H200)
+#   bash benchmarks/h200_rows.sh moe-close  # issue 20's rows in one call: sloth, Unsloth, both with LoRA on the experts,
+#                                          # then eager and Inductor (carry .whl)
 #   bash benchmarks/h200_rows.sh moe-route  # issue 20: the counting-sort dispatch, CUDA checks, A/B against the sort
 #   bash benchmarks/h200_rows.sh moe-experts-now  # issue 20: LoRA on the experts, checks and rows, _grouped_mm beside
 #   bash benchmarks/h200_rows.sh next-20   # issue 20: the MoE row default and with moe_recompute, no logits; Unsloth
@@ -101,7 +103,7 @@
 # wheels in .whl/ (liger, bitsandbytes, .whl/unsloth/) are installed to /tmp/wheels first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k|moe-new-ops|moe-route|next-19|next-19-unsloth|next-20|grouped-gemm|grouped-gemm-2|chunks-16k)}"
+: "${1:?usage: h200_rows.sh PART... (lora|qlora|unsloth|moe|moe-liger|long|long-sloth|profile|qlora-profile|launch|versus|final|twins|idle|recheck|qlora-recheck|host|hostprof|launch-overhead|confirm|robust|versus20|glu-hidden|glu-hidden-steps|guards|nosplit|lora-nosplit|qlora-nosplit|cg|gemm|insitu|insitu-down|nf4|share|moe-families|norms|heads|tiled|long128|long128-unsloth|long128-sloth|long256-sloth|long256-unsloth|long-l4-sloth|long-l4-unsloth|long256-l4|moe-gpt-oss|moe-lora|moe-lora-peers|gpt-oss|gpt-oss-sinks|gpt-oss-peers|gpt-oss-unsloth|long512-l4|ws1|ws1-2|ws1-fsdp2|ws1-again|ws1-recipes|moe-router|moe-router-ab|moe-hostprof|mem16k|moe-new-ops|moe-route|moe-close|next-19|next-19-unsloth|next-20|grouped-gemm|grouped-gemm-2|chunks-16k)}"
 out=${OUT:-/tmp/sloth-e2e-rows}  # where the logs go (results: benchmarks/results and $OUT, by e2e itself)
 mkdir -p "$out/logs"
 export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -601,6 +603,14 @@ case $part in
         SLOTH_NORM_ROPE_RECOMPUTE=1 run moe-final-norm-rope-recompute 110 --all --model qwen3-moe --variants sloth \
             --steps 16
         run moe-final-sloth-again 110 --all --model qwen3-moe --variants sloth --steps 16 ;;
+    moe-close)  # issue 20's rows in one call, for a lease with little device time: sloth's default MoE row, Unsloth's,
+        # both with LoRA on the experts, then eager and Inductor (the run wall times of 2026-12-06 add to ~400 s; the
+        # limits to 620, so an outer timeout cuts the peers first; carry .whl)
+        run close-sloth 100 --all --model qwen3-moe --variants sloth --steps 16
+        run close-unsloth 140 --all --model qwen3-moe --variants unsloth --steps 16
+        run close-experts-sloth 90 --all --model qwen3-moe --lora-experts --variants sloth --steps 12
+        run close-experts-unsloth 140 --all --model qwen3-moe --lora-experts --variants unsloth --steps 12
+        run close-peers 150 --all --model qwen3-moe --variants eager,inductor --steps 12 ;;
     moe-route)  # issue 20: the counting-sort dispatch (lowering/moe_routing.py): its CUDA checks and the MoE ops', then the
         # MoE step with it (the default) and with SLOTH_MOE_ROUTE=sort (the PyTorch ops), and both at 1 x 128 tokens,
         # where the step is its host's time (limits add to 460 s). Not the GPT-OSS-20B-shaped check: beside three other
