@@ -31,6 +31,8 @@ any value the graph computes:
     0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x**3)))    gelu(x, "tanh")                (any arrangement of the
     0.5*x*(1+erf(x/sqrt(2)))                        gelu(x, "none")                 same polynomials)
     x.erf(), torch.special.erf(x)                   torch.erf(x)
+    aten.numpy_T(x), aten.mT, aten.matrix_H,        getattr(x, "T"), "mT", "H", "mH"  (torch >= 2.14's
+    aten.mH                                         Dynamo traces the properties as these ops)
 
 Canonical nodes carry no keyword arguments; a node that keeps one (``torch.add(a, b, alpha=2)``, a
 reduction with ``dtype=``) is left in its own spelling and no pattern reads it. Values are unchanged
@@ -93,6 +95,29 @@ _FULL_SIGNATURES = {
 }
 
 
+# torch >= 2.14's Dynamo records a tensor's transposing properties as aten ops (``x.T`` as ``aten.numpy_T(x)``);
+# 2.13 and earlier record ``getattr(x, "T")``, the spelling the patterns read (compiler/fx_utils.py's
+# ``_transposed_weight``): each op, as packet or overload, -> the property's name.
+_PROPERTY_OPS = {op: name for op_name, name in (("numpy_T", "T"), ("mT", "mT"), ("matrix_H", "H"), ("mH", "mH"))
+                 if (packet := getattr(torch.ops.aten, op_name, None)) is not None
+                 for op in (packet, getattr(packet, "default", packet))}
+
+
+def _property_spelling(node: fx.Node) -> bool:
+    """``aten.numpy_T(x)`` (and ``mT``, ``matrix_H``, ``mH``) -> ``getattr(x, "T")``: one spelling whichever torch
+    traced the graph. True if rewritten."""
+    if node.op != "call_function" or node.kwargs or len(node.args) != 1:
+        return False
+    try:
+        name = _PROPERTY_OPS.get(node.target)
+    except TypeError:  # an unhashable target
+        return False
+    if name is None:
+        return False
+    _rewrite(node, getattr, (node.args[0], name))
+    return True
+
+
 def _key(node: fx.Node) -> Any:
     return node.target if node.op in ("call_function", "call_method") else None
 
@@ -107,6 +132,8 @@ def _spelling(node: fx.Node) -> bool:
     if _slice_spelling(node) or _cat_spelling(node):  # slices and concatenation (section below)
         return True
     if _activation_spelling(node):  # SiLU, GELU, erf (section below)
+        return True
+    if _property_spelling(node):  # x.T traced as aten.numpy_T (torch >= 2.14)
         return True
     key = _key(node)
     out = tensor_of(node)

@@ -17,7 +17,8 @@ Backward derivation. Per row, with ``s = sum(x^2)`` and ``r`` the scale, ``y = x
                   dx_j = r * dy_j - x_j * r^3 * sum_i(dy_i x_i) = r * (dy_j - y_j * sum_i(dy_i y_i))
     clamp=True:   ||x|| >= eps: r = 1/||x||, dr/dx_j = -x_j / ||x||^3, the same formula
                   ||x|| <  eps: r = 1/eps is a constant, dx_j = r * dy_j
-                  (the boundary takes the norm's branch, as torch's clamp_min gradient does: where(x >= min))
+                  (the boundary ||x|| == eps takes the norm's branch where the installed torch's clamp_min
+                  passes its gradient there, torch <= 2.13; else the constant's: lowering/torch_conventions.py)
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from .host_math import cdiv
 from .layout import rows_2d
 from .registration import define, fake, launch
 from .rounding import round_to
+from .torch_conventions import CLAMP_PASSES_AT_BOUND
 # Whole rows in registers, short rows packed per program (see lowering/rms_norm.py for the measurements).
 from .rms_norm import MAX_HIDDEN, _block_sizes
 
@@ -64,6 +66,10 @@ def _l2_norm_fwd_kernel(
              mask=m_md)
 
 
+# Whether a row whose norm equals eps takes the norm's gradient, as the installed torch's clamp_min passes it.
+_PASS_AT_BOUND = tl.constexpr(CLAMP_PASSES_AT_BOUND)
+
+
 @triton.jit
 def _l2_norm_bwd_kernel(
     p_dy, p_x, p_dx, n_rows, n_cols, stride_dy, stride_x, stride_dx, eps,
@@ -80,7 +86,10 @@ def _l2_norm_bwd_kernel(
     b_y = b_x * b_r[:, None]
     b_dot = tl.sum(b_dy * b_y, axis=1)
     if CLAMP:  # a row clamped to eps has a constant scale: no gradient through its norm
-        b_dot = tl.where(tl.sqrt(b_sumsq) >= eps, b_dot, 0.0)
+        if _PASS_AT_BOUND:
+            b_dot = tl.where(tl.sqrt(b_sumsq) >= eps, b_dot, 0.0)
+        else:
+            b_dot = tl.where(tl.sqrt(b_sumsq) > eps, b_dot, 0.0)
     b_dx = b_r[:, None] * (b_dy - b_y * b_dot[:, None])
     tl.store(p_dx + o_m[:, None] * stride_dx + o_d[None, :], round_to(b_dx, p_dx.dtype.element_ty), mask=m_md)
 
@@ -98,7 +107,7 @@ def _scale_reference(xf: torch.Tensor, eps: float, clamp: bool) -> tuple[torch.T
     sumsq = xf.pow(2).sum(-1, keepdim=True)
     if clamp:
         norm = sumsq.sqrt()
-        return 1.0 / norm.clamp_min(eps), norm >= eps
+        return 1.0 / norm.clamp_min(eps), (norm >= eps) if CLAMP_PASSES_AT_BOUND else (norm > eps)
     return torch.rsqrt(sumsq + eps), torch.ones_like(sumsq, dtype=torch.bool)
 
 

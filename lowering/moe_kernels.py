@@ -33,7 +33,9 @@ GPT-OSS's experts (lowering/moe.py's docstring) add two things both kernels take
     g' = min(g, limit),  u' = clamp(u, -limit, limit),  s = sigmoid(alpha g'),  h = g' s (u' + 1)
     dh/dg = (u' + 1)(s + alpha g' s (1 - s)) [g <= limit],    dh/du = g' s [-limit <= u <= limit]
 
-(the masks are ``torch.clamp``'s backward's), and ``silu_clamped`` (DeepSeek-V4's, Hunyuan-V4's), the same clamps
+(the masks are ``torch.clamp``'s backward's: at the bound itself, ``g == limit`` or ``|u| == limit``, torch 2.13 and
+earlier pass the gradient and 2.14 and later do not, so the kernels follow the installed torch,
+lowering/torch_conventions.py), and ``silu_clamped`` (DeepSeek-V4's, Hunyuan-V4's), the same clamps
 around a plain SwiGLU: ``h = silu(g') u'``, ``dh/dg = u' s (1 + g' (1 - s)) [g <= limit]`` with s = sigmoid(g'),
 ``dh/du = silu(g') [-limit <= u <= limit]``. ``expert_glu_forward`` is the forward of those variants: the GLU
 with the gate/up bias of each row's expert added first, the biased pre-activation written back over gu (it is what
@@ -59,6 +61,7 @@ from .glu import ACTIVATIONS, _activation_and_derivative, _sigmoid_pair, glu_bac
 from .host_math import cdiv, next_power_of_2
 from .registration import launch
 from .rounding import round_to
+from .torch_conventions import CLAMP_PASSES_AT_BOUND
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,6 +131,20 @@ EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value, "silu_clam
 UNGATED_ACTIVATIONS = ("relu2", *ACTIVATIONS)
 
 
+# Whether the clamped GLUs' derivatives pass at the clamp's bound, as the installed torch's clamp does.
+_PASS_AT_BOUND = tl.constexpr(CLAMP_PASSES_AT_BOUND)
+
+
+@triton.jit
+def _inside_clamps(b_g, b_u, limit):
+    """(g not clamped by min(g, limit), u not clamped by clamp(u, -limit, limit)): where torch.clamp's backward passes
+    the gradient, the bound itself included or not as the installed torch does (``_PASS_AT_BOUND``)."""
+    if _PASS_AT_BOUND:
+        return b_g <= limit, (b_u >= -limit) & (b_u <= limit)
+    else:
+        return b_g < limit, (b_u > -limit) & (b_u < limit)
+
+
 @triton.jit
 def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
     """(h, dh/dg, dh/du) in fp32 (module docstring)."""
@@ -138,16 +155,18 @@ def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr
         b_s, b_1ms = _sigmoid_pair(b_av)
         b_a = b_gc * b_s
         b_h = b_a * (b_uc + 1.0)
-        b_dg = tl.where(b_g <= limit, (b_uc + 1.0) * (b_s + alpha * b_a * b_1ms), 0.0)
-        b_du = tl.where((b_u >= -limit) & (b_u <= limit), b_a, 0.0)
+        m_g, m_u = _inside_clamps(b_g, b_u, limit)
+        b_dg = tl.where(m_g, (b_uc + 1.0) * (b_s + alpha * b_a * b_1ms), 0.0)
+        b_du = tl.where(m_u, b_a, 0.0)
     elif ACTIVATION == _SILU_CLAMPED:
         b_gc = tl.minimum(b_g, limit)
         b_uc = tl.minimum(tl.maximum(b_u, -limit), limit)
         b_s, b_1ms = _sigmoid_pair(b_gc)
         b_a = b_gc * b_s
         b_h = b_a * b_uc
-        b_dg = tl.where(b_g <= limit, b_uc * b_s * (1.0 + b_gc * b_1ms), 0.0)
-        b_du = tl.where((b_u >= -limit) & (b_u <= limit), b_a, 0.0)
+        m_g, m_u = _inside_clamps(b_g, b_u, limit)
+        b_dg = tl.where(m_g, b_uc * b_s * (1.0 + b_gc * b_1ms), 0.0)
+        b_du = tl.where(m_u, b_a, 0.0)
     else:
         b_a, b_da = _activation_and_derivative(b_g, ACTIVATION)
         b_h = b_a * b_u
@@ -426,20 +445,23 @@ def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: 
         return _weighted_outputs(c, h, d_u, gu, w_S1, weights, order, want_dw, want_hw, d_w_add)
     gate, up = ((gu[:, 0::2], gu[:, 1::2]) if interleaved else gu.chunk(2, -1))
     g, u = gate.float(), up.float()
+    # where torch.clamp's backward passes the gradient (the kernels' _inside_clamps)
+    inside_g = (g <= limit) if CLAMP_PASSES_AT_BOUND else (g < limit)
+    inside_u = ((u >= -limit) & (u <= limit)) if CLAMP_PASSES_AT_BOUND else ((u > -limit) & (u < limit))
     if activation == "swiglu_oai":
         gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         s = torch.sigmoid(alpha * gc)
         a = gc * s
         h = a * (uc + 1)
-        d_gate = dh * (uc + 1) * (s + alpha * a * (1 - s)) * (g <= limit)
-        d_up = dh * a * ((u >= -limit) & (u <= limit))
+        d_gate = dh * (uc + 1) * (s + alpha * a * (1 - s)) * inside_g
+        d_up = dh * a * inside_u
     elif activation == "silu_clamped":
         gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         s = torch.sigmoid(gc)
         a = gc * s
         h = a * uc
-        d_gate = dh * uc * s * (1 + gc * torch.sigmoid(-gc)) * (g <= limit)
-        d_up = dh * a * ((u >= -limit) & (u <= limit))
+        d_gate = dh * uc * s * (1 + gc * torch.sigmoid(-gc)) * inside_g
+        d_up = dh * a * inside_u
     else:  # lowering/glu.py's fp32 references, on the halves
         halves = torch.cat([g, u], -1)
         h = glu_reference(halves, None, activation)

@@ -595,3 +595,38 @@ def test_activations_are_idempotent():
     once = str(gm.graph)
     canonicalize_pass(gm, [], report=Report())
     assert str(gm.graph) == once
+
+
+# ---------------------------------------------------------------------------------------------------
+# transposing properties (torch >= 2.14 traces x.T as aten.numpy_T)
+# ---------------------------------------------------------------------------------------------------
+
+PROPERTIES = {"T": lambda x, y: x @ y.T, "mT": lambda x, y: x @ y.mT, "H": lambda x, y: x @ y.H,
+              "mH": lambda x, y: x @ y.mH}
+
+
+@pytest.mark.parametrize("name", PROPERTIES)
+def test_transposing_properties_are_getattr_whichever_torch_traced(name):
+    # Dynamo records getattr(y, "T") up to torch 2.13 and aten.numpy_T(y) (mT, matrix_H, mH) from 2.14: either way
+    # the canonical graph holds getattr(y, name), the spelling compiler/fx_utils.py's linear_parts reads.
+    gm = canonicalize(PROPERTIES[name], torch.randn(3, 5), torch.randn(4, 5))
+    (prop,) = [n for n in calls(gm) if n.target is getattr]
+    assert prop.args == (placeholder(gm, "y"), name)
+
+
+@pytest.mark.parametrize("op, name", [("numpy_T", "T"), ("mT", "mT"), ("matrix_H", "H"), ("mH", "mH")])
+def test_aten_property_ops_become_getattr(op, name):
+    # The torch >= 2.14 form built by hand, so that torch 2.13 checks the rewrite too: the op as Dynamo records it
+    # (the overload packet) and as its default overload.
+    for target in (getattr(torch.ops.aten, op), getattr(torch.ops.aten, op).default):
+        graph = fx.Graph()
+        x, y = graph.placeholder("x"), graph.placeholder("y")
+        y.meta["example_value"] = torch.randn(4, 5)
+        prop = graph.call_function(target, (y,))
+        prop.meta["example_value"] = target(y.meta["example_value"])
+        out = graph.call_function(operator.matmul, (x, prop))
+        graph.output(out)
+        gm = canonicalize_pass(fx.GraphModule(torch.nn.Module(), graph), [], report=Report())
+        assert (prop.target, prop.args) == (getattr, (y, name))
+        a, b = torch.randn(3, 5), torch.randn(4, 5)
+        torch.testing.assert_close(gm(a, b), a @ getattr(b, name))
