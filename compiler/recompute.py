@@ -17,6 +17,10 @@ the op in the backward wherever a backward reads its output, just before that us
 top-level graph only: subgraph bodies (a checkpointed layer, an autograd.Function) keep their own policy,
 so norms inside them are not tagged.
 
+Under ``SLOTH_TRITON_OP=1`` on torch 2.14 and later the pass tags nothing (the report lists it as disabled): there
+AOTAutograd traces into the ops, and those partitioners fail on the tagged nodes it traces ("Node ... was invalid,
+but is output", a LoRA adapter's gradient needing a recomputed norm; tests/test_registration.py, CPU, torch 2.14.1).
+
 Because the cache of AOTAutograd cannot see node meta, compiler/backend.py switches that cache off for a
 graph with tags; the report counts the tagged outputs (a backward that never reads one recomputes nothing).
 """
@@ -27,8 +31,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.torch_version import TorchVersion
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..lowering.registration import TRITON_OP
 from .options import PassOptions
 from .report import Report
 
@@ -43,6 +49,8 @@ RECOMPUTED_OPS = ("rms_norm", "layer_norm") + (("norm_rope",) if os.environ.get(
                                                else ())
 # Checkpointed regions number themselves from 0 or 1 up; ours sits below them (see the module docstring).
 AC_GRAPH_ID = -1
+# Whether tags would break the partition (module docstring): triton_op registration on torch >= 2.14.
+TAGS_BREAK_PARTITION = TRITON_OP and TorchVersion(torch.__version__) >= (2, 14)
 
 
 def _recomputed_targets() -> set[Any]:
@@ -52,8 +60,12 @@ def _recomputed_targets() -> set[Any]:
 def recompute_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                    options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Tag every node of ``RECOMPUTED_OPS`` for recomputation in the backward, unless ``options.recompute`` is
-    off or the node already has a checkpoint policy; the number tagged goes to ``report.recomputed``."""
+    off, ``TAGS_BREAK_PARTITION`` or the node already has a checkpoint policy; the number tagged goes to
+    ``report.recomputed``."""
     if not options.recompute:
+        return gm
+    if TAGS_BREAK_PARTITION:
+        report.disabled = sorted(set(report.disabled) | {"recompute (SLOTH_TRITON_OP=1 on torch >= 2.14)"})
         return gm
     targets = _recomputed_targets()
     for node in gm.graph.nodes:
