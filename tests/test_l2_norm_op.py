@@ -70,6 +70,23 @@ def test_rows_below_eps(dtype):
     assert (ratio[::2] > 9).all() and (ratio[1::2] - 1).abs().max() < 0.02, ratio
 
 
+@pytest.mark.parametrize("passes", [True, False], ids=["torch<=2.13", "torch>=2.14"])
+def test_norm_at_eps_follows_the_clamp_convention(monkeypatch, passes):
+    # A row whose norm is exactly eps: F.normalize's clamp_min(eps) passes the gradient to the norm up to torch 2.13
+    # and not from 2.14 (lowering/torch_conventions.py). The kernel and the reference follow CLAMP_PASSES_AT_BOUND,
+    # both ways here: with it dx = (dy - y <dy, y>) / eps, without it dx = dy / eps.
+    import triton.language as tl
+
+    monkeypatch.setattr(lowering, "CLAMP_PASSES_AT_BOUND", passes)
+    monkeypatch.setattr(lowering, "_PASS_AT_BOUND", tl.constexpr(passes))
+    x = torch.tensor([[0.5, 0.0, 0.0, 0.0]])  # ||x|| = 0.5, exact
+    dy = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    through_norm = torch.tensor([[0.0, 2.0, 0.0, 0.0]])  # (dy - y <dy, y>) / eps with y = [1, 0, 0, 0]
+    for backward in (lowering._l2_norm_bwd, lowering.l2_norm_backward_reference):
+        dx = backward(dy, x, 0.5, True)
+        torch.testing.assert_close(dx, through_norm if passes else dy / 0.5, msg=backward.__name__)
+
+
 def test_eps_is_a_runtime_argument():
     x, dy = make_inputs((6, 64), scale=1e-2)
     small, large = check("add", x, dy, torch.float32, eps=1e-6), check("add", x, dy, torch.float32, eps=1.0)

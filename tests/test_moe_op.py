@@ -482,6 +482,29 @@ def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, gated
         assert_close("hw", hw, expected[2], reference[2])
 
 
+@pytest.mark.parametrize("passes", [True, False], ids=["torch<=2.13", "torch>=2.14"])
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu_clamped"])
+def test_clamped_glu_derivative_at_the_bound_follows_the_convention(monkeypatch, act, passes):
+    # At g == limit and u == +-limit torch.clamp's backward passes the gradient up to torch 2.13 and not from 2.14
+    # (lowering/torch_conventions.py); the kernel and its reference follow CLAMP_PASSES_AT_BOUND, both ways here
+    # whichever torch runs (the interpreter reads the constexpr at run time).
+    import triton.language as tl
+
+    monkeypatch.setattr(moe_kernels, "CLAMP_PASSES_AT_BOUND", passes)
+    monkeypatch.setattr(moe_kernels, "_PASS_AT_BOUND", tl.constexpr(passes))
+    limit = 3.0
+    gate = torch.tensor([[limit, limit, 1.0, 1.0]])
+    up = torch.tensor([[1.0, 1.0, limit, -limit]])
+    gu, c = torch.cat([gate, up], 1), torch.ones(1, 4)
+    weights, order = torch.ones(1, 1), torch.zeros(1, dtype=torch.int64)
+    for backward in (moe_kernels.glu_backward_weighted, moe_kernels.glu_backward_weighted_reference):
+        d_gu, _, _ = backward(c, gu, weights, order, act, False, False, False, 1.702, limit)
+        d_gate, d_up = d_gu[0, :4], d_gu[0, 4:]
+        assert bool((d_gate[:2] != 0).all()) == passes, (backward.__name__, d_gate)  # the gate at its bound
+        assert bool((d_up[2:] != 0).all()) == passes, (backward.__name__, d_up)  # the up at +-limit
+        assert bool((d_gate[2:] != 0).all() and (d_up[:2] != 0).all())  # inside the bounds: always
+
+
 def test_the_kernels_run_where_triton_runs(monkeypatch):
     # Under the interpreter (or on a GPU) the op must take the kernels, not their PyTorch references.
     from sloth.lowering.backend_choice import use_triton
