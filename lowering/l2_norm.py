@@ -35,9 +35,9 @@ from .host_math import cdiv
 from .layout import rows_2d
 from .registration import define, fake, launch
 from .rounding import round_to
-from .torch_conventions import CLAMP_PASSES_AT_BOUND
 # Whole rows in registers, short rows packed per program (see lowering/rms_norm.py for the measurements).
 from .rms_norm import MAX_HIDDEN, _block_sizes
+from .torch_conventions import CLAMP_PASSES_AT_BOUND
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

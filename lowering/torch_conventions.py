@@ -9,14 +9,20 @@ GPT-OSS's limit, is one of the 128 representable values between 4 and 8.
 from __future__ import annotations
 
 import torch
+from torch.torch_version import TorchVersion
 
 
 def _clamp_passes_gradient_at_bound() -> bool:
-    """Whether ``torch.clamp`` with a scalar bound passes the gradient where the input equals the bound."""
-    with torch.inference_mode(False), torch.enable_grad():
-        x = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
-        torch.clamp(x, max=1.0).backward()
-    return bool(x.grad == 1.0)
+    """Whether ``torch.clamp`` with a scalar bound passes the gradient where the input equals the bound: asked of
+    torch with one tiny backward; where that cannot run (sloth imported under a mode that intercepts it), the
+    release that changed it decides."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+            torch.clamp(x, max=1.0).backward()
+        return bool(x.grad == 1.0)
+    except Exception:  # noqa: BLE001 - any failure of the probe falls back to the version
+        return TorchVersion(torch.__version__) < (2, 14)
 
 
 # Read by lowering/moe_kernels.py (the clamped GLUs' derivatives) and lowering/l2_norm.py (F.normalize's clamp_min).
