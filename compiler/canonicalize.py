@@ -108,10 +108,7 @@ def _property_spelling(node: fx.Node) -> bool:
     traced the graph. True if rewritten."""
     if node.op != "call_function" or node.kwargs or len(node.args) != 1:
         return False
-    try:
-        name = _PROPERTY_OPS.get(node.target)
-    except TypeError:  # an unhashable target
-        return False
+    name = _PROPERTY_OPS.get(node.target)
     if name is None:
         return False
     _rewrite(node, getattr, (node.args[0], name))

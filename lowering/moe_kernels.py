@@ -432,6 +432,13 @@ def _glu_backward_weighted_kernel(
         tl.store(p_dw + o_src, round_to(b_dw, p_dw.dtype.element_ty), mask=m_m)
 
 
+def _inside_clamps_reference(g: torch.Tensor, u: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' ``_inside_clamps`` in PyTorch: where torch.clamp's backward passes the gradient."""
+    if CLAMP_PASSES_AT_BOUND:
+        return g <= limit, (u >= -limit) & (u <= limit)
+    return g < limit, (u > -limit) & (u < limit)
+
+
 def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                                     activation: str, want_dw: bool, want_hw: bool, interleaved: bool = False,
                                     alpha: float = 1.702, limit: float = 7.0, d_w_add: torch.Tensor | None = None,
@@ -445,10 +452,8 @@ def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: 
         return _weighted_outputs(c, h, d_u, gu, w_S1, weights, order, want_dw, want_hw, d_w_add)
     gate, up = ((gu[:, 0::2], gu[:, 1::2]) if interleaved else gu.chunk(2, -1))
     g, u = gate.float(), up.float()
-    # where torch.clamp's backward passes the gradient (the kernels' _inside_clamps)
-    inside_g = (g <= limit) if CLAMP_PASSES_AT_BOUND else (g < limit)
-    inside_u = ((u >= -limit) & (u <= limit)) if CLAMP_PASSES_AT_BOUND else ((u > -limit) & (u < limit))
     if activation == "swiglu_oai":
+        inside_g, inside_u = _inside_clamps_reference(g, u, limit)
         gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         s = torch.sigmoid(alpha * gc)
         a = gc * s
@@ -456,6 +461,7 @@ def glu_backward_weighted_reference(c: torch.Tensor, gu: torch.Tensor, weights: 
         d_gate = dh * (uc + 1) * (s + alpha * a * (1 - s)) * inside_g
         d_up = dh * a * inside_u
     elif activation == "silu_clamped":
+        inside_g, inside_u = _inside_clamps_reference(g, u, limit)
         gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         s = torch.sigmoid(gc)
         a = gc * s
