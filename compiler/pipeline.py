@@ -14,8 +14,9 @@ order, and a user's) runs in registry order, unless switched off by name through
 ``whole_module`` one, which runs once on the top-level graph and reaches into the bodies itself (the causal
 mask: a body receives it from its caller). Then every enabled family's anchors left in the graphs are
 checked for a reason (compiler/anchors.py), and ``recompute`` marks what the backward should recompute
-rather than keep. One pass finishes on every graph before the next starts, so the graph dumps
-(compiler/dump.py) show the whole graph after each pass.
+rather than keep. Every pass runs guarded (compiler/pass_guard.py): one that raises is undone on the graphs it
+was given, named in ``report.failed``, and the compile goes on without it. One pass finishes on every graph
+before the next starts, so the graph dumps (compiler/dump.py) show the whole graph after each pass.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from .dump import GraphDump
 from .families import family_passes, families, register_family
 from .fx_utils import subgraphs
 from .options import PassOptions
+from .pass_guard import run_guarded
 from .recompute import recompute_pass
 from .report import Report
 
@@ -113,19 +115,32 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
     # A subgraph's outputs feed its caller, so it must keep returning the logits; every other option is
     # the user's there too (a checkpointed layer must honour share_lora_input=False).
     subgraph_options = dataclasses.replace(options, return_logits=True, top_level=False)
+
+    def options_for(graph_module: fx.GraphModule) -> PassOptions:
+        return options if graph_module is gm else subgraph_options
+
+    # Each pass runs guarded (compiler/pass_guard.py): one that raises is undone on the graphs it was given and
+    # named in report.failed; compilation goes on without it.
     for graph_module in graph_modules:
-        timed("canonicalize", canonicalize_pass, graph_module, example_inputs, report=report,
-              options=options if graph_module is gm else subgraph_options)
+        if not run_guarded("canonicalize", [graph_module], report, lambda: timed(
+                "canonicalize", canonicalize_pass, graph_module, example_inputs, report=report,
+                options=options_for(graph_module))) and refuse is None:
+            # Every pattern assumes canonical spellings: without them no family runs, each site reported.
+            refuse = f"canonicalisation failed ({report.failed['canonicalize']}); the graph runs as written"
     if dump:
         dump.snapshot("canonicalize", gm)
     enabled = [p for p in registered if p.family in families]
     for family_pass in enabled if refuse is None else []:
         for graph_module in graph_modules:
             if graph_module is gm or not family_pass.whole_module:
-                result = timed(family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
-                               options=options if graph_module is gm else subgraph_options)
-                if result is not graph_module:
-                    raise TypeError(f"sloth: the {family_pass.family!r} pass returned {type(result).__name__}; "
+                touched = graph_modules if family_pass.whole_module else [graph_module]
+                results: list[Any] = []
+                if not run_guarded(family_pass.family, touched, report, lambda: results.append(timed(
+                        family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
+                        options=options_for(graph_module)))):
+                    break  # undone on this graph; the family's sites left get its reason below
+                if results[0] is not graph_module:
+                    raise TypeError(f"sloth: the {family_pass.family!r} pass returned {type(results[0]).__name__}; "
                                     "a pass rewrites the graph module it is given in place and returns it")
         if dump:
             dump.snapshot(family_pass.family, gm)
@@ -138,13 +153,15 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
     left = timed("anchors", anchors, graph_modules, [(p.family, p.anchor) for p in enabled if p.anchor is not None])
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
     for family, node in unexplained(left, report.rejected_nodes):
-        if refuse is not None:
-            report.reject(family, node, refuse)
+        if refuse is not None or family in report.failed:
+            report.reject(family, node, refuse if refuse is not None else
+                          f"the {family} pass raised and was undone ({report.failed[family]})")
             continue
         report.reject(family, node, UNMATCHED)
         report.unexplained.setdefault(family, []).append(report.rejections[-1].module or "(top level)")
         log.warning("sloth: %s: a site at %s matched none of the family's patterns and its pass gave no reason",
                     family, report.rejections[-1].source or node.name)
     # Top level only: subgraph bodies keep their own policy (a checkpointed layer is recomputed whole already).
-    timed("recompute", recompute_pass, gm, example_inputs, report=report, options=options)
+    run_guarded("recompute", [gm], report, lambda: timed(
+        "recompute", recompute_pass, gm, example_inputs, report=report, options=options))
     return gm

@@ -54,6 +54,9 @@ class Report:
     # what the offload option moved to host memory, one OffloadRecord per partitioned graph
     # (compiler/offload_partition.py; empty without the option or for an inference graph)
     offload: list = dataclasses.field(default_factory=list)
+    # pass name -> "internal error: ..." for each pass that raised and was undone (compiler/pass_guard.py): the
+    # graph ran as that pass found it, and the family's sites left are reported with this reason
+    failed: dict = dataclasses.field(default_factory=dict)
     # folders the graphs were dumped into (the ``dump`` option, compiler/dump.py)
     dumps: list = dataclasses.field(default_factory=list)
     # (family, node) of each rejection of this graph, for compiler/anchors.py; not merged (nodes are per graph)
@@ -109,12 +112,17 @@ class Report:
         self.dumps += other.dumps
         self.offload += other.offload
         self.pass_seconds.update(other.pass_seconds)  # update, not +=: keeps a pass that took 0.0 s
+        for name, reason in other.failed.items():
+            self.failed.setdefault(name, reason)
         for family, where in other.unexplained.items():
             self.unexplained[family] = self.unexplained.get(family, []) + where
 
     def __str__(self) -> str:
         out = [f"sloth report: {self.graphs} graph(s), "
                + (", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "nothing replaced")]
+        if self.failed:
+            out.append("  passes that raised and were undone (a bug in sloth; the graph ran as the pass found it): "
+                       + "; ".join(f"{name}: {reason}" for name, reason in self.failed.items()))
         if self.disabled:
             out.append(f"  disabled passes: {', '.join(self.disabled)}")
         if self.pass_seconds:

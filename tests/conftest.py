@@ -38,7 +38,8 @@ def _fresh_dynamo(request):
 
     Afterwards, every site a family looks for in whatever the test compiled was replaced or given a reason
     (compiler/anchors.py): a silent miss in any model of the suite fails its test, unless the test is marked
-    ``unexplained_sites`` (it makes one on purpose)."""
+    ``unexplained_sites`` (it makes one on purpose); and no pass raised (compiler/pass_guard.py undoes one that
+    does, so the test's numbers alone would not show it), unless the test is marked ``pass_failure``."""
     import torch._dynamo
 
     import sloth
@@ -50,6 +51,9 @@ def _fresh_dynamo(request):
     if request.node.get_closest_marker("unexplained_sites") is None:
         unexplained = sloth.report().unexplained
         assert not unexplained, f"sites neither replaced nor explained: {unexplained}"
+    if request.node.get_closest_marker("pass_failure") is None:
+        failed = sloth.report().failed
+        assert not failed, f"a pass raised and was undone (compiler/pass_guard.py): {failed}"
 
 
 @pytest.fixture
