@@ -58,6 +58,8 @@
 #   bash benchmarks/h200_rows.sh lora-nosplit qlora-nosplit  # one nosplit row each (to follow a versus)
 #   bash benchmarks/h200_rows.sh cg        # sloth LoRA and QLoRA under CUDA graphs
 #   bash benchmarks/h200_rows.sh idle      # kernel tables and GPU idle gaps: sloth LoRA and QLoRA, Unsloth QLoRA
+#   bash benchmarks/h200_rows.sh lane      # the whole GPU test lane (benchmarks/gpu_lane.py; ~9 min, a call of its
+#                                          # own), in place of gpu_tests' one-file-at-a-time checks
 #   bash benchmarks/h200_rows.sh twins     # sloth LoRA and QLoRA with the runtime twins off (SLOTH_RUNTIME_TWINS=0)
 #   bash benchmarks/h200_rows.sh moe-families  # the MoE step with all families, without norm and RoPE, loss only
 #   bash benchmarks/h200_rows.sh host      # host us per Triton launch and per sloth op call; ops.lora_shared
@@ -183,6 +185,9 @@ long128_sloth() {
 
 for part in "$@"; do
 case $part in
+    lane)
+        if [ -n "${DRY:-}" ]; then echo "python -m benchmarks.gpu_lane --out $out/lane"; continue; fi
+        python -m benchmarks.gpu_lane --out "$out/lane"; echo "lane: rc $?" ;;
     lora)
         run lora-peers 350 --all --variants eager,inductor,liger --model llama3-8b
         run lora-sloth 110 --all --variants sloth --sloth-options "$SLOTH"

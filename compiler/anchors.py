@@ -9,13 +9,22 @@ definitions deliberately broader than any pattern, on the canonical graph (compi
                     mean(square(x - mean(x))) or variance(x, ...) (any dims, any correction)
     rms_norm        rsqrt(mean(square(x)) [+ eps]), and torch.rms_norm
     l2_norm         F.normalize, and rsqrt(sum(square(x)) [+ eps])
-    rope            rotate-half: cat([neg(narrow(x)), narrow(x)]); an interleaved pair: stack([neg(a), b]);
+    rope            rotate-half: cat([neg(narrow(x)), narrow(x)]) (either half negated); an interleaved pair:
+                    stack([neg(a), b]) (either member negated);
                     a complex rotation: view_as_real(view_as_complex(x) * f); even/odd slices rotated and
                     concatenated: cat([x0 * c - x1 * s, x1 * c + x0 * s]) (DeepSeek's interleaved form); the
-                    same on the two halves of x (GPT-OSS's rotate-half written out)
+                    same on the two halves of x (GPT-OSS's rotate-half written out; NanoChat's by -theta:
+                    cat([x1 * c + x2 * s, x1 * (-s) + x2 * c])), for both with any signs; the members of x's pairs
+                    rotated and stacked: stack([x0 * c - x1 * s, x1 * c + x0 * s]), x0/x1 even/odd slices or x
+                    viewed as [..., d/2, 2] at [..., 0] and [..., 1] (GPT-J's real form, llama2.c, torchtune);
+                    one 2x2 matrix per pair: M[..., 0] * xs[..., 0] + M[..., 1] * xs[..., 1] (Flux)
     moe_route       a matmul-like call (grouped_mm, bmm, matmul, linear) reading a 3-D float graph input (stacked
-                    expert weights) through views or indexing
-    glu             an activation (F.silu, gelu) whose one user is a product: act(gate) * up
+                    expert weights) through views or indexing; or a linear on a 2-D float graph input whose result
+                    (within its MLP) a router weight scales: a per-token factor computed from a topk by indexing,
+                    softmax or scatter (a list of expert modules)
+    glu             an activation (F.silu, gelu) whose one user is a product: act(gate) * up; and the gate factor
+                    of any elementwise product of two linear projections of one input, one of them through a
+                    nonlinearity (whatever the activation: relu, relu^2, sigmoid, tanh, x * sigmoid(1.702 x), ...)
     cross_entropy   F.cross_entropy, F.nll_loss
     lora            a low-rank chain B(A(x)) added to something: a linear reading (through casts and
                     constant scales) a linear of rank r below both the chain's input and output widths, whose
@@ -122,45 +131,133 @@ def _is_even_odd_slice(node: object, start: int) -> bool:
     return isinstance(last.stop, int) and isinstance(size, int) and last.stop >= size
 
 
+def _without_negations(node: object) -> object:
+    """``node`` with every ``neg`` around it taken off (``-(-x)`` is x; the signs are the matcher's business)."""
+    while is_call(node, torch.neg) and len(node.args) == 1:
+        node = node.args[0]
+    return node
+
+
+def rotated_terms_factors(node: object) -> Optional[list[object]]:
+    """The eight factors, negations taken off, of ``cat([a * b ± c * d, e * f ± g * h])``: two concatenated terms,
+    each a sum or difference of two products, any term, product or factor negated (``x1 * (-sin)``, ``-x2 * sin``,
+    ``-(x2 * sin)``); else None."""
+    if not (is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple))
+            and len(node.args[0]) == 2):
+        return None
+    factors: list[object] = []
+    for term in node.args[0]:
+        term = _without_negations(term)
+        if not (is_call(term, torch.add, torch.sub) and len(term.args) == 2):
+            return None
+        for product in term.args:
+            product = _without_negations(product)
+            if not (is_call(product, torch.mul) and len(product.args) == 2):
+                return None
+            factors += [_without_negations(f) for f in product.args]
+    return factors
+
+
 def is_deinterleaving_rotation(node: fx.Node) -> bool:
     """RoPE on interleaved pairs written on even/odd slices, its output de-interleaved (DeepSeek's
     ``apply_rotary_pos_emb_interleave``): cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1), x0 = x[..., 0::2],
-    x1 = x[..., 1::2]. The products may come in either order."""
-    if not (is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple))
-            and len(node.args[0]) == 2):
-        return False
-    first, second = node.args[0]
-    if not (is_call(first, torch.sub) and is_call(second, torch.add)):
-        return False
-    operands = [a for term in (*first.args, *second.args) if is_call(term, torch.mul) for a in term.args]
-    return (len(operands) == 8 and any(_is_even_odd_slice(a, 0) for a in operands)
+    x1 = x[..., 1::2]. Deliberately broad: any signs (``rotated_terms_factors``), products in any order; the
+    matcher (patterns/rope_forms.py) says which sign arrangements are rotations."""
+    operands = rotated_terms_factors(node)
+    return (operands is not None and any(_is_even_odd_slice(a, 0) for a in operands)
             and any(_is_even_odd_slice(a, 1) for a in operands))
 
 
 def is_halves_rotation(node: fx.Node) -> bool:
-    """Rotate-half RoPE written out on the two halves (GPT-OSS's ``_apply_rotary_emb``):
-    cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), x1 and x2 the first and second half of x's last dim (a
-    ``chunk``, ``split`` or slices: ``narrow`` in the canonical graph). The products may come in either order."""
-    if not (is_call(node, torch.cat) and len(node.args) == 2 and isinstance(node.args[0], (list, tuple))
-            and len(node.args[0]) == 2):
+    """Rotate-half RoPE written out on the two halves (GPT-OSS's ``_apply_rotary_emb``, NanoChat's rotation by
+    -theta): cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), x1 and x2 the first and second half of x's last
+    dim (a ``chunk``, ``split`` or slices: ``narrow`` in the canonical graph). Deliberately broad: any signs
+    (``rotated_terms_factors``: ``cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos])``), products and factors in
+    any order; the matcher (patterns/rope_forms.py) says which are rotations."""
+    operands = rotated_terms_factors(node)
+    if operands is None or len(node.args) != 2:
         return False
-    first, second = node.args[0]
-    if not (is_call(first, torch.sub) and is_call(second, torch.add)):
-        return False
-    operands = [a for term in (*first.args, *second.args) if is_call(term, torch.mul) for a in term.args]
     halves = {(a.args[0], a.args[2]) for a in operands if is_call(a, torch.narrow) and a.args[1] == -1}
-    return len(operands) == 8 and len(halves) == 2 and len({x for x, _ in halves}) == 1
+    return len(halves) == 2 and len({x for x, _ in halves}) == 1
+
+
+def pair_member(node: object) -> Optional[tuple[fx.Node, int, bool]]:
+    """(t, k, strided) when ``node`` is member k (0 or 1) of the pairs of t's last dim: ``t[..., k::2]`` (strided
+    True: the even or odd elements, pairs (t[2i], t[2i+1])), or entry k of a last dim of size 2 (strided False:
+    ``t[..., k]``, ``t.unbind(-1)[k]``, ``t.select(-1, k)``, t being x viewed as [..., d/2, 2] or a table of
+    (cos, sin) pairs); else None."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    for parity in (0, 1):
+        if _is_even_odd_slice(node, parity):
+            return node.args[0], parity, True
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 and not node.kwargs:
+        t, index = node.args
+        if isinstance(t, fx.Node) and t.target in (torch.unbind, "unbind") and isinstance(index, int):
+            dims = [*t.args[1:], *t.kwargs.values()]
+            source, dim = t.args[0], dims[0] if dims else 0
+            return _last_of_two(source, dim, index)
+        index = index if isinstance(index, tuple) else (index,)
+        if index and isinstance(index[-1], int) and all(i is Ellipsis or i == slice(None) for i in index[:-1]):
+            tt = tensor_of(t)
+            if tt is not None and (Ellipsis in index or len(index) == tt.dim()):
+                return _last_of_two(t, -1, index[-1])
+        return None
+    if node.target in (torch.select, "select") and len(node.args) == 3 and not node.kwargs:
+        return _last_of_two(*node.args)
+    return None
+
+
+def _last_of_two(t: Any, dim: Any, index: Any) -> Optional[tuple[fx.Node, int, bool]]:
+    """(t, index) as a pair member when ``dim`` is t's last dim and of size 2, else None."""
+    tt = tensor_of(t)
+    if tt is None or not tt.dim() or not isinstance(index, int) or dim not in (-1, tt.dim() - 1) \
+            or tt.shape[-1] != 2 or not -2 <= index < 2:
+        return None
+    return t, index % 2, False
+
+
+def is_stacked_rotation(node: fx.Node) -> bool:
+    """Interleaved RoPE written as a stack of each pair's rotated members: stack([x0 * c - x1 * s, x1 * c + x0 * s]),
+    x0, x1 members 0 and 1 of pairs (``pair_member``: even/odd slices, GPT-J's real form; x viewed as [..., d/2, 2]
+    at [..., 0] and [..., 1], llama2.c and torchtune). Deliberately broad: any signs, order, stack dim, casts of the
+    two stacked terms; the matcher (patterns/rope_forms.py) says which of those it fuses."""
+    if not (node.op == "call_function" and node.target is torch.stack and node.args
+            and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2):
+        return False
+    terms = [t.args[0] if is_call(t, cast) else t for t in node.args[0]]
+    if not all(is_call(t, torch.add, torch.sub) for t in terms):
+        return False
+    operands = [a for t in terms for m in t.args if is_call(m, torch.mul) for a in m.args]
+    members = [pair_member(a) for a in operands]
+    return len(operands) == 8 and {m[1] for m in members if m is not None} == {0, 1}
+
+
+def is_matrix_rotation(node: fx.Node) -> bool:
+    """RoPE with one 2x2 matrix per pair (Flux's ``apply_rope``): M[..., 0] * xs[..., 0] + M[..., 1] * xs[..., 1],
+    xs = x viewed as [..., d/2, 1, 2] and M [..., d/2, 2, 2]: each product pairs member k of both (any order)."""
+    if not (is_call(node, torch.add) and len(node.args) == 2 and all(is_call(m, torch.mul) for m in node.args)):
+        return False
+    members = [[pair_member(a) for a in m.args] for m in node.args]
+    if any(p is None or p[2] for ps in members for p in ps) or [{p[1] for p in ps} for ps in members] != [{0}, {1}]:
+        return False
+    tails = {tuple(tensor_of(p[0]).shape[-2:]) for ps in members for p in ps}
+    return tails == {(1, 2), (2, 2)}
 
 
 def _is_rope(node: fx.Node) -> bool:
-    if is_deinterleaving_rotation(node) or is_halves_rotation(node):
+    if is_deinterleaving_rotation(node) or is_halves_rotation(node) or is_stacked_rotation(node) \
+            or is_matrix_rotation(node):
         return True
     if is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
-        first, second = node.args[0]
-        return (is_call(first, torch.neg) and is_call(first.args[0], torch.narrow) and is_call(second, torch.narrow)
-                and first.args[0].args[0] is second.args[0])
-    if is_call(node, torch.stack) and node.args and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
-        return is_call(node.args[0][0], torch.neg)
+        # rotate_half: the negated half first (transformers) or second (NanoChat's cat((x2, -x1)), -rotate_half)
+        parts = [p.args[0] if is_call(p, torch.neg) else p for p in node.args[0]]
+        return (sum(is_call(p, torch.neg) for p in node.args[0]) == 1 and all(is_call(p, torch.narrow) for p in parts)
+                and parts[0].args[0] is parts[1].args[0])
+    # rotate_every_two (GPT-J, Cohere): stack((-x[..., 1::2], x[..., ::2]), dim=-1), the dim often a keyword
+    if node.op == "call_function" and node.target is torch.stack and node.args \
+            and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
+        return any(is_call(p, torch.neg) for p in node.args[0])
     if is_call(node, torch.view_as_real):
         product = node.args[0]
         return is_call(product, torch.mul) and any(is_call(a, torch.view_as_complex) for a in product.args)
@@ -168,19 +265,26 @@ def _is_rope(node: fx.Node) -> bool:
 
 
 def is_gate_activation(node: object) -> bool:
-    """An activation a GLU gates with (F.silu, gelu in sloth's canonical spelling)."""
+    """An activation that gates wherever it is multiplied (F.silu, gelu in sloth's canonical spelling): the GLU half
+    compiler/cut_sites.py reports when a graph returns it. Not relu or sigmoid, which a graph returns for other
+    reasons too (an ungated MLP's activation, a router's scores)."""
     return is_call(node, F.silu) or is_call(node, gelu)
 
 
 def _is_glu(node: fx.Node) -> bool:
-    if not is_gate_activation(node) or len(node.users) != 1:
+    """An activation (F.silu, gelu) whose one user is a product with a tensor of its shape, or the gate factor of a
+    gated product (patterns/glu_forms.py: two linear projections of one input, one through a nonlinearity)."""
+    users = [u for u in node.users if is_call(u, torch.mul) and len(u.args) == 2]
+    if is_gate_activation(node) and len(node.users) == 1 and users:
+        other = users[0].args[1] if users[0].args[0] is node else users[0].args[0]
+        act_t, other_t = tensor_of(node), tensor_of(other)  # a gate times an up of its shape; not a scale or a mask
+        if act_t is not None and other_t is not None and tuple(act_t.shape) == tuple(other_t.shape):
+            return True
+    if not users:
         return False
-    product = next(iter(node.users))
-    if not (is_call(product, torch.mul) and len(product.args) == 2):
-        return False
-    other = product.args[1] if product.args[0] is node else product.args[0]
-    act_t, other_t = tensor_of(node), tensor_of(other)  # a gate times an up of its shape; not a scale or a mask
-    return act_t is not None and other_t is not None and tuple(act_t.shape) == tuple(other_t.shape)
+    from ..patterns.glu_forms import gated_product  # patterns import compiler modules
+
+    return any((gated := gated_product(u)) is not None and gated.gate.factor is node for u in users)
 
 
 def _is_cross_entropy(node: fx.Node) -> bool:
@@ -335,8 +439,67 @@ def expert_operand(node: fx.Node) -> Optional[fx.Node]:
 
 
 def is_expert_gemm(node: fx.Node) -> bool:
-    """A matmul-like call reading stacked expert weights: the ``moe_route`` family's anchor."""
+    """A matmul-like call reading stacked expert weights: one of the ``moe_route`` family's anchors."""
     return expert_operand(node) is not None
+
+
+# What a router weight passes through from the top-k to the product it scales (indexing, views, casts, the
+# softmax, a scatter into [T, E], a renormalisation): no GEMM, no norm, no residual add.
+_ROUTING = {"getitem", "narrow", "select", "unsqueeze", "squeeze", "view", "reshape", "flatten", "to", "cast",
+            "type_as", "contiguous", "expand", "softmax", "scatter", "scatter_", "gather", "index_select", "div",
+            "mul", "sum", "where", "eq", "float"}
+
+
+def is_router_weight(node: Any, depth: int = 6) -> bool:
+    """A float per-token factor (last dim 1) computed from a ``topk`` within ``depth`` routing steps: a router's
+    weight of one expert (``weights[:, e:e+1]`` of a scattered [T, E], ``w[rows, k, None]``)."""
+    value = tensor_of(node)
+    if value is None or not value.is_floating_point() or not value.dim() or value.shape[-1] != 1:
+        return False
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        if any(is_topk(n) for n in frontier):
+            return True
+        frontier = [i for n in frontier if n.op in ("call_function", "call_method") and op_name(n) in _ROUTING
+                    for i in n.all_input_nodes if i not in seen]
+        seen.update(frontier)
+    return any(is_topk(n) for n in frontier)
+
+
+def list_expert_weight(node: fx.Node) -> Optional[fx.Node]:
+    """The 2-D float graph input (through casts) a ``linear`` / ``x @ W.t()`` ``node`` multiplies by, or None."""
+    parts = linear_parts(node)
+    weight = parts[1] if parts is not None else None
+    while isinstance(weight, fx.Node) and weight.op != "placeholder" and op_name(weight) in ("to", "cast") \
+            and weight.args:
+        weight = weight.args[0]
+    value = tensor_of(weight)
+    if not isinstance(weight, fx.Node) or weight.op != "placeholder" or value is None or value.dim() != 2 \
+            or not value.is_floating_point():
+        return None
+    return weight
+
+
+def is_expert_list_gemm(node: fx.Node, depth: int = 5) -> bool:
+    """A GEMM of one expert of a list of expert modules (nn.ModuleList of MLPs, patterns/moe_expert_list.py): a
+    linear on a 2-D weight graph input whose result, within ``depth`` nodes (its MLP's rest), is multiplied by a
+    router weight (``is_router_weight``) not computed from it."""
+    if list_expert_weight(node) is None:
+        return False
+    frontier, walked = [node], {node}
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in walked and not is_topk(u)]
+        walked.update(frontier)
+        for user in frontier:
+            if user.op in ("call_function", "call_method") and op_name(user) == "mul" and any(
+                    isinstance(a, fx.Node) and a not in walked and is_router_weight(a) for a in user.args):
+                return True
+    return False
+
+
+def _is_moe_route(node: fx.Node) -> bool:
+    """The ``moe_route`` family's anchor: an expert GEMM on stacked weights, or one of a list of experts."""
+    return is_expert_gemm(node) or is_expert_list_gemm(node)
 
 
 def _is_repeated_kv_attention(node: fx.Node) -> bool:
@@ -350,7 +513,7 @@ ANCHORS = {
     "rms_norm": _is_rms_norm,
     "l2_norm": _is_l2_norm,
     "rope": _is_rope,
-    "moe_route": is_expert_gemm,
+    "moe_route": _is_moe_route,
     "moe_router": is_topk,
     "glu": _is_glu,
     "cross_entropy": _is_cross_entropy,

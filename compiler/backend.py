@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -22,6 +24,7 @@ from . import returned_logits, subclass_guard
 from .dump import dump_root
 from .mask_inputs import compile_reading_masks
 from .offload_partition import OffloadPartitioner, OffloadPolicy
+from ..lowering.backend_choice import triton_interpreter_on
 from .options import PassOptions
 from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS
 from ..patterns.gqa_attention import GQA_WHEN_CAUSAL
@@ -42,6 +45,7 @@ _OFFLOAD_NEEDS_PARTITION = ("sloth: offload acts on AOTAutograd's forward/backwa
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
 _last_report: Optional[Report] = None
+_interpreter_warned = False
 _session_report = Report()
 
 
@@ -71,6 +75,20 @@ def _publish(graph_report: Report) -> None:
     global _last_report
     _last_report = graph_report
     _session_report.merge(graph_report)
+
+
+def _warn_if_interpreter_unused() -> None:
+    """Warn, once a process, where TRITON_INTERPRET=1 is set but sloth's kernels were defined without it: Triton
+    reads the variable when a kernel is defined (``triton.jit``), and sloth defines its kernels and reads it
+    (lowering/backend_choice.py) when it is imported, so a variable set after ``import sloth`` is not seen, and
+    sloth's ops on CPU tensors run their PyTorch references."""
+    global _interpreter_warned
+    if _interpreter_warned or triton_interpreter_on() or os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    _interpreter_warned = True
+    warnings.warn("sloth: TRITON_INTERPRET=1 was set after sloth was imported, so sloth's Triton kernels do not run in "
+                  "the interpreter: on the CPU its ops run their PyTorch references. Set it before importing triton, "
+                  "peft or sloth (or in the shell) to run the kernels.", stacklevel=2)
 
 
 def _inductor_config(mode: Optional[str], extra: dict[str, Any]) -> dict[str, Any]:
@@ -153,6 +171,7 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     compiler/offload_partition.py), ``tiled_mlp`` (False default; True, or rows per block, runs a LoRA MLP a
     block of rows at a time: patterns/tiled_mlp.py); other keys go to Inductor's config.
     """
+    _warn_if_interpreter_unused()
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
     if inner not in INNER_COMPILERS:

@@ -26,7 +26,10 @@ any value the graph computes:
     torch.cat/concat/concatenate(ts, dim=d)         torch.cat([ts], d)             (d negative)
     x * -1, -1 * x                                  torch.neg(x)
     F.silu(x, inplace=False), nn.SiLU, _C._nn.silu  F.silu(x)
-    x * torch.sigmoid(x), torch.sigmoid(x) * x      F.silu(x)
+    x * torch.sigmoid(x), torch.sigmoid(x) * x      F.silu(x)                      (also F.sigmoid, and x on
+                                                                                     one side, an exact upcast
+                                                                                     of it on the other)
+    F.relu(x, inplace=False), nn.ReLU, x.relu()     torch.relu(x)
     F.gelu(x, approximate=a), nn.GELU(a)            gelu(x, a)                     (a: "none" or "tanh")
     0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x**3)))    gelu(x, "tanh")                (any arrangement of the
     0.5*x*(1+erf(x/sqrt(2)))                        gelu(x, "none")                 same polynomials)
@@ -505,6 +508,8 @@ def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
 
 
 _SILUS = (torch.nn.functional.silu, torch._C._nn.silu)
+_RELUS = (torch.nn.functional.relu, torch.relu, "relu")
+_SIGMOIDS = (torch.sigmoid, torch.nn.functional.sigmoid, torch.special.expit)
 _GELUS = (torch.nn.functional.gelu,)  # F.gelu is torch._C._nn.gelu itself
 _ERFS = ("erf", torch.erf, torch.special.erf)
 _GELU_TANH_INNER = {1: math.sqrt(2 / math.pi), 3: math.sqrt(2 / math.pi) * 0.044715}  # z = k * (x + c * x^3)
@@ -514,10 +519,20 @@ _GELU_OUTER = {(1, 0): 0.5, (1, 1): 0.5}                                        
 
 def _activation_spelling(node: fx.Node) -> bool:
     """``F.silu(x, inplace=False)``, ``nn.SiLU``, ``torch._C._nn.silu`` -> ``F.silu(x)``; ``F.gelu(x,
-    approximate=a)``, ``nn.GELU`` -> ``gelu(x, a)``; ``x.erf()``, ``torch.special.erf`` -> ``torch.erf``."""
+    approximate=a)``, ``nn.GELU`` -> ``gelu(x, a)``; ``x.erf()``, ``torch.special.erf`` -> ``torch.erf``;
+    ``F.relu(x, inplace=False)``, ``nn.ReLU``, ``x.relu()`` -> ``torch.relu(x)``."""
     key = _key(node)
     if key is None or tensor_of(node) is None or not node.args:
         return False
+    if key in _RELUS:
+        params = dict(zip(("input", "inplace"), node.args), **node.kwargs)
+        if set(params) - {"input", "inplace"} or params.get("inplace"):
+            return False  # in place: a mutation of the input, not just a value
+        canonical = ("call_function", torch.relu, (params["input"],), {})
+        if (node.op, node.target, node.args, dict(node.kwargs)) == canonical:
+            return False
+        _rewrite(node, torch.relu, (params["input"],))
+        return True
     if node.op == "call_function" and key in _SILUS:
         params = dict(zip(("input", "inplace"), node.args), **node.kwargs)
         if set(params) - {"input", "inplace"} or params.get("inplace"):
@@ -540,17 +555,42 @@ def _activation_spelling(node: fx.Node) -> bool:
     return False
 
 
+def _exact_source(node: Any) -> Any:
+    """``node`` with its exact casts stripped (a float widened, bf16/fp16 -> fp32 -> fp64): the node whose value,
+    as a real number, it holds."""
+    while is_call(node, cast):
+        src, dst = tensor_of(node.args[0]), tensor_of(node)
+        if src is None or dst is None or not src.dtype.is_floating_point or not dst.dtype.is_floating_point \
+                or torch.promote_types(src.dtype, dst.dtype) != dst.dtype:
+            return node
+        node = node.args[0]
+    return node
+
+
 def _silu_algebra(node: fx.Node) -> bool:
-    """``x * sigmoid(x)`` / ``sigmoid(x) * x`` -> ``F.silu(x)`` (one rounding where the product had two)."""
+    """``x * sigmoid(x)`` / ``sigmoid(x) * x`` -> ``F.silu(x)`` (one rounding where the product had two).
+
+    The two x may be casts of one value, as ``g * torch.sigmoid(g.float())`` or ``g.float() * g.float().sigmoid()``
+    (two cast nodes) write it: exact widenings, so the silu reads the one in the product's dtype. Where only the
+    product is wide (``g.float() * torch.sigmoid(g)``) the bf16 rounding of the sigmoid is one rounding fewer."""
     if not is_call(node, torch.mul):
         return False
     a, b = node.args
+    out = tensor_of(node)
     for x, s in ((a, b), (b, a)):
-        if isinstance(x, fx.Node) and is_call(s, torch.sigmoid) and s.args[0] is x and _same_dtype(x, node) \
-                and same_shape(tensor_of(x), tensor_of(node)):
-            _rewrite(node, torch.nn.functional.silu, (x,))
-            _erase_if_dead(s)
-            return True
+        if not (isinstance(x, fx.Node) and is_call(s, *_SIGMOIDS) and len(s.args) == 1 and out is not None):
+            continue
+        y = s.args[0]
+        if not (isinstance(y, fx.Node) and _exact_source(x) is _exact_source(y)):
+            continue
+        arg = next((t for t in (x, y) if _same_dtype(t, node) and same_shape(tensor_of(t), out)), None)
+        if arg is None:
+            continue
+        _rewrite(node, torch.nn.functional.silu, (arg,))
+        if not s.users:  # any of _SIGMOIDS (only torch.sigmoid is in _PURE)
+            node.graph.erase_node(s)
+        _erase_if_dead(y)
+        return True
     return False
 
 

@@ -97,6 +97,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
     "anchors", "recompute"), summed over the graph and its subgraphs. With ``dump_root`` the graph is written
     there before the passes and after each pass that changed it (compiler/dump.py)."""
     report.graphs += 1
+    report.ran_on(example_inputs)
     registered = family_passes()
     report.disabled = sorted(set(report.disabled) | ({p.family for p in registered} - set(families)))
     dump = GraphDump(dump_root, gm) if dump_root else None

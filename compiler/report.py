@@ -4,9 +4,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
+from typing import Any, Sequence
 
+import torch
 import torch.fx as fx
 
+from ..lowering.backend_choice import execution_path
 from .fx_utils import module_path, source_location
 
 log = logging.getLogger("sloth")
@@ -59,12 +62,21 @@ class Report:
     failed: dict = dataclasses.field(default_factory=dict)
     # folders the graphs were dumped into (the ``dump`` option, compiler/dump.py)
     dumps: list = dataclasses.field(default_factory=list)
+    # what ran the sloth ops of these graphs, as the first line says (lowering/backend_choice.py execution_path)
+    paths: list = dataclasses.field(default_factory=list)
     # (family, node) of each rejection of this graph, for compiler/anchors.py; not merged (nodes are per graph)
     rejected_nodes: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def counts(self) -> dict[str, int]:
         return dict(Counter(site.family for site in self.sites))
+
+    def ran_on(self, example_inputs: Sequence[Any]) -> None:
+        """Record what runs the sloth ops of a graph with these inputs (nothing for a graph without tensors)."""
+        devices = [x.device for x in example_inputs if isinstance(x, torch.Tensor)]
+        path = execution_path(devices) if devices else None
+        if path is not None and path not in self.paths:
+            self.paths.append(path)
 
     def replaced(self, site: Site) -> None:
         self.sites.append(site)
@@ -110,6 +122,7 @@ class Report:
         self.recomputed += other.recomputed
         self.anchors_left += other.anchors_left
         self.dumps += other.dumps
+        self.paths += [path for path in other.paths if path not in self.paths]
         self.offload += other.offload
         self.pass_seconds.update(other.pass_seconds)  # update, not +=: keeps a pass that took 0.0 s
         for name, reason in other.failed.items():
@@ -118,7 +131,8 @@ class Report:
             self.unexplained[family] = self.unexplained.get(family, []) + where
 
     def __str__(self) -> str:
-        out = [f"sloth report: {self.graphs} graph(s), "
+        ran = f" ({' + '.join(self.paths)})" if self.paths else ""
+        out = [f"sloth report{ran}: {self.graphs} graph(s), "
                + (", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "nothing replaced")]
         if self.failed:
             out.append("  passes that raised and were undone (a bug in sloth; the graph ran as the pass found it): "

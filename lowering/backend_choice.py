@@ -8,6 +8,7 @@ results stay correct everywhere and only the speed changes.
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 import torch
 
@@ -27,3 +28,14 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return True
     return t.device.type == "cpu" and triton_interpreter_on()
+
+
+def execution_path(devices: Iterable[torch.device]) -> str:
+    """What runs sloth's ops in a graph whose inputs are on ``devices`` (a GPU if any input is on one), in the
+    words of the report's first line."""
+    kinds = {device.type for device in devices}
+    if "cuda" in kinds:
+        return "Triton kernels on the GPU"
+    if "cpu" in kinds and triton_interpreter_on():
+        return "Triton's CPU interpreter"
+    return "PyTorch references"

@@ -102,7 +102,9 @@ def document_attention_backward_reference(dout: torch.Tensor, q: torch.Tensor, k
     b, _, t, d = k.shape
     dk = dk.view(b, kv_heads, heads // kv_heads, t, d).sum(2)
     dv = dv.view(b, kv_heads, heads // kv_heads, t, v.shape[-1]).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # dq in q's layout, as the fake declares (empty_like: q is usually a [B, T, H, D] projection viewed
+    # [B, H, T, D]), dk and dv contiguous
+    return torch.empty_like(q).copy_(dq), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

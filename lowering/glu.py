@@ -1,16 +1,17 @@
-"""Fused gated activation (SwiGLU, GeGLU): ``torch.ops.sloth.glu`` and its manual backward.
+"""Fused gated activation (SwiGLU, GeGLU, ReGLU, ...): ``torch.ops.sloth.glu`` and its manual backward.
 
 The op equals, in one line of PyTorch (``gate`` and ``up`` of one shape ``[..., n]``)::
 
     y = (act(gate.float()) * up.float()).to(gate.dtype)
 
-with ``act`` one of ``"silu"`` (SwiGLU: ``F.silu``), ``"gelu_tanh"`` (GeGLU: ``F.gelu(approximate="tanh")``)
-or ``"gelu_erf"`` (GeGLU: ``F.gelu``). With ``up=None`` the first argument is the merged projection
-``[..., 2n]`` with the gate in its first half and up in its second (``gate, up = x.chunk(2, -1)``), which
-the op reads in place; its gradient is then written as one ``[..., 2n]`` tensor, so no split or
-concatenation is left around the op in either direction. Everything is computed in fp32 and rounded
-once, at the output; eager bf16 code rounds ``act(gate)`` and then the product, so the fused result is at
-least as accurate.
+with ``act`` one of ``"silu"`` (SwiGLU: ``F.silu``), ``"gelu_tanh"`` (GeGLU: ``F.gelu(approximate="tanh")``),
+``"gelu_erf"`` (GeGLU: ``F.gelu``), ``"relu"`` (ReGLU: ``F.relu``), ``"relu2"`` (BitNet's ``F.relu(g) ** 2``,
+transformers' ``ACT2FN["relu2"]``) or ``"sigmoid"`` (the original GLU: ``torch.sigmoid``). With ``up=None`` the
+first argument is the merged projection ``[..., 2n]`` with the gate in its first half and up in its second
+(``gate, up = x.chunk(2, -1)``), which the op reads in place; its gradient is then written as one ``[..., 2n]``
+tensor, so no split or concatenation is left around the op in either direction. Everything is computed in
+fp32 and rounded once, at the output; eager bf16 code rounds ``act(gate)`` and then the product, so the fused
+result is at least as accurate.
 
 Memory traffic (the roofline): forward reads gate and up and writes y (3*N*n elements for N rows);
 backward reads dy, gate and up and writes d_gate and d_up (5*N*n). Only gate and up are saved for
@@ -32,6 +33,18 @@ and, with ``s(v) = 1 / (1 + exp(-v))`` the logistic sigmoid,
 
     gelu_erf    a(g)  = g * P(g),  P(g) = 0.5 * (1 + erf(g / sqrt(2)))     (the normal CDF)
                 a'(g) = P(g) + g * p(g),  p(g) = exp(-g^2 / 2) / sqrt(2 * pi)  (the normal density)
+
+    relu        a(g)  = max(g, 0)
+                a'(g) = 1 where g > 0, else 0                  (0 at the kink g = 0, as autograd's relu)
+
+    relu2       a(g)  = r^2,  r = max(g, 0)
+                a'(g) = 2 * r                                  (0 at g = 0 from either side: no kink)
+
+    sigmoid     a(g)  = s(g)
+                a'(g) = s(g) * (1 - s(g))
+
+The relus are written ``where(g <= 0, 0, g)`` and ``where(g <= 0, 0, 1)``, not ``max``: a NaN gate then gives
+a NaN output and passes its gradient, as ``torch.relu`` and its backward (``threshold_backward``) do.
 
 The tanh form is evaluated as ``g * s(2z)``: Triton has no tanh, and the sigmoid form has no
 cancellation in ``1 + tanh(z)`` for negative z. ``1 - s`` is evaluated as ``s(-v)`` for the same reason.
@@ -57,10 +70,15 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The activation is a string in the op's schema (readable in graphs and profiles) and a constexpr in
 # the kernels: one Triton compile per activation kind, never one per call site.
+# Codes 3 and 4 are lowering/moe_kernels.py's clamped expert GLUs, which extend this table; 5 is relu2 there too.
 _SILU = tl.constexpr(0)
 _GELU_TANH = tl.constexpr(1)
 _GELU_ERF = tl.constexpr(2)
-ACTIVATIONS = {"silu": _SILU.value, "gelu_tanh": _GELU_TANH.value, "gelu_erf": _GELU_ERF.value}
+_RELU2 = tl.constexpr(5)
+_RELU = tl.constexpr(6)
+_SIGMOID = tl.constexpr(7)
+ACTIVATIONS = {"silu": _SILU.value, "gelu_tanh": _GELU_TANH.value, "gelu_erf": _GELU_ERF.value,
+               "relu": _RELU.value, "relu2": _RELU2.value, "sigmoid": _SIGMOID.value}
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_TANH_C = tl.constexpr(0.044715)
@@ -94,6 +112,13 @@ def _activation(b_g, ACTIVATION: tl.constexpr):
         b_2z = 2.0 * _SQRT_2_OVER_PI * b_g * (1.0 + _GELU_TANH_C * b_g * b_g)
         b_s, _ = _sigmoid_pair(b_2z)
         b_a = b_g * b_s
+    elif ACTIVATION == _RELU:
+        b_a = tl.where(b_g <= 0.0, 0.0, b_g)
+    elif ACTIVATION == _RELU2:
+        b_r = tl.where(b_g <= 0.0, 0.0, b_g)
+        b_a = b_r * b_r
+    elif ACTIVATION == _SIGMOID:
+        b_a, _ = _sigmoid_pair(b_g)
     else:
         b_a = b_g * 0.5 * (1.0 + tl.math.erf(b_g * _SQRT_HALF))
     return b_a
@@ -112,6 +137,17 @@ def _activation_and_derivative(b_g, ACTIVATION: tl.constexpr):
         b_s, b_1ms = _sigmoid_pair(b_2z)
         b_a = b_g * b_s
         b_da = b_s + b_a * b_1ms * (2.0 * _SQRT_2_OVER_PI) * (1.0 + 3.0 * _GELU_TANH_C * b_g2)
+    elif ACTIVATION == _RELU:
+        b_a = tl.where(b_g <= 0.0, 0.0, b_g)
+        b_da = tl.where(b_g <= 0.0, 0.0, 1.0)
+    elif ACTIVATION == _RELU2:
+        b_r = tl.where(b_g <= 0.0, 0.0, b_g)
+        b_a = b_r * b_r
+        b_da = 2.0 * b_r
+    elif ACTIVATION == _SIGMOID:
+        b_s, b_1ms = _sigmoid_pair(b_g)
+        b_a = b_s
+        b_da = b_s * b_1ms
     else:
         b_cdf = 0.5 * (1.0 + tl.math.erf(b_g * _SQRT_HALF))
         b_a = b_g * b_cdf
@@ -212,6 +248,12 @@ def _split(x: torch.Tensor, up: Optional[torch.Tensor]) -> tuple[torch.Tensor, t
 def _activation_reference(g: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return F.silu(g)
+    if activation == "relu":
+        return F.relu(g)
+    if activation == "relu2":
+        return torch.square(F.relu(g))
+    if activation == "sigmoid":
+        return torch.sigmoid(g)
     return F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
@@ -237,6 +279,12 @@ def glu_backward_reference(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch
         s, one_minus_s = torch.sigmoid(v), torch.sigmoid(-v)
         a = g * s
         da = s + a * one_minus_s * (2 * 0.7978845608028654) * (1 + 3 * 0.044715 * g * g)
+    elif activation in ("relu", "relu2"):
+        r = torch.where(g <= 0, 0.0, g)  # a NaN gate stays NaN, as in the kernel
+        a, da = (r, torch.where(g <= 0, 0.0, 1.0)) if activation == "relu" else (r * r, 2 * r)
+    elif activation == "sigmoid":
+        a = torch.sigmoid(g)
+        da = a * torch.sigmoid(-g)
     else:
         cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
         a, da = g * cdf, cdf + g * 0.3989422804014327 * torch.exp(-0.5 * g * g)

@@ -48,8 +48,14 @@ gradient that the backward then needs.
 
 The op returns ``(loss, dx, dw, db)``: the gradients computed in the forward are outputs, so AOTAutograd
 sees them as ordinary saved tensors (empty where not computed); ``linear_cross_entropy`` returns the loss.
-Labels outside [0, V) that are not ``ignore_index`` give an unspecified loss (PyTorch raises; checking
-would need a host sync).
+Labels outside [0, V) that are not ``ignore_index``, which PyTorch rejects with ``IndexError``: the Triton
+kernel cannot raise without a host sync (reading the labels on the host before each launch), so it makes the
+offending rows' loss and their gradient ``g_i`` NaN (under Triton's CPU interpreter too): 'mean' and 'sum'
+are NaN, 'none' is NaN on those rows only, and so are those rows of dx; dw and db, sums over every row, are
+NaN. Never a finite wrong loss. The PyTorch reference (Triton unavailable: a CPU without the interpreter)
+raises ``IndexError`` as eager does when the labels are CPU tensors, where the check reads host memory (one
+pass over N labels, no sync, nothing next to the N x V x H matmul), so a CPU run fails where eager fails; on
+any other device it computes the kernel's NaN, since checking there would be the sync the kernel avoids.
 """
 from __future__ import annotations
 
@@ -129,17 +135,22 @@ def _lce_rows_kernel(
         b_d = b_d * tl.exp(b_m - b_m_new) + tl.sum(tl.exp(b_z - b_m_new), axis=0)
         b_m = b_m_new
     b_lse = b_m + tl.log(b_d)
-    b_safe_y = tl.where(b_valid & (b_y >= 0) & (b_y < n_cols), b_y, 0)
+    # A label outside [0, V) that is not ignore_index (eager raises): the row's loss and gradient are NaN,
+    # so the reduced loss is NaN too, with no host sync; z_y is read at 0 so that no read is out of bounds.
+    b_in_range = (b_y >= 0) & (b_y < n_cols)
+    b_safe_y = tl.where(b_valid & b_in_range, b_y, 0)
     b_zy = tl.load(p_row + b_safe_y).to(tl.float32) * logit_scale
     if HAS_SOFTCAP:
         b_zy = softcap * _tanh(b_zy / softcap)
     b_loss = b_lse - (1.0 - label_smoothing) * b_zy - label_smoothing / n_cols * b_sz
+    b_loss = tl.where(b_in_range, b_loss, float("nan"))
     tl.store(p_loss + i_m, tl.where(b_valid, b_loss, 0.0))
     if COMPUTE_GRAD:
         if PER_ROW_SCALE:
             b_a = tl.load(p_scale + i_m).to(tl.float32)
         else:
             b_a = tl.load(p_scale).to(tl.float32)
+        b_a = tl.where(b_in_range, b_a, float("nan"))
         b_a = tl.where(b_valid, b_a, 0.0) * logit_scale
         for i_v in range(0, tl.cdiv(n_cols, BLOCK_V)):
             o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -219,21 +230,26 @@ def _check_devices(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
 def _row_loss_and_grad_reference(l: torch.Tensor, y: torch.Tensor, a: Optional[torch.Tensor], ignore_index: int,
                                  softcap: float, logit_scale: float, label_smoothing: float
                                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The kernel's math on one logits tile in plain PyTorch (fp32): per-row loss, and g when ``a`` is given."""
+    """The kernel's math on one logits tile in plain PyTorch (fp32): per-row loss, and g when ``a`` is given.
+    As in the kernel, a row whose label is outside [0, V) and not ``ignore_index`` gets a NaN loss and gradient
+    (``_chunked`` raises before that on CPU tensors)."""
     u = l.float() * logit_scale
     t = torch.tanh(u / softcap) if softcap else None
     z = softcap * t if softcap else u
     valid = y != ignore_index
+    in_range = (y >= 0) & (y < z.shape[1])
+    safe_y = torch.where(valid & in_range, y, 0)
     lse = torch.logsumexp(z, -1)
-    zy = z.gather(1, torch.where(valid, y, 0)[:, None]).squeeze(1)
+    zy = z.gather(1, safe_y[:, None]).squeeze(1)
     loss = lse - (1.0 - label_smoothing) * zy - label_smoothing / z.shape[1] * z.sum(-1)
-    loss = torch.where(valid, loss, 0.0)
+    loss = torch.where(valid, torch.where(in_range, loss, float("nan")), 0.0)
     if a is None:
         return loss, None
     dz = torch.softmax(z, -1) - label_smoothing / z.shape[1]
-    target = torch.nn.functional.one_hot(torch.where(valid, y, 0), z.shape[1]) * valid[:, None]
+    target = torch.nn.functional.one_hot(safe_y, z.shape[1]) * (valid & in_range)[:, None]
     dz = dz - (1.0 - label_smoothing) * target
-    g = dz * (torch.where(valid, a, 0.0) * logit_scale)[:, None]
+    a = torch.where(valid, torch.where(in_range, a, float("nan")), 0.0)
+    g = dz * (a * logit_scale)[:, None]
     if softcap:
         g = g * (1.0 - t * t)
     return loss, g.to(l.dtype)
@@ -261,6 +277,8 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     dw_acc = torch.zeros((vocab, hidden), dtype=torch.float32, device=x.device) if compute_dw else None
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=x.device) if compute_db else None
     triton_ok = use_triton(x)
+    if not triton_ok and labels.device.type == "cpu":
+        _raise_if_out_of_range(labels, vocab, ignore_index)
     block_v = min(next_power_of_2(max(vocab, 1)), 4096)
     rows = chunk_rows(n_rows, vocab, hidden, compute_dw)
     if logits is not None and logits.stride(-1) != 1:
@@ -302,6 +320,15 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     dw = dw_acc.to(w.dtype) if compute_dw else x.new_empty(0)
     db = db_acc.to(bias.dtype) if compute_db else x.new_empty(0)
     return loss, dx, dw, db
+
+
+def _raise_if_out_of_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """``IndexError`` for a label outside [0, V) that is not ``ignore_index``, as eager's cross-entropy raises.
+    Only for CPU tensors, where reading the labels is no host sync (see the module docstring)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bad.any():
+        raise IndexError(f"sloth.linear_cross_entropy: target {int(labels[bad][0])} is out of bounds (V = {vocab}, "
+                         f"ignore_index = {ignore_index})")
 
 
 def _valid_count(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -123,12 +123,11 @@ def combine(rows: torch.Tensor, inverse: torch.Tensor, top_k: int, scale: torch.
 
 _SWIGLU_OAI = tl.constexpr(3)  # after lowering/glu.py's activations 0-2
 _SILU_CLAMPED = tl.constexpr(4)
-_RELU2 = tl.constexpr(5)  # ungated experts only (GATED=False)
-# The kernels' activation codes by lowering/glu.py's names, swiglu_oai, silu_clamped and relu2.
-EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value, "silu_clamped": _SILU_CLAMPED.value,
-                      "relu2": _RELU2.value}
+_RELU2 = tl.constexpr(ACTIVATIONS["relu2"])  # lowering/glu.py's code; the ungated experts' kernel tests for it
+# The kernels' activation codes by lowering/glu.py's names (relu2 among them), swiglu_oai and silu_clamped.
+EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value, "silu_clamped": _SILU_CLAMPED.value}
 # The activations an ungated expert takes (h = a(u)), by EXPERT_ACTIVATIONS' names.
-UNGATED_ACTIVATIONS = ("relu2", *ACTIVATIONS)
+UNGATED_ACTIVATIONS = tuple(ACTIVATIONS)
 
 
 # Whether the clamped GLUs' derivatives pass at the clamp's bound, as the installed torch's clamp does.

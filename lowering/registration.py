@@ -4,6 +4,8 @@
     fake(op)(impl)              op.register_fake(impl); nothing under triton_op, where fn is its own fake
     launch(kernel)[grid](...)   how fn launches a Triton kernel: wrap_triton(kernel) under triton_op
     RUNTIME_TWINS               custom op -> its runtime twin, the op a compiled graph calls (below)
+    RESTRIDED                   outputs of a PyTorch reference (CPU, no interpreter) copied into the layout the
+                                fake declares, per op: on that path each op and twin returns what its fake declares
 
 With ``custom_op`` every call of an op from a compiled graph runs fn in Python, and each Triton launch goes
 through Triton's JIT dispatch: on the H200 that host time (0.3 ms a LoRA forward, 0.45 ms a backward,
@@ -20,6 +22,7 @@ difference: Inductor launches a user kernel with its own compile options and dro
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -58,6 +61,56 @@ def add_twin(op: Any, fn: Callable) -> None:
     _RUNTIME_LIB.impl(name, fn, "CompositeExplicitAutograd")
     _RUNTIME_LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
     RUNTIME_TWINS[overload] = getattr(torch.ops.sloth_rt, name).default
+    # CPU tensors: the op's and its twin's kernel lays the reference path's outputs out as the fake declares.
+    op.register_kernel("cpu", _as_declared(overload, fn))
+    _RUNTIME_LIB.impl(name, _as_declared(overload, fn), "CPU")
+
+
+# The reference path's outputs that ``_as_declared`` had to copy into their declared layout, counted per op (the
+# tests of that path require none: each reference returns its fake's layout itself).
+RESTRIDED: Counter = Counter()
+
+
+def _as_declared(overload: OpOverload, fn: Callable) -> Callable:
+    """``fn`` for CPU tensors. Where Triton's interpreter is off, ``fn`` ran the op's PyTorch reference, whose
+    outputs need not have the strides of the fake's (a matmul's result is contiguous; the Triton path allocates
+    each output as the fake does): every tensor output whose layout differs is copied into the declared one, since
+    Inductor asserts each output's size and strides against the fake's; a different size or dtype raises. The
+    declaration comes from calling the op on meta copies of the arguments, which its fake serves."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        if triton_interpreter_on():
+            return result
+        declared = overload(*_on_meta(args), **{key: _on_meta(value) for key, value in kwargs.items()})
+        if isinstance(result, torch.Tensor):
+            return _laid_out_as(overload, 0, result, declared)
+        if isinstance(result, (tuple, list)):
+            return type(result)(_laid_out_as(overload, i, r, d) for i, (r, d) in enumerate(zip(result, declared)))
+        return result
+
+    return run
+
+
+def _on_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_meta(v) for v in value)
+    return value
+
+
+def _laid_out_as(overload: OpOverload, index: int, value: Any, declared: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.shape != declared.shape or value.dtype != declared.dtype:
+        raise RuntimeError(f"{overload}: output {index} of the PyTorch reference is {value.dtype} "
+                           f"{tuple(value.shape)}, its fake declares {declared.dtype} {tuple(declared.shape)}")
+    same = value.numel() == 0 or all(n == 1 or a == b for n, a, b in zip(value.shape, value.stride(),
+                                                                        declared.stride()))
+    if same:  # as Inductor's assert_size_stride: a dimension of size 1 may have any stride
+        return value
+    RESTRIDED[str(overload)] += 1
+    return torch.empty_strided(value.shape, declared.stride(), dtype=value.dtype, device=value.device).copy_(value)
 
 
 def add_twin_fake(op: Any, impl: Callable) -> None:

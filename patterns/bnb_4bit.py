@@ -45,6 +45,10 @@ class Bnb4bitBase:
     in_features: int
     blocksize: int
     quant_type: str
+    # bitsandbytes' Linear4bit.forward runs ``matmul_4bit(x.to(compute_dtype)).to(x.dtype)``: where x's dtype is not
+    # the compute dtype (a bf16 activation under autocast into an fp32-compute base) the base's output is that cast
+    # (``out`` its input), and this is its dtype; None when the output is the 4-bit op's own.
+    result_dtype: Optional[torch.dtype] = None
 
 
 def _is_hop(node: Any) -> bool:

@@ -127,11 +127,14 @@ def _is_symbolic(value: Any) -> bool:
 _SYMBOLIC = "its size is symbolic (dynamic shapes), so one evaluation cannot prove it"
 
 
-def mask_producers(mask: fx.Node, *, stop_at_input: bool = False) -> tuple[list[fx.Node], list[fx.Node], Optional[str]]:
+def mask_producers(mask: fx.Node, *, stop_at_input: bool = False, symbolic: bool = False
+                   ) -> tuple[list[fx.Node], list[fx.Node], Optional[str]]:
     """(the nodes ``mask`` is computed from in graph order, the graph inputs among them, None), or ([], [], why
     the mask is not a function of the graph's inputs alone: a symbolic size, a parameter or submodule, a random
     draw, a write in place after it is made). With ``stop_at_input`` the walk ends at the first graph input,
-    returned alone (the causal-mask family refuses any). The packed-attention family shares this walk."""
+    returned alone (the causal-mask family refuses any). With ``symbolic`` symbolic sizes are let through, and
+    the size inputs (SymInt placeholders) are among the inputs: the packed-attention family, which shares this
+    walk, evaluates the mask on probes of lengths it picks."""
     seen: set[fx.Node] = set()
     stack = [mask]
     inputs: list[fx.Node] = []
@@ -141,7 +144,7 @@ def mask_producers(mask: fx.Node, *, stop_at_input: bool = False) -> tuple[list[
             continue
         seen.add(node)
         value = node.meta.get("example_value", node.meta.get("val"))
-        if _is_symbolic(value):
+        if _is_symbolic(value) and not symbolic:
             return [], [], _SYMBOLIC
         if node.op == "placeholder":
             if stop_at_input:

@@ -26,6 +26,14 @@ form. The replacement computes the adapter in fp32 and rounds the sum once (lowe
 least as accurate as each variant; roundings inside the adapter chain (a cast of x to a bf16 adapter, or a
 lossy round trip such as ``x.bfloat16().float()``) are not reproduced: the op reads x as the base does.
 
+Under autocast (``torch.autocast(dtype=d)``, which TRL's and transformers' ``bf16=True`` put around the
+forward) the graph holds no casts: each projection's result is simply in d while its inputs may be float32
+(an fp32 model's x and weights; peft's ``x.to(lora_A.weight.dtype)``), and the sum is in d. Without autocast
+``F.linear`` needs one dtype, so a base whose result differs from its inputs' dtype ran under autocast, which
+computed ``F.linear(x.to(d), w.to(d), bias.to(d))`` and each adapter projection likewise. The site is fused
+when every projection of it ran in that d: the op gets x, w, bias, a and b cast to d (one cast of x for all
+the sites that read it) and returns the sum in d, as autocast's did (custom ops get no autocast casts).
+
 Anything else says no, with the reason in the report, and leaves the graph as it was: a trainable base
 weight or bias when gradients are on (only the frozen case is implemented), an active dropout (its mask
 is not fused), an adapter factor or the base output read by another node too, a sum kept in another dtype
@@ -114,6 +122,7 @@ class LoraMatch:
     detail: str
     op: str = ""  # the sloth op the site became, set by _replace
     base: Optional[fx.Node] = None  # the base projection (the node that reads x for it)
+    autocast: Optional[torch.dtype] = None  # the dtype autocast ran the projections in, when not the inputs'
 
 
 def _dropout_inactive(node: fx.Node) -> Union[bool, str]:
@@ -234,9 +243,25 @@ def _base(gm: fx.GraphModule, node: Any) -> Union[tuple[Any, Any, Any, Optional[
     if parts is not None:
         return (*parts, None)
     quantized = bnb_4bit_base(gm, node)
+    if quantized is None and is_call(node, cast) and isinstance(node.args[0], fx.Node) \
+            and len(node.args[0].users) == 1:
+        # Linear4bit's result cast back to its input's dtype (patterns/bnb_4bit.py, Bnb4bitBase.result_dtype)
+        inner = bnb_4bit_base(gm, node.args[0])
+        if isinstance(inner, Bnb4bitBase):
+            quantized = dataclasses.replace(inner, result_dtype=node.args[1])
     if quantized is None or isinstance(quantized, str):
         return quantized
     return quantized.x, None, quantized.bias, quantized
+
+
+def _cast_of(node: Any, x: Any) -> bool:
+    """Whether ``node`` is ``x`` cast (once or more): bitsandbytes' Linear4bit reads ``x.to(compute_dtype)``
+    where the adapter reads x."""
+    while is_call(node, cast):
+        node = node.args[0]
+        if node is x:
+            return True
+    return False
 
 
 _MAX_ADAPTERS = 8
@@ -263,8 +288,10 @@ def _sum_onto_base(gm: fx.GraphModule, node: Any, depth: int = 0
         if isinstance(found, str) or isinstance(below, str):
             return found if isinstance(found, str) else below
         x, a, b, scale, steps, (reads, x_reader) = found
-        if x is not x_base:
+        if x is not x_base and not _cast_of(x_base, x):
             continue  # the adapter reads another tensor than the base: not a LoRA of this linear
+        if x is not x_base:  # the base reads a cast of the adapter's x: the op reads x as the base does
+            reads = (*reads, x)
         parts, base, adapters, chain = below
         return (parts, base, adapters + [Adapter(a, b, scale, reads, x_reader)],
                 chain + steps + ([node] if depth else []))
@@ -318,7 +345,9 @@ def _window_guard(m: LoraMatch, writers: list[fx.Node], contexts: list[fx.Node],
     - when gradients flow, a write after the output too: the fused op keeps x itself for its backward, where
       eager may have kept a copy (the adapter's cast), so a later write would fail autograd's version check.
     A write before the first read changes nothing."""
-    first = min(position[n] for n in (m.base, *(adapter.x_reader for adapter in m.adapters)))
+    # The base's own cast of x (a 4-bit base's x.to(compute_dtype)) reads x first.
+    own_cast = [m.x] if any(m.x is not r and _cast_of(m.x, r) for ad in m.adapters for r in ad.reads) else []
+    first = min(position[n] for n in (m.base, *own_cast, *(adapter.x_reader for adapter in m.adapters)))
     out = position[m.out]
     crossed = next((c for c in contexts if first < position[c] < out), None)
     if crossed is not None:
@@ -380,8 +409,11 @@ def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb
         return "the shapes of x or the base weight are unknown"
     if xt.dtype == torch.float64 or (wt is not None and wt.dtype == torch.float64):
         return "computes in float64; the fused kernels support float32, bfloat16 and float16"
-    if xt.dtype not in _KERNEL_DTYPES or (wt is not None and wt.dtype != xt.dtype) \
-            or (biast is not None and biast.dtype != xt.dtype):
+    autocast = _autocast_dtype(base, xt, wt, biast, steps) if quantized is None else None
+    if isinstance(autocast, str):
+        return autocast
+    if autocast is None and (xt.dtype not in _KERNEL_DTYPES or (wt is not None and wt.dtype != xt.dtype)
+                             or (biast is not None and biast.dtype != xt.dtype)):
         return (f"x {xt.dtype}, base weight {wt.dtype if wt is not None else '4-bit'}: the fused op needs x and the "
                 "base in one of float32, bfloat16, float16").replace("torch.", "")
     if wt is not None and wt.dim() != 2:
@@ -405,14 +437,38 @@ def _check(add: fx.Node, base: fx.Node, parts: tuple[Any, Any, Any, Optional[Bnb
     inside = set(steps) | {add}
     if any(not set(n.users) <= inside for n in steps):
         return "an intermediate of the adapter is read by another node too"
-    out = add
-    if addt.dtype != xt.dtype:
+    out, result_dtype = add, autocast or (quantized.result_dtype if quantized is not None else None) or xt.dtype
+    if addt.dtype != result_dtype:
         users = list(add.users)
-        if len(users) != 1 or not is_call(users[0], cast) or users[0].args[1] != xt.dtype:
-            return (f"the sum stays in {addt.dtype} (no cast back to the input's {xt.dtype}); the fused op returns "
+        if len(users) != 1 or not is_call(users[0], cast) or users[0].args[1] != result_dtype:
+            return (f"the sum stays in {addt.dtype} (no cast back to the input's {result_dtype}); the fused op returns "
                     "the input's dtype").replace("torch.", "")
         out = users[0]
-    return LoraMatch(x, w, quantized, bias, adapters, out, _detail(xt, wt, bias, quantized, adapters), base=base)
+    detail = _detail(xt, wt, bias, quantized, adapters)
+    if autocast is not None:
+        detail += f", under autocast: in {autocast}".replace("torch.", "")
+    return LoraMatch(x, w, quantized, bias, adapters, out, detail, base=base, autocast=autocast)
+
+
+def _autocast_dtype(base: fx.Node, xt: torch.Tensor, wt: torch.Tensor, biast: Optional[torch.Tensor],
+                    steps: list[fx.Node]) -> Union[torch.dtype, str, None]:
+    """The dtype autocast ran the site's projections in, when the base's result is not in its inputs' dtype
+    (module docstring); None when it is (no autocast, or inputs already in its dtype); why not when a projection
+    of the adapter ran in another dtype (autocast changed between them) or an input is not a kernel dtype."""
+    d = dtype_of(base)
+    if d is None or (xt.dtype == d and wt.dtype == d and (biast is None or biast.dtype == d)):
+        return None
+    inputs = [("x", xt.dtype), ("the base weight", wt.dtype), *([("the bias", biast.dtype)] if biast is not None
+                                                                  else [])]
+    odd = next(((name, dtype) for name, dtype in [("the result", d), *inputs] if dtype not in _KERNEL_DTYPES), None)
+    if odd is not None:
+        return (f"the base linear runs under autocast with {odd[0]} in {odd[1]}; the fused op takes float32, "
+                "bfloat16 and float16").replace("torch.", "")
+    for node in steps:
+        if linear_parts(node) is not None and dtype_of(node) != d:
+            return (f"the base linear ran in {d} (autocast) and the adapter projection {node.name} in "
+                    f"{dtype_of(node)}: autocast changed between them").replace("torch.", "")
+    return d
 
 
 def _detail(xt: torch.Tensor, wt: Optional[torch.Tensor], bias: Any, quantized: Optional[Bnb4bitBase],
@@ -464,18 +520,64 @@ def _absorb_glu_input(gm: fx.GraphModule, fused: fx.Node) -> bool:
     return True
 
 
-def _replace(gm: fx.GraphModule, m: LoraMatch) -> tuple[set[fx.Node], fx.Node]:
+class _AutocastInputs:
+    """The casts that give a fused op under autocast its inputs in autocast's dtype (module docstring). x gets one
+    cast per dtype shared by every site that reads it (so the sites stay joinable, patterns/lora_shared.py),
+    placed before the first read of x among them; the weights and factors one each, before the fused op."""
+
+    def __init__(self, position: dict[fx.Node, int], writers: list[fx.Node]) -> None:
+        self.position, self.writers = position, writers
+        self.x_casts: dict[tuple[fx.Node, torch.dtype], tuple[fx.Node, int]] = {}  # (cast, where it stands)
+
+    def x(self, m: LoraMatch) -> fx.Node:
+        """x cast to ``m.autocast``, shared with the other sites that read x when no write into x lies between
+        their reads (the sites come last first, so a shared cast moves up to the earliest)."""
+        x, dtype = m.x, m.autocast
+        if dtype_of(x) == dtype:
+            return x
+        first_read = min((m.base, *(adapter.x_reader for adapter in m.adapters)), key=self.position.__getitem__)
+        here = self.position[first_read]
+        known = self.x_casts.get((x, dtype))
+        if known is not None:
+            node, there = known
+            between = [w for w in self.writers if min(here, there) < self.position[w] < max(here, there)]
+            if mutated_producer(x.graph, {x}, between) is None:
+                if here < there:
+                    first_read.prepend(node)
+                    self.x_casts[(x, dtype)] = (node, here)
+                return node
+        node = insert_call(x.graph, first_read, cast, (x, dtype), meta_from=first_read)
+        self.x_casts[(x, dtype)] = (node, here)
+        return node
+
+    @staticmethod
+    def operand(node: Any, dtype: torch.dtype, before: fx.Node) -> Any:
+        """``node`` cast to ``dtype`` before ``before`` (None and tensors already in it as they are)."""
+        if node is None or dtype_of(node) == dtype:
+            return node
+        return insert_call(before.graph, before, cast, (node, dtype), meta_from=before)
+
+
+def _replace(gm: fx.GraphModule, m: LoraMatch, casts: _AutocastInputs) -> tuple[set[fx.Node], fx.Node]:
     """Insert the fused node for ``m``; returns the nodes erased and the fused node."""
     a, b, scale, stacked = _stacked_adapter(gm, m)
-    xt, at, out = tensor_of(m.x), tensor_of(a), tensor_of(m.out)
+    x, w, bias = m.x, m.w, m.bias
+    if m.autocast is not None:  # autocast's casts, made explicit (module docstring)
+        x = casts.x(m)
+        w, bias, a, b = (casts.operand(node, m.autocast, m.out) for node in (w, bias, a, b))
+    xt, at, out = tensor_of(x), tensor_of(a), tensor_of(m.out)
     rows = 1
     for size in xt.shape[:-1]:
         rows = rows * size
-    value = (out.new_empty(out.shape), xt.new_empty((rows, at.shape[0]), dtype=torch.float32))
+    # A 4-bit base whose result bitsandbytes casts back (Bnb4bitBase.result_dtype): the op computes in the base's
+    # compute dtype, x's, and its result gets that cast.
+    recast = m.quantized is not None and m.quantized.result_dtype is not None and out.dtype != xt.dtype
+    y_value = out.new_empty(out.shape, dtype=xt.dtype if recast else out.dtype)
+    value = (y_value, xt.new_empty((rows, at.shape[0]), dtype=torch.float32))
     factors = (*[ad.a for ad in m.adapters], *[ad.b for ad in m.adapters], *stacked)
     q = m.quantized
     if q is None:
-        target, args = torch.ops.sloth.lora_linear.default, (m.x, m.w, m.bias, a, b, scale)
+        target, args = torch.ops.sloth.lora_linear.default, (x, w, bias, a, b, scale)
         keep: tuple[Any, ...] = (m.x, m.w, m.bias, *factors)
     else:
         target = torch.ops.sloth.qlora_linear.default
@@ -485,7 +587,9 @@ def _replace(gm: fx.GraphModule, m: LoraMatch) -> tuple[set[fx.Node], fx.Node]:
         _lowering_nf4().code_table(q.quant_type, tensor_of(q.packed).device)  # now, not on the first run
     _lowering().make_counter_buffer(xt.device)  # now, not on the first run (lowering/lora.py says why)
     fused = insert_call(gm.graph, m.out, target, args, meta_from=m.out, value=value)
-    y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=out.new_empty(out.shape))
+    y = insert_call(gm.graph, m.out, operator.getitem, (fused, 0), meta_from=m.out, value=y_value)
+    if recast:
+        y = insert_call(gm.graph, m.out, cast, (y, out.dtype), meta_from=m.out, value=out.new_empty(out.shape))
     erased = replace_and_erase(m.out, y, keep=keep)
     absorbed = _absorb_glu_input(gm, fused)
     if absorbed:
@@ -523,6 +627,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
             contexts.append(node)
     outcomes: list[tuple[int, Union[Site, tuple[fx.Node, str]]]] = []
     fused: list[tuple[fx.Node, int]] = []  # each fused node and its outcome's index
+    casts = _AutocastInputs(position, writers)
     # Last node first: with several adapters summed onto one base, the outermost add is the site (an
     # inner add alone would be a LoRA whose sum is not yet cast back, a false near-miss). The report
     # still lists the sites in graph order.
@@ -537,7 +642,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         if isinstance(found, str):
             outcomes.append((position[node], (node, found)))
             continue
-        erased_here, fused_node = _replace(gm, found)
+        erased_here, fused_node = _replace(gm, found, casts)
         erased |= erased_here
         fused.append((fused_node, len(outcomes)))
         outcomes.append((position[node], Site(FAMILY, found.op, module_path(node), source_location(node),

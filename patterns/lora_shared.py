@@ -15,7 +15,8 @@ instead of n, and x read once). Grouped only when the members agree on what the 
 alike (4-bit: one block size, quant type and in_features, all double-quantised or none), one scale, adapters
 of one rank and one dtype, and each member's output used through its first result only. Members are joined
 at the first one's place in the graph, so a member whose weights or adapters are computed after that place
-(a stacked multi-adapter factor, say) stays on its own, and so does every member after a node that may write
+(a stacked multi-adapter factor, say) stays on its own, unless they are casts of values made before it (autocast's
+casts, which move up with the member), and so does every member after a node that may write
 a tensor in place or changes grad mode or autocast (moving a member across it would change what it reads or
 whether it records a gradient). A down projection fused with its GLU
 (``glu_lora_linear``) reads no shared input and is left as it is.
@@ -28,7 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..compiler.fx_utils import insert_call, module_path, tensor_of, value_of
+from ..compiler.canonicalize import cast
+from ..compiler.fx_utils import insert_call, is_call, module_path, tensor_of, value_of
 from ..compiler.writes import written
 
 
@@ -63,6 +65,14 @@ def _layout(node: fx.Node) -> Optional[dict]:
 def _inputs(node: fx.Node) -> list[fx.Node]:
     """Everything the node reads besides x: what must exist where the joined op is placed."""
     return [n for n in node.args[1:] if isinstance(n, fx.Node)]
+
+
+def _movable(node: fx.Node, first: fx.Node, position: dict[fx.Node, int]) -> bool:
+    """Whether ``node``, made after ``first``, can move up before it: a cast (autocast's cast of a weight or a
+    factor, patterns/lora.py) of a value made before ``first``, read by its member only. Moving it crosses no
+    barrier: members after one are not joined."""
+    return is_call(node, cast) and isinstance(node.args[0], fx.Node) and node.args[0] in position \
+        and position[node.args[0]] < position[first] and len(node.users) == 1
 
 
 def _key(node: fx.Node) -> Any:
@@ -112,12 +122,17 @@ def share_lora_inputs(gm: fx.GraphModule, fused: list[fx.Node], joined: Optional
         first = nodes[0]
         stop = _next_barrier(nodes_in_order, position[first], position[nodes[-1]])
         members = [first] + [n for n in nodes[1:] if position[n] < stop
-                             and all(position[i] < position[first] for i in _inputs(n))]
+                             and all(position.get(i, len(position)) < position[first] or _movable(i, first, position)
+                                     for i in _inputs(n))]
         size = MAX_SHARED_RANK // key[3]  # members per op (key[3]: the adapters' rank)
         for chunk in (members[i:i + size] for i in range(0, len(members), max(size, 1))):
             if len(chunk) < 2:
                 continue
             names = [module_path(n) or "(top level)" for n in chunk]
+            for member in chunk[1:]:
+                for node in _inputs(member):
+                    if position.get(node, len(position)) > position[chunk[0]]:
+                        chunk[0].prepend(node)  # a _movable cast
             op, shared = _join(gm, chunk)
             if joined is not None:
                 joined[shared] = chunk

@@ -19,7 +19,7 @@ operands is a 3-D float graph input (the stacked expert weights, through views a
 a row, the second downstream of the first, are a candidate, and its interface is read off the shapes:
 
     W1 = the first GEMM's 3-D weight [E, 2I, H] (ungated [E, I, H]);   W2 = the second's [E, H, I];
-    S = the first GEMM's rows
+    S = the first GEMM's rows (an einsum's: its output's leading dims, [T, K] in gpt-fast's; moe_einsum.py)
     out = the first value downstream of the second GEMM of shape [T, H] with S = T * K (K >= 1),
           extended through casts
     x = the nearest [T, H] float value upstream of the first GEMM's other operand
@@ -71,10 +71,16 @@ expert order have x's shape too). Where a sum over k follows but the probes refu
 tried too: Ergo calls its experts with one route a row and unit weights, then normalises each route with its
 expert's own norm (which the op does not take) before the weighted sum; the experts' call is the site.
 
+Gate and up in two stacked weights (torchtitan's ``w1`` / ``w3``, three expert GEMMs) are joined into W1 by one
+``torch.cat`` in the graph (patterns/moe_split.py); router weights applied to the experts' input rows instead of
+their output (torchtitan's ``score_before_experts``) are refused, saying so. Experts written as a list of modules
+(2-D weights each) are patterns/moe_expert_list.py's, run from this pass first.
+
 Not yet: ungated activations other than relu2, silu and the GELUs (plain relu, for one: reported, the probes find
 no match), transformers' ``eager`` expert loop (split by graph breaks at its data-dependent ``nonzero``; no site
-within one graph), two adapters summed beside one expert GEMM (reported: the region reads the factors, which
-are then not recognised as one adapter's; tests/test_moe_pattern.py).
+within one graph), a loop over experts on slices of constant sizes (torchtitan's ``_run_experts_for_loop`` after
+its ``.tolist()``: reported per expert), two adapters summed beside one expert GEMM (reported: the region reads the
+factors, which are then not recognised as one adapter's; tests/test_moe_pattern.py).
 """
 from __future__ import annotations
 
@@ -91,7 +97,10 @@ from ..compiler.fx_utils import erase_unused, insert_call, module_path, replace_
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..compiler.writes import written
+from .moe_einsum import gemm_rows
+from .moe_expert_list import fuse_expert_lists
 from .moe_adapters import BesideAdapter, adapter_gemms, beside_adapters, merged_weight
+from .moe_split import SplitGateUp, join, split_gate_ups, unjoin
 
 FAMILY = "moe_route"
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -139,10 +148,11 @@ class MoeSite:
     base2: Optional[fx.Node] = None
     beside1: Optional[BesideAdapter] = None  # an adapter applied beside the first / second GEMM (moe_adapters.py)
     beside2: Optional[BesideAdapter] = None
+    split: Optional[SplitGateUp] = None  # gate and up in two stacked weights (moe_split.py): w1 their join
 
     def inputs(self) -> tuple[fx.Node, ...]:
         return tuple(n for n in (self.x, self.idx, self.w, self.w1, self.w2, self.b1, self.b2) if n is not None) \
-            + self.factor_inputs()
+            + self.factor_inputs() + (self.split.parts() if self.split is not None else ())
 
     def factor_inputs(self) -> tuple[fx.Node, ...]:
         """The graph inputs of the adapters beside the GEMMs (A and B of each), inputs of the region."""
@@ -230,27 +240,30 @@ TOP_1_CANDIDATES = 4
 
 
 def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False,
-               beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None)
-               ) -> tuple[list[MoeSite], Optional[str], bool]:
+               beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None),
+               split: Optional[SplitGateUp] = None) -> tuple[list[MoeSite], Optional[str], bool]:
     """Read (x, idx, w, W1, W2, out) off two expert GEMMs: the candidate sites (one, or with top-1 routing up to
     TOP_1_CANDIDATES, for the probes to choose from), or say why none; and whether they are the sum over k (else
     top-1 candidates). ``only_top_1``: the top-1 candidates even where a sum over k follows (tried when that sum is
     refused: Ergo runs its experts with one route a row and unit weights, and sums the routes after a per-route
     norm the op does not take). ``beside``: the adapters applied beside the two GEMMs, whose factors the region
-    reads as inputs."""
+    reads as inputs. ``split``: gemm1 is the gate GEMM of a gate/up pair, whose joined weight is W1."""
     base1, base2 = expert_operand(gemm1), expert_operand(gemm2)
-    w1, w2 = _weight_value(gemm1, base1), _weight_value(gemm2, base2)
+    w1, w2 = join(split) if split is not None else _weight_value(gemm1, base1), _weight_value(gemm2, base2)
     e1, e2 = _shape(w1), _shape(w2)
     if e1[0] != e2[0]:
         return [], f"its two expert weights hold {e1[0]} and {e2[0]} experts", False
-    rows = _shape(gemm1)[0]
+    rows = gemm_rows(gemm1)[0]
+    if not rows:  # (no tokens to tell the experts' output by: a zero-row slice of an expert loop)
+        return [], "its first expert GEMM has no rows in this graph (a zero-row slice): no tokens to read it by", False
     order = {n: i for i, n in enumerate(gemm2.graph.nodes)}
     below = sorted(_descendants(gemm2), key=order.__getitem__)
-    data = [a for a in gemm1.all_input_nodes if a is not w1 and w1 not in _ancestors(a, set())]
+    weights = {w1, *(split.parts() if split is not None else ())}
+    data = [a for a in gemm1.all_input_nodes if a not in weights and not weights & _ancestors(a, set())]
     why_not = "no [tokens, hidden] value follows the second expert GEMM (the experts' sum over k)"
     for hidden in dict.fromkeys((e2[1], e2[2])):  # [E, H, I], or transposed [E, I, H]
         outs = [] if only_top_1 else [n for n in below if (shape := _shape(n)) is not None and len(shape) == 2
-                                      and shape[1] == hidden and shape[0] < rows and rows % shape[0] == 0][:1]
+                                      and shape[1] == hidden and 0 < shape[0] < rows and rows % shape[0] == 0][:1]
         top_1 = not outs
         if top_1:  # the experts' output has the rows' count; which of those values it is, the probes say
             outs = [n for n in below if _shape(n) == (rows, hidden)][:TOP_1_CANDIDATES]
@@ -266,7 +279,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False,
         return [], why_not, False
     sites, reasons = [], []
     for out in dict.fromkeys(_through_casts(o) for o in outs):
-        site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order, beside)
+        site, why_not = _site(out, x, w1, w2, gemm1, gemm2, rows, order, beside, split)
         if site is not None:
             site.base1, site.base2 = base1, base2
             sites.append(site)
@@ -284,8 +297,8 @@ def _through_casts(out: fx.Node) -> fx.Node:
 
 
 def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, gemm2: fx.Node, rows: int,
-          order: dict[fx.Node, int], beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None)
-          ) -> tuple[Optional[MoeSite], Optional[str]]:
+          order: dict[fx.Node, int], beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None),
+          split: Optional[SplitGateUp] = None) -> tuple[Optional[MoeSite], Optional[str]]:
     """The site whose output is ``out``: its router ids and weights, biases and region, or why not."""
     e1 = _shape(w1)
     tokens, top_k = _shape(out)[0], rows // _shape(out)[0]
@@ -297,9 +310,12 @@ def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, ge
     idx, w = ints[-1], floats[-1]
     if top_k == 1:  # the router weights gathered in expert order are [T, 1] too: prefer those not computed from idx
         w = next((f for f in reversed(floats) if idx not in _ancestors(f, set())), w)
+    if w in _ancestors(gemm1, {x}):  # torchtitan's score_before_experts: w scales the rows the experts read
+        return None, ("the router weights scale the experts' input rows (score before the experts, torchtitan's "
+                      "score_before_experts=True), not their output: the op weights the experts' outputs")
     factors = {n for a in beside if a is not None for n in a.factors()}
-    inputs = {x, idx, w, w1, w2, *factors}
-    n_experts, widths = e1[0], {_shape(gemm1)[1], _shape(x)[1]}
+    inputs = {x, idx, w, w1, w2, *factors, *(split.parts() if split is not None else ())}
+    n_experts, widths = e1[0], {gemm_rows(gemm1)[1], _shape(x)[1]}
 
     def bias_shaped(node: fx.Node) -> bool:  # [E, 2I] or [E, H], float: a per-expert bias of one of the GEMMs
         value = _value(node)
@@ -322,7 +338,7 @@ def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, ge
         return None, (f"the experts read {len(biases)} per-expert [E, n] inputs "
                       f"({', '.join(repr(str(b.target)) for b in biases)}): more than one bias a GEMM")
     return MoeSite(out, x, idx, w, w1, w2, region, b1[0] if b1 else None, b2[0] if b2 else None,
-                   beside1=beside[0], beside2=beside[1]), None
+                   beside1=beside[0], beside2=beside[1], split=split), None
 
 
 def _gathered_from(node: fx.Node) -> Optional[fx.Node]:
@@ -414,10 +430,12 @@ def _probe(site: MoeSite, seed: int, scale: float) -> dict[fx.Node, torch.Tensor
     choice = torch.rand(tokens, n_experts, generator=g, device=x.device).argsort(-1)[:, :top_k]
     fan_in = (w1.shape[1], w2.shape[1]) if site.transposed else (w1.shape[2], w2.shape[2])
     probe = {site.x: (scale * torch.randn(x.shape, generator=g, device=x.device)).to(x.dtype),
-             site.idx: choice.to(idx.dtype),
+             site.idx: choice.to(idx.dtype).contiguous(),  # (as topk's: the region may view it)
              site.w: torch.rand(w.shape, generator=g, device=x.device).to(w.dtype),
              site.w1: (torch.randn(w1.shape, generator=g, device=x.device) / fan_in[0] ** 0.5).to(w1.dtype),
              site.w2: (torch.randn(w2.shape, generator=g, device=x.device) / fan_in[1] ** 0.5).to(w2.dtype)}
+    if site.split is not None:  # the region reads the gate's and the up's weights: slices of the joined probe
+        probe.update(zip(site.split.parts(), site.split.slices(probe[site.w1])))
     for bias in (site.b1, site.b2):
         if bias is not None:
             value = _value(bias)
@@ -584,6 +602,7 @@ class Candidate:
     summed: bool
     beside: tuple[Optional[BesideAdapter], Optional[BesideAdapter]] = (None, None)
     adapter_gemms: tuple[fx.Node, ...] = ()
+    split: Optional[SplitGateUp] = None  # the up GEMM beside ``first`` (the gate), their weights joined
 
 
 def _sites(gm: fx.GraphModule) -> list[Candidate]:
@@ -594,6 +613,9 @@ def _sites(gm: fx.GraphModule) -> list[Candidate]:
     adapters = beside_adapters(gemms)
     helpers = adapter_gemms(adapters)
     gemms = [g for g in gemms if g not in helpers]
+    # gate and up in two stacked weights (moe_split.py): the up GEMM goes with its gate's site
+    splits = split_gate_ups(gemms)
+    gemms = [g for g in gemms if g not in {s.up for s in splits.values()}]
     used: set[fx.Node] = set()
     found = []
     for i, first in enumerate(gemms):
@@ -603,6 +625,8 @@ def _sites(gm: fx.GraphModule) -> list[Candidate]:
         second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
         beside = (adapters.get(first), adapters.get(second) if second is not None else None)
         theirs = tuple(g for a in beside if a is not None for g in (a.ga, a.gb, *a.others))
+        split = splits.get(first)
+        theirs += (split.up,) if split is not None else ()
         if second is None:
             found.append(Candidate(first, None, [], "an expert GEMM without a second one after it in this graph: not "
                                    "an expert MLP (up, act, down), or a loop over experts split by graph breaks "
@@ -611,13 +635,34 @@ def _sites(gm: fx.GraphModule) -> list[Candidate]:
             used.add(first)
             continue
         used |= {first, second}
+        experts = {_constant_expert(first), _constant_expert(second)}
+        if len(experts) == 1 and None not in experts:
+            found.append(Candidate(first, second, [], (
+                f"a loop over experts: expert {experts.pop()}'s GEMMs alone, on a slice of {_shape(first)[0]} rows "
+                "whose size is a constant of this graph (token counts read on the host, e.g. by .tolist(), before "
+                "it); the op routes every expert's tokens at once (torchtitan: use_grouped_mm=True)"),
+                False, beside, theirs))
+            continue
         refused = next((a.why_not for a in beside if a is not None and a.why_not), None)
         if refused:  # recognised, but not an adapter the op takes: the site stays, with the adapter's reason
             found.append(Candidate(first, second, [], f"an adapter applied beside the expert GEMMs: {refused}",
                                    False, beside, theirs))
             continue
-        found.append(Candidate(first, second, *_interface(first, second, beside=beside), beside, theirs))
+        found.append(Candidate(first, second, *_interface(first, second, beside=beside, split=split), beside, theirs,
+                               split))
     return found
+
+
+def _constant_expert(gemm: fx.Node) -> Optional[int]:
+    """The expert ``e`` when ``gemm`` reads one expert's weight ``W[e]`` by a constant index (a loop over
+    experts), else None."""
+    node, _ = expert_weight_arg(gemm)
+    while isinstance(node, fx.Node) and node.op != "placeholder" and node.args:
+        if op_name(node) in ("getitem", "select") and isinstance(node.args[-1], int) \
+                and not isinstance(node.args[-1], bool):
+            return node.args[-1]
+        node = node.args[0]
+    return None
 
 
 def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
@@ -627,18 +672,24 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
     before:  sort, gather, grouped_mm(x_g, W1), act(gate) * up, grouped_mm(h, W2), * w, un-permute, sum over k
     after:   out = sloth.moe_experts(x, idx, w, W1, W2, act)[0]
     """
+    changed = fuse_expert_lists(gm, report, options)  # experts as a list of modules (moe_expert_list.py)
     candidates = _sites(gm)
     if not candidates:
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
         return gm
     moe = _lowering()
     moe.register()
-    changed = False
     for candidate in candidates:
         anchor, second = candidate.first, candidate.second
         site, why_not = _first_accepted(candidate.sites, candidate.why_not)
         if site is None and candidate.summed:  # the sum over k refused: the experts may run one route a row inside
-            site, _ = _first_accepted(_interface(anchor, second, only_top_1=True, beside=candidate.beside)[0], None)
+            site, _ = _first_accepted(_interface(anchor, second, only_top_1=True, beside=candidate.beside,
+                                                 split=candidate.split)[0], None)
         if site is None:
+            if candidate.split is not None:
+                unjoin(candidate.split)
             report.reject(FAMILY, anchor, why_not)
             # one site, one reason: the second GEMM's anchor and the adapters' GEMMs are explained by it too
             report.rejected_nodes.extend((FAMILY, n) for n in (second, *candidate.adapter_gemms) if n is not None)
@@ -678,6 +729,8 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                                  and n.target is torch.transpose)]
             for node in inserted:
                 gm.graph.erase_node(node)
+            if candidate.split is not None:
+                unjoin(candidate.split)
             report.reject(FAMILY, anchor, "the fused op could not be evaluated on this graph's fake values "
                                           "(SLOTH_TRITON_OP=1 does not take it): the experts run as written")
             report.rejected_nodes.extend((FAMILY, n) for n in (second, *candidate.adapter_gemms) if n is not None)
@@ -692,12 +745,14 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
         for weight in merged - erased:  # what fed only the merged weights (peft's factor views) goes too
             erased |= erase_unused(weight, keep)
         x, w1_value = _value(site.x), _value(site.w1)
-        computed = [n for n, a in zip((site.w1, site.w2), adapters) if n.op != "placeholder" and a is None]
+        computed = [n for n, a in zip((site.w1, site.w2), adapters) if n.op != "placeholder" and a is None
+                    and (site.split is None or n is not site.split.joined)]
         adapted = [name for name, a in zip(("gate_up" if site.gated else "up", "down"), adapters) if a is not None]
         rank = next((_shape(a.lhs)[2] for a in adapters if a is not None), None)
         beside_names = [name for name, a in zip(("gate_up" if site.gated else "up", "down"), besides) if a is not None]
         beside_rank = "/".join(dict.fromkeys(str(a.rank) for a in besides if a is not None))
         variant = "".join((", ungated" if not site.gated else "",
+                           ", gate and up joined from two stacked weights each step" if site.split else "",
                            f" (alpha {site.alpha:g}, limit {site.limit:g})" if site.act == "swiglu_oai" else
                            f" (limit {site.limit:g})" if site.act == "silu_clamped" else "",
                            ", interleaved gate/up" if site.interleaved else "",

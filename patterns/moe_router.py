@@ -26,7 +26,9 @@ last top-k first, so that a grouped router's top-ks over its groups go with it.
 
 Reported, left as written: scores that are not a softmax of the logits and are not softmaxed after the topk
 (the top-k values of sigmoid scores, Llama 4's sigmoid of the top-1 logit), the smallest-k, another dim, a k over the kernel's limit, more experts than one pass holds,
-the top-k logits read by anything but the softmax, only one of values and indices read, float64.
+the top-k logits read by anything but the softmax, only one of values and indices read, float64, a write in place
+into the logits or the scores (the op would not see it; its backward reads the logits). A write into the weights
+themselves (``w *= scale``, after the renormalisation) is no such write: it writes into the op's output.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from ..compiler.fx_utils import (arg_of, insert_call, is_function, is_last_dim, 
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
-from .moe_router_biased import BiasedMatch, insert_router, match_biased, renormalisation, replace_biased
+from .moe_router_biased import BiasedMatch, _written, insert_router, match_biased, renormalisation, replace_biased
 
 FAMILY = "moe_router"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -151,6 +153,13 @@ def _match(topk: fx.Node) -> Union[_Match, BiasedMatch, str]:
         return "dtypes other than fp32, bf16 and fp16"
     if tuple(weights_value.shape) != (value.shape[0], k):
         return f"the weights' shape {tuple(weights_value.shape)} is not [tokens, k]"
+    # a write the op would not see (into the scores before the top-k, or the logits, which its backward reads); one
+    # into the weights themselves (``w *= scale``) writes into the op's output once it reads that, as eager's
+    allowed = {weights}  # (the renormalisation's division, in place or not)
+    for node in [logits, *(n for n in chain if n is not weights)]:
+        write = _written(node, allowed)
+        if write is not None:
+            return f"{write.name} writes in place into the router's {node.name} (or a view of it)"
     return _Match(topk, logits, k, softmax_first, renorm, weights, indices, chain)
 
 

@@ -22,9 +22,10 @@ dim, largest first, whose indices alone are read:
                     group (GLM-4.5 to 4.7, Kimi-K2: n_group = topk_group = 1; a [T, 1, E] view) keeps every
                     expert: the mask is checked the same way and dropped.
 
-What stays as written after the op: a routed scaling factor and casts of the weights, and anything else that
-reads s (an aux loss: s stays for it, and its gradient adds to the op's in autograd). The indices' other
-readers (the experts) read the op's indices.
+What stays as written after the op: a routed scaling factor (in place too: DeepSeek-V3's ``weights *= route_scale``
+then writes into the op's output) and casts of the weights, and anything else that reads s (an aux loss: s stays
+for it, and its gradient adds to the op's in autograd). The indices' other readers (the experts) read the op's
+indices.
 
 Reported, left as written: bf16 or fp16 scores (the choice would round differently from the op's fp32), a bias
 that depends on the logits, a gather from something other than the scores, a group mask that reads more than c
@@ -398,7 +399,9 @@ def match_biased(topk: fx.Node, indices: fx.Node) -> Union[BiasedMatch, str, Non
         chain += between + [divide]
         allowed.add(divide)
         weights = divide
-    for node in [logits, bias, *chain]:
+    # A write into the weights themselves (DeepSeek-V3's ``weights *= route_scale``) comes after the op's work and
+    # writes into the op's output once it reads that: not a write the op misses.
+    for node in [logits, bias, *(n for n in chain if n is not weights)]:
         write = _written(node, allowed)
         if write is not None:
             return f"{write.name} writes in place into the router's {node.name} (or a view of it)"

@@ -32,6 +32,14 @@ large to evaluate whole within the causal-mask family's budget (a 128k-token pac
 probe) is evaluated a block of query rows at a time (patterns/mask_rows.py) and each block compared with the
 same rows of the rule's mask; one that cannot be made by rows stays, with both reasons.
 
+Symbolic lengths (dynamic shapes: TRL's packed rows change length every step, so Dynamo's second graph has a
+symbolic T). The op takes any T, and the mask is then a function of the ids and of the sizes the graph receives
+(SymInt inputs), each an expression in the ids' sizes. It is probed as above at the length the graph was traced
+with, the size inputs given the values those probes imply, and once more with its single-document probes at
+``LONG_PROBE`` tokens (fewer where that would not fit the evaluation budget), so that a window of up to that
+many tokens shows although the length it was traced at is shorter. A mask that reads a size no ids' size fixes,
+or too large to evaluate whole at the traced length, stays, with the reason.
+
 A checkpointed layer receives the mask as an input: the caller then passes the bounds in its place, when
 every call site passes a document-causal mask there and the body reads it only in the SDPA calls rewritten.
 """
@@ -46,13 +54,14 @@ import torch.fx as fx
 
 from ..compiler.anchors import reads_integer_input
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import insert_call, module_path, set_value, source_location, tensor_of, value_of
+from ..compiler.fx_utils import (insert_call, module_path, same_size, set_value, source_location, tensor_of,
+                                 value_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from ..compiler.writes import body_of
 from ..lowering import document_attention as document_attention_op
 from ..runtime.packing import RULES, document_bounds
-from .causal_mask import (_SDPA, _is_symbolic, _value_bytes, allowed_of, erase_unused, evaluation_budget,
+from .causal_mask import (_SDPA, _is_symbolic, allowed_of, erase_unused, evaluation_budget,
                           mask_producers)
 from .mask_rows import RowBlocks
 
@@ -61,6 +70,12 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Probes per kind of random packing (each row drawn separately, one fixed seed).
 _RANDOM_PACKINGS = 4
+# The tokens of a symbolic-length mask's long probe (module docstring): Mistral's and Gemma 2's sliding windows
+# are 4096 tokens, so a mask with such a window differs from the document-causal one on it. A [1, 1, T, T] bool
+# mask at 4096 tokens is 16 MiB.
+LONG_PROBE = 4096
+# How many of probe_ids' first probes are one document per row (all of T, and positions continued by 5).
+_SINGLE_DOCUMENT_PROBES = 2
 
 
 def packed_attention_pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -120,33 +135,102 @@ def probe_ids(shape: Sequence[int], dtype: torch.dtype, device: Any) -> list[tor
     return [p.reshape(shape).to(dtype=dtype, device=device) for p in probes]
 
 
-def _evaluator(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: fx.Node) -> fx.GraphModule:
-    """A graph module computing ``mask`` from ``ids`` with ``producers``."""
+def _evaluator(gm: fx.GraphModule, producers: list[fx.Node], inputs: list[fx.Node], mask: fx.Node
+               ) -> fx.GraphModule:
+    """A graph module computing ``mask`` with ``producers`` from ``inputs`` (the ids, then any size inputs), passed
+    in that order."""
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    env: dict[fx.Node, fx.Node] = {node: graph.placeholder(f"input_{i}") for i, node in enumerate(inputs)}
     for node in producers:
-        env[node] = graph.placeholder("ids") if node is ids else graph.node_copy(node, env.__getitem__)
+        if node not in env:
+            env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[mask])
     return fx.GraphModule(gm, graph)
 
 
-def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: fx.Node, q_len: int,
-             plan: Optional[RowBlocks] = None) -> tuple[Optional[str], Optional[str]]:
+class _Lengths:
+    """The concrete shapes a mask is probed at, and the values its size inputs take at each (module docstring).
+    For a static mask one shape, the ids' own, and no sizes."""
+
+    def __init__(self, ids_shape: Sequence[Any], sizes: list[fx.Node]) -> None:
+        self.ids_shape, self.sizes = tuple(ids_shape), sizes
+        self.symbols = {d.node.expr: i for i, d in enumerate(ids_shape) if not isinstance(d, int)}
+        self.traced = tuple(d if isinstance(d, int) else d.node.hint for d in ids_shape)
+
+    def why_not(self) -> Optional[str]:
+        import sympy
+
+        if any(not isinstance(d, int) and (not isinstance(d.node.expr, sympy.Symbol) or d.node.hint is None)
+               for d in self.ids_shape):
+            return f"the ids' shape {tuple(self.ids_shape)} has a size that is not one symbol with a traced value"
+        for node in self.sizes:
+            extra = value_of(node).node.expr.free_symbols - set(self.symbols)
+            if extra:
+                return (f"it reads the size input {node.target!r} = {value_of(node)}, which the ids' sizes "
+                        f"{tuple(self.ids_shape)} do not fix")
+        return None
+
+    def concrete(self, size: Any, shape: tuple[int, ...]) -> int:
+        """``size`` (an int or a SymInt in the ids' sizes) for ids of ``shape``."""
+        if isinstance(size, int):
+            return size
+        return int(size.node.expr.xreplace({symbol: shape[i] for symbol, i in self.symbols.items()}))
+
+    def long(self, producers: list[fx.Node], mask: fx.Node, budget: int) -> Optional[tuple[int, ...]]:
+        """The shape of the long probe: ``LONG_PROBE`` tokens (halved until its evaluation fits ``budget``), or
+        None when no length beyond the traced one fits or the length is static."""
+        position = self.symbols.get(self.ids_shape[-1].node.expr) if not isinstance(self.ids_shape[-1], int) \
+            else None
+        tokens = LONG_PROBE
+        while position is not None and tokens > self.traced[-1]:
+            shape = self.traced[:position] + (tokens,) + self.traced[position + 1:]
+            if self.bytes(producers, mask, shape) <= budget:
+                return shape
+            tokens //= 2
+        return None
+
+    def bytes(self, producers: list[fx.Node], mask: fx.Node, shape: tuple[int, ...]) -> int:
+        """What evaluating ``producers`` holds for ids of ``shape`` (as _Checker counts it), and the mask's copy."""
+        total = 0
+        for node in [*producers, mask, mask, mask, mask]:  # the mask's bytes as _Checker's 4 * numel
+            value = value_of(node)
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, torch.Tensor):
+                    total += math.prod(self.concrete(d, shape) for d in v.shape) * v.element_size()
+        return total
+
+    def probes(self, ids_value: torch.Tensor, long: Optional[tuple[int, ...]]
+               ) -> list[tuple[torch.Tensor, list[int]]]:
+        """(probe ids, the size inputs' values) for every probe: all of probe_ids at the traced shape, and the
+        single-document ones at the ``long`` shape."""
+        out = []
+        for shape, count in ((self.traced, None), *(((long, _SINGLE_DOCUMENT_PROBES),) if long else ())):
+            sizes = [self.concrete(value_of(node), shape) for node in self.sizes]
+            out += [(p, sizes) for p in probe_ids(shape, ids_value.dtype, ids_value.device)[:count]]
+        return out
+
+
+def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: fx.Node, lengths: _Lengths,
+             long: Optional[tuple[int, ...]] = None, plan: Optional[RowBlocks] = None
+             ) -> tuple[Optional[str], Optional[str]]:
     """(the rule the mask follows on every probe, None) or (None, why none does).
 
     Each probe's mask is evaluated whole, or with ``plan`` a block of query rows at a time (a mask too large to
     hold: a packed batch of 128k tokens is 16 GiB of bools; patterns/mask_rows.py), and each block compared with
-    the same rows of every rule's mask, start[b, i] <= j <= i."""
+    the same rows of every rule's mask, start[b, i] <= j <= i. A symbolic mask is evaluated at ``lengths``'
+    shapes (its size inputs given their values there), the single-document probes also at ``long``."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     ids_value = tensor_of(ids)
-    evaluate = _evaluator(gm, producers, ids, mask) if plan is None else None
+    evaluate = _evaluator(gm, producers, [ids, *lengths.sizes], mask) if plan is None else None
     candidates = list(RULES)
-    failed: dict[str, int] = {}
+    failed: dict[str, tuple[int, int]] = {}
     with unset_fake_temporarily(), torch.no_grad():
-        for index, probe in enumerate(probe_ids(tuple(ids_value.shape), ids_value.dtype, ids_value.device)):
+        for index, (probe, sizes) in enumerate(lengths.probes(ids_value, long)):
+            q_len = probe.shape[-1]
             bounds = {rule: document_bounds(probe.reshape(-1, q_len), rule) for rule in candidates}
-            for first_row, value in (plan.blocks({ids: probe}) if plan is not None else [(0, evaluate(probe))]):
+            for first_row, value in (plan.blocks({ids: probe}) if plan is not None
+                                     else [(0, evaluate(probe, *sizes))]):
                 if not isinstance(value, torch.Tensor):
                     return None, f"the mask is a {type(value).__name__}, not a tensor"
                 allowed, why_not = allowed_of(value)
@@ -160,11 +244,11 @@ def _rule_of(gm: fx.GraphModule, producers: list[fx.Node], ids: fx.Node, mask: f
                     shape = torch.broadcast_shapes(allowed.shape, reference.shape)
                     if not torch.equal(allowed.expand(shape), reference.expand(shape)):
                         candidates.remove(rule)
-                        failed[rule] = index
+                        failed[rule] = (index, q_len)
                 if not candidates:
                     return None, ("it is not document-causal under any rule (" + ", ".join(
-                        f"{rule}: differs on probe {i}" for rule, i in failed.items())
-                        + "; a window, a prefix, padding or another mask)")
+                        f"{rule}: differs on probe {i}" + (f" ({t} tokens)" if long else "")
+                        for rule, (i, t) in failed.items()) + "; a window, a prefix, padding or another mask)")
     return candidates[0], None
 
 
@@ -172,24 +256,28 @@ class _Checker:
     """Finds, once per mask node, the ids it is built from and the rule it follows (or why not)."""
 
     def __init__(self) -> None:
-        self.found: dict[tuple[fx.Node, int], tuple[Optional[fx.Node], Optional[str], Optional[str], list]] = {}
+        self.found: dict[tuple[fx.Node, str], tuple[Optional[fx.Node], Optional[str], Optional[str], list]] = {}
 
     def check(self, gm: fx.GraphModule, mask: Any, q_len: int) -> tuple[Optional[fx.Node], Optional[str],
                                                                          Optional[str], list[fx.Node]]:
         """(ids node, rule, None, producers) for a document-causal mask, else (None, None, why not, [])."""
         if not isinstance(mask, fx.Node):
             return None, None, "the call site passes no mask node", []
-        key = (mask, q_len)
+        key = (mask, str(q_len))  # a SymInt does not hash; its expression names it
         if key not in self.found:
             self.found[key] = self._check(gm, mask, q_len)
         return self.found[key]
 
     @staticmethod
-    def _check(gm: fx.GraphModule, mask: fx.Node, q_len: int):
-        producers, inputs, why_not = mask_producers(mask)
+    def _check(gm: fx.GraphModule, mask: fx.Node, q_len: Any):
+        producers, inputs, why_not = mask_producers(mask, symbolic=True)
         if why_not:
             return None, None, why_not, []
         tensors = [n for n in inputs if tensor_of(n) is not None]
+        sizes = [n for n in inputs if isinstance(value_of(n), torch.SymInt)]
+        others = [n for n in inputs if n not in tensors and n not in sizes]
+        if others:
+            return None, None, f"it reads the graph input {others[0].target!r}, neither a tensor nor a size", []
         if not tensors:
             return None, None, "it reads no graph input (a fixed mask: the causal-mask family's case)", []
         if len(tensors) > 1:
@@ -198,22 +286,30 @@ class _Checker:
         ids = tensors[0]
         value = tensor_of(ids)
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool \
-                or value.dim() not in (1, 2) or value.shape[-1] != q_len:
+                or value.dim() not in (1, 2) or not same_size(value.shape[-1], q_len):
             return None, None, (f"it is computed from {ids.target!r} ({value.dtype} {tuple(value.shape)}), "
                                 f"not from [batch, {q_len}] integer ids"), []
-        example = tensor_of(mask)
-        numel = example.numel() if example is not None else 0
-        needed = sum(_value_bytes(n) for n in producers) + 4 * numel
+        lengths = _Lengths(value.shape, sizes)
+        why_not = lengths.why_not()
+        if why_not:
+            return None, None, why_not, []
         budget = evaluation_budget(value.device)
-        plan = None
-        if needed > budget:
+        needed = lengths.bytes(producers, mask, lengths.traced)
+        plan, long = None, None
+        if _is_symbolic(value_of(mask)) or sizes:
+            if needed > budget:
+                return None, None, (f"checking its symbolic length at the traced {lengths.traced[-1]} tokens would "
+                                    f"hold {needed / 2**30:.1f} GiB on {value.device}, more than sloth allows itself "
+                                    f"({budget / 2**30:.1f} GiB)"), []
+            long = lengths.long(producers, mask, budget)
+        elif needed > budget:
             plan, by_rows_not = RowBlocks.build(producers, mask)
             if plan is None:
                 return None, None, (f"checking it at compile time would hold up to {needed / 2**30:.1f} GiB on "
                                     f"{value.device}, more than sloth allows itself ({budget / 2**30:.1f} GiB), and "
                                     f"it cannot be checked a block of rows at a time: {by_rows_not}"), []
         try:
-            rule, why_not = _rule_of(gm, producers, ids, mask, q_len, plan)
+            rule, why_not = _rule_of(gm, producers, ids, mask, lengths, long, plan)
         except Exception as error:  # an op that cannot run outside the graph: leave it as it was
             return None, None, f"evaluating it on probe ids failed ({type(error).__name__}: {error})", []
         finally:
@@ -221,7 +317,7 @@ class _Checker:
                 torch.cuda.empty_cache()
         if why_not:
             return None, None, why_not, []
-        return ids, rule, None, [n for n in producers if n is not ids]
+        return ids, rule, None, [n for n in producers if n is not ids and n not in sizes]
 
 
 def _refusal(node: fx.Node, args: dict[str, Any]) -> Optional[str]:
@@ -229,12 +325,15 @@ def _refusal(node: fx.Node, args: dict[str, Any]) -> Optional[str]:
     q, k, v = (tensor_of(args[name]) for name in ("query", "key", "value"))
     if q is None or k is None or v is None or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "q, k and v are not all [batch, heads, tokens, head_dim] tensors"
-    if any(_is_symbolic(t) for t in (q, k, v)):
-        return "the query or key length is symbolic (dynamic shapes)"
-    if q.shape[2] != k.shape[2]:
+    # Sizes compared without guards: a symbolic length (dynamic shapes) is taken (module docstring), and the heads
+    # and head_dim, which the op's kernels need as numbers, must be static.
+    if not same_size(q.shape[2], k.shape[2]):
         return f"queries ({q.shape[2]}) and keys ({k.shape[2]}) differ in length (a KV cache or cross-attention)"
-    if k.shape != v.shape or k.shape[-1] != q.shape[-1] or q.shape[0] != k.shape[0]:
+    if not all(same_size(i, j) for i, j in zip(k.shape, v.shape)) or not same_size(k.shape[-1], q.shape[-1]) \
+            or not same_size(q.shape[0], k.shape[0]):
         return f"k {tuple(k.shape)} and v {tuple(v.shape)} do not pair with q {tuple(q.shape)}"
+    if any(not isinstance(t.shape[d], int) for t in (q, k) for d in (1, 3)):
+        return f"the heads or head_dim are symbolic (q {tuple(q.shape)}, k {tuple(k.shape)})"
     if q.shape[1] % k.shape[1]:
         return f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads"
     # The op computes in the dtype SDPA's result has: the inputs' one, or autocast's (which casts all three to it;
@@ -268,10 +367,10 @@ class _Bounds:
     """One ``document_bounds`` node per (graph, ids, rule, batch), inserted before its first reader."""
 
     def __init__(self) -> None:
-        self.nodes: dict[tuple[fx.Graph, fx.Node, str, int], fx.Node] = {}
+        self.nodes: dict[tuple[fx.Graph, fx.Node, str, str], fx.Node] = {}
 
-    def get(self, graph: fx.Graph, ids: fx.Node, rule: str, batch: int, before: fx.Node) -> fx.Node:
-        key = (graph, ids, rule, batch)
+    def get(self, graph: fx.Graph, ids: fx.Node, rule: str, batch: Any, before: fx.Node) -> fx.Node:
+        key = (graph, ids, rule, str(batch))  # a symbolic batch does not hash; its expression names it
         if key not in self.nodes:
             self.nodes[key] = insert_call(graph, before, document_bounds, (ids, rule, batch), meta_from=before)
         return self.nodes[key]
@@ -290,6 +389,11 @@ def _replace(node: fx.Node, args: dict[str, Any], bounds: fx.Node) -> fx.Node:
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return out
+
+
+def _length(q_len: Any) -> str:
+    """The mask's length for the report: ``24-token``, or ``symbolic-length (s27)``."""
+    return f"{q_len}-token" if isinstance(q_len, int) else f"symbolic-length ({q_len})"
 
 
 def _reads_inputs(mask: Any) -> bool:
@@ -339,7 +443,8 @@ def fuse_packed_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any]
                     erase_unused(producers)
                     changed.add(graph_module)
                     report.replaced(Site(FAMILY, "sloth.document_attention", module_path(out), source_location(out),
-                                         f"document-causal {q_len}-token mask ({rule} of {ids.target!r}) dropped"))
+                                         f"document-causal {_length(q_len)} mask ({rule} of {ids.target!r}) "
+                                         "dropped"))
                     continue
             report.reject(FAMILY, node, f"attention mask kept: {why_not}")
     for graph_module in changed:
@@ -385,5 +490,5 @@ def _rewrite_body_input(body: fx.GraphModule, node: fx.Node, args: dict[str, Any
         reader_args = _sdpa_arguments(reader)
         out = _replace(reader, reader_args, mask)
         report.replaced(Site(FAMILY, "sloth.document_attention", module_path(out), source_location(out),
-                             f"document-causal {q_len}-token mask ({rule}) dropped in a checkpointed layer"))
+                             f"document-causal {_length(q_len)} mask ({rule}) dropped in a checkpointed layer"))
     return None

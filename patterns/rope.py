@@ -25,6 +25,9 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
         out = flatten(stack((x1*c - x2*s, x2*c + x1*s), -1), -2)   mul operands and the add in any order;
                                                   flatten, view or reshape back to x's shape
         -> ``sloth.rope(q, k, c, s, True)`` / ``sloth.rope_single(x, c, s, True)``
+        the same with x viewed as pairs (llama2.c, torchtune, ChatGLM: x0, x1 = x.reshape(..., d/2, 2)[..., 0], [..., 1]
+        or .unbind(-1)), with a (cos, sin) table [..., d/2, 2], or stacked over dim -2 (the halves layout):
+        patterns/rope_forms.py
     interleaved, GPT-J's rotate_every_two (transformers' GPT-J, CodeGen), cos/sin repeated per pair:
         out = add(mul(x, repeat_interleave(c, 2, -1)), mul(flatten(stack((neg(x[..., 1::2]), x[..., ::2]), -1), -2),
                                                            repeat_interleave(s, 2, -1)))
@@ -40,8 +43,11 @@ Variants matched on the canonical graph (see compiler/canonicalize.py), whatever
     (x[i], x[i + d/2]):
         x1, x2 = narrow(x, -1, 0, d/2), narrow(x, -1, d/2, d/2)      chunk, split or slices
         out = cat([x1*c - x2*s, x2*c + x1*s], -1)      mul operands and the add in any order
-        -> the rotate-half op with cat([c, c], -1) and cat([s, s], -1), two graph nodes inserted once per
-           (c, s) pair (so q and k still share them)
+        -> the rotate-half op with cat([c, c], -1) and cat([s, s], -1), one graph node inserted once per
+           table (so q and k still share them)
+    both with any signs that make a rotation (NanoChat's by -theta, ``negated_halves_rope_pattern``:
+    cat([x1*c + x2*s, x1*(-s) + x2*c]), written with sub, neg of a product, of a half or of a table): the op with
+    the table negated where the sign says so, one ``neg`` inserted once per table (patterns/rope_forms.py)
     complex (Meta's reference Llama, ``complex_rope_pattern``), freqs_cis complex64 [..., d/2], x float32
     (``x.float()`` in bf16 code: the cast stays, and the site starts after it):
         out = flatten(view_as_real(view_as_complex(reshape(x, ..., d/2, 2)) * freqs_cis), -2)
@@ -59,9 +65,10 @@ that require grad, float64, intermediates read by someone else.
 
 Partial rotary is absorbed for the rotate-half and both real interleaved forms (GPT-J rotates the first
 ``rotary_dim`` dims of each head in pairs). Knowingly left unmatched (no rejection, no wrong match):
-complex RoPE in complex128 or with a division. A flipped sign, swapped parities or a stack over another dim in the interleaved
-form is simply not matched. In bf16 Meta code q.float() and k.float() are separate nodes defined after
-q's site, so q and k become two ``rope_single`` launches there (fp32 code pairs them).
+complex RoPE in complex128 or with a division. Refused with the reason: Flux's rotation matrices per pair
+(compiler/anchors.py ``is_matrix_rotation``). A flipped sign, swapped parities or a stack over another dim in a
+stacked interleaved form is refused with the reason (patterns/rope_forms.py). In bf16 Meta code k.float() is
+defined after q's site: it moves up to q's, so q and k still pair (``_hoistable``).
 """
 from __future__ import annotations
 
@@ -72,7 +79,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import is_deinterleaving_rotation, is_halves_rotation
+from ..compiler.anchors import is_deinterleaving_rotation, is_halves_rotation, is_matrix_rotation
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, is_method, module_path,
                                  replace_and_erase, same_shape, same_size, single_user, source_location, tensor_of)
@@ -177,111 +184,17 @@ def _strided_half(node: Any, x: fx.Node) -> Optional[int]:
     return None
 
 
-def _mul_of(node: Any, a: Any, b: Any) -> bool:
-    return is_call(node, torch.mul) and tuple(node.args) in ((a, b), (b, a))
-
-
-def _match_interleaved(stack: fx.Node) -> Optional[RopeMatch]:
-    """``flatten(stack((x1*c - x2*s, x2*c + x1*s), -1), -2)`` with x1, x2 = x[..., ::2], x[..., 1::2]."""
-    # The canonical pass leaves stack's spelling alone: its dim comes positionally or as the keyword.
-    if set(stack.kwargs) - {"dim"} or len(stack.args) + len(stack.kwargs) != 2 or len(stack.args[0]) != 2:
-        return None
-    dim = stack.args[1] if len(stack.args) == 2 else stack.kwargs["dim"]
-    first, second = stack.args[0]
-    if not (is_call(first, torch.sub) and is_call(second, torch.add)):
-        return None
-    if not all(is_call(m, torch.mul) and len(m.args) == 2 for m in (*first.args, *second.args)):
-        return None
-    # first = x1 * c - x2 * s: find x1, c from first.args[0] and x2, s from first.args[1].
-    for x1, c in (first.args[0].args, first.args[0].args[::-1]):
-        for x2, s in (first.args[1].args, first.args[1].args[::-1]):
-            if not (isinstance(x1, fx.Node) and isinstance(x2, fx.Node)) or x1.op != "call_function" \
-                    or x1.target is not operator.getitem or not x1.args:
-                continue
-            x = x1.args[0]
-            if _strided_half(x1, x) != 0 or _strided_half(x2, x) != 1:
-                continue
-            a, b = second.args
-            if not ((_mul_of(a, x2, c) and _mul_of(b, x1, s)) or (_mul_of(b, x2, c) and _mul_of(a, x1, s))):
-                continue
-            xt, st = tensor_of(x), tensor_of(stack)
-            if st is None or dim not in (-1, st.dim() - 1):
-                continue
-            user = single_user(stack)
-            flat = user is not None and user.op in ("call_method", "call_function") \
-                and user.target in ("flatten", torch.flatten, "view", "reshape", torch.reshape) \
-                and user.args[0] is stack and not user.kwargs
-            ut = tensor_of(user) if flat else None
-            # Any row-major reshape of [..., d/2, 2] to x's shape merges the last two dims: the interleave.
-            if ut is None or not same_shape(ut, xt):
-                continue
-            return RopeMatch(x, c, s, user, stack, interleaved=True)
-    return None
-
-
 def halves_rope_pattern(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE on the two halves (GPT-OSS): pair i is (x[i], x[i + d/2]); cos/sin are [..., d/2]."""
     x1, x2 = torch.chunk(x, 2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _half_of(node: Any, x: fx.Node) -> Optional[int]:
-    """0 for the first half of x's last dim (``narrow(x, -1, 0, d/2)``), 1 for the second; else None."""
-    xt = tensor_of(x)
-    d = xt.shape[-1] if xt is not None and xt.dim() else None
-    if not is_call(node, torch.narrow) or node.args[0] is not x or not isinstance(d, int) or d % 2:
-        return None
-    dim, start, length = node.args[1:]
-    if dim not in (-1, xt.dim() - 1) or length != d // 2 or start not in (0, d // 2):
-        return None
-    return 0 if start == 0 else 1
-
-
-def _match_rotated_parts(cat: fx.Node, part_of: Any, parts: str, one_part: str, form: str,
-                         **layout: bool) -> Union[RopeMatch, str]:
-    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 parts 0 and 1 of one tensor x as ``part_of(node, x)``
-    names them (``_half_of``: its halves; ``_strided_half``: its even and odd elements), with per-pair tables: a
-    RopeMatch of ``layout`` (the RopeMatch flags), or why not (``parts``, ``one_part`` and ``form`` word it)."""
-    first, second = cat.args[0]
-    for x1, c in (first.args[0].args, first.args[0].args[::-1]):
-        for x2, s in (first.args[1].args, first.args[1].args[::-1]):
-            if not (isinstance(x1, fx.Node) and x1.op == "call_function" and x1.args):
-                continue
-            x = x1.args[0]
-            if part_of(x1, x) != 0 or part_of(x2, x) != 1:
-                continue
-            a, b = second.args
-            if not ((_mul_of(a, x2, c) and _mul_of(b, x1, s)) or (_mul_of(b, x2, c) and _mul_of(a, x1, s))):
-                return f"the {parts} are rotated with the wrong sign or tables (not x1*cos - x2*sin, x2*cos + x1*sin)"
-            ot = tensor_of(cat)
-            if len(cat.args) != 2 or cat.kwargs or cat.args[1] not in (-1, ot.dim() - 1) \
-                    or not same_shape(ot, tensor_of(x)):
-                return f"the rotated {parts} are concatenated over another dim than the last"
-            inner = [first, second, *first.args, *second.args]
-            if any(len(n.users) != 1 for n in inner) or len(x1.users) != 2 or len(x2.users) != 2:
-                return f"an intermediate (x1 * cos, x2 * sin, {one_part}, their difference or sum) has other users"
-            xt, ct, st = tensor_of(x), tensor_of(c), tensor_of(s)
-            refused = _operand_guard(xt, ct, st) or _pair_shapes_guard(xt, ct)
-            if refused:
-                return refused
-            return RopeMatch(x, c, s, cat, cat, **layout)
-    return f"the {parts} of x are not rotated as x1 * cos - x2 * sin, x2 * cos + x1 * sin with {form}"
-
-
-def _match_halves(cat: fx.Node) -> Union[RopeMatch, str]:
-    """``cat([x1*c - x2*s, x2*c + x1*s], -1)`` with x1, x2 the halves of x (an anchor: ``is_halves_rotation``): a
-    RopeMatch whose cos and sin are the half tables (the caller doubles them), or why not."""
-    return _match_rotated_parts(cat, _half_of, "halves", "a half of x",
-                                "x1, x2 the first and second half of one tensor's last dim (another split, or a "
-                                "partial rotary of halves)")
-
-
-def _match_deinterleaving(cat: fx.Node) -> Union[RopeMatch, str]:
-    """The same with x1, x2 = x[..., ::2], x[..., 1::2] (an anchor: ``is_deinterleaving_rotation``; DeepSeek-V3's
-    ``apply_rotary_pos_emb_interleave``): a RopeMatch for the op's de-interleaving layout, or why not."""
-    return _match_rotated_parts(cat, _strided_half, "even/odd elements", "an even/odd slice of x",
-                                "x1, x2 = x[..., ::2], x[..., 1::2] of one tensor", interleaved=True,
-                                deinterleave=True)
+def negated_halves_rope_pattern(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """karpathy/nanochat's ``apply_rotary_emb``: the halves rotated by -theta, ``halves_rope_pattern`` with -sin."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], -1)
 
 
 def _operand_guard(xt: Optional[torch.Tensor], ct: Optional[torch.Tensor], st: Optional[torch.Tensor]) -> Optional[str]:
@@ -299,23 +212,6 @@ def _operand_guard(xt: Optional[torch.Tensor], ct: Optional[torch.Tensor], st: O
     if not same_shape(ct, st):
         return f"cos and sin have different shapes {tuple(ct.shape)} and {tuple(st.shape)}"
     return None
-
-
-def _guard_interleaved(m: RopeMatch) -> Union[RopeMatch, str]:
-    """Users, dtypes and shapes around an interleaved (even/odd pair) site."""
-    stack = m.anchor
-    first, second = stack.args[0]
-    inner = [stack, first, second, *first.args, *second.args]
-    if any(len(n.users) != 1 for n in inner):
-        return "an intermediate (x1 * cos, x2 * sin, their difference or sum) has other users, so it cannot be fused away"
-    halves = {a for n in (*first.args, *second.args) for a in n.args if a is not m.cos and a is not m.sin}
-    if any(len(h.users) != 2 for h in halves):
-        return "x[..., ::2] or x[..., 1::2] has other users, so it cannot be fused away"
-    xt, ct, st = tensor_of(m.x), tensor_of(m.cos), tensor_of(m.sin)
-    refused = _operand_guard(xt, ct, st)
-    if refused:
-        return refused
-    return _pair_shapes_guard(xt, ct) or _extend_partial(m)
 
 
 def _pair_shapes_guard(xt: torch.Tensor, ct: torch.Tensor) -> Optional[str]:
@@ -435,7 +331,10 @@ def _inserted_once(graph: fx.Graph, table: fx.Node, key: str, target: Any, args:
     ``key``), so q's and k's sites share the node and still pair into one launch."""
     derived = table.meta.get(key)
     if derived is None or derived.graph is not graph or getattr(derived, "_erased", False):
-        derived = insert_call(graph, table.next, target, args, meta_from=table)
+        after = table.next
+        while after.op == "placeholder":  # a table that is a graph input: the graph's inputs stay first
+            after = after.next
+        derived = insert_call(graph, after, target, args, meta_from=table)
         table.meta[key] = derived
     return derived
 
@@ -462,6 +361,21 @@ def _every_two_rotation_of(rh: Any, x: fx.Node) -> Optional[list[fx.Node]]:
     if not (is_call(neg, torch.neg) and _strided_half(neg.args[0], x) == 1 and _strided_half(x1, x) == 0):
         return None
     return [rh, stack, neg, neg.args[0], x1]
+
+
+def _every_two_near_miss(rh: Any, x: fx.Node) -> Optional[str]:
+    """Why a reshaped stack of x's even and odd elements, one of them negated (an anchor), is not
+    rotate_every_two(x); None when ``rh`` is no such stack."""
+    stack = rh.args[0] if _is_reshape(rh) else None
+    if not (isinstance(stack, fx.Node) and stack.op == "call_function" and stack.target is torch.stack
+            and isinstance(stack.args[0], (list, tuple)) and len(stack.args[0]) == 2):
+        return None
+    negated = [is_call(p, torch.neg) for p in stack.args[0]]
+    parts = [p.args[0] if n else p for p, n in zip(stack.args[0], negated)]
+    if sum(negated) != 1 or any(_strided_half(p, x) is None for p in parts):
+        return None
+    return "the stack of x's even/odd elements is not rotate_every_two(x) = flatten(stack((-x[..., 1::2], " \
+           "x[..., ::2]), -1), -2) (another sign, order or stack dim)"
 
 
 def _per_pair_table(node: Any) -> Optional[fx.Node]:
@@ -518,7 +432,7 @@ def _match_every_two(add: fx.Node, plain: fx.Node, rotated: fx.Node, x: fx.Node,
     repeated by pairs further up (Cohere: ``repeat_interleave(freqs, 2, -1).cos()``) give c = table[..., ::2]."""
     inner = _every_two_rotation_of(rh, x)
     if inner is None:
-        return None
+        return _every_two_near_miss(rh, x)
     full_c, full_s = _other(plain, x), _other(rotated, rh)
     c, s = _per_pair_table(full_c), _per_pair_table(full_s)
     derive = (c is None or s is None) and _repeated_pairs(full_c) and _repeated_pairs(full_s)
@@ -689,6 +603,13 @@ def _detail(ms: Sequence[RopeMatch]) -> str:
     return f"{which}, head_dim {xt.shape[-1]}{rot}, {xt.dtype} -> {tensor_of(ms[0].out).dtype}".replace("torch.", "")
 
 
+def _hoistable(x: fx.Node, before: fx.Node, order: dict[fx.Node, float]) -> bool:
+    """Whether ``x`` (a site's input defined after ``before``) can move to just before it: a pure call whose inputs
+    are all defined before ``before`` (``x.float()`` of a k view made earlier), so the move changes no value."""
+    return x.op in ("call_function", "call_method") and not x.is_impure() \
+        and all(order.get(i, order[before]) < order[before] for i in x.all_input_nodes)
+
+
 def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                    options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace every rotate-half RoPE in the canonical graph with ``torch.ops.sloth.rope`` (q and k together).
@@ -697,10 +618,11 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
              (the same for k with the same cos and sin)
     after:   qk = sloth.rope(q, k, cos, sin); q_out = qk[0]; k_out = qk[1]
     """
+    from .rope_forms import match_concatenated, match_stacked  # built on this module's matches and guards
+
     _lowering().register()
     matches: list[RopeMatch] = []
     parts: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # freqs_cis -> (real, imag), shared by q and k
-    tables: dict[tuple[fx.Node, fx.Node], tuple[fx.Node, fx.Node]] = {}  # half (cos, sin) -> full, shared too
     for node in list(gm.graph.nodes):
         if is_call(node, torch.view_as_real):
             found = _match_complex(node)
@@ -712,20 +634,15 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
                                      for fn in (torch.real, torch.imag))
                 found = RopeMatch(x, *parts[f], out, node, interleaved=True)
         elif isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.stack:
-            found = _match_interleaved(node)
-            found = found if found is None else _guard_interleaved(found)
+            found = match_stacked(node)
         elif is_call(node, torch.add):
             found = _match_add(node)
-        elif is_halves_rotation(node):
-            found = _match_halves(node)
-            if isinstance(found, RopeMatch):  # full tables cat([c, c]) for the rotate-half op, once per (c, s)
-                key = (found.cos, found.sin)
-                if key not in tables:  # before the first site (nodes are visited in order): it dominates the rest
-                    tables[key] = tuple(insert_call(gm.graph, node, torch.cat, ([t, t], -1), meta_from=node)
-                                        for t in key)
-                found = _extend_partial(RopeMatch(found.x, *tables[key], found.out, node))
-        elif is_deinterleaving_rotation(node):
-            found = _match_deinterleaving(node)
+            if found is None and is_matrix_rotation(node):
+                found = "RoPE written with one 2x2 matrix per pair (Flux's apply_rope: M[..., 0] * x[..., 0] + " \
+                        "M[..., 1] * x[..., 1]) is not a form the pass fuses (the op takes cos and sin; the pass does " \
+                        "not prove each M is [[cos, -sin], [sin, cos]])"
+        elif is_halves_rotation(node) or is_deinterleaving_rotation(node):
+            found = match_concatenated(node)
         else:
             continue
         if found is None:
@@ -736,7 +653,8 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
         matches.append(found)
 
     # q and k of one attention share their cos and sin nodes; pair them in graph order. The pair's node
-    # goes where the earlier result was, which needs every input of both to be defined before it, and
+    # goes where the earlier result was, which needs every input of both to be defined before it (a later x
+    # made there of earlier nodes, bf16 code's k.float() after q's site, moves up: _hoistable), and
     # one launch needs one head dim (partial rotary passes the same number of dims through).
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict[tuple[fx.Node, fx.Node, bool, bool], list[RopeMatch]] = {}
@@ -748,7 +666,12 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
             partner = None
             if group and same_size(tensor_of(first.x).shape[-1], tensor_of(group[0].x).shape[-1]):
                 before = min(first.out, group[0].out, key=order.__getitem__)
-                if all(order[n] < order[before] for n in (first.x, group[0].x, first.cos, first.sin)):
+                late = [m.x for m in (first, group[0]) if order[m.x] > order[before]]
+                if all(order[n] < order[before] for n in (first.cos, first.sin)) \
+                        and all(_hoistable(x, before, order) for x in late):
+                    for x in late:
+                        before.prepend(x)
+                        order[x] = order[before] - 0.5
                     partner = group.pop(0)
             if partner is not None:
                 fused = _replace_pair(gm, first, partner, before)

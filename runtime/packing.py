@@ -52,10 +52,15 @@ def document_bounds(ids: torch.Tensor, rule: str, batch: Optional[int] = None) -
     starts = document_starts(ids, rule)
     if batch is not None and starts.shape[0] != batch:
         starts = starts.expand(batch, -1)
-    t = starts.shape[1]
-    index = torch.arange(t, device=ids.device, dtype=torch.int32).expand_as(starts)
+    # The token index made from starts, not by arange(T): where the graph's fake value of this call is computed
+    # (patterns/packed_attention.py inserts it) no fake mode is active, so a factory function would turn a symbolic
+    # T into the traced number, a guard that specialises the graph to one length.
+    # (int64 cumsum, then int32: Inductor computed an int32 cumsum of ones in int64 and dropped the cast, seen on
+    # the CPU with torch 2.13.)
+    index = (torch.ones_like(starts, dtype=torch.long).cumsum(1) - 1).to(torch.int32)
     start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    # end[t] = the next start after t: a start at s + 1 ends the document at s + 1.
+    # end[t] = the next start after t: a start at s + 1 ends the document at s + 1; T is the last index plus 1 (as a
+    # fill value, a symbolic T would be specialised too).
     next_start = torch.cat([starts[:, 1:], torch.ones_like(starts[:, :1])], dim=1)
-    end = torch.where(next_start, index + 1, torch.full_like(index, t)).flip(1).cummin(dim=1).values.flip(1)
+    end = torch.where(next_start, index + 1, index[:, -1:] + 1).flip(1).cummin(dim=1).values.flip(1)
     return torch.stack([start, end]).to(torch.int32)

@@ -1,6 +1,8 @@
 """Test setup: Triton kernels run through the CPU interpreter when there is no GPU.
 
-TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection.
+TRITON_INTERPRET must be set before sloth is imported (Triton reads it as each kernel is defined, and sloth defines
+its kernels, and reads it once, at import), so it is set here, at collection. tests/test_reference_path.py runs
+the model tests once more on the ops' PyTorch references, the path of a CPU without the variable.
 """
 import os
 
@@ -27,9 +29,23 @@ def _register_backend_name() -> None:
 _register_backend_name()
 
 
+def pytest_configure(config):
+    """benchmarks/gpu_lane.py runs a few xdist workers on one GPU and caps each at an equal share of its memory
+    (SLOTH_TEST_GPU_MEMORY_FRACTION): a test that needs more fails the same way whatever runs beside it."""
+    fraction = os.environ.get("SLOTH_TEST_GPU_MEMORY_FRACTION")
+    if fraction and hasattr(config, "workerinput") and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(fraction))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="the device of the op tests' tensors (the `device` fixture): cuda where there is one, else "
+                          "cpu (Triton kernels in the interpreter); cpu on a GPU machine runs the references only")
+
+
 @pytest.fixture
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def device(request) -> str:
+    return request.config.getoption("--device")
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import sloth
 from sloth.patterns.cross_entropy import causal_lm_loss_pattern, linear_cross_entropy_pattern
 from sloth.compiler.fx_utils import linear_parts
-from tolerance import assert_close
+from tolerance import assert_close, slack
 from op_checks import StayFloat64
 from pattern_checks import counting_backend, graph_of, seeded
 
@@ -101,6 +101,77 @@ def two_heads(x, w, b, y):
     return a + F.cross_entropy(F.linear(x * 2.0, w, b).view(-1, V), y.view(-1), reduction="sum")
 
 
+# Hand-written causal-LM losses shift the logits, not the labels: the same rows of x are read (lowering the slice).
+
+def shifted_slice(x, w, b, y):  # F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+    return F.cross_entropy(F.linear(x, w)[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
+
+
+def shifted_contiguous_upcast_first(x, w, b, y):  # transformers' DefaultCrossEntropyLoss: upcast, then shift
+    logits = F.linear(x, w, b).float()
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = y[..., 1:].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, V), shift_labels.view(-1))
+
+
+def shifted_ignore_index_sum(x, w, b, y):  # ignore_index=-1 (nanoGPT's), the upcast after the shift
+    shift_logits = F.linear(x, w)[..., :-1, :].contiguous()
+    shift_labels = y.clamp(min=-1)[..., 1:].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)).float(), shift_labels.view(-1),
+                           ignore_index=-1, reduction="sum")
+
+
+def shifted_narrow_softcapped(x, w, b, y):  # Gemma 2's cap after a scale, the shift as a narrow
+    logits = 3.0 * torch.tanh(F.linear(x, w) * 0.5 / 3.0)
+    return F.cross_entropy(logits.narrow(1, 0, x.shape[1] - 1).flatten(0, 1).float(), y[:, 1:].flatten(),
+                           label_smoothing=0.1)
+
+
+def shifted_flat_rows(x, w, b, y):  # the rows sliced after flattening: logits.view(-1, V)[:-1]
+    return F.cross_entropy(F.linear(x, w, b).view(-1, V)[1:], y.view(-1)[:-1], reduction="none")
+
+
+def shifted_nll(x, w, b, y):
+    return F.nll_loss(F.log_softmax(F.linear(x, w)[:, 1:].reshape(-1, V).float(), -1), y[:, :-1].reshape(-1))
+
+
+def last_position(x, w, b, y):  # one position per sequence: an integer index of the rows
+    return F.cross_entropy(F.linear(x, w, b)[:, -1], y[:, -1].clamp(min=0))
+
+
+def chunked_litgpt(x, w, b, y):  # litgpt's chunked_cross_entropy after logits[..., :-1, :]: a loss per chunk
+    logits = F.linear(x, w)[..., :-1, :].reshape(-1, V)
+    targets = y[..., 1:].reshape(-1)
+    losses = [F.cross_entropy(lc, tc, ignore_index=-100, reduction="none")
+              for lc, tc in zip(logits.split(5), targets.split(5))]
+    count = (targets != -100).sum()
+    return torch.cat(losses).sum() / count.maximum(torch.ones_like(count))
+
+
+# A slice of the classes reads those rows of the head: (x @ w.T + b)[..., a:b] = x @ w[a:b].T + b[a:b].
+
+def vocabulary_narrowed(x, w, b, y):  # a slice of the classes, not of the rows
+    return F.cross_entropy(F.linear(x, w).narrow(-1, 0, V - 4).reshape(-1, V - 4), y.view(-1).clamp(0, V - 5))
+
+
+def padded_head_softcapped(x, w, b, y):  # karpathy/nanochat: a head padded to a multiple of 64, sliced back, capped
+    logits = F.linear(x, w, b)
+    logits = logits[..., :V - 3]
+    logits = logits.float()
+    logits = 15 * torch.tanh(logits / 15)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.clamp(max=V - 4).view(-1), ignore_index=-100)
+
+
+def rows_and_vocabulary_sliced(x, w, b, y):  # the shift and a slice of the classes in one index
+    return F.cross_entropy(F.linear(x, w)[:, :-1, :-1].reshape(-1, V - 1), y[:, 1:].reshape(-1).clamp(0, V - 2))
+
+
+def vocabulary_range_twice(x, w, b, y):  # classes 3:35, sliced twice, with a bias, the shift in between
+    logits = F.linear(x, w, b)[..., 3:].float()[:, 1:]
+    return F.cross_entropy(logits[..., :-5].reshape(-1, V - 8), y[:, :-1].clamp(max=V - 9).reshape(-1),
+                           reduction="sum")
+
+
 MATCHES = {
     plain: (1, "mean, ignore_index=-100"),
     with_bias_sum: (1, "sum, ignore_index=-100, bias"),
@@ -116,6 +187,19 @@ MATCHES = {
     nll_of_log_softmax_method: (1, "mean, ignore_index=5"),
     HeadAndLoss: (1, "mean"),
     two_heads: (2, "ignore_index=-100"),
+    shifted_slice: (1, "mean, ignore_index=-100, rows of the logits selected"),
+    shifted_contiguous_upcast_first: (1, "mean, ignore_index=-100, bias, rows of the logits selected"),
+    shifted_ignore_index_sum: (1, "sum, ignore_index=-1, rows of the logits selected"),
+    shifted_narrow_softcapped: (1, "softcap=3, logit_scale=0.5, label_smoothing=0.1, rows of the logits selected"),
+    shifted_flat_rows: (1, "none, ignore_index=-100, bias, rows of the logits selected"),
+    shifted_nll: (1, "mean, ignore_index=-100, rows of the logits selected"),
+    last_position: (1, "mean, ignore_index=-100, bias, rows of the logits selected"),
+    chunked_litgpt: (4, "none, ignore_index=-100, rows of the logits selected"),
+    vocabulary_narrowed: (1, "classes 0:36 of the head's 40 rows: those rows of w are read, V=36"),
+    padded_head_softcapped: (1, "softcap=15, bias, classes 0:37 of the head's 40 rows"),
+    rows_and_vocabulary_sliced: (1, "rows of the logits selected: the same rows of x are read, classes 0:39 of"),
+    vocabulary_range_twice: (1, "sum, ignore_index=-100, bias, rows of the logits selected: the same rows of x are "
+                                "read, classes 3:35 of the head's 40 rows"),
 }
 
 
@@ -131,8 +215,10 @@ def make_inputs(dtype, ref: bool):
     return x.to(dtype).to(cast), w.to(dtype).to(cast), b.to(dtype).to(cast), y
 
 
-def run(fn: Callable, inputs, compiled: bool):
-    """(loss, dx, dw, db) for ``fn``; a module's head weight is ``w``'s values (the same graph shape)."""
+def run(fn: Callable, inputs, compiled: bool, autocast: bool = False):
+    """(loss, dx, dw, db) for ``fn``; a module's head weight is ``w``'s values (the same graph shape). ``autocast``:
+    the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the backward outside it, as a training
+    loop runs them; a function returning (loss, logits) is differentiated through its loss."""
     x, w, b, y = [t.detach().clone() for t in inputs]
     x.requires_grad_(True), w.requires_grad_(True), b.requires_grad_(True)
     if isinstance(fn, type):
@@ -145,7 +231,9 @@ def run(fn: Callable, inputs, compiled: bool):
         call = fn
     if compiled:
         call = torch.compile(call, backend="sloth", options={"inner": "aot_eager"})
-    loss = call(x, w, b, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = call(x, w, b, y)
+    loss = loss[0] if isinstance(loss, tuple) else loss
     dy = torch.randn(loss.shape, generator=seeded(5)).to(loss.dtype)
     grads = torch.autograd.grad(loss, (x, w, b), dy, allow_unused=True)
     return (loss.detach(), *[g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (x, w, b))])
@@ -225,7 +313,29 @@ def log_probs_returned(x, w, b, y):
     return F.nll_loss(logp, y.view(-1)), logp
 
 
+def vocabulary_strided(x, w, b, y):  # every other class: not a contiguous range of the head's rows
+    return F.cross_entropy(F.linear(x, w)[..., ::2].reshape(-1, V // 2), y.view(-1).clamp(max=V // 2 - 1))
+
+
+def vocabulary_gathered(x, w, b, y):  # classes picked by a tensor of indices: a gather, not a slice
+    classes = torch.arange(0, V - 4, device=x.device)
+    return F.cross_entropy(F.linear(x, w)[..., classes].reshape(-1, V - 4), y.view(-1).clamp(max=V - 5))
+
+
+def rows_gathered(x, w, b, y):  # rows picked by a tensor of positions: a gather, not a slice
+    positions = torch.arange(0, x.shape[1], 2, device=x.device)
+    return F.cross_entropy(F.linear(x, w)[:, positions].reshape(-1, V), y[:, positions].reshape(-1))
+
+
+def rows_reshaped_then_sliced(x, w, b, y):  # the sequence split in three, then sliced: no view of x says that
+    return F.cross_entropy(F.linear(x, w).view(2, 3, 3, V)[:, 1:].reshape(-1, V), y.view(2, 3, 3)[:, 1:].reshape(-1))
+
+
 REJECTIONS = {
+    vocabulary_strided: "sliced along the vocabulary (last) dim with step 2, so the classes read are not a contiguous",
+    vocabulary_gathered: "the logits are indexed with a tensor over the vocabulary (last) dim (a gather of classes)",
+    rows_gathered: "the logits are indexed with a tensor (a gather of rows)",
+    rows_reshaped_then_sliced: "a view reshapes the logits' rows before they are sliced",
     log_softmax_over_rows: "log_softmax is over dim 0",
     log_probs_returned: "the log-probabilities have other users",
     logits_logged: "the logits are also returned or used elsewhere after the upcast to torch.float32",
@@ -254,8 +364,19 @@ def softcapped_logits_returned(x, w, b, y):  # Gemma 2: the softcapped logits, i
     return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
 
 
+def shifted_logits_returned(x, w, b, y):  # a hand-written causal LM returning (loss, logits)
+    logits = F.linear(x, w, b)
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, V), y[:, 1:].reshape(-1)), logits
+
+
+def vocabulary_sliced_logits_returned(x, w, b, y):  # a padded head's logits returned whole, the loss on V - 4
+    logits = F.linear(x, w, b)
+    return F.cross_entropy(logits[..., :V - 4].float().reshape(-1, V - 4), y.clamp(max=V - 5).view(-1)), logits
+
+
 @pytest.mark.parametrize("return_logits", [True, False], ids=["kept", "dropped"])
-@pytest.mark.parametrize("fn", [returns_logits, softcapped_logits_returned], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [returns_logits, softcapped_logits_returned, shifted_logits_returned,
+                                vocabulary_sliced_logits_returned], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_returned_logits_fuse(fn, dtype, return_logits):
     """The loss fuses and the logits are returned as the graph computes them (in the model's dtype), or
@@ -294,16 +415,21 @@ def test_returned_logits_fuse(fn, dtype, return_logits):
         assert_close(f"grad {name}", g, e, r, atol=0.5 * torch.finfo(dtype).eps * r.pow(2).mean().sqrt().item())
 
 
-@pytest.mark.parametrize("fn", [returns_logits, softcapped_logits_returned], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [returns_logits, softcapped_logits_returned, shifted_logits_returned],
+                         ids=lambda f: f.__name__)
 def test_returned_logits_are_what_the_loss_reads(fn):
-    # The projection the graph computes for the caller is the op's logits argument (flattened to [N, V]), so
-    # the op computes no logits of its own: one lm_head matmul a step instead of two.
+    # The projection the graph computes for the caller is the op's logits argument (flattened to [N, V], its
+    # rows selected as the loss selected them), so the op computes no logits of its own: one lm_head matmul a
+    # step instead of two.
     x, w, b, y = make_inputs(torch.float32, False)
     graph = graph_of(fn, x, w, b, y)
     (fused,) = [n for n in graph.graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
     logits = fused.args[11]
     assert isinstance(logits, torch.fx.Node), fused.format_node()
     source = logits.args[0] if logits.target is torch.flatten else logits
+    if fn is shifted_logits_returned:
+        assert source.target is torch.narrow and source.args[1:] == (-2, 0, 8), source.format_node()
+        source = source.args[0]
     assert linear_parts(source) is not None, source.format_node()
     assert "the loss reads them" in sloth.last_report().sites[0].detail
 
@@ -454,6 +580,72 @@ def test_dynamic_token_count_does_not_recompile():
     assert len(calls) == 1 and sloth.last_report().counts == {"cross_entropy": 1}
 
 
+@pytest.mark.parametrize("fn", [shifted_slice, shifted_ignore_index_sum, chunked_litgpt, padded_head_softcapped],
+                         ids=lambda f: f.__name__)
+def test_shifted_with_dynamic_lengths(fn):
+    """With a symbolic sequence length the slices stay ``x[:, :-1]`` / ``split(5)[i]`` (canonicalisation makes
+    narrows of static bounds only): the same sites fuse, and the shifted ones without recompiling."""
+    calls: list = []
+    compiled = torch.compile(fn, backend=counting_backend(calls, "aot_eager"), dynamic=True)
+    _, w, b, _ = make_inputs(torch.float32, False)
+    for t in (9, 10):  # 16 and 18 shifted rows: four chunks of at most 5 either way
+        x = torch.randn(2, t, H, generator=seeded(t), requires_grad=True)
+        y = torch.randint(0, V, (2, t), generator=seeded(t))
+        got = compiled(x, w, b, y)
+        report = sloth.last_report()
+        assert report.counts == {"cross_entropy": 4 if fn is chunked_litgpt else 1}, str(report)
+        want = fn(x, w, b, y)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+    if fn is not chunked_litgpt:
+        assert len(calls) == 1
+
+
+def test_vocabulary_slice_reads_a_view_of_the_head():
+    """The sliced classes are rows of w and b: the op reads ``w.narrow(0, a, n)`` and ``b.narrow(0, a, n)`` (views,
+    no copy), and no node computes the logits any more."""
+    x, w, b, y = make_inputs(torch.float32, False)
+    graph = graph_of(vocabulary_range_twice, x, w, b, y)
+    (fused,) = [n for n in graph.graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
+    for arg in fused.args[1:3]:
+        assert arg.target is torch.narrow and arg.args[1:] == (0, 3, V - 8), arg.format_node()
+        assert arg.args[0].op == "placeholder", arg.format_node()
+    graph.graph.eliminate_dead_code()  # what AOTAutograd and Inductor do after the passes
+    assert not [n for n in graph.graph.nodes if linear_parts(n) is not None], graph.code
+
+
+def test_chunked_loss_never_forms_the_whole_logits():
+    """litgpt's loss per chunk of the logits: each chunk's op reads its rows of x, and nothing else reads the
+    projection, so no matmul over all the rows runs (the profiler sees the ops of the compiled graph)."""
+    x, w, b, y = make_inputs(torch.float32, False)
+    x.requires_grad_(True)
+    compiled = torch.compile(chunked_litgpt, backend="sloth", options={"inner": "aot_eager"})
+    compiled(x, w, b, y)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        loss = compiled(x, w, b, y)
+    row_counts = [shapes[0][0] for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::matmul")
+                  for shapes in [[s for s in e.input_shapes if len(s) == 2]] if shapes]
+    assert row_counts and max(row_counts) <= 5, row_counts
+    torch.testing.assert_close(loss, chunked_litgpt(x, w, b, y))
+
+
+def test_out_of_range_label_in_a_compiled_loss_is_nan():
+    """A label >= V reaches the kernel (eager raises IndexError; the kernel cannot without a host sync): the
+    compiled loss is NaN, never a finite number, and the gradient of the offending row of x is NaN."""
+    x, w, b, y = make_inputs(torch.float32, False)
+    y[1, 4] = V
+    with pytest.raises(IndexError):
+        shifted_slice(x, w, b, y)
+    x.requires_grad_(True)
+    loss = torch.compile(shifted_slice, backend="sloth", options={"inner": "aot_eager"})(x, w, b, y)
+    assert sloth.last_report().counts == {"cross_entropy": 1}
+    assert loss.isnan()
+    (dx,) = torch.autograd.grad(loss, x)
+    bad = torch.zeros(2, 9, dtype=torch.bool)
+    bad[1, 3] = True  # the logits of position 3 predict label 4
+    assert dx[bad].isnan().all() and not dx[~bad].isnan().any()
+
+
 def test_return_logits_false_that_cannot_apply_says_so():
     """Logits returned and also read by someone else (here: their mean is returned too) stay; the report
     says that return_logits=False did not apply instead of claiming the logits were dropped."""
@@ -474,3 +666,76 @@ def test_return_logits_false_that_cannot_apply_says_so():
     torch.testing.assert_close(logits, want_logits)
     (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
     assert "return_logits=False cannot apply" in site.detail, site.detail
+
+
+# ---------------------------------------------------------------------------------------------------
+# Under autocast (TRL's bf16=True around a float32 model): Dynamo's graph holds no casts, the projection's value is
+# bf16 from float32 x and w; the op gets them cast to bf16, as autocast's F.linear did, and computes the loss in
+# float32, as autocast's cross_entropy does.
+# ---------------------------------------------------------------------------------------------------
+
+def autocast_in_the_function(x, w, b, y):  # the context inside the compiled function: enter/exit nodes in the graph
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return plain(x, w, b, y)
+
+
+AUTOCAST_CASES = [plain, with_bias_sum, scaled_softcapped, shifted_contiguous_upcast_first, nll_of_log_softmax,
+                  chunked_litgpt, padded_head_softcapped, returns_logits, autocast_in_the_function]
+
+
+@pytest.mark.parametrize("fn", AUTOCAST_CASES, ids=lambda f: f.__name__)
+def test_under_autocast_the_op_computes_what_autocast_would(fn):
+    inputs = make_inputs(torch.float32, False)
+    actual = run(fn, inputs, compiled=True, autocast=True)
+    report = sloth.last_report()
+    assert report.counts == {"cross_entropy": 4 if fn is chunked_litgpt else 1}, str(report)
+    assert all("float32, under autocast: in bfloat16" in s.detail for s in report.sites), str(report)
+    assert not report.rejections, str(report)
+    eager = run(fn, inputs, compiled=False, autocast=True)
+    with StayFloat64():
+        reference = run(fn, make_inputs(torch.float32, True), compiled=False)
+    if fn is not scaled_softcapped:  # whose scale and cap eager runs in bf16, the op in fp32
+        # the same bf16 logits as autocast's linear, then fp32 math: the loss agrees to fp32 summation order
+        torch.testing.assert_close(actual[0], eager[0], rtol=1e-5, atol=1e-5)
+    for name, a, e, r in zip(("loss", "dx", "dw", "db"), actual, eager, reference):
+        assert a.dtype == e.dtype, name  # each gradient cast back to its float32 input's dtype
+        # bf16's roundoff, which autocast's matmuls have, in the rule's small term
+        assert_close(name, a, e, r, atol=slack(torch.bfloat16, r))
+
+
+def test_under_autocast_the_op_reads_x_and_w_in_bf16():
+    x, w, b, y = make_inputs(torch.float32, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = graph_of(with_bias_sum, x, w, b, y)
+    (fused,) = [n for n in graph.graph.nodes if n.target is torch.ops.sloth.linear_cross_entropy.default]
+    for arg in fused.args[:3]:
+        assert arg.meta["example_value"].dtype == torch.bfloat16, arg.format_node()
+    assert fused.meta["example_value"][0].dtype == torch.float32
+
+
+def test_causal_lm_under_autocast():
+    """A float32 transformers causal LM run as TRL's bf16=True runs it: one fused loss, loss and gradients as eager
+    under autocast (bf16 precision, against the float64 model)."""
+    import copy
+    from test_models import VOCAB, assert_model_close, build
+
+    model = build("llama", torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+
+    def loss_grads(m, run=None, autocast=True):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = (m if run is None else run)(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    reference = loss_grads(copy.deepcopy(model).double(), autocast=False)
+    eager = loss_grads(model)
+    actual = loss_grads(model, torch.compile(model, backend="sloth", options={"inner": "aot_eager"}))
+    report = sloth.report()
+    assert report.counts.get("cross_entropy", 0) == 1, str(report)
+    (site,) = [s for s in report.sites if s.family == "cross_entropy"]
+    assert "under autocast: in bfloat16" in site.detail and "logits also returned (kept)" in site.detail, str(report)
+    assert not [r for r in report.rejections if r.family == "cross_entropy"], str(report)
+    assert actual[1].keys() == eager[1].keys()
+    assert_model_close(actual, eager, reference, torch.bfloat16)

@@ -1,11 +1,10 @@
-"""The op checks of the families added since the last GPU run, on CUDA tensors: the same oracles and tolerance rule as
-their CPU tests (tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py,
-test_sink_attention_op.py, test_moe_router_op.py, test_norm_rope_op.py, test_rope_op.py's
-interleaved and de-interleaving layouts), whose
-inputs are CPU tensors and so, on a machine with a GPU, reach only the PyTorch references. Here the Triton kernels
-run compiled for the GPU, and the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, with the
-Qwen3-MoE layer's shape among them. Skipped, with that reason, where there is no GPU (the CPU suite runs the kernels
-in the interpreter).
+"""The op checks at the shapes of real models, on CUDA tensors: the same oracles and tolerance rule as the op tests
+(tests/test_moe_op.py, test_layer_norm_op.py, test_l2_norm_op.py, test_tiled_mlp_op.py, test_sink_attention_op.py,
+test_moe_router_op.py, test_moe_router_biased_op.py, test_norm_rope_op.py, test_rope_op.py), which run their own odd
+shapes on the ``device`` fixture's device (CUDA on a GPU machine), at sizes the interpreter could not run; and the
+GPU's own choices: the MoE op's bf16 GEMMs take ``torch._grouped_mm`` (sm90) at aligned sizes, the counting-sort
+dispatch, the Qwen3-MoE layer's shape among them. Skipped, with that reason, where there is no GPU. The model-sized
+cases run alone in the GPU lane (benchmarks/gpu_lane.py's SERIAL).
 """
 from __future__ import annotations
 
@@ -131,34 +130,33 @@ def test_moe_lora_on_cuda(T, H, I, E, K, r, dtype, gemm, monkeypatch):
     moe_tests.check_lora(masters, adapters, dtype)
 
 
-# The CPU cases, then GPT-OSS-20B's attention (64 query heads over 8, head_dim 64) at 1024 tokens: a sliding layer
-# (window 128) and a full one.
+# GPT-OSS-20B's attention (64 query heads over 8, head_dim 64) at 1024 tokens: a sliding layer (window 128) and a
+# full one.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [*sink_tests.CASES.values(), (1, 64, 8, 64, 1024, 128), (2, 64, 8, 64, 1024, 1024)],
-                         ids=[*sink_tests.CASES, "gpt-oss-window-128", "gpt-oss-full"])
+@pytest.mark.parametrize("shape", [(1, 64, 8, 64, 1024, 128), (2, 64, 8, 64, 1024, 1024)],
+                         ids=["gpt-oss-window-128", "gpt-oss-full"])
 def test_sink_attention_on_cuda(shape, dtype):
     sink_tests.check(shape, dtype, device="cuda", name=str(shape))
 
 
-# The CPU cases, then Qwen3-MoE's router over a bs 2 x 2048 step's 4096 tokens.
+# Qwen3-MoE's router over a bs 2 x 2048 step's 4096 tokens.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", list(router_tests.MODES))
-@pytest.mark.parametrize("case", [*router_tests.CASES.values(), (4096, 128, 8)], ids=[*router_tests.CASES, "qwen3-moe-4096"])
+@pytest.mark.parametrize("case", [(4096, 128, 8)], ids=["qwen3-moe-4096"])
 def test_moe_router_on_cuda(case, mode, dtype):
     router_tests.check(case, router_tests.MODES[mode], dtype, device="cuda")
 
 
-# The CPU cases, then DeepSeek-V3's grouped router (256 experts, 8 groups, top-4 groups, top-8) over 4096 tokens.
+# DeepSeek-V3's grouped router (256 experts, 8 groups, top-4 groups, top-8) over 4096 tokens.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", list(biased_router_tests.FORMS))
-@pytest.mark.parametrize("case", [*biased_router_tests.CASES.values(), (4096, 256, 8, 8, 4)],
-                         ids=[*biased_router_tests.CASES, "deepseek-v3-4096"])
+@pytest.mark.parametrize("case", [(4096, 256, 8, 8, 4)], ids=["deepseek-v3-4096"])
 def test_moe_router_biased_on_cuda(case, form, dtype):
     biased_router_tests.check(case, biased_router_tests.FORMS[form], dtype, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7, 33), (13, 100), (4096, 2048)], ids=["7x33", "13x100", "4096x2048"])
+@pytest.mark.parametrize("shape", [(4096, 2048)], ids=["4096x2048"])
 def test_layer_norm_on_cuda(shape, dtype):
     x, w, b, dy = _cuda(ln_tests.make_inputs(shape, shift=0.5))
     for style in ("wb", "w", "none"):
@@ -166,7 +164,7 @@ def test_layer_norm_on_cuda(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7, 33), (2, 3, 64), (4096, 128)], ids=["7x33", "2x3x64", "4096x128"])
+@pytest.mark.parametrize("shape", [(4096, 128)], ids=["4096x128"])
 def test_l2_norm_on_cuda(shape, dtype):
     x, dy = _cuda(l2_tests.make_inputs(shape))
     for mode in l2_tests.MODES:
@@ -175,19 +173,16 @@ def test_l2_norm_on_cuda(shape, dtype):
 
 @pytest.mark.parametrize("dtype,adapter_dtype", tiled_tests.DTYPE_PAIRS)
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
-@pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", [*tiled_tests.SHAPES, (3000, 512, 1408, 16, 1024)])
+@pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", [(3000, 512, 1408, 16, 1024)])
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
 def test_tiled_mlp_on_cuda(dtype, adapter_dtype, merged, rows, hidden, inter, rank, tile_rows, recompute):
     tiled_tests.check(dtype, adapter_dtype, "silu", merged, rows, hidden, inter, rank, tile_rows, recompute,
                       device="cuda")
 
 
-# The joined q/k norms and RoPE (lowering/norm_rope.py); the last at Qwen3-MoE's attention (32 q and 4 k heads of
-# 128, 2 x 2048 tokens), the norm weights trained (their partial sums) and frozen.
+# The joined q/k norms and RoPE (lowering/norm_rope.py) at Qwen3-MoE's attention (32 q and 4 k heads of 128, 2 x 2048
+# tokens), the norm weights trained (their partial sums) and frozen.
 @pytest.mark.parametrize("shape,rot,interleaved", [
-    pytest.param((2, 3, 1, 7, 64, "bhsd"), None, False, id="odd"),
-    pytest.param((2, 3, 2, 7, 96, "bhsd"), 32, False, id="partial"),
-    pytest.param((2, 3, 2, 7, 48, "bshd"), None, True, id="interleaved"),
     pytest.param((2, 32, 4, 2048, 128, "bhsd"), None, False, id="qwen3-moe")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_rope_on_cuda(shape, rot, interleaved, dtype):
@@ -222,11 +217,9 @@ def test_bshd_out_on_cuda(shape, joined, dtype):
         assert out.transpose(1, 2).is_contiguous()  # the o projection's rows, a view
 
 
-# RoPE's interleaved pairs (GPT-J, Meta's complex form) and DeepSeek-V3's de-interleaving layout (pairs in, halves
-# out), the last at DeepSeek-V3's rope heads (64 dims, 128 q heads, one k head shared by all) over 2 x 2048 tokens.
+# DeepSeek-V3's de-interleaving RoPE layout (pairs in, halves out) at its rope heads (64 dims, 128 q heads, one k head
+# shared by all) over 2 x 2048 tokens.
 @pytest.mark.parametrize("shape,deinterleave", [
-    pytest.param((2, 4, 2, 9, 64, "bhsd"), False, id="interleaved"),
-    pytest.param((1, 3, 2, 7, 6, "bshd"), True, id="deinterleave-odd"),
     pytest.param((2, 128, 1, 2048, 64, "bhsd"), True, id="deinterleave-deepseek-v3")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_pairs_on_cuda(shape, deinterleave, dtype):

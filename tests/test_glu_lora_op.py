@@ -18,13 +18,14 @@ from pattern_checks import forward_backward, seeded
 from tolerance import assert_close
 
 
-def make_inputs(rows: int, inter: int, out: int, rank: int):
+def make_inputs(rows: int, inter: int, out: int, rank: int, device: str = "cpu"):
+    """gate, up, w, a, b in fp32, drawn on the CPU (the same values on every device) and moved to ``device``."""
     gen = seeded(3)
     gate, up = torch.randn(rows, inter, generator=gen), torch.randn(rows, inter, generator=gen)
     w = torch.randn(out, inter, generator=gen) / inter**0.5
     a = torch.randn(rank, inter, generator=gen) / inter**0.5
     b = torch.randn(out, rank, generator=gen) / rank**0.5
-    return gate, up, w, a, b
+    return tuple(t.to(device) for t in (gate, up, w, a, b))
 
 
 def check_against_composed(fused, composed, args, dtype) -> None:
@@ -40,8 +41,8 @@ def check_against_composed(fused, composed, args, dtype) -> None:
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("rows,inter,out,rank", [(37, 24, 20, 4), (5, 70, 33, 16)])
-def test_matches_the_composed_patterns(dtype, activation, merged, rows, inter, out, rank):
-    gate, up, w, a, b = make_inputs(rows, inter, out, rank)
+def test_matches_the_composed_patterns(dtype, activation, merged, rows, inter, out, rank, device):
+    gate, up, w, a, b = make_inputs(rows, inter, out, rank, device)
     pattern = PATTERNS[activation]
 
     def fused(gate, up, a, b, w=w.to(dtype)):
@@ -55,9 +56,9 @@ def test_matches_the_composed_patterns(dtype, activation, merged, rows, inter, o
     check_against_composed(fused, composed, [gate.to(dtype), up.to(dtype), a, b], dtype)
 
 
-def test_the_glu_output_is_not_saved():
+def test_the_glu_output_is_not_saved(device):
     # Saved for backward: gate, up, w, a, b and the [rows, r] adapter activation, never [rows, inter] hidden.
-    gate, up, w, a, b = make_inputs(37, 24, 20, 4)
+    gate, up, w, a, b = make_inputs(37, 24, 20, 4, device)
     gate, up, a, b = (t.requires_grad_() for t in (gate, up, a, b))
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -70,7 +71,7 @@ def test_the_glu_output_is_not_saved():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("nested", [False, True], ids=["absmax", "double-quantised"])
-def test_4bit_base_matches_the_composed_patterns(dtype, nested):
+def test_4bit_base_matches_the_composed_patterns(dtype, nested, device):
     # sloth.glu_qlora_linear: the same with a bitsandbytes NF4 base, against the patterns on the weight
     # bitsandbytes itself dequantises.
     functional = pytest.importorskip("bitsandbytes.functional")
@@ -79,7 +80,7 @@ def test_4bit_base_matches_the_composed_patterns(dtype, nested):
     register_4bit()
     # 128 inputs: whole 64-element blocks per row, which bitsandbytes' CPU dequantisation needs
     # (tests/test_qlora.py says why).
-    gate, up, w, a, b = make_inputs(37, 128, 20, 4)
+    gate, up, w, a, b = make_inputs(37, 128, 20, 4, device)
     packed, state = functional.quantize_4bit(w.to(dtype), blocksize=64, quant_type="nf4", compress_statistics=nested)
     w_dq = functional.dequantize_4bit(packed, state).to(dtype)
     quant = (packed, state.absmax, state.state2.code if nested else None, state.state2.absmax if nested else None,
@@ -98,17 +99,17 @@ def test_4bit_base_matches_the_composed_patterns(dtype, nested):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu_erf"])
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
-def test_the_backward_takes_hidden_from_the_glu_backward(monkeypatch, dtype, activation, merged):
+def test_the_backward_takes_hidden_from_the_glu_backward(monkeypatch, dtype, activation, merged, device):
     # The backward's hidden comes from the GLU backward's pass (written over d_hidden), not from a GLU forward
     # launch of its own, and every gradient is bit for bit the recomputing backward's
     # (SLOTH_GLU_LORA_FUSED_HIDDEN=0).
     from sloth.lowering import glu as glu_lowering
     from sloth.lowering import glu_lora as glu_lora_lowering
 
-    gate, up, w, a, b = make_inputs(37, 70, 33, 4)
+    gate, up, w, a, b = make_inputs(37, 70, 33, 4, device)
     gate, up, w = gate.to(dtype), up.to(dtype), w.to(dtype)
     x = torch.cat([gate, up], -1) if merged else gate
-    dy = torch.randn(37, 33, generator=seeded(5)).to(dtype)
+    dy = torch.randn(37, 33, generator=seeded(5)).to(device, dtype)
 
     def grads(fused_hidden: bool):
         monkeypatch.setattr(glu_lora_lowering, "FUSED_HIDDEN", fused_hidden)

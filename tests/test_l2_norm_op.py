@@ -19,9 +19,10 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
 MODES = {"clamp": (True, normalize_pattern), "add": (False, l2_norm_pattern)}
 
 
-def make_inputs(shape, scale: float = 1.0, seed: int = 0):
+def make_inputs(shape, scale: float = 1.0, seed: int = 0, device: str = "cpu"):
+    """x and dy in fp32, drawn on the CPU (the same values on every device) and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g) * scale, torch.randn(shape, generator=g)
+    return (torch.randn(shape, generator=g) * scale).to(device), torch.randn(shape, generator=g).to(device)
 
 
 def run(fn, x, dy):
@@ -51,17 +52,17 @@ CASES += [pytest.param((13, 100), torch.float16, mode, id=f"13-100-fp16-{mode}")
 
 
 @pytest.mark.parametrize("shape,dtype,mode", CASES)
-def test_forward_and_gradient_match_pattern(shape, dtype, mode):
-    x, dy = make_inputs(shape)
+def test_forward_and_gradient_match_pattern(shape, dtype, mode, device):
+    x, dy = make_inputs(shape, device=device)
     y, dx = check(mode, x, dy, dtype, eps=1e-6)
     assert y.dtype == dtype and dx.dtype == dtype and y.shape == x.shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_below_eps(dtype):
+def test_rows_below_eps(dtype, device):
     # Half the rows have ||x|| ~ 1e-3 < eps = 1e-2: F.normalize divides them by eps (a constant, dx = dy / eps),
     # the additive form by sqrt(sum + eps); the two modes must differ there and each equal its pattern.
-    x, dy = make_inputs((8, 40))
+    x, dy = make_inputs((8, 40), device=device)
     x[::2] *= 2e-4
     clamped = check("clamp", x, dy, dtype, eps=1e-2)
     added = check("add", x, dy, dtype, eps=1e-2)
@@ -71,7 +72,7 @@ def test_rows_below_eps(dtype):
 
 
 @pytest.mark.parametrize("passes", [True, False], ids=["torch<=2.13", "torch>=2.14"])
-def test_norm_at_eps_follows_the_clamp_convention(monkeypatch, passes):
+def test_norm_at_eps_follows_the_clamp_convention(monkeypatch, passes, device):
     # A row whose norm is exactly eps: F.normalize's clamp_min(eps) passes the gradient to the norm up to torch 2.13
     # and not from 2.14 (lowering/torch_conventions.py). The kernel and the reference follow CLAMP_PASSES_AT_BOUND,
     # both ways here: with it dx = (dy - y <dy, y>) / eps, without it dx = dy / eps.
@@ -79,49 +80,52 @@ def test_norm_at_eps_follows_the_clamp_convention(monkeypatch, passes):
 
     monkeypatch.setattr(lowering, "CLAMP_PASSES_AT_BOUND", passes)
     monkeypatch.setattr(lowering, "_PASS_AT_BOUND", tl.constexpr(passes))
-    x = torch.tensor([[0.5, 0.0, 0.0, 0.0]])  # ||x|| = 0.5, exact
-    dy = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
-    through_norm = torch.tensor([[0.0, 2.0, 0.0, 0.0]])  # (dy - y <dy, y>) / eps with y = [1, 0, 0, 0]
+    x = torch.tensor([[0.5, 0.0, 0.0, 0.0]], device=device)  # ||x|| = 0.5, exact
+    dy = torch.tensor([[1.0, 1.0, 0.0, 0.0]], device=device)
+    through_norm = torch.tensor([[0.0, 2.0, 0.0, 0.0]], device=device)  # (dy - y <dy, y>) / eps with y = [1, 0, 0, 0]
     for backward in (lowering._l2_norm_bwd, lowering.l2_norm_backward_reference):
         dx = backward(dy, x, 0.5, True)
         torch.testing.assert_close(dx, through_norm if passes else dy / 0.5, msg=backward.__name__)
 
 
-def test_eps_is_a_runtime_argument():
-    x, dy = make_inputs((6, 64), scale=1e-2)
+def test_eps_is_a_runtime_argument(device):
+    x, dy = make_inputs((6, 64), scale=1e-2, device=device)
     small, large = check("add", x, dy, torch.float32, eps=1e-6), check("add", x, dy, torch.float32, eps=1.0)
     assert (small[0] - large[0]).abs().max() > 0.1  # rows of norm ~0.08: eps 1 shrinks them 12-fold
     assert torch.equal(l2_norm(x, 1e-6, False), small[0])
 
 
 BAD_INPUTS = [
-    pytest.param(lambda: torch.randn(3, 64, dtype=torch.float64), TypeError, r"x must be .*float64", id="x-float64"),
-    pytest.param(lambda: torch.zeros(1, MAX_HIDDEN + 1), ValueError, rf"exceeds .*{MAX_HIDDEN}", id="hidden-over-max"),
-    pytest.param(lambda: torch.tensor(1.0), ValueError, r"at least one dimension", id="x-0d"),
+    pytest.param(lambda d: torch.randn(3, 64, dtype=torch.float64, device=d), TypeError, r"x must be .*float64",
+                 id="x-float64"),
+    pytest.param(lambda d: torch.zeros(1, MAX_HIDDEN + 1, device=d), ValueError, rf"exceeds .*{MAX_HIDDEN}",
+                 id="hidden-over-max"),
+    pytest.param(lambda d: torch.tensor(1.0, device=d), ValueError, r"at least one dimension", id="x-0d"),
 ]
 
 
 @pytest.mark.parametrize("make,error,message", BAD_INPUTS)
-def test_input_errors_name_the_problem(make, error, message):
+def test_input_errors_name_the_problem(make, error, message, device):
     with pytest.raises(error, match="sloth.l2_norm: .*" + message):
-        l2_norm(make(), 1e-6, True)
+        l2_norm(make(device), 1e-6, True)
 
 
 @pytest.mark.parametrize("clamp", [True, False], ids=["clamp", "add"])
-@pytest.mark.parametrize("make_x", [lambda: torch.randn(3, 33), lambda: torch.randn(64, 8, dtype=torch.bfloat16).t()],
+@pytest.mark.parametrize("make_x", [lambda d: torch.randn(3, 33, device=d),
+                                    lambda d: torch.randn(64, 8, dtype=torch.bfloat16, device=d).t()],
                          ids=["N3-D33-fp32", "N8-D64-bf16-transposed"])
-def test_opcheck(make_x, clamp):
+def test_opcheck(make_x, clamp, device):
     register()
-    x = make_x().requires_grad_(True)
+    x = make_x(device).requires_grad_(True)
     torch.library.opcheck(torch.ops.sloth.l2_norm.default, (x, 1e-6, clamp, torch.float32))
     torch.library.opcheck(torch.ops.sloth.l2_norm_backward.default,
-                          (torch.randn(x.shape, dtype=x.dtype), x.detach(), 1e-6, clamp))
+                          (torch.randn(x.shape, dtype=x.dtype, device=device), x.detach(), 1e-6, clamp))
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_fallback_matches_triton(mode):
+def test_fallback_matches_triton(mode, device):
     clamp, _ = MODES[mode]
-    x, dy = make_inputs((2, 5, 33))
+    x, dy = make_inputs((2, 5, 33), device=device)
     x[0] *= 1e-4
     fused = lambda a: l2_norm(a, 1e-3, clamp)  # noqa: E731
     triton_out = run(fused, x, dy)

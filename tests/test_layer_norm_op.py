@@ -21,14 +21,15 @@ PATTERNS = {"F.layer_norm": layer_norm_pattern, "upcast": upcast_layer_norm_patt
 KERNELS = ("_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel")
 
 
-def make_inputs(shape, scale: float = 1.0, shift: float = 0.0, seed: int = 0):
-    """fp32 masters for x, w, b and dy (x off-centre by ``shift``: a kernel that skipped the mean would show)."""
+def make_inputs(shape, scale: float = 1.0, shift: float = 0.0, seed: int = 0, device: str = "cpu"):
+    """fp32 masters for x, w, b and dy (x off-centre by ``shift``: a kernel that skipped the mean would show), drawn
+    on the CPU (the same values on every device) and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * scale + shift
     w = torch.randn(shape[-1], generator=g) * 0.5 + 1.0
     b = torch.randn(shape[-1], generator=g) * 0.5
     dy = torch.randn(shape, generator=g)
-    return x, w, b, dy
+    return x.to(device), w.to(device), b.to(device), dy.to(device)
 
 
 def run(fn, x, w, b, dy, frozen=()):
@@ -67,8 +68,8 @@ def check(style, x32, w32, b32, dy32, dtype, eps=1e-5, pattern="F.layer_norm", f
     return actual
 
 
-def test_reference_really_is_float64():
-    x, w, b, _ = make_inputs((4, 64))
+def test_reference_really_is_float64(device):
+    x, w, b, _ = make_inputs((4, 64), device=device)
     x, w, b = x.double(), w.double(), b.double()
     with StayFloat64():
         ref = upcast_layer_norm_pattern(x, w, b, 1e-5)
@@ -91,8 +92,8 @@ CASES += [pytest.param((13, 100), torch.float16, "wb", id="N13-D100-fp16-wb")]
 
 
 @pytest.mark.parametrize("shape,dtype,style", CASES)
-def test_forward_and_gradients_match_pattern(shape, dtype, style):
-    x, w, b, dy = make_inputs(shape, shift=3.0)
+def test_forward_and_gradients_match_pattern(shape, dtype, style, device):
+    x, w, b, dy = make_inputs(shape, shift=3.0, device=device)
     y, dx, dw, db = check(style, x, w, b, dy, dtype)
     assert y.dtype == dtype and dx.dtype == dtype and y.shape == x.shape
     assert (dw is not None) == ("w" in style) and (db is not None) == ("b" in style)
@@ -103,14 +104,14 @@ def test_forward_and_gradients_match_pattern(shape, dtype, style):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_upcast_pattern(dtype):
-    x, w, b, dy = make_inputs((7, 33), shift=-2.0)
+def test_upcast_pattern(dtype, device):
+    x, w, b, dy = make_inputs((7, 33), shift=-2.0, device=device)
     check("wb", x, w, b, dy, dtype, pattern="upcast")
 
 
 @pytest.mark.parametrize("frozen", [("w", "b"), ("w",), ("b",)], ids=["frozen-w-b", "frozen-w", "frozen-b"])
-def test_frozen_parameters_get_no_gradient(frozen):
-    x32, w32, b32, dy32 = make_inputs((13, 100))
+def test_frozen_parameters_get_no_gradient(frozen, device):
+    x32, w32, b32, dy32 = make_inputs((13, 100), device=device)
     check("wb", x32, w32, b32, dy32, torch.bfloat16, frozen=frozen)  # the values, and no grad where frozen
     x = x32.to(torch.bfloat16).requires_grad_(True)
     w = w32.to(torch.bfloat16).requires_grad_("w" not in frozen)
@@ -132,8 +133,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_non_contiguous_input(layout):
-    x32, w32, b32, dy32 = make_inputs((13, 33), shift=1.0)
+def test_non_contiguous_input(layout, device):
+    x32, w32, b32, dy32 = make_inputs((13, 33), shift=1.0, device=device)
     x, dy = LAYOUTS[layout](x32.to(torch.bfloat16)), LAYOUTS[layout](dy32.to(torch.bfloat16))
     assert not x.is_contiguous() and not dy.is_contiguous()
     w, b = w32.to(torch.bfloat16), b32.to(torch.bfloat16)
@@ -145,8 +146,8 @@ def test_non_contiguous_input(layout):
         assert_close(name, a, e, r)
 
 
-def test_mixed_bf16_input_fp32_parameters_fp32_output():
-    x32, w32, b32, dy32 = make_inputs((13, 100))
+def test_mixed_bf16_input_fp32_parameters_fp32_output(device):
+    x32, w32, b32, dy32 = make_inputs((13, 100), device=device)
     x, w, b = x32.to(torch.bfloat16), w32, b32
     actual = run(lambda a, w_, b_: layer_norm(a, w_, b_, 1e-5, out_dtype=torch.float32), x, w, b, dy32)
     eager = run(lambda a, w_, b_: upcast_layer_norm_pattern(a, w_, b_, 1e-5).float(), x, w, b, dy32)
@@ -158,9 +159,9 @@ def test_mixed_bf16_input_fp32_parameters_fp32_output():
         assert_close(name, a, e.to(a.dtype), r)
 
 
-def test_eps_is_a_runtime_argument():
+def test_eps_is_a_runtime_argument(device):
     # Rows with variance ~1e-4: eps 1e-6 barely matters, eps 1e-2 dominates the denominator.
-    x, w, b, dy = make_inputs((16, 64), scale=1e-2)
+    x, w, b, dy = make_inputs((16, 64), scale=1e-2, device=device)
     small = check("wb", x, w, b, dy, torch.float32, eps=1e-6)
     large = check("wb", x, w, b, dy, torch.float32, eps=1e-2)
     assert (small[0] - large[0]).abs().max().item() > 0.5
@@ -168,69 +169,72 @@ def test_eps_is_a_runtime_argument():
     assert torch.equal(layer_norm(x, w, b, 1e-6), small[0]), "a second call with the first eps gives the first result"
 
 
-def test_constant_rows_and_single_column():
+def test_constant_rows_and_single_column(device):
     # Zero variance: n = 0 and y = b exactly; dx = rstd * (dn - mean(dn)) with rstd = eps^(-1/2), which is 0 for
     # D = 1 (every row of one column is constant).
     for shape in ((5, 40), (6, 1)):
-        x, w, b, dy = make_inputs(shape)
-        y, dx, _, _ = check("wb", torch.full(shape, 3.0), w, b, dy, torch.float32)
+        x, w, b, dy = make_inputs(shape, device=device)
+        y, dx, _, _ = check("wb", torch.full(shape, 3.0, device=device), w, b, dy, torch.float32)
         assert torch.equal(y, b.expand(shape)) and not dx.isnan().any()
         if shape[-1] == 1:
-            assert torch.equal(dx, torch.zeros(shape))
+            assert torch.equal(dx, torch.zeros(shape, device=device))
 
 
 BAD_INPUTS = [
-    pytest.param(lambda: (torch.randn(3, 64), torch.randn(65), None), ValueError,
+    pytest.param(lambda d: (torch.randn(3, 64, device=d), torch.randn(65, device=d), None), ValueError,
                  r"weight must have shape \(64,\).*got \(65,\)", id="weight-too-long"),
-    pytest.param(lambda: (torch.randn(3, 64), None, torch.randn(1, 64)), ValueError,
+    pytest.param(lambda d: (torch.randn(3, 64, device=d), None, torch.randn(1, 64, device=d)), ValueError,
                  r"bias must have shape \(64,\).*\(1, 64\)", id="bias-2d"),
-    pytest.param(lambda: (torch.randn(3, 64, dtype=torch.float64), None, None), TypeError, r"x must be .*float64",
-                 id="x-float64"),
-    pytest.param(lambda: (torch.randn(3, 64), None, torch.ones(64, dtype=torch.int32)), TypeError,
-                 r"bias must be .*int32", id="bias-int32"),
-    pytest.param(lambda: (torch.zeros(1, MAX_HIDDEN + 1), None, None), ValueError, rf"exceeds .*{MAX_HIDDEN}",
-                 id="hidden-over-max"),
-    pytest.param(lambda: (torch.tensor(1.0), None, None), ValueError, r"at least one dimension", id="x-0d"),
+    pytest.param(lambda d: (torch.randn(3, 64, dtype=torch.float64, device=d), None, None), TypeError,
+                 r"x must be .*float64", id="x-float64"),
+    pytest.param(lambda d: (torch.randn(3, 64, device=d), None, torch.ones(64, dtype=torch.int32, device=d)),
+                 TypeError, r"bias must be .*int32", id="bias-int32"),
+    pytest.param(lambda d: (torch.zeros(1, MAX_HIDDEN + 1, device=d), None, None), ValueError,
+                 rf"exceeds .*{MAX_HIDDEN}", id="hidden-over-max"),
+    pytest.param(lambda d: (torch.tensor(1.0, device=d), None, None), ValueError, r"at least one dimension",
+                 id="x-0d"),
 ]
 
 
 @pytest.mark.parametrize("make,error,message", BAD_INPUTS)
-def test_input_errors_name_the_problem(make, error, message):
-    x, w, b = make()
+def test_input_errors_name_the_problem(make, error, message, device):
+    x, w, b = make(device)
     with pytest.raises(error, match="sloth.layer_norm: .*" + message):
         layer_norm(x, w, b, 1e-5)
 
 
-def test_zero_rows():
-    x = torch.randn(0, 64, requires_grad=True)
-    w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+def test_zero_rows(device):
+    x = torch.randn(0, 64, device=device, requires_grad=True)
+    w, b = torch.randn(64, device=device, requires_grad=True), torch.randn(64, device=device, requires_grad=True)
     layer_norm(x, w, b, 1e-5).sum().backward()
-    assert x.grad.shape == (0, 64) and torch.equal(w.grad, torch.zeros(64)) and torch.equal(b.grad, torch.zeros(64))
+    zeros = torch.zeros(64, device=device)
+    assert x.grad.shape == (0, 64) and torch.equal(w.grad, zeros) and torch.equal(b.grad, zeros)
 
 
 OPCHECK_CASES = [
-    pytest.param(lambda: torch.randn(3, 33), True, True, id="N3-D33-fp32-wb"),
-    pytest.param(lambda: torch.randn(2, 5, 64, dtype=torch.bfloat16), False, False, id="B2-T5-D64-bf16-none"),
-    pytest.param(lambda: torch.randn(64, 8).t(), True, False, id="N8-D64-transposed-w"),
+    pytest.param(lambda d: torch.randn(3, 33, device=d), True, True, id="N3-D33-fp32-wb"),
+    pytest.param(lambda d: torch.randn(2, 5, 64, dtype=torch.bfloat16, device=d), False, False,
+                 id="B2-T5-D64-bf16-none"),
+    pytest.param(lambda d: torch.randn(64, 8, device=d).t(), True, False, id="N8-D64-transposed-w"),
 ]
 
 
 @pytest.mark.parametrize("make_x,has_w,has_b", OPCHECK_CASES)
-def test_opcheck(make_x, has_w, has_b):
+def test_opcheck(make_x, has_w, has_b, device):
     register()
-    x = make_x().requires_grad_(True)
+    x = make_x(device).requires_grad_(True)
     d = x.shape[-1]
-    w = torch.randn(d, dtype=x.dtype, requires_grad=True) if has_w else None
-    b = torch.randn(d, dtype=x.dtype, requires_grad=True) if has_b else None
+    w = torch.randn(d, dtype=x.dtype, device=device, requires_grad=True) if has_w else None
+    b = torch.randn(d, dtype=x.dtype, device=device, requires_grad=True) if has_b else None
     torch.library.opcheck(torch.ops.sloth.layer_norm.default, (x, w, b, 1e-5, x.dtype))
-    dy = torch.randn(x.shape, dtype=x.dtype)
+    dy = torch.randn(x.shape, dtype=x.dtype, device=device)
     torch.library.opcheck(torch.ops.sloth.layer_norm_backward.default,
                           (dy, x.detach(), None if w is None else w.detach(), 1e-5, has_w, has_b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fallback_matches_triton(dtype):
-    x32, w32, b32, dy32 = make_inputs((2, 5, 33), shift=1.0)
+def test_fallback_matches_triton(dtype, device):
+    x32, w32, b32, dy32 = make_inputs((2, 5, 33), shift=1.0, device=device)
     x, w, b, dy = x32.to(dtype), w32.to(dtype), b32.to(dtype), dy32.to(dtype)
     fused = lambda a, w_, b_: layer_norm(a, w_, b_, 1e-5)  # noqa: E731
     triton_out = run(fused, x, w, b, dy)

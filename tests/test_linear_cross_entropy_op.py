@@ -345,3 +345,75 @@ def test_backward_keeps_the_inputs_only_when_it_recomputes(reduction, weight_gra
     assert (x.data_ptr() in saved) == keeps_inputs and (w.data_ptr() in saved) == keeps_inputs, saved
     loss.sum().backward()  # and the backward still runs on what was kept
     assert x.grad is not None and (w.grad is not None) == weight_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# Labels outside [0, V) that are not ignore_index (eager raises IndexError)
+# ---------------------------------------------------------------------------------------------------
+
+BAD_LABELS = [pytest.param(lambda v: v, id="label-V"), pytest.param(lambda v: -5, id="label-minus-5")]
+
+
+def _labels_with_one_bad(v: int, bad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels with row 2 set to ``bad`` and rows 0 and 4 ignored, the same labels with row 2 ignored too)."""
+    labels = torch.tensor([-100, 3, bad, v - 1, -100, 0, 5])
+    ignored = labels.clone()
+    ignored[2] = -100
+    return labels, ignored
+
+
+@pytest.mark.parametrize("logits_given", [False, True], ids=["recomputed", "logits-given"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("bad", BAD_LABELS)
+def test_out_of_range_label_makes_the_kernel_loss_nan(bad, reduction, logits_given):
+    """The Triton kernel (interpreted here) cannot raise without a host sync: the offending row's loss and its
+    gradient are NaN, so 'mean' and 'sum' are NaN, never a finite loss; every other row is what it is with the
+    offending row ignored (for 'mean' up to the count, which includes the offending row)."""
+    x, w, b, _ = make_inputs(7, 16, 13, bias=True)
+    labels, ignored = _labels_with_one_bad(13, bad(13))
+    opts = dict(reduction=reduction, softcap=3.0, label_smoothing=0.1)
+    loss, dx, dw, db = forward_backward(fused(labels, logits_given, **opts), x, w, b)
+    want_loss, want_dx, _, _ = forward_backward(fused(ignored, logits_given, **opts), x, w, b)
+    rows = torch.arange(7) != 2
+    if reduction == "none":
+        assert loss[2].isnan() and not loss[rows].isnan().any()
+        assert (loss[[0, 4]] == 0).all(), "ignored rows must stay 0"
+        torch.testing.assert_close(loss[rows], want_loss[rows])
+    else:
+        assert loss.isnan(), loss
+    scale = 4 / 5 if reduction == "mean" else 1.0  # the count is 5 valid rows with the offending one, 4 without
+    assert dx[2].isnan().all() and not dx[rows].isnan().any()
+    torch.testing.assert_close(dx[rows], want_dx[rows] * scale)
+    assert dw.isnan().all() and db.isnan().all(), "dw and db sum over every row, the offending one included"
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("bad", BAD_LABELS)
+def test_out_of_range_label_raises_on_the_pytorch_reference(monkeypatch, bad, reduction):
+    """Where Triton cannot run on CPU tensors, the reference checks the labels (host memory: no sync) and
+    raises IndexError, as eager does, in the forward and in the recomputing backward alike."""
+    force_fallback(monkeypatch, lowering, "_lce_rows_kernel")
+    x, w, b, _ = make_inputs(7, 16, 13, bias=True)
+    labels, _ = _labels_with_one_bad(13, bad(13))
+    with pytest.raises(IndexError, match="out of bounds"):
+        linear_cross_entropy_pattern(x, w, b, labels, reduction=reduction)  # eager
+    with pytest.raises(IndexError, match=rf"sloth.linear_cross_entropy: target {bad(13)} is out of bounds"):
+        linear_cross_entropy(x, w, b, labels, reduction=reduction)
+    with pytest.raises(IndexError, match="out of bounds"):
+        lowering._lce_bwd(torch.ones(7), x, w, b, labels, -100, "none", 0.0, 1.0, 0.0, True)
+
+
+@pytest.mark.parametrize("bad", BAD_LABELS)
+def test_out_of_range_label_is_nan_in_the_reference_math(bad):
+    """On a device where checking would sync, the reference computes what the kernel does: the offending row's
+    loss and gradient tile NaN, ignored rows 0, the others as with the offending row ignored."""
+    x, w, _, _ = make_inputs(7, 16, 13)
+    labels, ignored = _labels_with_one_bad(13, bad(13))
+    logits, a = x @ w.t(), torch.full((7,), 0.5)
+    loss, g = lowering._row_loss_and_grad_reference(logits, labels, a, -100, 3.0, 1.0, 0.1)
+    want_loss, want_g = lowering._row_loss_and_grad_reference(logits, ignored, a, -100, 3.0, 1.0, 0.1)
+    rows = torch.arange(7) != 2
+    assert loss[2].isnan() and g[2].isnan().all()
+    assert (loss[[0, 4]] == 0).all() and (g[[0, 4]] == 0).all()
+    torch.testing.assert_close(loss[rows], want_loss[rows])
+    torch.testing.assert_close(g[rows], want_g[rows])

@@ -35,8 +35,9 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
 KERNELS = ("_split_factor_kernel", "_lora_down_kernel", "_lora_up_add_kernel", "_lora_grad_kernel")
 
 
-def make_inputs(x_shape, n: int, r: int, *, bias: bool = False, seed: int = 0):
-    """fp32 masters for x, w, bias, a, b and dy; every run rounds them to its own dtypes first.
+def make_inputs(x_shape, n: int, r: int, *, bias: bool = False, seed: int = 0, device: str = "cpu"):
+    """fp32 masters for x, w, bias, a, b and dy, drawn on the CPU (the same values on every device) and moved to
+    ``device``; every run rounds them to its own dtypes first.
 
     w and a are scaled by 1/sqrt(K), b by 1/sqrt(r): base and adapter outputs both have a std of about 1,
     so an error in either shows in y.
@@ -49,7 +50,7 @@ def make_inputs(x_shape, n: int, r: int, *, bias: bool = False, seed: int = 0):
     a = torch.randn(r, k, generator=g) / math.sqrt(k)
     b = torch.randn(n, r, generator=g) / math.sqrt(r)
     dy = torch.randn(*x_shape[:-1], n, generator=g)
-    return x, w, b_, a, b, dy
+    return tuple(None if t is None else t.to(device) for t in (x, w, b_, a, b, dy))
 
 
 def forward_backward(fn, x, w, bias, a, b, scale, dy, need_dx: bool = True):
@@ -122,8 +123,8 @@ CASES += [pytest.param((37, 70), 45, 16, True, 2.0, torch.float16, adt,
 
 
 @pytest.mark.parametrize("x_shape,n,r,bias,scale,dtype,adapter_dtype", CASES)
-def test_forward_and_gradients_match_pattern(x_shape, n, r, bias, scale, dtype, adapter_dtype):
-    masters = make_inputs(x_shape, n, r, bias=bias)
+def test_forward_and_gradients_match_pattern(x_shape, n, r, bias, scale, dtype, adapter_dtype, device):
+    masters = make_inputs(x_shape, n, r, bias=bias, device=device)
     y, dx, da, db = check_against_pattern(masters, dtype, adapter_dtype, scale)
     assert y.dtype == dtype and y.shape == (*x_shape[:-1], n)
     assert dx.dtype == dtype and dx.shape == x_shape
@@ -131,7 +132,7 @@ def test_forward_and_gradients_match_pattern(x_shape, n, r, bias, scale, dtype, 
 
 
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS, ids=lambda t: DTYPE_IDS.get(t, t))
-def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype):
+def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype, device):
     # With 16-wide tiles the down kernel loops over K, the grad kernel over several K blocks and row splits,
     # and the up kernel over a grid of row blocks and two column groups, looping over a group's column tiles
     # (3 tiles of 16 over 45 columns: groups of 2 and 1), at a size the interpreter runs quickly.
@@ -143,44 +144,44 @@ def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype):
     assert lowering.up_add_groups(100, 45) == (2, 32)
     monkeypatch.setitem(lowering.GRAD_CONFIG, "block_m", 16)
     monkeypatch.setitem(lowering.GRAD_CONFIG, "block_k", 16)
-    check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), dtype, adapter_dtype, 2.0)
+    check_against_pattern(make_inputs((100, 70), 45, 16, bias=True, device=device), dtype, adapter_dtype, 2.0)
 
 
-def test_down_kernel_in_tf32x3_without_the_split_launch(monkeypatch):
+def test_down_kernel_in_tf32x3_without_the_split_launch(monkeypatch, device):
     """SLOTH_LORA_DOWN_SPLIT=0 (DOWN_SPLIT_LAUNCH off): bf16 activations with an fp32 adapter take the down
     products in tf32x3 instead of a factor split launch, within the tolerance rule, forward and every gradient."""
-    if not lowering.use_triton(torch.empty(0)):
+    if not lowering.use_triton(torch.empty(0, device=device)):
         pytest.skip("no Triton here")
     monkeypatch.setattr(lowering, "DOWN_SPLIT_LAUNCH", False)
     launches = record_launches(monkeypatch, lowering, *KERNELS)
-    check_against_pattern(make_inputs((100, 70), 45, 16, bias=True), torch.bfloat16, torch.float32, 2.0)
+    check_against_pattern(make_inputs((100, 70), 45, 16, bias=True, device=device), torch.bfloat16, torch.float32, 2.0)
     names = {name for name, _, _ in launches}
     assert "_lora_down_kernel" in names and "_split_factor_kernel" not in names, names
     assert {kw["MODE"] for name, _, kw in launches if name == "_lora_down_kernel"} == {lowering._TF32X3.value}
 
 
-def test_backward_forms_both_adapter_gradients_in_one_launch(monkeypatch):
+def test_backward_forms_both_adapter_gradients_in_one_launch(monkeypatch, device):
     """da and db come from one grad-kernel launch (programs of both problems in one grid)."""
-    if not lowering.use_triton(torch.empty(0)):
+    if not lowering.use_triton(torch.empty(0, device=device)):
         pytest.skip("no Triton here")
     launches = record_launches(monkeypatch, lowering, "_lora_grad_kernel")
-    x, w, _, a, b, _ = make_inputs((3, 9, 40), 24, 5, bias=False)
+    x, w, _, a, b, _ = make_inputs((3, 9, 40), 24, 5, bias=False, device=device)
     x, a, b = x.bfloat16().requires_grad_(), a.requires_grad_(), b.requires_grad_()
     lora_linear(x, w.bfloat16(), None, a, b, 2.0).sum().backward()
     assert len(launches) == 1 and a.grad is not None and b.grad is not None and x.grad is not None
 
 
-def test_fp32_input_with_a_bf16_adapter():
+def test_fp32_input_with_a_bf16_adapter(device):
     # Allowed by the op (the factors need only agree with each other). The pattern rounds x to bf16 for the
     # adapter (peft's x.to(lora_A.weight.dtype)); the op reads x in fp32, which the fp64 reference rewards.
-    check_against_pattern(make_inputs((37, 70), 45, 16, bias=True), torch.float32, torch.bfloat16, 2.0)
+    check_against_pattern(make_inputs((37, 70), 45, 16, bias=True, device=device), torch.float32, torch.bfloat16, 2.0)
 
 
 @pytest.mark.parametrize("dtype,adapter_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
                          ids=["fp32", "bf16-adapter-fp32"])
-def test_frozen_input_computes_adapter_gradients_only(dtype, adapter_dtype):
+def test_frozen_input_computes_adapter_gradients_only(dtype, adapter_dtype, device):
     # x without requires_grad (the first layer's input, say): the backward op is told so and skips dx.
-    masters = make_inputs((37, 70), 45, 16, bias=True)
+    masters = make_inputs((37, 70), 45, 16, bias=True, device=device)
     _, dx, da, db = check_against_pattern(masters, dtype, adapter_dtype, 2.0, need_dx=False)
     assert dx is None and da.shape == (16, 70) and db.shape == (45, 16)
     x, w, bias, a, b, dy = cast_inputs(masters, dtype, adapter_dtype)
@@ -195,9 +196,9 @@ def test_frozen_input_computes_adapter_gradients_only(dtype, adapter_dtype):
 
 
 @pytest.mark.parametrize("trained", ["x", "a", "b"])
-def test_one_input_trained(trained):
+def test_one_input_trained(trained, device):
     # Only x (a frozen adapter), only a or only b requires grad: the op returns the one gradient asked for.
-    x, w, _, a, b, dy = cast_inputs(make_inputs((37, 70), 45, 16), torch.float32, torch.float32)
+    x, w, _, a, b, dy = cast_inputs(make_inputs((37, 70), 45, 16, device=device), torch.float32, torch.float32)
     grads = []
     for fn, args in ((lora_linear, (x, w, a, b)), (lora_pattern, (x, w, a, b)),
                      (lora_pattern, tuple(t.double() for t in (x, w, a, b)))):
@@ -212,11 +213,11 @@ def test_one_input_trained(trained):
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_adapter_part_is_linear_in_the_scale(dtype):
+def test_adapter_part_is_linear_in_the_scale(dtype, device):
     # y - base, dx - dx_base, da and db are all proportional to s: with s = 2 they are exactly 4x those
     # with s = 0.5 (powers of two, so only the final roundings differ). A dropped adapter gives 0, a scale
     # applied twice 16x.
-    masters = make_inputs((37, 70), 45, 16, bias=True)
+    masters = make_inputs((37, 70), 45, 16, bias=True, device=device)
     x, w, bias, a, b, dy = cast_inputs(masters, dtype, torch.float32)
     base = F.linear(x, w, bias).float()
     dx_base = (dy.float() @ w.float())
@@ -233,17 +234,18 @@ def test_adapter_part_is_linear_in_the_scale(dtype):
     torch.testing.assert_close(db2, 4 * db05)
 
 
-def test_zero_scale_is_the_base_alone():
-    x, w, bias, a, b, dy = cast_inputs(make_inputs((37, 70), 45, 16, bias=True), torch.float32, torch.float32)
+def test_zero_scale_is_the_base_alone(device):
+    masters = make_inputs((37, 70), 45, 16, bias=True, device=device)
+    x, w, bias, a, b, dy = cast_inputs(masters, torch.float32, torch.float32)
     y, dx, da, db = forward_backward(lora_linear, x, w, bias, a, b, 0.0, dy)
     torch.testing.assert_close(y, F.linear(x, w, bias))
     torch.testing.assert_close(dx, dy @ w)
     assert not da.any() and not db.any()
 
 
-def test_saved_adapter_activation_is_x_times_a_transposed():
+def test_saved_adapter_activation_is_x_times_a_transposed(device):
     # The op's second output h = x2 @ a.T (fp32, [rows, r]) is what the backward uses for db.
-    x, w, bias, a, b, _ = cast_inputs(make_inputs((2, 37, 70), 45, 16), torch.bfloat16, torch.float32)
+    x, w, bias, a, b, _ = cast_inputs(make_inputs((2, 37, 70), 45, 16, device=device), torch.bfloat16, torch.float32)
     register()
     y, h = torch.ops.sloth.lora_linear(x, w, bias, a, b, 2.0)
     assert h.dtype == torch.float32 and h.shape == (74, 16) and h.is_contiguous()
@@ -266,8 +268,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_non_contiguous_inputs(layout, dtype):
-    masters = make_inputs((37, 70), 45, 16, bias=True)
+def test_non_contiguous_inputs(layout, dtype, device):
+    masters = make_inputs((37, 70), 45, 16, bias=True, device=device)
     x, w, bias, a, b, dy = (None if t is None or t.dim() != 2 else LAYOUTS[layout](t)
                             for t in cast_inputs(masters, dtype, torch.float32))
     bias = masters[2].to(dtype)
@@ -281,9 +283,9 @@ def test_non_contiguous_inputs(layout, dtype):
 
 
 @pytest.mark.parametrize("n", [1, 45])
-def test_expanded_cotangent(n):
+def test_expanded_cotangent(n, device):
     # y.sum().backward() hands the backward a stride-0 dy.
-    x, w, bias, a, b, _ = cast_inputs(make_inputs((37, 70), n, 16), torch.float32, torch.float32)
+    x, w, bias, a, b, _ = cast_inputs(make_inputs((37, 70), n, 16, device=device), torch.float32, torch.float32)
     grads = []
     for fn in (lora_linear, lora_pattern):
         leaves = [t.detach().requires_grad_(True) for t in (x, a, b)]
@@ -293,16 +295,16 @@ def test_expanded_cotangent(n):
         torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
 
 
-def test_one_dimensional_x():
-    masters = make_inputs((70,), 45, 16, bias=True)
+def test_one_dimensional_x(device):
+    masters = make_inputs((70,), 45, 16, bias=True, device=device)
     y, dx, _, _ = check_against_pattern(masters, torch.float32, torch.float32, 2.0)
     assert y.shape == (45,) and dx.shape == (70,)
 
 
-def test_zero_rows():
-    x = torch.randn(0, 70, requires_grad=True)
-    w, a = torch.randn(45, 70), torch.randn(16, 70, requires_grad=True)
-    b = torch.randn(45, 16, requires_grad=True)
+def test_zero_rows(device):
+    x = torch.randn(0, 70, device=device, requires_grad=True)
+    w, a = torch.randn(45, 70, device=device), torch.randn(16, 70, device=device, requires_grad=True)
+    b = torch.randn(45, 16, device=device, requires_grad=True)
     y = lora_linear(x, w, None, a, b, 2.0)
     assert y.shape == (0, 45)
     y.sum().backward()
@@ -314,8 +316,9 @@ def test_zero_rows():
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("trainable", ["weight", "bias"])
-def test_trainable_base_raises_in_backward(trainable):
-    x, w, bias, a, b, dy = cast_inputs(make_inputs((3, 16), 45, 5, bias=True), torch.float32, torch.float32)
+def test_trainable_base_raises_in_backward(trainable, device):
+    masters = make_inputs((3, 16), 45, 5, bias=True, device=device)
+    x, w, bias, a, b, dy = cast_inputs(masters, torch.float32, torch.float32)
     (w if trainable == "weight" else bias).requires_grad_(True)
     a.requires_grad_(True)
     y = lora_linear(x, w, bias, a, b, 2.0)  # the forward does not know yet whether a gradient is wanted
@@ -323,43 +326,45 @@ def test_trainable_base_raises_in_backward(trainable):
         y.backward(dy)
 
 
-def _bad(x=(3, 16), w=(45, 16), bias=None, a=(5, 16), b=(45, 5), *, dtype=torch.float32, w_dtype=None,
+def _bad(device, x=(3, 16), w=(45, 16), bias=None, a=(5, 16), b=(45, 5), *, dtype=torch.float32, w_dtype=None,
          bias_dtype=None, a_dtype=torch.float32, b_dtype=None):
-    """Inputs of the given shapes and dtypes (each defaults to a consistent one)."""
+    """Inputs of the given shapes and dtypes (each defaults to a consistent one) on ``device``."""
     def make(shape, dt):
-        return torch.randn(shape).to(dt) if dt.is_floating_point else torch.randint(0, 3, shape, dtype=dt)
+        if dt.is_floating_point:
+            return torch.randn(shape, device=device).to(dt)
+        return torch.randint(0, 3, shape, dtype=dt, device=device)
     return (make(x, dtype), make(w, w_dtype or dtype), None if bias is None else make(bias, bias_dtype or dtype),
             make(a, a_dtype), make(b, b_dtype or a_dtype))
 
 
 BAD_INPUTS = [
-    pytest.param(lambda: _bad(w=(45, 17)), ValueError, r"shapes do not chain: x \[\.\.\., 16\], w \(45, 17\)",
+    pytest.param(lambda d: _bad(d, w=(45, 17)), ValueError, r"shapes do not chain: x \[\.\.\., 16\], w \(45, 17\)",
                  id="w-other-K"),
-    pytest.param(lambda: _bad(a=(5, 17)), ValueError, r"shapes do not chain.*a \(5, 17\)", id="a-other-K"),
-    pytest.param(lambda: _bad(b=(44, 5)), ValueError, r"shapes do not chain.*b \(44, 5\)", id="b-other-N"),
-    pytest.param(lambda: _bad(b=(45, 4)), ValueError, r"shapes do not chain.*a \(5, 16\), b \(45, 4\)",
+    pytest.param(lambda d: _bad(d, a=(5, 17)), ValueError, r"shapes do not chain.*a \(5, 17\)", id="a-other-K"),
+    pytest.param(lambda d: _bad(d, b=(44, 5)), ValueError, r"shapes do not chain.*b \(44, 5\)", id="b-other-N"),
+    pytest.param(lambda d: _bad(d, b=(45, 4)), ValueError, r"shapes do not chain.*a \(5, 16\), b \(45, 4\)",
                  id="b-other-rank"),
-    pytest.param(lambda: _bad(w=(45, 16, 1)), ValueError, r"w \[N, K\].*got \(3, 16\), \(45, 16, 1\)", id="w-3d"),
-    pytest.param(lambda: _bad(x=()), ValueError, r"x must be \[\.\.\., K\]", id="x-0d"),
-    pytest.param(lambda: _bad(bias=(44,)), ValueError, r"bias must be \[45\], got \(44,\)", id="bias-other-N"),
-    pytest.param(lambda: _bad(w_dtype=torch.bfloat16), TypeError,
+    pytest.param(lambda d: _bad(d, w=(45, 16, 1)), ValueError, r"w \[N, K\].*got \(3, 16\), \(45, 16, 1\)", id="w-3d"),
+    pytest.param(lambda d: _bad(d, x=()), ValueError, r"x must be \[\.\.\., K\]", id="x-0d"),
+    pytest.param(lambda d: _bad(d, bias=(44,)), ValueError, r"bias must be \[45\], got \(44,\)", id="bias-other-N"),
+    pytest.param(lambda d: _bad(d, w_dtype=torch.bfloat16), TypeError,
                  r"x, w \(and bias\) must share .*got torch.float32, torch.bfloat16", id="w-other-dtype"),
-    pytest.param(lambda: _bad(bias=(45,), bias_dtype=torch.bfloat16), TypeError,
+    pytest.param(lambda d: _bad(d, bias=(45,), bias_dtype=torch.bfloat16), TypeError,
                  r"must share .*got torch.float32, torch.float32, torch.bfloat16", id="bias-other-dtype"),
-    pytest.param(lambda: _bad(dtype=torch.float64), TypeError, r"must share one of .*got torch.float64",
+    pytest.param(lambda d: _bad(d, dtype=torch.float64), TypeError, r"must share one of .*got torch.float64",
                  id="x-float64"),
-    pytest.param(lambda: _bad(dtype=torch.int64), TypeError, r"must share one of .*got torch.int64", id="x-int64"),
-    pytest.param(lambda: _bad(b_dtype=torch.bfloat16), TypeError,
+    pytest.param(lambda d: _bad(d, dtype=torch.int64), TypeError, r"must share one of .*got torch.int64", id="x-int64"),
+    pytest.param(lambda d: _bad(d, b_dtype=torch.bfloat16), TypeError,
                  r"a and b must share .*got torch.float32 and torch.bfloat16", id="a-b-other-dtypes"),
-    pytest.param(lambda: _bad(a_dtype=torch.float64), TypeError,
+    pytest.param(lambda d: _bad(d, a_dtype=torch.float64), TypeError,
                  r"a and b must share one of .*got torch.float64 and torch.float64", id="adapter-float64"),
 ]
 
 
 @pytest.mark.parametrize("via", ["function", "torch.ops"])
 @pytest.mark.parametrize("make,error,message", BAD_INPUTS)
-def test_input_errors_name_the_problem(make, error, message, via):
-    x, w, bias, a, b = make()
+def test_input_errors_name_the_problem(make, error, message, via, device):
+    x, w, bias, a, b = make(device)
     register()
     op = lora_linear if via == "function" else torch.ops.sloth.lora_linear
     with pytest.raises(error, match=message):
@@ -378,9 +383,9 @@ OPCHECK_CASES = [
 
 
 @pytest.mark.parametrize("x_shape,n,r,bias,dtype,adapter_dtype", OPCHECK_CASES)
-def test_opcheck_forward(x_shape, n, r, bias, dtype, adapter_dtype):
+def test_opcheck_forward(x_shape, n, r, bias, dtype, adapter_dtype, device):
     register()
-    x, w, b_, a, b, _ = cast_inputs(make_inputs(x_shape, n, r, bias=bias), dtype, adapter_dtype)
+    x, w, b_, a, b, _ = cast_inputs(make_inputs(x_shape, n, r, bias=bias, device=device), dtype, adapter_dtype)
     for t in (x, a, b):
         t.requires_grad_(True)
     torch.library.opcheck(torch.ops.sloth.lora_linear.default, (x, w, b_, a, b, 2.0))
@@ -388,18 +393,18 @@ def test_opcheck_forward(x_shape, n, r, bias, dtype, adapter_dtype):
 
 @pytest.mark.parametrize("need_dx", [True, False], ids=["with-dx", "without-dx"])
 @pytest.mark.parametrize("x_shape,n,r,bias,dtype,adapter_dtype", OPCHECK_CASES)
-def test_opcheck_backward(x_shape, n, r, bias, dtype, adapter_dtype, need_dx):
+def test_opcheck_backward(x_shape, n, r, bias, dtype, adapter_dtype, need_dx, device):
     # The backward op has no autograd of its own (no double backward), so its inputs need no grad.
     register()
-    x, w, b_, a, b, dy = cast_inputs(make_inputs(x_shape, n, r, bias=bias), dtype, adapter_dtype)
+    x, w, b_, a, b, dy = cast_inputs(make_inputs(x_shape, n, r, bias=bias, device=device), dtype, adapter_dtype)
     _, h = torch.ops.sloth.lora_linear(x, w, b_, a, b, 2.0)
     torch.library.opcheck(torch.ops.sloth.lora_linear_backward.default, (dy, x, w, a, b, h, 2.0, need_dx))
 
 
-def test_backward_op_with_a_non_contiguous_h():
+def test_backward_op_with_a_non_contiguous_h(device):
     # The op's own forward always saves a contiguous h; the registered backward op accepts any layout.
     register()
-    x, w, _, a, b, dy = cast_inputs(make_inputs((37, 70), 45, 16), torch.float32, torch.float32)
+    x, w, _, a, b, dy = cast_inputs(make_inputs((37, 70), 45, 16, device=device), torch.float32, torch.float32)
     _, h = torch.ops.sloth.lora_linear(x, w, None, a, b, 2.0)
     want = torch.ops.sloth.lora_linear_backward(dy, x, w, a, b, h, 2.0, True)
     got = torch.ops.sloth.lora_linear_backward(dy, x, w, a, b, LAYOUTS["transposed"](h), 2.0, True)
@@ -422,7 +427,8 @@ def test_grad_splits_are_added_in_the_launch_in_split_order(monkeypatch, device)
         pytest.skip("no Triton here")
     g = torch.Generator().manual_seed(5)
     u, x = torch.randn(1100, 21, generator=g).to(device), torch.randn(1100, 300, generator=g).to(device, torch.bfloat16)
-    u2, x2 = torch.randn(1100, 21, generator=g).to(device), torch.randn(1100, 45, generator=g).to(device, torch.bfloat16)
+    u2 = torch.randn(1100, 21, generator=g).to(device)
+    x2 = torch.randn(1100, 45, generator=g).to(device, torch.bfloat16)
     problems = [(u, x, False), (u2, x2, True)]
     counters = lowering.grad_counters([[300, 45]], 1100, u.device)
     launches = record_launches(monkeypatch, lowering, "_lora_grad_kernel")
@@ -452,9 +458,8 @@ def test_backward_grad_launches_share_the_devices_counter_buffer(monkeypatch, de
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    x, w, _, a, b, dy = make_inputs((140, 70), 45, 16)
-    x, w, dy = (t.to(device, torch.bfloat16) for t in (x, w, dy))
-    a, b = a.to(device), b.to(device)
+    x, w, _, a, b, dy = make_inputs((140, 70), 45, 16, device=device)
+    x, w, dy = (t.to(torch.bfloat16) for t in (x, w, dy))
     h = torch.randn(140, 16, generator=torch.Generator().manual_seed(3)).to(device)
     fresh = lowering.lora_backward(dy, x, w, a, b, h, 1.5, True)
 
@@ -545,8 +550,8 @@ FALLBACK_CASES = [pytest.param(x_shape, n, r, dt, adt, id=f"{shape_id(x_shape, n
 
 
 @pytest.mark.parametrize("x_shape,n,r,dtype,adapter_dtype", FALLBACK_CASES)
-def test_fallback_matches_triton(x_shape, n, r, dtype, adapter_dtype):
-    masters = make_inputs(x_shape, n, r, bias=True)
+def test_fallback_matches_triton(x_shape, n, r, dtype, adapter_dtype, device):
+    masters = make_inputs(x_shape, n, r, bias=True, device=device)
     args = cast_inputs(masters, dtype, adapter_dtype)
     triton_out = forward_backward(lora_linear, *args[:5], 2.0, args[5])
     with pytest.MonkeyPatch.context() as mp:
@@ -561,17 +566,18 @@ def test_fallback_matches_triton(x_shape, n, r, dtype, adapter_dtype):
 
 
 @pytest.mark.parametrize("need_dx", [True, False], ids=["with-dx", "without-dx"])
-def test_fallback_is_used_when_triton_cannot_run(monkeypatch, need_dx):
+def test_fallback_is_used_when_triton_cannot_run(monkeypatch, need_dx, device):
     force_fallback(monkeypatch, lowering, *KERNELS)
-    masters = make_inputs((37, 70), 45, 16, bias=True)
+    masters = make_inputs((37, 70), 45, 16, bias=True, device=device)
     check_against_pattern(masters, torch.bfloat16, torch.float32, 2.0, need_dx)
     check_against_pattern(masters, torch.bfloat16, torch.bfloat16, 0.5, need_dx)
 
 
-def test_fallback_output_layout_matches_fake(monkeypatch):
+def test_fallback_output_layout_matches_fake(monkeypatch, device):
     force_fallback(monkeypatch, lowering, *KERNELS)
     register()
-    x, w, bias, a, b, dy = cast_inputs(make_inputs((2, 5, 16), 45, 5, bias=True), torch.bfloat16, torch.float32)
+    masters = make_inputs((2, 5, 16), 45, 5, bias=True, device=device)
+    x, w, bias, a, b, dy = cast_inputs(masters, torch.bfloat16, torch.float32)
     x_t = LAYOUTS["transposed"](x.reshape(10, 16))
     torch.library.opcheck(torch.ops.sloth.lora_linear.default, (x_t, w, bias, a, b, 2.0),
                           test_utils=("test_faketensor",))

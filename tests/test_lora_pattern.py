@@ -495,6 +495,64 @@ def test_peft_llama_every_adapted_linear_fused(dtype):
         [s.module for s in report.sites]
 
 
+def _under_autocast(run):
+    """``run`` with CPU bf16 autocast around it, as transformers' and TRL's ``bf16=True`` (accelerate wraps the
+    model's forward in ``torch.autocast``)."""
+    def autocast_run(**kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return run(**kwargs)
+    return autocast_run
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_peft_fp32_model_under_autocast(where):
+    # An fp32 model under bf16 autocast: every projection runs in bf16 from fp32 x and weights, with no cast in the
+    # graph. Each adapted linear fuses with its inputs cast to bf16 as autocast cast them, q/k/v and gate/up still
+    # one op each (one cast of x), down still fused with its GLU; loss and LoRA gradients within the rule of eager
+    # under autocast against the fp64 model. "inside": the autocast region is in the graph (accelerate's wrapped
+    # forward: enter and exit nodes); "outside": the compiled call runs under it.
+    layers = 2
+    model = tiny_peft_model("llama", torch.float32, layers)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), ids)
+    eager_loss, eager_grads = loss_and_grads(model, ids, run=_under_autocast(model))
+    options = {"inner": "aot_eager"}
+    compiled = (torch.compile(_under_autocast(model), backend="sloth", options=options) if where == "inside"
+                else _under_autocast(torch.compile(model, backend="sloth", options=options)))
+    loss, grads = loss_and_grads(model, ids, run=compiled)
+    report = sloth.report()
+    assert report.counts.get("lora", 0) == 7 * layers, str(report)
+    assert not [r for r in report.rejections if r.family == "lora"], str(report)
+    sites = [s for s in report.sites if s.family == "lora"]
+    assert all("under autocast: in bfloat16" in s.detail for s in sites), str(report)
+    ops = sorted({s.op for s in sites})
+    assert ops == ["sloth.glu_lora_linear", "sloth.lora_linear", "sloth.lora_linear_shared"], ops
+    assert grads.keys() == eager_grads.keys() and all(g.any() for g in eager_grads.values())
+    eps = torch.finfo(torch.bfloat16).eps
+    assert_close("loss", loss, eager_loss, ref_loss.float(), atol=4 * eps * ref_loss.abs().item())
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert_close(f"grad {name}", grad, eager_grads[name], ref, atol=0.5 * eps * ref.pow(2).mean().sqrt().item())
+
+
+def _autocast_off_for_the_adapter(x, w, bias, a, b):  # the base in bf16 under autocast, the adapter in fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        base = F.linear(x, w, bias)
+        with torch.autocast("cpu", enabled=False):
+            low = F.linear(F.linear(x, a), b) * S
+        return (base + low).to(x.dtype)
+
+
+def test_autocast_changed_between_base_and_adapter_is_refused():
+    module, x = Case("autocast-off", _autocast_off_for_the_adapter, 0).make(torch.float32, False)
+    out = torch.compile(module, backend="sloth", options={"inner": "aot_eager"}, fullgraph=True)(x)
+    torch.testing.assert_close(out, module(x))
+    report = sloth.last_report()
+    assert report.counts.get("lora", 0) == 0, str(report)
+    [rejection] = [r for r in report.rejections if r.family == "lora"]
+    assert "in bfloat16 (autocast) and the adapter projection" in rejection.reason, rejection.reason
+
+
 def test_peft_adapter_in_the_model_dtype():
     # model.to(bf16) after get_peft_model: the adapter in bf16 too (no casts in peft's graph).
     model = tiny_peft_model("llama", torch.float32).to(torch.bfloat16)

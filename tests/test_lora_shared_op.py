@@ -23,8 +23,9 @@ KERNELS = ("_split_factor_kernel", "_lora_down_kernel", "_lora_up_add_kernel", "
 MEMBER_KERNELS = ("_split_members_kernel", "_down_members_kernel", "_up_add_members_kernel")
 
 
-def make_inputs(x_shape, ns, r: int, biases, seed: int = 0):
-    """fp32 masters: x, [w_i], [bias_i or None], [a_i], [b_i], [dy_i]; base and adapter outputs of std ~1."""
+def make_inputs(x_shape, ns, r: int, biases, seed: int = 0, device: str = "cpu"):
+    """fp32 masters: x, [w_i], [bias_i or None], [a_i], [b_i], [dy_i]; base and adapter outputs of std ~1. Drawn on
+    the CPU (the same values on every device) and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     k = x_shape[-1]
     x = torch.randn(x_shape, generator=g)
@@ -33,7 +34,8 @@ def make_inputs(x_shape, ns, r: int, biases, seed: int = 0):
     a_list = [torch.randn(r, k, generator=g) / math.sqrt(k) for _ in ns]
     bs = [torch.randn(n, r, generator=g) / math.sqrt(r) for n in ns]
     dys = [torch.randn(*x_shape[:-1], n, generator=g) for n in ns]
-    return x, ws, bias, a_list, bs, dys
+    on = lambda ts: [None if t is None else t.to(device) for t in ts]  # noqa: E731
+    return x.to(device), on(ws), on(bias), on(a_list), on(bs), on(dys)
 
 
 def _pattern_members(x, ws, biases, a_list, bs, scale):
@@ -96,16 +98,14 @@ CASES = [pytest.param(*shape, dt, adt, id=f"{_id(*shape)}-{DTYPE_IDS[dt]}-adapte
 
 @pytest.mark.parametrize("x_shape,ns,r,biases,scale,dtype,adapter_dtype", CASES)
 def test_matches_pattern(x_shape, ns, r, biases, scale, dtype, adapter_dtype, device):
-    masters = [t.to(device) if isinstance(t, torch.Tensor) else [None if u is None else u.to(device) for u in t]
-               for t in make_inputs(x_shape, ns, r, biases)]
+    masters = make_inputs(x_shape, ns, r, biases, device=device)
     check(masters, dtype, adapter_dtype, scale)
 
 
 @pytest.mark.parametrize("need_dx", [True, False], ids=["dx", "no-dx"])
 def test_fallback_and_frozen_input(need_dx, monkeypatch, device):
     """The PyTorch fallback is the same op; without dx (a frozen embedding's output) only da, db are formed."""
-    masters = [t.to(device) if isinstance(t, torch.Tensor) else [None if u is None else u.to(device) for u in t]
-               for t in make_inputs((37, 70), (45, 13, 13), 16, (True, False, False))]
+    masters = make_inputs((37, 70), (45, 13, 13), 16, (True, False, False), device=device)
     check(masters, torch.bfloat16, torch.float32, 2.0, need_dx=need_dx)
     import sloth.lowering.lora as lora_lowering
     import sloth.lowering.lora_members as members_lowering
@@ -117,7 +117,7 @@ def test_fallback_and_frozen_input(need_dx, monkeypatch, device):
     check(masters, torch.bfloat16, torch.float32, 2.0, need_dx=need_dx)
 
 
-def test_one_launch_reads_x_for_every_member(monkeypatch):
+def test_one_launch_reads_x_for_every_member(monkeypatch, device):
     """What the op is for: the members' h comes from one down launch over x, the members' da from one grad
     problem over x, and the per-member adapter kernels run as one launch for all members; launches counted by
     kernel."""
@@ -126,11 +126,11 @@ def test_one_launch_reads_x_for_every_member(monkeypatch):
     import sloth.lowering.lora as lora_lowering
     import sloth.lowering.lora_members as members_lowering
 
-    if not lora_lowering.use_triton(torch.empty(0)):
+    if not lora_lowering.use_triton(torch.empty(0, device=device)):
         pytest.skip("no Triton here")
     launches = record_launches(monkeypatch, lora_lowering, *KERNELS)
     launches_members = record_launches(monkeypatch, members_lowering, *MEMBER_KERNELS)
-    x, ws, biases, a_list, bs, dys = make_inputs((37, 70), (45, 13, 13), 16, (False,) * 3)
+    x, ws, biases, a_list, bs, dys = make_inputs((37, 70), (45, 13, 13), 16, (False,) * 3, device=device)
     forward_backward(lora_linear_shared, x.bfloat16(), [w.bfloat16() for w in ws], biases, a_list, bs, 2.0,
                      [d.bfloat16() for d in dys])
     # forward: 1 split + 1 down (h over x), 1 up for the 3 members; backward: 1 split + 1 down for the 3 g_i,
@@ -141,8 +141,8 @@ def test_one_launch_reads_x_for_every_member(monkeypatch):
                      "_lora_grad_kernel": 3}, calls
 
 
-def test_bad_inputs():
-    x, ws, biases, a_list, bs, _ = make_inputs((4, 8), (5, 3), 2, (False, False))
+def test_bad_inputs(device):
+    x, ws, biases, a_list, bs, _ = make_inputs((4, 8), (5, 3), 2, (False, False), device=device)
     lowering.register()
     a = torch.cat(a_list)
     with pytest.raises(ValueError, match="one entry per linear"):
@@ -163,7 +163,7 @@ def test_4bit_equals_the_dense_op_on_the_dequantised_weights(quant_type, nested,
     """sloth.qlora_linear_shared dequantises each member's weight bit for bit as bitsandbytes does
     (tests/test_nf4_op.py) and then runs the dense op's arithmetic: outputs and every gradient are equal."""
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
-    x, ws, biases, a_list, bs, dys = make_inputs((5, 7, 64), (45, 13, 13), 4, (False, True, False))
+    x, ws, biases, a_list, bs, dys = make_inputs((5, 7, 64), (45, 13, 13), 4, (False, True, False), device=device)
     states = [bnb_functional.quantize_4bit(w.to(dtype), blocksize=64, quant_type=quant_type,
                                            compress_statistics=nested) for w in ws]
     dense = [bnb_functional.dequantize_4bit(q, st) for q, st in states]
@@ -184,11 +184,12 @@ def test_4bit_equals_the_dense_op_on_the_dequantised_weights(quant_type, nested,
         assert torch.equal(g, w), i
 
 
-def test_4bit_bad_lists():
+def test_4bit_bad_lists(device):
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
-    q, st = bnb_functional.quantize_4bit(torch.randn(8, 64), blocksize=64, quant_type="nf4", compress_statistics=True)
+    q, st = bnb_functional.quantize_4bit(torch.randn(8, 64, device=device), blocksize=64, quant_type="nf4",
+                                         compress_statistics=True)
     lowering.register()
-    x, a, b = torch.randn(3, 64), torch.randn(4, 64), torch.randn(8, 2)
+    x, a, b = torch.randn(3, 64, device=device), torch.randn(4, 64, device=device), torch.randn(8, 2, device=device)
     with pytest.raises(ValueError, match="all empty or one per linear"):
         torch.ops.sloth.qlora_linear_shared(x, [q, q], [st.absmax, st.absmax], [st.state2.code], [], [], [8, 8], 64,
                                             64, "nf4", [None, None], a, [b, b], 1.0)

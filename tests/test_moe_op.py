@@ -22,10 +22,11 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 GRAD_NAMES = ("out", "dx", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
 
 
-def make_inputs(T, H, I, E, K, seed=0, unused_experts=(), gated=True):
+def make_inputs(T, H, I, E, K, seed=0, unused_experts=(), gated=True, device="cpu"):
     """fp32 masters (x, top_k_index, top_k_weights, gate_up_proj, down_proj, dout); experts in ``unused_experts``
     get no token. Weights scaled ~1/sqrt(fan-in) so activations stay O(1) and reach the GLU's bend. With
-    ``gated=False`` the first weight is an ungated expert's up projection [E, I, H]."""
+    ``gated=False`` the first weight is an ungated expert's up projection [E, I, H]. Drawn on the CPU (the same
+    values on every device) and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     used = torch.tensor([e for e in range(E) if e not in unused_experts])
     # K distinct experts a token, as a router's top-k gives.
@@ -34,7 +35,7 @@ def make_inputs(T, H, I, E, K, seed=0, unused_experts=(), gated=True):
     x = torch.randn(T, H, generator=g)
     gate_up = torch.randn(E, 2 * I if gated else I, H, generator=g) * 2 / H ** 0.5
     down = torch.randn(E, H, I, generator=g) / I ** 0.5
-    return x, index, weights, gate_up, down, torch.randn(T, H, generator=g)
+    return tuple(t.to(device) for t in (x, index, weights, gate_up, down, torch.randn(T, H, generator=g)))
 
 
 def forward_backward(fn, x, index, weights, gate_up, down, dout, act, frozen=False, **options):
@@ -80,18 +81,19 @@ CASES = [pytest.param(shape, dtype, act, id=f"{sid}-{DTYPE_IDS[dtype]}-{act}")
 
 
 @pytest.mark.parametrize("shape,dtype,act", CASES)
-def test_forward_and_gradients_match_pattern(shape, dtype, act):
+def test_forward_and_gradients_match_pattern(shape, dtype, act, device):
     T, H, I, E, K, unused = shape
-    out, dx, dw, dgu, ddown = check_against_pattern(make_inputs(T, H, I, E, K, unused_experts=unused), dtype, act)
+    masters = make_inputs(T, H, I, E, K, unused_experts=unused, device=device)
+    out, dx, dw, dgu, ddown = check_against_pattern(masters, dtype, act)
     assert out.dtype == dx.dtype == dgu.dtype == ddown.dtype == dtype and dw.dtype == dtype
     for e in unused:  # an expert with no token gets an exactly zero gradient
         assert not dgu[e].any() and not ddown[e].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fp32_router_weights_with_low_precision_x(dtype):
+def test_fp32_router_weights_with_low_precision_x(dtype, device):
     # Routers often hand fp32 weights to bf16 experts; the gradient comes back in the weights' dtype.
-    x, index, weights, gate_up, down, dout = make_inputs(13, 32, 16, 5, 2)
+    x, index, weights, gate_up, down, dout = make_inputs(13, 32, 16, 5, 2, device=device)
     x, gate_up, down, dout = (t.to(dtype) for t in (x, gate_up, down, dout))
     actual = forward_backward(moe_experts, x, index, weights, gate_up, down, dout, "silu")
     eager = forward_backward(moe_experts_pattern, x, index, weights, gate_up, down, dout, "silu")
@@ -144,13 +146,14 @@ def check_variant(masters, biases_masters, dtype, act, interleaved, frozen=False
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", ["T13-H24-I20-E5-K2-expert3-empty", "T17-H32-I16-E4-K2-aligned"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpt_oss_variants_match_pattern(variant, shape, dtype):
+def test_gpt_oss_variants_match_pattern(variant, shape, dtype, device):
     act, interleaved, with_biases = VARIANTS[variant]
     T, H, I, E, K, unused = SHAPES[shape]
-    masters = list(make_inputs(T, H, I, E, K, seed=5, unused_experts=unused))
+    masters = list(make_inputs(T, H, I, E, K, seed=5, unused_experts=unused, device=device))
     masters[3] = masters[3] * 6  # pre-activations up to ~15: past GPT-OSS's limit of 7, so both clamps bind
     g = torch.Generator().manual_seed(6)
     biases = [torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g) * 0.5] if with_biases else []
+    biases = [b.to(device) for b in biases]
     gu = torch.einsum("th,eih->tei", masters[0], masters[3])
     assert (gu > 7).any() and (gu < -7).any()  # the clamp's masks are exercised, not only its identity
     out, dx, dw, dgu, ddown, *dbias = check_variant(masters, biases, dtype, act, interleaved)
@@ -161,40 +164,40 @@ def test_gpt_oss_variants_match_pattern(variant, shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
-def test_segment_sum_sums_each_experts_rows(dtype, scaled):
+def test_segment_sum_sums_each_experts_rows(dtype, scaled, device):
     # The biases' gradients: each expert's sorted rows summed in fp32 (no atomics), empty experts (first, middle and
     # last) exactly zero, against the fp64 sum by expert id.
     g = torch.Generator().manual_seed(3)
-    ids = torch.sort(torch.tensor([1, 1, 2, 4, 4, 4, 5, 1, 2, 2, 5, 4, 1, 1, 1, 2, 4] * 3)).values
-    offs = torch.searchsorted(ids, torch.arange(7), right=True, out_int32=True)
-    rows = torch.randn(ids.shape[0], 37, generator=g).to(dtype)
-    scale = torch.rand(ids.shape[0], generator=g) if scaled else None
+    ids = torch.sort(torch.tensor([1, 1, 2, 4, 4, 4, 5, 1, 2, 2, 5, 4, 1, 1, 1, 2, 4] * 3, device=device)).values
+    offs = torch.searchsorted(ids, torch.arange(7, device=device), right=True, out_int32=True)
+    rows = torch.randn(ids.shape[0], 37, generator=g).to(device).to(dtype)
+    scale = torch.rand(ids.shape[0], generator=g).to(device) if scaled else None
     out = moe_kernels.segment_sum(rows, offs, ids, scale, dtype)
     eager = moe_kernels.segment_sum_reference(rows, offs, ids, scale, dtype)
     values = rows.double() * (scale.double()[:, None] if scaled else 1)
-    reference = torch.zeros(7, 37, dtype=torch.float64).index_add_(0, ids, values)
+    reference = torch.zeros(7, 37, dtype=torch.float64, device=device).index_add_(0, ids, values)
     assert out.dtype == dtype and not out[[0, 3, 6]].any()
     assert_close("segment_sum", out, eager, reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpt_oss_frozen_experts_and_biases(dtype):
+def test_gpt_oss_frozen_experts_and_biases(dtype, device):
     # LoRA on attention only: experts and their biases frozen get no gradient; x and the router weights theirs.
     T, H, I, E, K, unused = SHAPES["T13-H24-I20-E5-K2"]
-    masters = make_inputs(T, H, I, E, K, seed=7)
+    masters = make_inputs(T, H, I, E, K, seed=7, device=device)
     g = torch.Generator().manual_seed(8)
-    biases = [torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)]
+    biases = [torch.randn(E, 2 * I, generator=g).to(device), torch.randn(E, H, generator=g).to(device)]
     check_variant(masters, biases, dtype, "swiglu_oai", True, frozen=True)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mixed", "reference"])
 @pytest.mark.parametrize("act,gated", [("silu", True), ("relu2", False)], ids=["gated-silu", "ungated-relu2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_grouped_gemm_backends_agree(monkeypatch, dtype, act, gated, backend):
+def test_grouped_gemm_backends_agree(monkeypatch, dtype, act, gated, backend, device):
     # The aligned shape runs torch._grouped_mm's CPU kernel; the Triton grouped GEMM (tokens read through the sort
     # order, weight gradients too), the two mixed (Triton's where the tokens are read through the order, as "auto"
     # runs on a GPU) and the reference must give the same numbers, every gradient within the rule.
-    masters = make_inputs(17, 32, 16, 4, 2, unused_experts=(1,), gated=gated)
+    masters = make_inputs(17, 32, 16, 4, 2, unused_experts=(1,), gated=gated, device=device)
     x32 = masters[0].to(dtype)
     assert lowering._grouped_mm_plan(x32, masters[3].to(dtype), masters[4].to(dtype), (), 34) == "grouped_mm"
     grouped = check_against_pattern(masters, dtype, act, gated=gated)
@@ -220,19 +223,20 @@ def test_pattern_and_plan_agree_on_the_reference(monkeypatch, choice, interprete
         assert runs == (lowering._grouped_mm_plan(x, w1, w2, (), 10) != "reference"), (H, I, dtype)
 
 
-def test_lora_experts_on_every_backend(monkeypatch):
+def test_lora_experts_on_every_backend(monkeypatch, device):
     # LoRA on both expert GEMMs, adapters and experts training: their products read the gathered tokens too (the
     # Triton GEMM through the order, the others on the formed copy); every gradient within the rule on each backend.
-    masters, adapters = make_inputs(17, 32, 16, 4, 2, unused_experts=(2,)), make_adapters(4, 32, 16, 8)
+    masters = make_inputs(17, 32, 16, 4, 2, unused_experts=(2,), device=device)
+    adapters = make_adapters(4, 32, 16, 8, device=device)
     for backend in ("grouped_mm", "mixed", "triton", "reference"):
         monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args, b=backend: b)
         check_lora(masters, adapters, torch.float32, base_trains=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_frozen_experts_get_no_gradient(dtype):
+def test_frozen_experts_get_no_gradient(dtype, device):
     # LoRA freezes the expert weights: they get no gradient, and the backward op is told not to form them.
-    masters = make_inputs(13, 24, 20, 5, 2)
+    masters = make_inputs(13, 24, 20, 5, 2, device=device)
     x, index, weights, gate_up, down, dout = (t.to(dtype) if t.is_floating_point() else t for t in masters)
     x, weights = x.requires_grad_(True), weights.requires_grad_(True)
     out = moe_experts(x, index, weights, gate_up, down, "silu")
@@ -249,7 +253,7 @@ def test_frozen_experts_get_no_gradient(dtype):
 @pytest.mark.parametrize("variant,dtype", [("gpt-oss", torch.float32), ("gpt-oss", torch.bfloat16),
                                            ("ungated", torch.bfloat16)], ids=["gpt-oss-fp32", "gpt-oss-bf16",
                                                                               "ungated-bf16"])
-def test_lora_on_gpt_oss_and_ungated_experts_on_every_backend(monkeypatch, variant, dtype, backend):
+def test_lora_on_gpt_oss_and_ungated_experts_on_every_backend(monkeypatch, variant, dtype, backend, device):
     # LoRA on both GEMMs of GPT-OSS's experts (weights stored [E, H, 2I] / [E, I, H] and passed as transposed views,
     # biases, interleaved gate/up, the clamped GLU) and of ungated experts (NemotronH's relu2, up_proj [E, I, H]):
     # since 2026-12-06 a GPU takes the mixed GEMMs with expert adapters too, so each backend must give every gradient
@@ -258,14 +262,14 @@ def test_lora_on_gpt_oss_and_ungated_experts_on_every_backend(monkeypatch, varia
     T, H, I, E, K, r = 17, 32, 16, 4, 2, 8
     monkeypatch.setattr(lowering, "_grouped_mm_plan", lambda *args: backend)
     if variant == "gpt-oss":
-        x, index, weights, gate_up_t, down_t, biases, dout = _gpt_oss_inputs(T, H, I, E, K)
+        x, index, weights, gate_up_t, down_t, biases, dout = _gpt_oss_inputs(T, H, I, E, K, device=device)
         masters = (x, index, weights, gate_up_t.detach().transpose(1, 2), down_t.detach().transpose(1, 2), dout)
-        grads = check_lora(masters, make_adapters(E, H, I, r, permuted=True), dtype, act="swiglu_oai",
+        grads = check_lora(masters, make_adapters(E, H, I, r, permuted=True, device=device), dtype, act="swiglu_oai",
                            biases=tuple(b.detach() for b in biases), interleaved=True)
     else:
-        masters = make_inputs(T, H, I, E, K, unused_experts=(2,), gated=False)
-        grads = check_lora(masters, make_adapters(E, H, I, r, permuted=True, gated=False), dtype, act="relu2",
-                           gated=False)
+        masters = make_inputs(T, H, I, E, K, unused_experts=(2,), gated=False, device=device)
+        grads = check_lora(masters, make_adapters(E, H, I, r, permuted=True, gated=False, device=device), dtype,
+                           act="relu2", gated=False)
     for grad in grads[3:]:
         assert grad.abs().max() > 0  # every adapter factor trains
         assert not grad[2].any()  # expert 2 gets no token: an exactly zero adapter gradient
@@ -273,19 +277,21 @@ def test_lora_on_gpt_oss_and_ungated_experts_on_every_backend(monkeypatch, varia
 
 @pytest.mark.parametrize("route", ["counting", "sort"])
 @pytest.mark.parametrize("variant", ["qwen3", "gpt-oss", "lora", "ungated"])
-def test_no_host_sync_and_nothing_of_size_T_by_E(variant, route, monkeypatch):
+def test_no_host_sync_and_nothing_of_size_T_by_E(variant, route, monkeypatch, device):
     # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
     # GPT-OSS's variant with its biases and their gradients, and LoRA on the experts, too; with either dispatch
     # (lowering/moe_routing.py's counting sort, or SLOTH_MOE_ROUTE=sort's PyTorch ops).
     monkeypatch.setattr(moe_routing, "ROUTE_CHOICE", route)
     T, H, I, E, K = 13, 24, 20, 7, 2
-    x, index, weights, gate_up, down, _ = make_inputs(T, H, I, E, K, gated=variant != "ungated")
+    x, index, weights, gate_up, down, _ = make_inputs(T, H, I, E, K, gated=variant != "ungated", device=device)
     g = torch.Generator().manual_seed(1)
-    extra = {"gpt-oss": ("swiglu_oai", torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g), True),
-             "lora": ("silu", None, None, False, 1.702, 7.0, *make_adapters(E, H, I, 3), 2.0, 0.5),
+    extra = {"gpt-oss": ("swiglu_oai", torch.randn(E, 2 * I, generator=g).to(device),
+                         torch.randn(E, H, generator=g).to(device), True),
+             "lora": ("silu", None, None, False, 1.702, 7.0, *make_adapters(E, H, I, 3, device=device), 2.0, 0.5),
              # ungated, with biases and LoRA on both GEMMs
-             "ungated": ("relu2", torch.randn(E, I, generator=g), torch.randn(E, H, generator=g), False, 1.702, 7.0,
-                         *make_adapters(E, H, I, 3, gated=False), 2.0, 0.5, False),
+             "ungated": ("relu2", torch.randn(E, I, generator=g).to(device), torch.randn(E, H, generator=g).to(device),
+                         False, 1.702, 7.0,
+                         *make_adapters(E, H, I, 3, gated=False, device=device), 2.0, 0.5, False),
              }.get(variant, ("silu",))
     calls = _recorded_forward_backward(x, index, weights, gate_up, down, *extra)
     names = [name for name, _ in calls]
@@ -314,9 +320,9 @@ UNGATED_CASES = [pytest.param(shape, dtype, act, id=f"{sid}-{DTYPE_IDS[dtype]}-{
 
 
 @pytest.mark.parametrize("shape,dtype,act", UNGATED_CASES)
-def test_ungated_forward_and_gradients_match_pattern(shape, dtype, act):
+def test_ungated_forward_and_gradients_match_pattern(shape, dtype, act, device):
     T, H, I, E, K, unused = shape
-    masters = make_inputs(T, H, I, E, K, unused_experts=unused, gated=False)
+    masters = make_inputs(T, H, I, E, K, unused_experts=unused, gated=False, device=device)
     out, dx, dw, d_up, d_down = check_against_pattern(masters, dtype, act, gated=False)
     assert d_up.shape == (E, I, H) and d_down.shape == (E, H, I)
     assert out.dtype == dx.dtype == d_up.dtype == d_down.dtype == dw.dtype == dtype
@@ -328,12 +334,12 @@ def test_ungated_forward_and_gradients_match_pattern(shape, dtype, act):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["train", "frozen"])
 @pytest.mark.parametrize("act", ["relu2", "gelu_tanh"])
-def test_ungated_with_biases_matches_pattern(act, frozen, dtype):
+def test_ungated_with_biases_matches_pattern(act, frozen, dtype, device):
     # transformers' has_bias with has_gate=False: up bias [E, I], down bias [E, H] (inside the router weighting)
     T, H, I, E, K, unused = SHAPES["T13-H24-I20-E5-K2-expert3-empty"]
-    masters = make_inputs(T, H, I, E, K, seed=2, unused_experts=unused, gated=False)
+    masters = make_inputs(T, H, I, E, K, seed=2, unused_experts=unused, gated=False, device=device)
     g = torch.Generator().manual_seed(6)
-    biases = [torch.randn(E, I, generator=g), torch.randn(E, H, generator=g) * 0.5]
+    biases = [torch.randn(E, I, generator=g).to(device), torch.randn(E, H, generator=g).to(device) * 0.5]
     grads = check_variant(masters, biases, dtype, act, False, frozen=frozen, gated=False)
     assert len(grads) == (3 if frozen else 7)
     if not frozen:
@@ -344,9 +350,9 @@ def test_ungated_with_biases_matches_pattern(act, frozen, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_ungated_frozen_experts_get_no_gradient(dtype):
+def test_ungated_frozen_experts_get_no_gradient(dtype, device):
     # LoRA on attention only: the ungated experts frozen get no gradient, and the backward op forms none.
-    masters = make_inputs(13, 24, 20, 5, 2, gated=False)
+    masters = make_inputs(13, 24, 20, 5, 2, gated=False, device=device)
     x, index, weights, up, down, dout = (t.to(dtype) if t.is_floating_point() else t for t in masters)
     x, weights = x.requires_grad_(True), weights.requires_grad_(True)
     out = moe_experts(x, index, weights, up, down, "relu2", gated=False)
@@ -360,10 +366,10 @@ def test_ungated_frozen_experts_get_no_gradient(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_ungated_transposed_layout_matches_pattern_and_needs_no_copy(dtype):
+def test_ungated_transposed_layout_matches_pattern_and_needs_no_copy(dtype, device):
     # Ergo's layout (is_transposed=True): up stored [E, H, I], down [E, I, H], passed as transposed views; the
     # weight gradients come back in the stored layout.
-    masters = list(make_inputs(13, 24, 20, 5, 2, seed=3, unused_experts=(2,), gated=False))
+    masters = list(make_inputs(13, 24, 20, 5, 2, seed=3, unused_experts=(2,), gated=False, device=device))
     masters[3], masters[4] = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in masters[3:5])
     out, dx, dw, d_up, d_down = check_against_pattern(masters, dtype, "relu2", gated=False)
     assert d_up.transpose(1, 2).is_contiguous() and d_down.transpose(1, 2).is_contiguous()
@@ -376,11 +382,11 @@ def test_ungated_transposed_layout_matches_pattern_and_needs_no_copy(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("on", [("gate_up", "down"), ("gate_up",), ("down",)], ids=["both", "up", "down"])
-def test_ungated_lora_on_experts_matches_merged_weights(on, dtype):
+def test_ungated_lora_on_experts_matches_merged_weights(on, dtype, device):
     # peft's target_parameters on up_proj [E, I, H] and down_proj: B1 [E, I, r]
     T, H, I, E, K, r, unused = LORA_CASES["T13-H24-I20-E5-K2-r3-expert3-empty"]
-    grads = check_lora(make_inputs(T, H, I, E, K, unused_experts=unused, gated=False),
-                       make_adapters(E, H, I, r, gated=False), dtype, on, act="relu2", gated=False)
+    grads = check_lora(make_inputs(T, H, I, E, K, unused_experts=unused, gated=False, device=device),
+                       make_adapters(E, H, I, r, gated=False, device=device), dtype, on, act="relu2", gated=False)
     for grad in grads[3:]:
         assert grad.abs().max() > 0
         for e in unused:
@@ -388,17 +394,17 @@ def test_ungated_lora_on_experts_matches_merged_weights(on, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_ungated_lora_with_training_base_and_peft_views(dtype):
-    masters = make_inputs(17, 32, 16, 4, 2, gated=False)
-    check_lora(masters, make_adapters(4, 32, 16, 4, permuted=True, gated=False), dtype, base_trains=True,
+def test_ungated_lora_with_training_base_and_peft_views(dtype, device):
+    masters = make_inputs(17, 32, 16, 4, 2, gated=False, device=device)
+    check_lora(masters, make_adapters(4, 32, 16, 4, permuted=True, gated=False, device=device), dtype, base_trains=True,
                act="silu", gated=False)
 
 
-def test_opcheck_ungated():
+def test_opcheck_ungated(device):
     register()
-    x, index, weights, up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,), gated=False)
+    x, index, weights, up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,), gated=False, device=device)
     g = torch.Generator().manual_seed(4)
-    b1, b2 = torch.randn(5, 20, generator=g).requires_grad_(True), torch.randn(5, 24, generator=g).requires_grad_(True)
+    b1, b2 = (torch.randn(5, n, generator=g).to(device).requires_grad_(True) for n in (20, 24))
     args = (x.requires_grad_(True), index, weights.requires_grad_(True), up.requires_grad_(True),
             down.requires_grad_(True), "relu2", b1, b2, False, 1.702, 7.0, None, None, None, None, 1.0, 1.0, False)
     torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
@@ -407,7 +413,8 @@ def test_opcheck_ungated():
                                                     None, None, None, None, 1.0, 1.0, False)
     assert u.shape == (26, 20)
     torch.library.opcheck(torch.ops.sloth.moe_experts_backward.default,
-                          (torch.randn(13, 24, generator=g), x, index, weights, up, down, u, order, offs, "relu2",
+                          (torch.randn(13, 24, generator=g).to(device), x, index, weights, up, down, u, order, offs,
+                           "relu2",
                            True, True, True, True, b1, b2, False, 1.702, 7.0, True, True, None, None, None, None,
                            1.0, 1.0, False, False, False))
 
@@ -416,21 +423,21 @@ def test_opcheck_ungated():
 # The two kernels between the GEMMs (lowering/moe_kernels.py), against the math they replace
 # ---------------------------------------------------------------------------------------------------
 
-def _permutation(n, seed):
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+def _permutation(n, seed, device="cpu"):
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T,K,H", [(7, 3, 37), (1, 1, 5), (5, 2, 2100)])  # 2100: two column blocks
-def test_combine_sums_each_tokens_rows(T, K, H, dtype, scaled):
+def test_combine_sums_each_tokens_rows(T, K, H, dtype, scaled, device):
     g = torch.Generator().manual_seed(T * H)
-    rows = torch.randn(T * K, H, generator=g)
-    scale = torch.softmax(torch.randn(T, K, generator=g), -1) if scaled else None
-    order = _permutation(T * K, H)
+    rows = torch.randn(T * K, H, generator=g).to(device)
+    scale = torch.softmax(torch.randn(T, K, generator=g).to(device), -1) if scaled else None
+    order = _permutation(T * K, H, device=device)
     inverse, token = moe_routing.invert_order(order, K)
     assert torch.equal(token, order // K)
-    assert torch.equal(order[inverse], torch.arange(T * K))
+    assert torch.equal(order[inverse], torch.arange(T * K, device=device))
 
     def eager(rows, scale):  # the first version's math at the tested dtype: gather, scale, sum over K
         r = rows[inverse].view(T, K, H)
@@ -451,14 +458,14 @@ def test_combine_sums_each_tokens_rows(T, K, H, dtype, scaled):
                          ids=[*ACTIVATIONS, "swiglu_oai-interleaved", "silu_clamped", "silu-interleaved",
                               *(f"{a}-ungated" for a in UNGATED_ACTIVATIONS)])
 @pytest.mark.parametrize("T,K,I", [(7, 3, 37), (3, 2, 300)])  # 300: the column loop runs twice
-def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, gated, dtype, want_dw, want_hw):
+def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, gated, dtype, want_dw, want_hw, device):
     # The manual derivative against autograd of the expert GLU's eager math (ungated: of act(u)); a limit of 3 so
     # that the clamped GLUs' clamps bind on these pre-activations (up to ~6).
     g = torch.Generator().manual_seed(I + K)
     S = T * K
-    c, gu = torch.randn(S, I, generator=g), torch.randn(S, 2 * I if gated else I, generator=g) * 2
-    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
-    order = _permutation(S, I)
+    c, gu = torch.randn(S, I, generator=g).to(device), torch.randn(S, 2 * I if gated else I, generator=g).to(device) * 2
+    weights = torch.softmax(torch.randn(T, K, generator=g).to(device), -1)
+    order = _permutation(S, I, device=device)
     alpha, limit = 1.702, 3.0
 
     def eager(c, gu, weights):  # autograd of w_r * <c_r, h(gu_r)> at the tested dtype: (d_gu, dw, w h)
@@ -484,7 +491,7 @@ def test_glu_backward_weighted_matches_autograd(T, K, I, act, interleaved, gated
 
 @pytest.mark.parametrize("passes", [True, False], ids=["torch<=2.13", "torch>=2.14"])
 @pytest.mark.parametrize("act", ["swiglu_oai", "silu_clamped"])
-def test_clamped_glu_derivative_at_the_bound_follows_the_convention(monkeypatch, act, passes):
+def test_clamped_glu_derivative_at_the_bound_follows_the_convention(monkeypatch, act, passes, device):
     # At g == limit and u == +-limit torch.clamp's backward passes the gradient up to torch 2.13 and not from 2.14
     # (lowering/torch_conventions.py); the kernel and its reference follow CLAMP_PASSES_AT_BOUND, both ways here
     # whichever torch runs (the interpreter reads the constexpr at run time).
@@ -493,10 +500,10 @@ def test_clamped_glu_derivative_at_the_bound_follows_the_convention(monkeypatch,
     monkeypatch.setattr(moe_kernels, "CLAMP_PASSES_AT_BOUND", passes)
     monkeypatch.setattr(moe_kernels, "_PASS_AT_BOUND", tl.constexpr(passes))
     limit = 3.0
-    gate = torch.tensor([[limit, limit, 1.0, 1.0]])
-    up = torch.tensor([[1.0, 1.0, limit, -limit]])
-    gu, c = torch.cat([gate, up], 1), torch.ones(1, 4)
-    weights, order = torch.ones(1, 1), torch.zeros(1, dtype=torch.int64)
+    gate = torch.tensor([[limit, limit, 1.0, 1.0]], device=device)
+    up = torch.tensor([[1.0, 1.0, limit, -limit]], device=device)
+    gu, c = torch.cat([gate, up], 1), torch.ones(1, 4, device=device)
+    weights, order = torch.ones(1, 1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
     for backward in (moe_kernels.glu_backward_weighted, moe_kernels.glu_backward_weighted_reference):
         d_gu, _, _ = backward(c, gu, weights, order, act, False, False, False, 1.702, limit)
         d_gate, d_up = d_gu[0, :4], d_gu[0, 4:]
@@ -505,11 +512,11 @@ def test_clamped_glu_derivative_at_the_bound_follows_the_convention(monkeypatch,
         assert bool((d_gate[2:] != 0).all() and (d_up[:2] != 0).all())  # inside the bounds: always
 
 
-def test_the_kernels_run_where_triton_runs(monkeypatch):
+def test_the_kernels_run_where_triton_runs(monkeypatch, device):
     # Under the interpreter (or on a GPU) the op must take the kernels, not their PyTorch references.
     from sloth.lowering.backend_choice import use_triton
 
-    if not use_triton(torch.empty(0)):
+    if not use_triton(torch.empty(0, device=device)):
         pytest.skip("Triton runs neither on this device nor through the interpreter")
 
     def refuse(*_args, **_kwargs):
@@ -519,25 +526,26 @@ def test_the_kernels_run_where_triton_runs(monkeypatch):
     monkeypatch.setattr(moe_kernels, "glu_backward_weighted_reference", refuse)
     monkeypatch.setattr(moe_kernels, "expert_glu_forward_reference", refuse)
     monkeypatch.setattr(moe_kernels, "segment_sum_reference", refuse)
-    check_against_pattern(make_inputs(13, 24, 20, 5, 2), torch.float32, "silu")
-    masters = list(make_inputs(13, 24, 20, 5, 2))
+    check_against_pattern(make_inputs(13, 24, 20, 5, 2, device=device), torch.float32, "silu")
+    masters = list(make_inputs(13, 24, 20, 5, 2, device=device))
     masters[3] = masters[3] * 6
     g = torch.Generator().manual_seed(6)
-    check_variant(masters, [torch.randn(5, 40, generator=g), torch.randn(5, 24, generator=g)], torch.bfloat16,
-                  "swiglu_oai", True)
+    check_variant(masters, [torch.randn(5, 40, generator=g).to(device), torch.randn(5, 24, generator=g).to(device)],
+                  torch.bfloat16, "swiglu_oai", True)
     # ungated experts with biases: the GATED=False forward (bias written back) and backward
-    check_variant(make_inputs(13, 24, 20, 5, 2, gated=False), [torch.randn(5, 20, generator=g),
-                  torch.randn(5, 24, generator=g)], torch.bfloat16, "relu2", False, gated=False)
+    check_variant(make_inputs(13, 24, 20, 5, 2, gated=False, device=device),
+                  [torch.randn(5, 20, generator=g).to(device), torch.randn(5, 24, generator=g).to(device)],
+                  torch.bfloat16, "relu2", False, gated=False)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Compilation and torch.library registration
 # ---------------------------------------------------------------------------------------------------
 
-def test_compiles_without_graph_break():
+def test_compiles_without_graph_break(device):
     # The op is defined before compiling (Dynamo does not trace torch.library's definition machinery).
     register()
-    masters = make_inputs(13, 24, 20, 5, 2)
+    masters = make_inputs(13, 24, 20, 5, 2, device=device)
 
     def fn(x, index, weights, gate_up, down, act):
         return torch.ops.sloth.moe_experts(x, index, weights, gate_up, down, act)[0] * 2
@@ -553,13 +561,13 @@ def test_compiles_without_graph_break():
 # LoRA on the experts: W_eff = W + s B A per expert, the adapters' products inside the op
 # ---------------------------------------------------------------------------------------------------
 
-def make_adapters(E, H, I, r, seed=7, permuted=False, gated=True):
+def make_adapters(E, H, I, r, seed=7, permuted=False, gated=True, device="cpu"):
     """(B1 [E, 2I, r], A1 [E, r, H], B2 [E, H, r], A2 [E, r, I]) fp32 masters, B nonzero so A's gradient is not zero
     (peft starts B at zero); ``permuted``: B as peft's ``reshape(n, r, E).permute(2, 0, 1)`` views; ``gated=False``:
     B1 [E, I, r], the up projection's."""
     g = torch.Generator().manual_seed(seed)
     shapes = ((E, 2 * I if gated else I, r), (E, r, H), (E, H, r), (E, r, I))
-    factors = [torch.randn(shape, generator=g) / shape[-1] ** 0.5 for shape in shapes]
+    factors = [(torch.randn(shape, generator=g) / shape[-1] ** 0.5).to(device) for shape in shapes]
     if permuted:
         factors = [f.permute(1, 2, 0).contiguous().permute(2, 0, 1) if i % 2 == 0 else f
                    for i, f in enumerate(factors)]
@@ -604,9 +612,10 @@ LORA_CASES = {  # id -> (T, H, I, E, K, r, unused experts)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(LORA_CASES))
 @pytest.mark.parametrize("on", [("gate_up", "down"), ("gate_up",), ("down",)], ids=["both", "gate_up", "down"])
-def test_lora_on_experts_matches_merged_weights(on, case, dtype):
+def test_lora_on_experts_matches_merged_weights(on, case, dtype, device):
     T, H, I, E, K, r, unused = LORA_CASES[case]
-    grads = check_lora(make_inputs(T, H, I, E, K, unused_experts=unused), make_adapters(E, H, I, r), dtype, on)
+    grads = check_lora(make_inputs(T, H, I, E, K, unused_experts=unused, device=device),
+                       make_adapters(E, H, I, r, device=device), dtype, on)
     for grad in grads[3:]:
         assert grad.abs().max() > 0  # every adapter factor trains
         for e in unused:  # an expert with no token: an exactly zero adapter gradient
@@ -614,10 +623,10 @@ def test_lora_on_experts_matches_merged_weights(on, case, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_lora_on_experts_with_training_base_and_peft_views(dtype):
+def test_lora_on_experts_with_training_base_and_peft_views(dtype, device):
     # The expert weights training beside their adapters, and the B factors as the permuted views peft hands.
-    masters = make_inputs(13, 24, 20, 5, 2)
-    check_lora(masters, make_adapters(5, 24, 20, 4, permuted=True), dtype, base_trains=True)
+    masters = make_inputs(13, 24, 20, 5, 2, device=device)
+    check_lora(masters, make_adapters(5, 24, 20, 4, permuted=True, device=device), dtype, base_trains=True)
 
 
 def _recorded_forward_backward(*args):
@@ -636,13 +645,13 @@ def _recorded_forward_backward(*args):
     return [(str(func), out if isinstance(out, (tuple, list)) else (out,)) for func, _, out in rec.calls]
 
 
-def test_lora_on_experts_forms_no_merged_weight():
+def test_lora_on_experts_forms_no_merged_weight(device):
     # Nothing of the expert stack's size [E, n, k] is formed (views of the weights aside) in the forward or the backward but the expert
     # weights' own gradients (asked for here): peft's merged weight and its gradient are what the adapters'
     # products inside the op avoid.
-    x, index, weights, gate_up, down, _ = make_inputs(13, 32, 16, 4, 2)
+    x, index, weights, gate_up, down, _ = make_inputs(13, 32, 16, 4, 2, device=device)
     calls = _recorded_forward_backward(x, index, weights, gate_up, down, "silu", None, None, False, 1.702, 7.0,
-                                       *make_adapters(4, 32, 16, 8), 2.0, 0.5)
+                                       *make_adapters(4, 32, 16, 8, device=device), 2.0, 0.5)
     stacks = {(4, 32, 32), (4, 32, 16), (4, 16, 32)}  # either stack, in either layout
     made = [(name, tuple(o.shape)) for name, outs in calls for o in outs
             if isinstance(o, torch.Tensor) and tuple(o.shape) in stacks and not o._is_view()]
@@ -650,56 +659,56 @@ def test_lora_on_experts_forms_no_merged_weight():
     assert any("_grouped_mm" in name for name, _ in calls)  # the calls inside the op are the ones recorded
 
 
-def test_opcheck_lora():
+def test_opcheck_lora(device):
     register()
-    x, index, weights, gate_up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,))
-    b1, a1, b2, a2 = (t.requires_grad_(True) for t in make_adapters(5, 24, 20, 3, permuted=True))
+    x, index, weights, gate_up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,), device=device)
+    b1, a1, b2, a2 = (t.requires_grad_(True) for t in make_adapters(5, 24, 20, 3, permuted=True, device=device))
     args = (x.requires_grad_(True), index, weights.requires_grad_(True), gate_up, down, "silu", None, None, False,
             1.702, 7.0, b1, a1, b2, a2, 2.0, 0.5)
     torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
 
 
-def test_opcheck():
+def test_opcheck(device):
     register()
-    x, index, weights, gate_up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,))
+    x, index, weights, gate_up, down, _ = make_inputs(13, 24, 20, 5, 2, unused_experts=(2,), device=device)
     args = (x.requires_grad_(True), index, weights.requires_grad_(True), gate_up.requires_grad_(True),
             down.requires_grad_(True), "gelu_tanh")
     torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
 
 
-def test_opcheck_backward():
+def test_opcheck_backward(device):
     register()
-    x, index, weights, gate_up, down, dout = make_inputs(13, 24, 20, 5, 2)
+    x, index, weights, gate_up, down, dout = make_inputs(13, 24, 20, 5, 2, device=device)
     _, gu, order, offs = torch.ops.sloth.moe_experts(x, index, weights, gate_up, down, "gelu")
     for flags in ((True, True, True, True), (True, False, False, True)):
         torch.library.opcheck(torch.ops.sloth.moe_experts_backward.default,
                               (dout, x, index, weights, gate_up, down, gu, order, offs, "gelu", *flags))
 
 
-def _gpt_oss_inputs(T=13, H=24, I=20, E=5, K=2):
+def _gpt_oss_inputs(T=13, H=24, I=20, E=5, K=2, device="cpu"):
     """GPT-OSS's layout: weights stored [E, H, 2I] / [E, I, H] and passed as transposed views, with biases; expert 2
     gets no token."""
-    x, index, weights, gate_up, down, dout = make_inputs(T, H, I, E, K, unused_experts=(2,))
+    x, index, weights, gate_up, down, dout = make_inputs(T, H, I, E, K, unused_experts=(2,), device=device)
     gate_up_t = (gate_up * 6).transpose(1, 2).contiguous().requires_grad_(True)
     down_t = down.transpose(1, 2).contiguous().requires_grad_(True)
     g = torch.Generator().manual_seed(4)
-    biases = (torch.randn(E, 2 * I, generator=g).requires_grad_(True),
-              torch.randn(E, H, generator=g).requires_grad_(True))
+    biases = (torch.randn(E, 2 * I, generator=g).to(device).requires_grad_(True),
+              torch.randn(E, H, generator=g).to(device).requires_grad_(True))
     return x, index, weights, gate_up_t, down_t, biases, dout
 
 
-def test_opcheck_gpt_oss_layout():
+def test_opcheck_gpt_oss_layout(device):
     # The transposed views' weight gradients come back in the stored layout: fake and real strides must agree.
     register()
-    x, index, weights, gate_up_t, down_t, (b1, b2), _ = _gpt_oss_inputs()
+    x, index, weights, gate_up_t, down_t, (b1, b2), _ = _gpt_oss_inputs(device=device)
     args = (x.requires_grad_(True), index, weights.requires_grad_(True), gate_up_t.transpose(1, 2),
             down_t.transpose(1, 2), "swiglu_oai", b1, b2, True, 1.702, 7.0)
     torch.library.opcheck(torch.ops.sloth.moe_experts.default, args)
 
 
-def test_gpt_oss_layout_weight_gradients_need_no_copy():
+def test_gpt_oss_layout_weight_gradients_need_no_copy(device):
     register()
-    x, index, weights, gate_up_t, down_t, (b1, b2), dout = _gpt_oss_inputs()
+    x, index, weights, gate_up_t, down_t, (b1, b2), dout = _gpt_oss_inputs(device=device)
     _, gu, order, offs = torch.ops.sloth.moe_experts(x, index, weights, gate_up_t.transpose(1, 2),
                                                      down_t.transpose(1, 2), "swiglu_oai", b1, b2, True, 1.702, 7.0)
     grads = torch.ops.sloth.moe_experts_backward(dout, x, index, weights, gate_up_t.transpose(1, 2),
@@ -827,14 +836,14 @@ RECOMPUTE_CASES = {  # id -> (make the arguments after act from E, H, I; what tr
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(RECOMPUTE_CASES))
-def test_recompute_gu_gives_the_same_bits_and_keeps_no_gu(case, dtype):
+def test_recompute_gu_gives_the_same_bits_and_keeps_no_gu(case, dtype, device):
     # moe_recompute: the backward forms gu again with the forward's own calls, so every output and gradient is
     # the one the kept gu gives, bit for bit; and the forward returns an empty gu, so nothing of it is saved.
     make_extra, trains, gated = RECOMPUTE_CASES[case]
     T, H, I, E, K = 13, 24, 20, 5, 2
-    masters = make_inputs(T, H, I, E, K, unused_experts=(3,), gated=gated)
+    masters = make_inputs(T, H, I, E, K, unused_experts=(3,), gated=gated, device=device)
     torch.manual_seed(0)
-    extra = make_extra(E, H, I)
+    extra = [t.to(device) if isinstance(t, torch.Tensor) else t for t in make_extra(E, H, I)]
     kept = _op_grads(masters, dtype, extra, trains, gated=gated)
     recomputed = _op_grads(masters, dtype, extra, trains, gated=gated, recompute_gu=True)
     assert len(kept) == len(recomputed) >= 3

@@ -101,7 +101,7 @@ def check(case, form, dtype, seed=0, out_dtype=torch.float32, device="cpu"):
     use_bias = options.pop("bias")
     g = torch.Generator().manual_seed(seed + 2)
     bias = ((torch.rand(experts, generator=g) - 0.5) * 0.2).to(device) if use_bias else None
-    logits = tie_free_logits(tokens, experts, seed).to(device)
+    logits = tie_free_logits(tokens, experts, seed, device)
     dw = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed + 1)).to(device)
 
     def ours_fn(l):
@@ -133,84 +133,84 @@ def check(case, form, dtype, seed=0, out_dtype=torch.float32, device="cpu"):
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=list(DTYPE_IDS.values()))
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_pattern(case, form, dtype):
-    check(CASES[case], FORMS[form], dtype)
+def test_matches_pattern(case, form, dtype, device):
+    check(CASES[case], FORMS[form], dtype, device=device)
 
 
-def test_weights_in_bf16():
-    check(CASES["grouped-64"], FORMS["deepseek"], torch.float32, out_dtype=torch.bfloat16)
+def test_weights_in_bf16(device):
+    check(CASES["grouped-64"], FORMS["deepseek"], torch.float32, out_dtype=torch.bfloat16, device=device)
 
 
 @pytest.mark.parametrize("form", ["deepseek", "ernie-softmax-clamp"])
-def test_fallback_matches_pattern(monkeypatch, form):
+def test_fallback_matches_pattern(monkeypatch, form, device):
     force_fallback(monkeypatch, lowering, "_moe_router_biased_fwd_kernel", "_moe_router_biased_bwd_kernel")
-    check(CASES["grouped-64"], FORMS[form], torch.float32)
+    check(CASES["grouped-64"], FORMS[form], torch.float32, device=device)
 
 
-def test_groups_are_kept_whole():
+def test_groups_are_kept_whole(device):
     # Two groups of 4; group 1 holds the single best expert but group 0 the better top-2 sum: top-2 scoring keeps
     # group 0, max scoring keeps group 1.
-    logits = torch.tensor([[1.0, 0.9, -3.0, -3.0, 2.0, -3.0, -3.0, -3.0]])
+    logits = torch.tensor([[1.0, 0.9, -3.0, -3.0, 2.0, -3.0, -3.0, -3.0]], device=device)
     for top2, expected in ((True, {0, 1}), (False, {4, 5})):
         _, idx = moe_router_biased(logits, None, 2, n_group=2, topk_group=1, group_top2=top2)
         assert set(idx[0].tolist()) == expected, (top2, idx)
 
 
-def test_clamp_below_eps():
+def test_clamp_below_eps(device):
     # renorm 2 with the selected sum under eps: the weights are s / eps and the gradient dw / eps times s'.
-    logits = torch.full((3, 6), -30.0).requires_grad_(True)
+    logits = torch.full((3, 6), -30.0, device=device).requires_grad_(True)
     w, idx = moe_router_biased(logits, None, 2, renorm=RENORM_CLAMP, eps=1e-3)
     s = torch.sigmoid(torch.tensor(-30.0))
-    torch.testing.assert_close(w, torch.full((3, 2), float(s / 1e-3)))
-    dw = torch.randn(3, 2)
+    torch.testing.assert_close(w, torch.full((3, 2), float(s / 1e-3), device=device))
+    dw = torch.randn(3, 2, device=device)
     (dl,) = torch.autograd.grad(w, logits, dw)
     torch.testing.assert_close(dl, lowering.moe_router_biased_backward_reference(
         dw, logits.detach(), idx, "sigmoid", RENORM_CLAMP, 1e-3))
 
 
-def test_ties_pick_the_lower_index():
+def test_ties_pick_the_lower_index(device):
     # Equal logits, no bias: the first k experts; a masked (fill 0) row keeps the lowest masked indices.
-    logits = torch.zeros(2, 8)
+    logits = torch.zeros(2, 8, device=device)
     assert moe_router_biased(logits, None, 3)[1].tolist() == [[0, 1, 2]] * 2
     # Groups of 2; only group 3 kept (bias); k = 3 > 2 kept experts: the third is the lowest masked index (0 fill).
-    bias = torch.tensor([0.0] * 6 + [5.0, 5.0])
-    idx = moe_router_biased(torch.zeros(1, 8), bias, 3, n_group=4, topk_group=1, fill=0.0)[1]
+    bias = torch.tensor([0.0] * 6 + [5.0, 5.0], device=device)
+    idx = moe_router_biased(torch.zeros(1, 8, device=device), bias, 3, n_group=4, topk_group=1, fill=0.0)[1]
     assert idx.tolist() == [[6, 7, 0]]
 
 
-def test_no_tokens():
-    logits = torch.zeros(0, 8, requires_grad=True)
-    w, idx = moe_router_biased(logits, torch.zeros(8), 2, n_group=2, topk_group=1, renorm=RENORM_ADD)
+def test_no_tokens(device):
+    logits = torch.zeros(0, 8, device=device, requires_grad=True)
+    w, idx = moe_router_biased(logits, torch.zeros(8, device=device), 2, n_group=2, topk_group=1, renorm=RENORM_ADD)
     assert w.shape == (0, 2) and idx.shape == (0, 2)
     (dl,) = torch.autograd.grad(w.sum(), logits, allow_unused=True)
     assert dl is None or dl.shape == (0, 8)
 
 
-def test_bad_input_is_named():
+def test_bad_input_is_named(device):
     with pytest.raises(ValueError, match=r"\[tokens, experts\]"):
-        moe_router_biased(torch.zeros(2, 3, 8), None, 2)
+        moe_router_biased(torch.zeros(2, 3, 8, device=device), None, 2)
     with pytest.raises(ValueError, match="bias must be"):
-        moe_router_biased(torch.zeros(4, 8), torch.zeros(7), 2)
+        moe_router_biased(torch.zeros(4, 8, device=device), torch.zeros(7, device=device), 2)
     with pytest.raises(ValueError, match="n_group must divide"):
-        moe_router_biased(torch.zeros(4, 8), None, 2, n_group=3)
+        moe_router_biased(torch.zeros(4, 8, device=device), None, 2, n_group=3)
     with pytest.raises(ValueError, match="n_group must divide"):
-        moe_router_biased(torch.zeros(4, 8), None, 2, n_group=2, topk_group=3)
+        moe_router_biased(torch.zeros(4, 8, device=device), None, 2, n_group=2, topk_group=3)
     with pytest.raises(ValueError, match="top-2 score needs 2"):
-        moe_router_biased(torch.zeros(4, 8), None, 2, n_group=8, topk_group=2)
+        moe_router_biased(torch.zeros(4, 8, device=device), None, 2, n_group=8, topk_group=2)
     with pytest.raises(ValueError, match="k must be in"):
-        moe_router_biased(torch.zeros(4, 8), None, 9)
+        moe_router_biased(torch.zeros(4, 8, device=device), None, 9)
     with pytest.raises(ValueError, match="score must be"):
-        moe_router_biased(torch.zeros(4, 8), None, 2, score="tanh")
+        moe_router_biased(torch.zeros(4, 8, device=device), None, 2, score="tanh")
     with pytest.raises(ValueError, match="choose_logits"):
-        moe_router_biased(torch.zeros(4, 8), None, 2, score="softmax", choose_logits=True)
+        moe_router_biased(torch.zeros(4, 8, device=device), None, 2, score="softmax", choose_logits=True)
     with pytest.raises(ValueError, match="fill must be"):
-        moe_router_biased(torch.zeros(4, 8), None, 2, n_group=2, fill=1.0)
+        moe_router_biased(torch.zeros(4, 8, device=device), None, 2, n_group=2, fill=1.0)
 
 
-def test_opcheck():
+def test_opcheck(device):
     lowering.register()
-    logits = tie_free_logits(7, 16).requires_grad_()
-    bias = torch.rand(16)
+    logits = tie_free_logits(7, 16, device=device).requires_grad_()
+    bias = torch.rand(16, device=device)
     torch.library.opcheck(torch.ops.sloth.moe_router_biased.default,
                           (logits, bias, 3, "sigmoid", False, 4, 2, True, NEG_INF, RENORM_ADD, 1e-20, torch.float32))
     torch.library.opcheck(torch.ops.sloth.moe_router_biased.default,

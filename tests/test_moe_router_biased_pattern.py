@@ -90,6 +90,15 @@ def softmax_clamped(logits, k, bias):  # ERNIE-4.5: softmax scores, the bias as 
     return w / w.sum(-1, keepdim=True).clamp(min=1e-12), idx
 
 
+def renormalised_and_scaled_in_place(logits, k, bias):  # DeepSeek-V3 reference's Gate: in place, then *= scale
+    scores = logits.sigmoid()
+    idx = torch.topk(scores + bias, k, dim=-1)[1]
+    w = scores.gather(1, idx)
+    w /= w.sum(dim=-1, keepdim=True)
+    w *= 2.5
+    return w, idx
+
+
 def softmax_indices_only(logits, k, bias):  # no bias: the weights gathered from the probabilities
     probs = logits.softmax(-1)
     idx = torch.topk(probs, k, dim=-1).indices
@@ -103,6 +112,7 @@ FORMS = {
     "flat-scores-written-twice": (flat_scores_written_twice, "top-{k} of sigmoid + bias, renormalised (+0)"),
     "logits-choose": (logits_choose, "top-{k} of logits + bias, renormalised (+0)"),
     "softmax-clamped": (softmax_clamped, "softmax scores, top-{k} of softmax + bias, renormalised (clamp 1e-12)"),
+    "scaled-in-place": (renormalised_and_scaled_in_place, "top-{k} of sigmoid + bias, renormalised (+0)"),
     "softmax-indices-only": (softmax_indices_only, "softmax scores, top-{k} of softmax, 8 experts"),
 }
 

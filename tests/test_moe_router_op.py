@@ -41,11 +41,12 @@ MODES = {"softmax-topk": (True, False), "softmax-topk-renorm": (True, True), "to
 _DISTINCT = torch.linspace(-6, 6, 2 ** 14).bfloat16().unique().float()
 
 
-def tie_free_logits(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
+def tie_free_logits(tokens: int, experts: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    """Drawn on the CPU (the same values on every device) and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     picks = torch.stack([torch.randperm(len(_DISTINCT), generator=g)[:experts] for _ in range(tokens)]) \
         if tokens else torch.empty(0, experts, dtype=torch.int64)
-    return _DISTINCT[picks]
+    return _DISTINCT[picks].to(device)
 
 
 def router_pattern(logits: torch.Tensor, k: int, softmax_first: bool, renorm: bool):
@@ -72,7 +73,7 @@ def run(fn, logits: torch.Tensor, dw: torch.Tensor):
 def check(case, mode, dtype, device="cpu", out_dtype=None, seed=0):
     tokens, experts, k = case
     softmax_first, renorm = mode
-    logits = tie_free_logits(tokens, experts, seed).to(device)
+    logits = tie_free_logits(tokens, experts, seed, device)
     dw = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     out_dtype = torch.float32 if out_dtype is None else out_dtype
 
@@ -92,79 +93,79 @@ def check(case, mode, dtype, device="cpu", out_dtype=None, seed=0):
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=list(DTYPE_IDS.values()))
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_pattern(case, mode, dtype):
-    check(CASES[case], MODES[mode], dtype)
+def test_matches_pattern(case, mode, dtype, device):
+    check(CASES[case], MODES[mode], dtype, device)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_weights_in_bf16_from_fp32_logits(mode):
+def test_weights_in_bf16_from_fp32_logits(mode, device):
     # The graph may hold the weights in another dtype than the logits (a bf16 model whose router upcasts).
-    check(CASES["olmoe"], MODES[mode], torch.float32, out_dtype=torch.bfloat16)
+    check(CASES["olmoe"], MODES[mode], torch.float32, device, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=list(DTYPE_IDS.values()))
 @pytest.mark.parametrize("mode", list(MODES))
-def test_fallback_matches_pattern(monkeypatch, mode, dtype):
+def test_fallback_matches_pattern(monkeypatch, mode, dtype, device):
     # The plain-PyTorch path (a CPU without the interpreter) is held to the same rule, and launches nothing.
     force_fallback(monkeypatch, lowering, "_moe_router_fwd_kernel", "_moe_router_bwd_kernel")
-    check(CASES["qwen3-moe"], MODES[mode], dtype)
+    check(CASES["qwen3-moe"], MODES[mode], dtype, device)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_ties_pick_the_lower_index(mode):
+def test_ties_pick_the_lower_index(mode, device):
     # Equal scores: the first k experts, in index order, each weighted 1/k (renormalised or softmaxed over the k)
     # or 1/E (the softmax over all, not renormalised); the gradient is the pattern's at those indices.
     softmax_first, renorm = MODES[mode]
-    logits = torch.zeros(4, 6).requires_grad_(True)
+    logits = torch.zeros(4, 6, device=device).requires_grad_(True)
     w, idx = moe_router(logits, 3, softmax_first, renorm)
     assert idx.tolist() == [[0, 1, 2]] * 4
     expected = 1 / 6 if softmax_first and not renorm else 1 / 3
-    torch.testing.assert_close(w, torch.full((4, 3), expected))
-    dw = torch.randn(4, 3)
+    torch.testing.assert_close(w, torch.full((4, 3), expected, device=device))
+    dw = torch.randn(4, 3, device=device)
     (dl,) = torch.autograd.grad(w, logits, dw)
     torch.testing.assert_close(dl, lowering.moe_router_backward_reference(dw, logits.detach(), idx, softmax_first,
                                                                           renorm))
     # A row with a tie among the leaders only: the tied pair comes lower index first.
-    row = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0]])
+    row = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0]], device=device)
     assert moe_router(row, 3, softmax_first, renorm)[1].tolist() == [[1, 3, 4]]
 
 
-def test_strided_logits():
+def test_strided_logits(device):
     # Logits sliced out of a wider projection (a row stride past the experts) and a transposed view (its experts
     # not contiguous) give what their contiguous copy gives.
-    wide = tie_free_logits(9, 40)
-    for view in (wide[:, 3:35], tie_free_logits(32, 9).t()):
+    wide = tie_free_logits(9, 40, device=device)
+    for view in (wide[:, 3:35], tie_free_logits(32, 9, device=device).t()):
         for mode in MODES.values():
             w, idx = moe_router(view, 4, *mode)
             w_c, idx_c = moe_router(view.contiguous(), 4, *mode)
             assert torch.equal(idx, idx_c) and torch.equal(w, w_c)
 
 
-def test_no_tokens():
-    logits = torch.zeros(0, 8, requires_grad=True)
+def test_no_tokens(device):
+    logits = torch.zeros(0, 8, device=device, requires_grad=True)
     w, idx = moe_router(logits, 2, True, True)
     assert w.shape == (0, 2) and idx.shape == (0, 2)
     (dl,) = torch.autograd.grad(w.sum(), logits, allow_unused=True)
     assert dl is None or dl.shape == (0, 8)
 
 
-def test_bad_input_is_named():
+def test_bad_input_is_named(device):
     with pytest.raises(ValueError, match=r"\[tokens, experts\]"):
-        moe_router(torch.zeros(2, 3, 8), 2)
+        moe_router(torch.zeros(2, 3, 8, device=device), 2)
     with pytest.raises(ValueError, match=r"\[tokens, experts\]"):
-        moe_router(torch.zeros(4, 8, dtype=torch.int64), 2)
+        moe_router(torch.zeros(4, 8, dtype=torch.int64, device=device), 2)
     with pytest.raises(ValueError, match="k must be in"):
-        moe_router(torch.zeros(4, 8), 0)
+        moe_router(torch.zeros(4, 8, device=device), 0)
     with pytest.raises(ValueError, match="k must be in"):
-        moe_router(torch.zeros(4, 8), 9)
+        moe_router(torch.zeros(4, 8, device=device), 9)
     with pytest.raises(ValueError, match="k must be in"):
-        moe_router(torch.zeros(4, 64), lowering.MAX_TOP_K + 1)
+        moe_router(torch.zeros(4, 64, device=device), lowering.MAX_TOP_K + 1)
     with pytest.raises(ValueError, match="one-pass limit"):
-        moe_router(torch.zeros(4, lowering.MAX_EXPERTS + 1), 2)
+        moe_router(torch.zeros(4, lowering.MAX_EXPERTS + 1, device=device), 2)
 
 
-def test_opcheck():
+def test_opcheck(device):
     lowering.register()
-    logits = tie_free_logits(7, 12).requires_grad_()
+    logits = tie_free_logits(7, 12, device=device).requires_grad_()
     for mode in MODES.values():
         torch.library.opcheck(torch.ops.sloth.moe_router.default, (logits, 3, *mode, torch.float32))

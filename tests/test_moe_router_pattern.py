@@ -60,6 +60,13 @@ def softmax_topk_renorm_in_place(logits, k):
     return w, idx
 
 
+def softmax_topk_renorm_scaled_in_place(logits, k):  # DeepSeek-V3 reference's Gate (softmax): w *= route_scale
+    w, idx = torch.topk(logits.softmax(-1), k, dim=-1)
+    w /= w.sum(dim=-1, keepdim=True)
+    w *= 2.5
+    return w, idx
+
+
 def softmax_topk_renorm_div(logits, k):
     w, idx = F.softmax(logits, dim=1).topk(k, -1, True, True)
     return torch.div(w, w.sum(-1, keepdim=True)), idx
@@ -73,6 +80,7 @@ def topk_then_softmax(logits, k):  # GPT-OSS's and Granite-MoE's order
 FORMS = {
     "softmax-topk-methods": (softmax_topk_method_forms, "softmax, top-{k}, 6 experts"),
     "renorm-in-place": (softmax_topk_renorm_in_place, "softmax, top-{k}, renormalised, 6 experts"),
+    "renorm-scaled-in-place": (softmax_topk_renorm_scaled_in_place, "softmax, top-{k}, renormalised, 6 experts"),
     "renorm-div": (softmax_topk_renorm_div, "softmax, top-{k}, renormalised, 6 experts"),
     "topk-softmax": (topk_then_softmax, "top-{k}, softmax over the k, 6 experts"),
 }
@@ -145,6 +153,12 @@ def logits_read_twice(logits, k):
     return F.softmax(top, dim=-1) + 0.01 * top, idx
 
 
+def logits_written_after_topk(logits, k):  # the op's backward reads the logits as they were
+    w, idx = torch.topk(logits.softmax(-1), k, dim=-1)
+    logits.mul_(2.0)
+    return w + 0.0 * logits[:, :k], idx
+
+
 def batched_scores(logits, k):  # [1, T, E]: the op takes [tokens, experts]
     w, idx = torch.topk(logits.softmax(-1).unsqueeze(0), k, dim=-1)
     return w[0], idx[0]
@@ -156,6 +170,7 @@ REFUSED = {
     "indices-only": (indices_only_gathered_elsewhere, "only the indices"),
     "logits-read-twice": (logits_read_twice, "not softmaxed after it"),
     "3-d": (batched_scores, "3-D"),
+    "logits-written": (logits_written_after_topk, "writes in place into the router's"),
 }
 
 

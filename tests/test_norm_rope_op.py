@@ -6,7 +6,8 @@ transformers' RoPE; Gemma 3's ``(1 + w)`` with ``offset=1``; GPT-J's interleaved
 ``interleaved_rope_pattern``) run eagerly at the tested dtype is "eager"; the same on float64 copies is the
 reference, under ``StayFloat64`` so the norm's fp32 upcast stays float64. The inputs are laid out as the attention
 sees them: ``bhsd`` is ``view(b, s, h, d).transpose(1, 2)`` of a projection (non-contiguous), ``bshd`` keeps heads
-after the sequence. Shared with tests/test_cuda_ops.py, which runs the same checks on CUDA tensors.
+after the sequence. Tensors on the ``device`` fixture's device (tests/conftest.py); tests/test_cuda_ops.py adds
+Qwen3-MoE's shape on CUDA.
 """
 from __future__ import annotations
 
@@ -111,44 +112,44 @@ CASES = [pytest.param(shape, dtype, id=f"B{shape[0]}-Hq{shape[1]}-Hk{shape[2]}-S
 
 
 @pytest.mark.parametrize("shape,dtype", CASES)
-def test_matches_pattern(shape, dtype):
-    inputs = make_inputs(*shape, dtype)
+def test_matches_pattern(shape, dtype, device):
+    inputs = make_inputs(*shape, dtype, device=device)
     qo, ko, *_ = check_against_pattern(fused(shape[-1]), pattern(shape[-1]), inputs)
     assert qo.dtype == dtype and qo.shape == inputs[0].shape and ko.shape == inputs[1].shape
     assert qo.is_contiguous() and ko.is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_partial_rotary_passes_the_rest_normalised(dtype):
+def test_partial_rotary_passes_the_rest_normalised(dtype, device):
     # Phi-style partial rotary (32 of 96 dims rotate): the last 64 are normalised, weighted and passed through.
-    inputs = make_inputs(2, 3, 1, 7, 96, "bhsd", dtype, rot=32)
+    inputs = make_inputs(2, 3, 1, 7, 96, "bhsd", dtype, rot=32, device=device)
     check_against_pattern(fused("bhsd"), pattern("bhsd"), inputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rot", [None, 16], ids=["full", "partial"])
-def test_interleaved_pairs(dtype, rot):
-    inputs = make_inputs(2, 3, 2, 7, 48, "bhsd", dtype, rot=rot, interleaved=True)
+def test_interleaved_pairs(dtype, rot, device):
+    inputs = make_inputs(2, 3, 2, 7, 48, "bhsd", dtype, rot=rot, interleaved=True, device=device)
     check_against_pattern(fused("bhsd", interleaved=True), pattern("bhsd", interleaved=True), inputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gemma_offset(dtype):
-    inputs = make_inputs(1, 4, 2, 9, 32, "bhsd", dtype)
+def test_gemma_offset(dtype, device):
+    inputs = make_inputs(1, 4, 2, 9, 32, "bhsd", dtype, device=device)
     inputs[2], inputs[3] = inputs[2] - 1, inputs[3] - 1  # Gemma stores w with (1 + w) applied: near zero
     check_against_pattern(fused("bhsd", offset=1.0), pattern("bhsd", offset=1.0), inputs)
 
 
 @pytest.mark.parametrize("weights", ["none", "q", "k"])
-def test_weightless_norms(weights):
-    inputs = make_inputs(2, 2, 1, 5, 32, "bhsd", torch.float32, weights=weights)
+def test_weightless_norms(weights, device):
+    inputs = make_inputs(2, 2, 1, 5, 32, "bhsd", torch.float32, weights=weights, device=device)
     actual = check_against_pattern(fused("bhsd"), pattern("bhsd"), inputs)
     assert (actual[4] is None) == (weights in ("none", "k")) and (actual[5] is None) == (weights in ("none", "q"))
 
 
-def test_frozen_weights_get_no_gradient_and_launch_no_partials(monkeypatch):
+def test_frozen_weights_get_no_gradient_and_launch_no_partials(monkeypatch, device):
     # LoRA freezes the norms: the backward asks for no weight gradient, so no partials buffer is summed.
-    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 64, "bhsd", torch.bfloat16)
+    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 64, "bhsd", torch.bfloat16, device=device)
     q.requires_grad_(True)
     k.requires_grad_(True)
     launches = record_launches(monkeypatch, lowering, "_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel")
@@ -162,30 +163,31 @@ def test_frozen_weights_get_no_gradient_and_launch_no_partials(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fallback_matches_pattern(dtype, monkeypatch):
+def test_fallback_matches_pattern(dtype, monkeypatch, device):
     # Where Triton cannot run (a CPU without the interpreter) the op takes its PyTorch reference.
     force_fallback(monkeypatch, lowering, "_norm_rope_fwd_kernel", "_norm_rope_bwd_kernel")
-    check_against_pattern(fused("bshd"), pattern("bshd"), make_inputs(2, 2, 2, 5, 24, "bshd", dtype, rot=16))
+    inputs = make_inputs(2, 2, 2, 5, 24, "bshd", dtype, rot=16, device=device)
+    check_against_pattern(fused("bshd"), pattern("bshd"), inputs)
 
 
-def test_opcheck():
-    q, k, wq, wk, cos, sin, _, _ = make_inputs(2, 3, 1, 7, 32, "bhsd", torch.float32)
+def test_opcheck(device):
+    q, k, wq, wk, cos, sin, _, _ = make_inputs(2, 3, 1, 7, 32, "bhsd", torch.float32, device=device)
     lowering.register()
     args = (q.requires_grad_(True), k.requires_grad_(True), wq.requires_grad_(True), wk, cos.unsqueeze(1),
             sin.unsqueeze(1), 1e-6, 1e-5, 0.0, 0.0, torch.float32, False)
     torch.library.opcheck(torch.ops.sloth.norm_rope.default, args)
 
 
-def test_cos_sin_gradient_is_refused():
-    q, k, wq, wk, cos, sin, dq, dk = make_inputs(1, 2, 1, 5, 16, "bhsd", torch.float32)
+def test_cos_sin_gradient_is_refused(device):
+    q, k, wq, wk, cos, sin, dq, dk = make_inputs(1, 2, 1, 5, 16, "bhsd", torch.float32, device=device)
     cos = cos.unsqueeze(1).requires_grad_(True)
     qo, ko = norm_rope(q.requires_grad_(True), k, wq, wk, cos, sin.unsqueeze(1))
     with pytest.raises(RuntimeError, match="cos and sin get no gradient"):
         (qo.sum() + ko.sum()).backward()
 
 
-def test_bad_inputs_name_the_problem():
-    q, k, wq, wk, cos, sin, _, _ = make_inputs(1, 2, 1, 5, 16, "bhsd", torch.float32)
+def test_bad_inputs_name_the_problem(device):
+    q, k, wq, wk, cos, sin, _, _ = make_inputs(1, 2, 1, 5, 16, "bhsd", torch.float32, device=device)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     with pytest.raises(ValueError, match="q_weight must have shape"):
         norm_rope(q, k, wq[:8], wk, c, s)
@@ -198,10 +200,10 @@ def test_bad_inputs_name_the_problem():
 @pytest.mark.parametrize("input_layout", ["bhsd", "contiguous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fallback", [False, True], ids=["triton", "reference"])
-def test_bshd_out_writes_that_layout_with_the_same_values(input_layout, dtype, fallback, monkeypatch):
+def test_bshd_out_writes_that_layout_with_the_same_values(input_layout, dtype, fallback, monkeypatch, device):
     # Results and the input gradients in the projection's [b, s, h, d] memory (lowering/rope.py, "Output layout"),
     # whatever the input's layout; the weights' gradients unchanged.
-    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 24, "bhsd", dtype, rot=16)
+    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 24, "bhsd", dtype, rot=16, device=device)
     if input_layout == "contiguous":
         q, k = q.contiguous(), k.contiguous()
     if fallback:
@@ -217,8 +219,8 @@ def test_bshd_out_writes_that_layout_with_the_same_values(input_layout, dtype, f
         assert torch.equal(plain, laid), name
 
 
-def test_bshd_out_opcheck():
-    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 32, "bhsd", torch.float32)
+def test_bshd_out_opcheck(device):
+    q, k, wq, wk, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 32, "bhsd", torch.float32, device=device)
     lowering.register()
     args = (q.requires_grad_(True), k.requires_grad_(True), wq.requires_grad_(True), wk, cos.unsqueeze(1),
             sin.unsqueeze(1), 1e-6, 1e-5, 0.0, 0.0, torch.float32, False, True)

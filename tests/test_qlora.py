@@ -166,6 +166,28 @@ def test_peft_qlora_model_every_linear_fused_and_within_the_tolerance_rule(dtype
         assert_close(name, ours, theirs, ref, atol=1e-6 if dtype == torch.float32 else None)
 
 
+def test_fp32_qlora_model_under_bf16_autocast_every_linear_fused():
+    # TRL's default bf16=True on an fp32 QLoRA model: SDPA's output reaches o_proj in bf16 (autocast), and
+    # bitsandbytes' Linear4bit computes matmul_4bit(x.to(float32)).to(bfloat16), so that base's output is a cast
+    # and it reads a cast of the adapter's x (o_proj used to be refused as "not a linear of x"). Every adapted
+    # linear fuses; the op computes in the base's float32 and casts its result as bitsandbytes does. Loss and LoRA
+    # gradients within the whole-model tolerance rule at bf16 (tests/test_models.py: one scalar's error ratio is
+    # luck) of eager under autocast against the dense fp64 model.
+    from test_models import assert_model_close
+
+    model = qlora_model(torch.float32)
+    ids = torch.randint(0, 128, (2, 9), generator=seeded(8))
+    reference = loss_and_lora_grads(dense_fp64_copy(model), ids)
+    compiled = torch.compile(model, backend="sloth", options={"patterns": ["lora"], "inner": "aot_eager"})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = loss_and_lora_grads(model, ids)
+        actual = loss_and_lora_grads(compiled, ids)
+    report = sloth.report()
+    assert report.counts == {"lora": len(TARGETS)} and not report.rejections, str(report)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert_model_close(*[(run[0], dict(zip(names, run[1:]))) for run in (actual, eager, reference)], torch.bfloat16)
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["shared-input-joined", "one-op-each"])
 def test_peft_qlora_model_with_every_family_takes_the_glu_into_the_down_projection(share):
     model = qlora_model(torch.bfloat16)

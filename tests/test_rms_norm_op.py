@@ -38,14 +38,15 @@ def fused(style: str, x: torch.Tensor, w: Optional[torch.Tensor], eps: float) ->
     return rms_norm(x, w if style != "none" else None, eps, offset=OFFSET[style])
 
 
-def make_inputs(shape, style: str, scale: float = 1.0, seed: int = 0):
-    """fp32 masters for x, w and dy; every run rounds them to its own dtype first."""
+def make_inputs(shape, style: str, scale: float = 1.0, seed: int = 0, device: str = "cpu"):
+    """fp32 masters for x, w and dy, drawn on the CPU (the same values on every device) and moved to ``device``;
+    every run rounds them to its own dtype first."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * scale
     # Llama weights sit near 1, Gemma's near 0 (it multiplies by 1 + w).
     w = torch.randn(shape[-1], generator=g) * 0.5 + (1.0 if style == "llama" else 0.0)
     dy = torch.randn(shape, generator=g)
-    return x, w, dy
+    return x.to(device), w.to(device), dy.to(device)
 
 
 def forward_backward(fn, x, w, dy, weight_grad: bool = True):
@@ -87,8 +88,8 @@ def check_against_pattern(style, x32, w32, dy32, dtype, eps=1e-6, weight_dtype=N
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("style", ["llama", "gemma", "none"])
-def test_reference_really_is_float64(style):
-    x, w, _ = make_inputs((4, 64), style)
+def test_reference_really_is_float64(style, device):
+    x, w, _ = make_inputs((4, 64), style, device=device)
     x, w = x.double(), w.double()
     with StayFloat64():
         ref = pattern(style, x, w, 1e-6)
@@ -119,8 +120,8 @@ CASES += [pytest.param((127, 100), torch.float16, style, id=f"N127-D100-fp16-{st
 
 
 @pytest.mark.parametrize("shape,dtype,style", CASES)
-def test_forward_and_gradients_match_pattern(shape, dtype, style):
-    x, w, dy = make_inputs(shape, style)
+def test_forward_and_gradients_match_pattern(shape, dtype, style, device):
+    x, w, dy = make_inputs(shape, style, device=device)
     y, dx, dw = check_against_pattern(style, x, w, dy, dtype)
     assert y.dtype == dtype and dx.dtype == dtype and y.shape == x.shape
     if style != "none":
@@ -133,8 +134,8 @@ def test_forward_and_gradients_match_pattern(shape, dtype, style):
 
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen-weight", "trained-weight"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_frozen_weight_skips_dw(frozen, dtype):
-    x32, w32, dy32 = make_inputs((127, 100), "llama")
+def test_frozen_weight_skips_dw(frozen, dtype, device):
+    x32, w32, dy32 = make_inputs((127, 100), "llama", device=device)
     x = x32.to(dtype).requires_grad_(True)
     w = w32.to(dtype).requires_grad_(not frozen)
     y = rms_norm(x, w, 1e-6)
@@ -165,8 +166,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_non_contiguous_input(layout, dtype):
-    x32, w32, dy32 = make_inputs((37, 100), "llama")
+def test_non_contiguous_input(layout, dtype, device):
+    x32, w32, dy32 = make_inputs((37, 100), "llama", device=device)
     x = LAYOUTS[layout](x32.to(dtype))
     dy = LAYOUTS[layout](dy32.to(dtype))  # a non-contiguous cotangent too
     assert torch.equal(x, x32.to(dtype)) and not x.is_contiguous() and not dy.is_contiguous()
@@ -182,17 +183,17 @@ def test_non_contiguous_input(layout, dtype):
     assert_close("dw", dw, dw_e, dw_r)
 
 
-def test_mixed_bf16_input_fp32_weight_fp32_output():
-    x, w, dy = make_inputs((127, 100), "llama")
+def test_mixed_bf16_input_fp32_weight_fp32_output(device):
+    x, w, dy = make_inputs((127, 100), "llama", device=device)
     y, dx, dw = check_against_pattern("llama", x, w, dy, torch.bfloat16, weight_dtype=torch.float32,
                                       out_dtype=torch.float32)
     assert (y.dtype, dx.dtype, dw.dtype) == (torch.float32, torch.bfloat16, torch.float32)
 
 
 @pytest.mark.parametrize("style", ["llama", "gemma", "none"])
-def test_eps_is_a_runtime_argument(style):
+def test_eps_is_a_runtime_argument(style, device):
     # Rows with mean square ~1e-4: eps 1e-6 barely matters, eps 1e-2 dominates the denominator.
-    x, w, dy = make_inputs((16, 64), style, scale=1e-2)
+    x, w, dy = make_inputs((16, 64), style, scale=1e-2, device=device)
     small = check_against_pattern(style, x, w, dy, torch.float32, eps=1e-6)
     large = check_against_pattern(style, x, w, dy, torch.float32, eps=1e-2)
     assert (small[0] - large[0]).abs().max().item() > 0.5  # would be 0 if eps were ignored or cached
@@ -201,8 +202,8 @@ def test_eps_is_a_runtime_argument(style):
     assert torch.equal(again, small[0]), "a second call with the first eps must give the first result"
 
 
-def test_gemma_offset_is_applied():
-    x, w, _ = make_inputs((3, 64), "gemma")
+def test_gemma_offset_is_applied(device):
+    x, w, _ = make_inputs((3, 64), "gemma", device=device)
     plain = rms_norm(x, w, 1e-6, offset=0.0)
     gemma = rms_norm(x, w, 1e-6, offset=1.0)
     weightless = rms_norm(x, None, 1e-6)
@@ -214,26 +215,26 @@ def test_gemma_offset_is_applied():
 # ---------------------------------------------------------------------------------------------------
 
 BAD_INPUTS = [
-    pytest.param(lambda: (torch.randn(3, 64), torch.randn(65)), ValueError,
+    pytest.param(lambda d: (torch.randn(3, 64, device=d), torch.randn(65, device=d)), ValueError,
                  r"weight must have shape \(64,\).*got \(65,\)", id="weight-too-long"),
-    pytest.param(lambda: (torch.randn(3, 64), torch.randn(1, 64)), ValueError,
+    pytest.param(lambda d: (torch.randn(3, 64, device=d), torch.randn(1, 64, device=d)), ValueError,
                  r"weight must have shape \(64,\).*\(1, 64\)", id="weight-2d"),
-    pytest.param(lambda: (torch.randint(0, 3, (3, 64)), torch.randn(64)), TypeError, r"x must be .*int64",
-                 id="x-int64"),
-    pytest.param(lambda: (torch.randn(3, 64, dtype=torch.float64), None), TypeError, r"x must be .*float64",
-                 id="x-float64"),
-    pytest.param(lambda: (torch.randn(3, 64), torch.ones(64, dtype=torch.int32)), TypeError, r"weight must be .*int32",
-                 id="weight-int32"),
-    pytest.param(lambda: (torch.zeros(2, MAX_HIDDEN + 1, dtype=torch.bfloat16), None), ValueError,
+    pytest.param(lambda d: (torch.randint(0, 3, (3, 64), device=d), torch.randn(64, device=d)), TypeError,
+                 r"x must be .*int64", id="x-int64"),
+    pytest.param(lambda d: (torch.randn(3, 64, dtype=torch.float64, device=d), None), TypeError,
+                 r"x must be .*float64", id="x-float64"),
+    pytest.param(lambda d: (torch.randn(3, 64, device=d), torch.ones(64, dtype=torch.int32, device=d)), TypeError,
+                 r"weight must be .*int32", id="weight-int32"),
+    pytest.param(lambda d: (torch.zeros(2, MAX_HIDDEN + 1, dtype=torch.bfloat16, device=d), None), ValueError,
                  rf"last dimension {MAX_HIDDEN + 1} exceeds .*{MAX_HIDDEN}", id="hidden-over-max"),
-    pytest.param(lambda: (torch.tensor(1.0), None), ValueError, r"at least one dimension", id="x-0d"),
+    pytest.param(lambda d: (torch.tensor(1.0, device=d), None), ValueError, r"at least one dimension", id="x-0d"),
 ]
 
 
 @pytest.mark.parametrize("via", ["function", "torch.ops"])
 @pytest.mark.parametrize("make,error,message", BAD_INPUTS)
-def test_input_errors_name_the_problem(make, error, message, via):
-    x, w = make()
+def test_input_errors_name_the_problem(make, error, message, via, device):
+    x, w = make(device)
     if via == "function":
         call = lambda: rms_norm(x, w, 1e-6)  # noqa: E731
     else:
@@ -243,8 +244,8 @@ def test_input_errors_name_the_problem(make, error, message, via):
         call()
 
 
-def test_hidden_at_max_is_accepted():
-    x = torch.randn(1, MAX_HIDDEN, dtype=torch.bfloat16)
+def test_hidden_at_max_is_accepted(device):
+    x = torch.randn(1, MAX_HIDDEN, dtype=torch.bfloat16, device=device)
     y = rms_norm(x, None, 1e-6)
     assert_close("y", y, weightless_rms_norm_pattern(x, 1e-6),
                  (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)))
@@ -254,18 +255,18 @@ def test_hidden_at_max_is_accepted():
 # Empty input
 # ---------------------------------------------------------------------------------------------------
 
-def test_zero_rows_forward():
-    x = torch.randn(0, 64)
-    y = rms_norm(x, torch.randn(64), 1e-6)
+def test_zero_rows_forward(device):
+    x = torch.randn(0, 64, device=device)
+    y = rms_norm(x, torch.randn(64, device=device), 1e-6)
     assert y.shape == (0, 64)
 
 
-def test_zero_rows_backward():
-    x = torch.randn(0, 64, requires_grad=True)
-    w = torch.randn(64, requires_grad=True)
+def test_zero_rows_backward(device):
+    x = torch.randn(0, 64, device=device, requires_grad=True)
+    w = torch.randn(64, device=device, requires_grad=True)
     rms_norm(x, w, 1e-6).sum().backward()
     assert x.grad.shape == (0, 64)
-    assert torch.equal(w.grad, torch.zeros(64))
+    assert torch.equal(w.grad, torch.zeros(64, device=device))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,19 +274,22 @@ def test_zero_rows_backward():
 # ---------------------------------------------------------------------------------------------------
 
 OPCHECK_CASES = [
-    pytest.param(lambda: torch.randn(3, 100), lambda: torch.randn(100), id="N3-D100-fp32-weight"),
-    pytest.param(lambda: torch.randn(2, 5, 64, dtype=torch.bfloat16), lambda: None, id="B2-T5-D64-bf16-noweight"),
-    pytest.param(lambda: torch.randn(64, 8).t(), lambda: torch.randn(64), id="N8-D64-transposed-weight"),
-    pytest.param(lambda: torch.randn(4, 64, dtype=torch.bfloat16), lambda: torch.randn(64),
+    pytest.param(lambda d: torch.randn(3, 100, device=d), lambda d: torch.randn(100, device=d),
+                 id="N3-D100-fp32-weight"),
+    pytest.param(lambda d: torch.randn(2, 5, 64, dtype=torch.bfloat16, device=d), lambda d: None,
+                 id="B2-T5-D64-bf16-noweight"),
+    pytest.param(lambda d: torch.randn(64, 8, device=d).t(), lambda d: torch.randn(64, device=d),
+                 id="N8-D64-transposed-weight"),
+    pytest.param(lambda d: torch.randn(4, 64, dtype=torch.bfloat16, device=d), lambda d: torch.randn(64, device=d),
                  id="N4-D64-bf16-fp32weight"),
 ]
 
 
 @pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out-like-x", "out-fp32"])
 @pytest.mark.parametrize("make_x,make_w", OPCHECK_CASES)
-def test_opcheck_forward(make_x, make_w, out_dtype):
+def test_opcheck_forward(make_x, make_w, out_dtype, device):
     register()
-    x, w = make_x().requires_grad_(True), make_w()
+    x, w = make_x(device).requires_grad_(True), make_w(device)
     if w is not None:
         w.requires_grad_(True)
     torch.library.opcheck(torch.ops.sloth.rms_norm.default, (x, w, 1e-6, 1.0, out_dtype or x.dtype))
@@ -293,11 +297,11 @@ def test_opcheck_forward(make_x, make_w, out_dtype):
 
 @pytest.mark.parametrize("compute_dw", [True, False], ids=["dw", "no-dw"])
 @pytest.mark.parametrize("make_x,make_w", OPCHECK_CASES)
-def test_opcheck_backward(make_x, make_w, compute_dw):
+def test_opcheck_backward(make_x, make_w, compute_dw, device):
     # The backward op has no autograd of its own (no double backward), so its inputs need no grad.
     register()
-    x, w = make_x(), make_w()
-    dy = torch.randn(x.shape, dtype=x.dtype)
+    x, w = make_x(device), make_w(device)
+    dy = torch.randn(x.shape, dtype=x.dtype, device=device)
     torch.library.opcheck(torch.ops.sloth.rms_norm_backward.default, (dy, x, w, 1e-6, 0.0, compute_dw))
 
 
@@ -322,8 +326,8 @@ FALLBACK_CASES = [pytest.param(shape, dtype, style, id=f"{shape_id(shape)}-{DTYP
 
 
 @pytest.mark.parametrize("shape,dtype,style", FALLBACK_CASES)
-def test_fallback_matches_triton(shape, dtype, style):
-    x32, w32, dy32 = make_inputs(shape, style)
+def test_fallback_matches_triton(shape, dtype, style, device):
+    x32, w32, dy32 = make_inputs(shape, style, device=device)
     x, w, dy = x32.to(dtype), (w32.to(dtype) if style != "none" else None), dy32.to(dtype)
     triton_out = forward_backward(lambda a, b: fused(style, a, b, 1e-6), x, w, dy)
     with pytest.MonkeyPatch.context() as mp:
@@ -337,15 +341,16 @@ def test_fallback_matches_triton(shape, dtype, style):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
 
 
-def test_fallback_is_used_when_triton_cannot_run(no_triton):
-    x, w, dy = make_inputs((3, 100), "llama")
+def test_fallback_is_used_when_triton_cannot_run(no_triton, device):
+    x, w, dy = make_inputs((3, 100), "llama", device=device)
     check_against_pattern("llama", x, w, dy, torch.bfloat16)
 
 
-def test_fallback_output_layout_matches_fake(no_triton):
+def test_fallback_output_layout_matches_fake(no_triton, device):
     register()
-    x = torch.randn(64, 8).t()
-    torch.library.opcheck(torch.ops.sloth.rms_norm.default, (x, torch.randn(64), 1e-6, 0.0, torch.float32),
+    x = torch.randn(64, 8, device=device).t()
+    w = torch.randn(64, device=device)
+    torch.library.opcheck(torch.ops.sloth.rms_norm.default, (x, w, 1e-6, 0.0, torch.float32),
                           test_utils=("test_faketensor",))
-    dx, _ = torch.ops.sloth.rms_norm_backward(torch.randn(8, 64), x, torch.randn(64), 1e-6, 0.0, True)
+    dx, _ = torch.ops.sloth.rms_norm_backward(torch.randn(8, 64, device=device), x, w, 1e-6, 0.0, True)
     assert dx.is_contiguous()

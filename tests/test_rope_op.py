@@ -28,9 +28,10 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def make_inputs(b, hq, hk, s, d, layout, dtype, rot=None, seed=0):
+def make_inputs(b, hq, hk, s, d, layout, dtype, rot=None, seed=0, device="cpu"):
     """q, k as the attention sees them, cos/sin [b, s, rot] from positions (as transformers computes them),
-    cotangents dq, dk; all rounded to ``dtype``."""
+    cotangents dq, dk; all rounded to ``dtype``, drawn on the CPU (the same values on every device) and moved to
+    ``device`` (``.to`` keeps the bhsd views' strides)."""
     g = _gen(seed)
     rot = rot or d
     q = torch.randn(b, s, hq, d, generator=g).to(dtype)
@@ -44,7 +45,7 @@ def make_inputs(b, hq, hk, s, d, layout, dtype, rot=None, seed=0):
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     dq = torch.randn(q.shape, generator=g).to(dtype)
     dk = torch.randn(k.shape, generator=g).to(dtype)
-    return q, k, cos, sin, dq, dk
+    return tuple(t.to(device) for t in (q, k, cos, sin, dq, dk))
 
 
 def forward_backward(fn, q, k, cos, sin, dq, dk):
@@ -110,16 +111,16 @@ CASES = [pytest.param(shape, dtype, id=f"{shape_id(*shape)}-{DTYPE_IDS[dtype]}")
 
 
 @pytest.mark.parametrize("shape,dtype", CASES)
-def test_pair_matches_pattern(shape, dtype):
-    inputs = make_inputs(*shape, dtype)
+def test_pair_matches_pattern(shape, dtype, device):
+    inputs = make_inputs(*shape, dtype, device=device)
     qo, ko, dq, dk = check_against_pattern(fused_pair(shape[-1]), pattern_pair(shape[-1]), inputs)
     assert qo.dtype == dtype and dq.dtype == dtype and qo.shape == inputs[0].shape and dk.shape == inputs[1].shape
     assert qo.is_contiguous() and ko.is_contiguous()
 
 
 @pytest.mark.parametrize("shape,dtype", [CASES[2], CASES[3]])
-def test_single_matches_pattern(shape, dtype):
-    check_against_pattern(fused_singles(shape[-1]), pattern_pair(shape[-1]), make_inputs(*shape, dtype))
+def test_single_matches_pattern(shape, dtype, device):
+    check_against_pattern(fused_singles(shape[-1]), pattern_pair(shape[-1]), make_inputs(*shape, dtype, device=device))
 
 
 PARTIAL = [pytest.param((2, 3, 1, 7, 96, "bhsd"), 32, dtype, id=f"B2-Hq3-Hk1-S7-D96-R32-bhsd-{DTYPE_IDS[dtype]}")
@@ -128,49 +129,50 @@ PARTIAL += [pytest.param((1, 2, 2, 33, 16, "bshd"), 8, torch.float32, id="B1-Hq2
 
 
 @pytest.mark.parametrize("shape,rot,dtype", PARTIAL)
-def test_partial_rotary_matches_pattern(shape, rot, dtype):
-    inputs = make_inputs(*shape, dtype, rot=rot)
+def test_partial_rotary_matches_pattern(shape, rot, dtype, device):
+    inputs = make_inputs(*shape, dtype, rot=rot, device=device)
     qo, _, dq, _ = check_against_pattern(fused_pair(shape[-1]), pattern_pair(shape[-1], partial=True), inputs)
     q, dq_out = inputs[0], inputs[4]
     assert torch.equal(qo[..., rot:], q[..., rot:]) and torch.equal(dq[..., rot:], dq_out[..., rot:])
 
 
-def test_precomputed_table_broadcasts_over_batch_and_heads():
+def test_precomputed_table_broadcasts_over_batch_and_heads(device):
     # A [s, d] table (cos_cached[:s]) broadcasts over batch and heads without unsqueeze.
-    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.float32)
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.float32, device=device)
     cos, sin = cos[0], sin[0]
     check_against_pattern(rope, lambda q_, k_, c, s: (rope_single_pattern(q_, c, s), rope_single_pattern(k_, c, s)),
                           (q, k, cos, sin, dq, dk))
 
 
-def test_fp32_tables_with_bf16_inputs_give_fp32_like_eager():
-    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.bfloat16)
-    cos32, sin32 = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.float32)[2:4]
+def test_fp32_tables_with_bf16_inputs_give_fp32_like_eager(device):
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.bfloat16, device=device)
+    cos32, sin32 = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.float32, device=device)[2:4]
     qo, ko, dq_in, dk_in = check_against_pattern(fused_pair("bhsd"), pattern_pair("bhsd"), (q, k, cos32, sin32, dq, dk))
     assert (qo.dtype, ko.dtype, dq_in.dtype, dk_in.dtype) == (torch.float32, torch.float32, torch.bfloat16,
                                                               torch.bfloat16)
 
 
-def test_fp16():
-    check_against_pattern(fused_pair("bhsd"), pattern_pair("bhsd"), make_inputs(2, 3, 1, 7, 64, "bhsd", torch.float16))
+def test_fp16(device):
+    inputs = make_inputs(2, 3, 1, 7, 64, "bhsd", torch.float16, device=device)
+    check_against_pattern(fused_pair("bhsd"), pattern_pair("bhsd"), inputs)
 
 
-def test_arbitrary_cos_sin_values_are_exact():
+def test_arbitrary_cos_sin_values_are_exact(device):
     # The op never assumes the halves of cos/sin are equal: random tables give the pattern's values.
-    q, k, _, _, dq, dk = make_inputs(2, 2, 2, 7, 16, "bhsd", torch.float32)
-    cos, sin = torch.randn(2, 7, 16, generator=_gen(5)), torch.randn(2, 7, 16, generator=_gen(6))
+    q, k, _, _, dq, dk = make_inputs(2, 2, 2, 7, 16, "bhsd", torch.float32, device=device)
+    cos, sin = torch.randn(2, 7, 16, generator=_gen(5)).to(device), torch.randn(2, 7, 16, generator=_gen(6)).to(device)
     check_against_pattern(fused_pair("bhsd"), pattern_pair("bhsd"), (q, k, cos, sin, dq, dk))
 
 
-def test_inputs_are_not_written():
-    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.bfloat16)
+def test_inputs_are_not_written(device):
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 7, 16, "bhsd", torch.bfloat16, device=device)
     before = [t.clone() for t in (q, k, cos, sin, dq, dk)]
     forward_backward(fused_pair("bhsd"), q, k, cos, sin, dq, dk)
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, cos, sin, dq, dk)))
 
 
-def test_unused_output_gets_zero_gradient():
-    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 7, 16, "bhsd", torch.float32)
+def test_unused_output_gets_zero_gradient(device):
+    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 7, 16, "bhsd", torch.float32, device=device)
     q.requires_grad_(True)
     k.requires_grad_(True)
     qo, _ = rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
@@ -181,18 +183,18 @@ def test_unused_output_gets_zero_gradient():
     torch.testing.assert_close(q.grad, q_eager.grad)
 
 
-def test_cos_sin_gradient_is_refused():
-    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 7, 16, "bhsd", torch.float32)
+def test_cos_sin_gradient_is_refused(device):
+    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 7, 16, "bhsd", torch.float32, device=device)
     cos = cos.requires_grad_(True)
     qo, ko = rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
     with pytest.raises(RuntimeError, match="no gradient"):
         (qo.sum() + ko.sum()).backward()
 
 
-def test_zero_rows():
-    q = torch.randn(0, 2, 7, 16, requires_grad=True)
-    k = torch.randn(0, 1, 7, 16, requires_grad=True)
-    cos, sin = torch.randn(0, 1, 7, 16), torch.randn(0, 1, 7, 16)
+def test_zero_rows(device):
+    q = torch.randn(0, 2, 7, 16, device=device, requires_grad=True)
+    k = torch.randn(0, 1, 7, 16, device=device, requires_grad=True)
+    cos, sin = torch.randn(0, 1, 7, 16, device=device), torch.randn(0, 1, 7, 16, device=device)
     qo, ko = rope(q, k, cos, sin)
     (qo.sum() + ko.sum()).backward()
     assert qo.shape == q.shape and q.grad.shape == q.shape
@@ -219,8 +221,8 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("make,error,message", BAD_INPUTS)
-def test_input_errors_name_the_problem(make, error, message):
-    x, cos, sin = make()
+def test_input_errors_name_the_problem(make, error, message, device):
+    x, cos, sin = (t.to(device) for t in make())
     with pytest.raises(error, match=message):
         rope_single(x, cos, sin)
     with pytest.raises(error, match=message):
@@ -239,9 +241,9 @@ OPCHECK_CASES = [
 
 
 @pytest.mark.parametrize("shape,dtype,rot", OPCHECK_CASES)
-def test_opcheck(shape, dtype, rot):
+def test_opcheck(shape, dtype, rot, device):
     register()
-    q, k, cos, sin, dq, dk = make_inputs(*shape, dtype, rot=rot)
+    q, k, cos, sin, dq, dk = make_inputs(*shape, dtype, rot=rot, device=device)
     dim = _unsqueeze(shape[-1])
     cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
     torch.library.opcheck(torch.ops.sloth.rope.default, (q.requires_grad_(True), k.requires_grad_(True), cos, sin))
@@ -266,8 +268,8 @@ FALLBACK_CASES = [pytest.param(shape, dtype, rot, id=f"{shape_id(*shape)}-R{rot 
 
 
 @pytest.mark.parametrize("shape,dtype,rot", FALLBACK_CASES)
-def test_fallback_matches_triton(shape, dtype, rot):
-    inputs = make_inputs(*shape, dtype, rot=rot)
+def test_fallback_matches_triton(shape, dtype, rot, device):
+    inputs = make_inputs(*shape, dtype, rot=rot, device=device)
     for fused in (fused_pair(shape[-1]), fused_singles(shape[-1])):
         triton_out = forward_backward(fused, *inputs)
         with pytest.MonkeyPatch.context() as mp:
@@ -282,9 +284,9 @@ def test_fallback_matches_triton(shape, dtype, rot):
 # Interleaved (GPT-J / Meta-reference) RoPE: pair i is (x[2i], x[2i+1]), cos/sin [..., rot/2] per pair
 # ---------------------------------------------------------------------------------------------------
 
-def make_interleaved_inputs(b, hq, hk, s, d, layout, dtype, rot=None, seed=0):
+def make_interleaved_inputs(b, hq, hk, s, d, layout, dtype, rot=None, seed=0, device="cpu"):
     """As make_inputs, with cos/sin one entry a pair: [b, s, rot/2] (the first half of transformers' table)."""
-    q, k, cos, sin, dq, dk = make_inputs(b, hq, hk, s, d, layout, dtype, rot=rot, seed=seed)
+    q, k, cos, sin, dq, dk = make_inputs(b, hq, hk, s, d, layout, dtype, rot=rot, seed=seed, device=device)
     half = cos.shape[-1] // 2
     return q, k, cos[..., :half].contiguous(), sin[..., :half].contiguous(), dq, dk
 
@@ -318,8 +320,8 @@ INTERLEAVED_CASES = [pytest.param(shape, dtype, id=f"{shape_id(*shape)}-{DTYPE_I
 
 
 @pytest.mark.parametrize("shape,dtype", INTERLEAVED_CASES)
-def test_interleaved_matches_pattern(shape, dtype):
-    inputs = make_interleaved_inputs(*shape, dtype)
+def test_interleaved_matches_pattern(shape, dtype, device):
+    inputs = make_interleaved_inputs(*shape, dtype, device=device)
     layout = shape[-1]
     for single in (False, True):
         qo, ko, dq, dk = check_against_pattern(fused_interleaved(layout, single), pattern_interleaved(layout), inputs)
@@ -327,31 +329,31 @@ def test_interleaved_matches_pattern(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interleaved_partial_rotary_passes_the_rest(dtype):
-    inputs = make_interleaved_inputs(2, 3, 1, 7, 48, "bhsd", dtype, rot=16)
+def test_interleaved_partial_rotary_passes_the_rest(dtype, device):
+    inputs = make_interleaved_inputs(2, 3, 1, 7, 48, "bhsd", dtype, rot=16, device=device)
     qo, _, dq, _ = check_against_pattern(fused_interleaved("bhsd"), pattern_interleaved("bhsd"), inputs)
     assert torch.equal(qo[..., 16:], inputs[0][..., 16:]) and torch.equal(dq[..., 16:], inputs[4][..., 16:])
 
 
-def test_interleaved_equals_complex_multiplication():
+def test_interleaved_equals_complex_multiplication(device):
     # Meta's reference: view_as_complex(x) * freqs_cis, with cos = freqs_cis.real, sin = freqs_cis.imag.
-    q, k, cos, sin, _, _ = make_interleaved_inputs(2, 2, 2, 5, 16, "bhsd", torch.float32)
+    q, k, cos, sin, _, _ = make_interleaved_inputs(2, 2, 2, 5, 16, "bhsd", torch.float32, device=device)
     cis = torch.complex(cos, sin).unsqueeze(1)
     ref = torch.view_as_real(torch.view_as_complex(q.double().reshape(*q.shape[:-1], -1, 2)) * cis.to(torch.complex128))
     torch.testing.assert_close(rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True), ref.flatten(-2).float())
 
 
-def test_interleaved_backward_rotates_by_minus_theta():
+def test_interleaved_backward_rotates_by_minus_theta(device):
     # With unit (cos, sin) the backward is the inverse rotation: it undoes the forward.
-    x = torch.randn(2, 3, 5, 8, dtype=torch.float64).float()
-    theta = torch.rand(2, 1, 5, 4) * 6
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, device=device).float()
+    theta = torch.rand(2, 1, 5, 4, device=device) * 6
     y = rope_single(x, theta.cos(), theta.sin(), True)
     back = torch.ops.sloth.rope_single_backward(y, theta.cos(), theta.sin(), torch.float32, True)
     torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
 
 
-def test_interleaved_cos_sin_wider_than_pairs_is_refused():
-    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 3, 16, "bhsd", torch.float32)  # [.., 16]: 16 pairs > 8
+def test_interleaved_cos_sin_wider_than_pairs_is_refused(device):
+    q, k, cos, sin, _, _ = make_inputs(1, 2, 2, 3, 16, "bhsd", torch.float32, device=device)  # [.., 16]: 16 pairs > 8
     with pytest.raises(ValueError, match="do not fit"):
         rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True)
 
@@ -359,9 +361,9 @@ def test_interleaved_cos_sin_wider_than_pairs_is_refused():
 @pytest.mark.parametrize("shape,dtype,rot", [((2, 3, 1, 5, 16, "bhsd"), torch.float32, None),
                                              ((1, 2, 2, 3, 12, "bshd"), torch.bfloat16, 8)],
                          ids=["B2-D16-fp32", "B1-D12-R8-bf16"])
-def test_interleaved_opcheck(shape, dtype, rot):
+def test_interleaved_opcheck(shape, dtype, rot, device):
     register()
-    q, k, cos, sin, dq, dk = make_interleaved_inputs(*shape, dtype, rot=rot)
+    q, k, cos, sin, dq, dk = make_interleaved_inputs(*shape, dtype, rot=rot, device=device)
     dim = _unsqueeze(shape[-1])
     cos, sin = cos.unsqueeze(dim), sin.unsqueeze(dim)
     torch.library.opcheck(torch.ops.sloth.rope.default,
@@ -373,8 +375,8 @@ def test_interleaved_opcheck(shape, dtype, rot):
 
 @pytest.mark.parametrize("deinterleave,rot", [(False, 16), (True, None)], ids=["pairs-R16", "deinterleave"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interleaved_fallback_matches_triton(dtype, deinterleave, rot):
-    inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype, rot=rot)
+def test_interleaved_fallback_matches_triton(dtype, deinterleave, rot, device):
+    inputs = make_interleaved_inputs(1, 2, 2, 5, 24, "bshd", dtype, rot=rot, device=device)
     for fused in (fused_interleaved("bshd", deinterleave=deinterleave),
                   fused_interleaved("bshd", single=True, deinterleave=deinterleave)):
         triton_out = forward_backward(fused, *inputs)
@@ -403,8 +405,8 @@ DEINTERLEAVING_CASES = [pytest.param(shape, dtype, id=f"{shape_id(*shape)}-{DTYP
 
 
 @pytest.mark.parametrize("shape,dtype", DEINTERLEAVING_CASES)
-def test_deinterleaving_matches_pattern(shape, dtype):
-    inputs = make_interleaved_inputs(*shape, dtype)
+def test_deinterleaving_matches_pattern(shape, dtype, device):
+    inputs = make_interleaved_inputs(*shape, dtype, device=device)
     layout = shape[-1]
     for single in (False, True):
         qo, ko, dq, dk = check_against_pattern(fused_interleaved(layout, single, True), pattern_deinterleaving(layout),
@@ -413,31 +415,31 @@ def test_deinterleaving_matches_pattern(shape, dtype):
         assert qo.is_contiguous() and dq.is_contiguous()
 
 
-def test_deinterleaving_is_the_interleaved_rotation_written_as_halves():
-    q, k, cos, sin, _, _ = make_interleaved_inputs(2, 2, 2, 5, 16, "bhsd", torch.float32)
+def test_deinterleaving_is_the_interleaved_rotation_written_as_halves(device):
+    q, k, cos, sin, _, _ = make_interleaved_inputs(2, 2, 2, 5, 16, "bhsd", torch.float32, device=device)
     pairs = rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True)
     halves = rope_single(q, cos.unsqueeze(1), sin.unsqueeze(1), True, True)
     torch.testing.assert_close(halves, torch.cat([pairs[..., 0::2], pairs[..., 1::2]], -1), rtol=0, atol=0)
 
 
-def test_deinterleaving_backward_undoes_the_forward():
+def test_deinterleaving_backward_undoes_the_forward(device):
     # With unit (cos, sin) the backward is the inverse rotation, reading the halves and writing the pairs back.
-    x = torch.randn(2, 3, 5, 8, dtype=torch.float64).float()
-    theta = torch.rand(2, 1, 5, 4) * 6
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64, device=device).float()
+    theta = torch.rand(2, 1, 5, 4, device=device) * 6
     y = rope_single(x, theta.cos(), theta.sin(), True, True)
     back = torch.ops.sloth.rope_single_backward(y, theta.cos(), theta.sin(), torch.float32, True, True)
     torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
 
 
-def test_deinterleave_needs_interleaved():
-    q, k, cos, sin, _, _ = make_interleaved_inputs(1, 2, 1, 3, 16, "bhsd", torch.float32)
+def test_deinterleave_needs_interleaved(device):
+    q, k, cos, sin, _, _ = make_interleaved_inputs(1, 2, 1, 3, 16, "bhsd", torch.float32, device=device)
     with pytest.raises(ValueError, match="deinterleave=True rotates interleaved pairs"):
         rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1), False, True)
 
 
-def test_deinterleaving_opcheck():
+def test_deinterleaving_opcheck(device):
     register()
-    q, k, cos, sin, dq, dk = make_interleaved_inputs(2, 3, 1, 5, 16, "bhsd", torch.float32)
+    q, k, cos, sin, dq, dk = make_interleaved_inputs(2, 3, 1, 5, 16, "bhsd", torch.float32, device=device)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     torch.library.opcheck(torch.ops.sloth.rope.default,
                           (q.requires_grad_(True), k.requires_grad_(True), cos, sin, True, True))
@@ -458,11 +460,12 @@ def _is_bshd(t: torch.Tensor) -> bool:
 @pytest.mark.parametrize("input_layout", ["bhsd", "contiguous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fallback", [False, True], ids=["triton", "reference"])
-def test_bshd_out_writes_that_layout_with_the_same_values(interleaved, input_layout, dtype, fallback, monkeypatch):
+def test_bshd_out_writes_that_layout_with_the_same_values(interleaved, input_layout, dtype, fallback, monkeypatch,
+                                                          device):
     # The layout comes from the argument, not from the input: a contiguous input gets the [b, s, h, d] memory too.
     b, hq, hk, s, d = 2, 3, 1, 7, 24
     make = make_interleaved_inputs if interleaved else make_inputs
-    q, k, cos, sin, dq, dk = make(b, hq, hk, s, d, "bhsd", dtype, rot=16)
+    q, k, cos, sin, dq, dk = make(b, hq, hk, s, d, "bhsd", dtype, rot=16, device=device)
     if input_layout == "contiguous":
         q, k = q.contiguous(), k.contiguous()
     if fallback:
@@ -478,9 +481,9 @@ def test_bshd_out_writes_that_layout_with_the_same_values(interleaved, input_lay
         assert torch.equal(plain, laid) and torch.equal(plain, single), name  # the same kernel math, another layout
 
 
-def test_bshd_out_opcheck():
+def test_bshd_out_opcheck(device):
     register()
-    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 5, 16, "bhsd", torch.float32)
+    q, k, cos, sin, dq, dk = make_inputs(2, 3, 1, 5, 16, "bhsd", torch.float32, device=device)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     torch.library.opcheck(torch.ops.sloth.rope.default,
                           (q.requires_grad_(True), k.requires_grad_(True), cos, sin, False, False, True))

@@ -288,6 +288,14 @@ def deinterleave_respelled(qp, kp, inv_freq, pos):
     return rot(q), rot(k)
 
 
+def interleaved_stacked_over_pairs(qp, kp, inv_freq, pos):
+    # stack over dim -2 then flatten: [y_even..., y_odd...], the halves layout (DeepSeek's de-interleaving op).
+    q = heads(qp, HQ)
+    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
+    x1, x2 = q[..., ::2], q[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2).flatten(-2)
+
+
 def cohere_rotary(qp, kp, inv_freq, pos):
     # transformers' Cohere (Command-R/A): the tables repeated by pairs before the cosine (repeat_interleave(freqs,
     # 2, -1).cos() * scaling, cast), q and k upcast, rotate_half written as rotate_every_two, the result cast back.
@@ -414,25 +422,22 @@ MATCHES = [
     Case("interleaved-q-only", interleaved_q_only, 1, {"sloth.rope_single": 1}),
     Case("interleaved-gptj-rotate-every-two", interleaved_gptj, 2, {"sloth.rope_single": 2}),
     Case("interleaved-partial-rotary", interleaved_partial, 1, PAIR),
-    # bf16: as meta-complex, k's upcast comes after q's site, so two single launches
-    Case("interleaved-cohere-repeated-tables", cohere_rotary, None),
+    # bf16: as meta-complex, k's upcast comes after q's site and moves up to pair with q
+    Case("interleaved-cohere-repeated-tables", cohere_rotary, 1, PAIR),
     Case("halves-gpt-oss", halves_gpt_oss, 1, PAIR),
     Case("deinterleave-q-only", even_odd_concatenated, 1, {"sloth.rope_single": 1}),
     Case("deinterleave-deepseek-v3", deepseek_interleave, 1, PAIR),
     Case("deinterleave-respelled-bshd", deinterleave_respelled, 1, PAIR),
+    Case("deinterleave-stacked-over-pairs", interleaved_stacked_over_pairs, 1, {"sloth.rope_single": 1}),
     Case("halves-respelled-bshd", halves_respelled, 1, PAIR),
-    # bf16: q.float() and k.float() are two nodes, k's after q's site, so two single launches.
-    Case("meta-complex", meta_complex, None, reference=meta_complex_reference),
+    # bf16: q.float() and k.float() are two nodes, k's after q's site: it moves up, one launch.
+    Case("meta-complex", meta_complex, 1, PAIR, reference=meta_complex_reference),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", MATCHES, ids=[c.id for c in MATCHES])
 def test_match(case, dtype):
-    if case.id in ("meta-complex", "interleaved-cohere-repeated-tables"):
-        fp32 = dtype == torch.float32
-        case = dataclasses.replace(case, count=1 if fp32 else 2,
-                                   ops=PAIR if fp32 else {"sloth.rope_single": 2})
     check_case(case, dtype)
 
 
@@ -468,8 +473,7 @@ def test_match_inductor():
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_interleaved_match_compiled_inner(inner):
     check_case(next(c for c in MATCHES if c.id == "interleaved-gptj-real"), torch.float32, inner=inner)
-    meta = next(c for c in MATCHES if c.id == "meta-complex")
-    check_case(dataclasses.replace(meta, count=1, ops=PAIR), torch.float32, inner=inner)
+    check_case(next(c for c in MATCHES if c.id == "meta-complex"), torch.float32, inner=inner)
 
 
 def test_the_fused_op_is_in_the_graph():
@@ -608,14 +612,6 @@ def interleaved_parity_swapped(qp, kp, inv_freq, pos):
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
-def interleaved_stacked_over_pairs(qp, kp, inv_freq, pos):
-    # stack over dim -2 then flatten: [y_even..., y_odd...], the halves layout, not the interleave.
-    q = heads(qp, HQ)
-    cos, sin = interleaved_cos_sin(inv_freq, pos, qp.dtype)
-    x1, x2 = q[..., ::2], q[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2).flatten(-2)
-
-
 def even_odd_wrong_sign(qp, kp, inv_freq, pos):
     # The second half's sine term subtracted: not a rotation. Must stay.
     q = heads(qp, HQ)
@@ -640,14 +636,14 @@ NEAR_MISSES = [
     Case("cos-sin-shapes-differ", mismatched_cos_sin, 0, reason="different shapes"),
     Case("cos-enlarges-x", cos_enlarges_x, 0, reason="larger shape"),
     Case("every-two-sign-flipped", every_two_near_miss(every_two_sign_flipped,
-                                                      lambda t: torch.repeat_interleave(t, 2, -1)), 0),
+                                                      lambda t: torch.repeat_interleave(t, 2, -1)), 0,
+         reason="not rotate_every_two"),
     # rotate_every_two with rotate-half tables (each half a copy): not GPT-J's math. Refused with the reason.
     Case("every-two-with-halves-tables", every_two_near_miss(rotate_every_two, lambda t: torch.cat((t, t), -1)), 0,
          reason="repeat_interleave"),
     Case("complex-divided-by-freqs-cis", complex_divided, 0),
-    Case("interleaved-sign-flipped", interleaved_sign_flipped, 0),
-    Case("interleaved-parity-swapped", interleaved_parity_swapped, 0),
-    Case("interleaved-stacked-over-pairs", interleaved_stacked_over_pairs, 0),
+    Case("interleaved-sign-flipped", interleaved_sign_flipped, 0, reason="wrong sign"),
+    Case("interleaved-parity-swapped", interleaved_parity_swapped, 0, reason="other order"),
     Case("even-odd-wrong-sign", even_odd_wrong_sign, 0),
     Case("halves-wrong-tables", halves_wrong_tables, 0, reason="wrong sign or tables"),
 ]

@@ -29,14 +29,15 @@ CASES = {
 }
 
 
-def window_mask(tokens: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+def window_mask(tokens: int, window: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """The additive [T, T] mask of a causal window: 0 where i - window < j <= i, -inf elsewhere."""
-    i = torch.arange(tokens)
+    i = torch.arange(tokens, device=device)
     allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-    return torch.zeros(tokens, tokens, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    return torch.zeros(tokens, tokens, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
 
 
-def inputs(batch, heads, kv_heads, head_dim, tokens, seed=0):
+def inputs(batch, heads, kv_heads, head_dim, tokens, seed=0, device="cpu"):
+    """q, k, v, sinks and dout in fp32, drawn on the CPU (the same values on every device) and moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     # q laid out [B, T, H, D] and viewed as [B, H, T, D], as transformers' projections are.
     q = torch.randn(batch, tokens, heads, head_dim, generator=g).transpose(1, 2)
@@ -44,7 +45,7 @@ def inputs(batch, heads, kv_heads, head_dim, tokens, seed=0):
     v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g)
     sinks = 2 * torch.randn(heads, generator=g)  # large enough that the sink takes a real share of each row
     dout = torch.randn(batch, heads, tokens, head_dim, generator=g)
-    return q, k, v, sinks, dout
+    return q.to(device), k.to(device), v.to(device), sinks.to(device), dout.to(device)
 
 
 def forward_backward(fn, tensors, dout):
@@ -56,13 +57,12 @@ def forward_backward(fn, tensors, dout):
 def check(shape, dtype, device="cpu", name=""):
     """Forward and every gradient of the op against the pattern at ``shape`` (a CASES value) on ``device``."""
     batch, heads, kv_heads, head_dim, tokens, window = shape
-    q, k, v, sinks, dout = (t.to(device) for t in inputs(batch, heads, kv_heads, head_dim, tokens))
+    q, k, v, sinks, dout = inputs(batch, heads, kv_heads, head_dim, tokens, device=device)
     bounds = window_bounds(q, window)
     scale = head_dim ** -0.5
 
     def pattern(dt):
-        return lambda q, k, v, s: sink_attention_pattern(q, k, v, s, window_mask(tokens, window, dt).to(device),
-                                                         scale)
+        return lambda q, k, v, s: sink_attention_pattern(q, k, v, s, window_mask(tokens, window, dt, device), scale)
 
     ours = forward_backward(lambda *t: sink_attention(*t, bounds, scale), [t.to(dtype) for t in (q, k, v, sinks)],
                             dout)
@@ -74,30 +74,32 @@ def check(shape, dtype, device="cpu", name=""):
 
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=list(DTYPE_IDS.values()))
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_pattern(case, dtype):
-    check(CASES[case], dtype, name=case)
+def test_matches_pattern(case, dtype, device):
+    check(CASES[case], dtype, device, name=case)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPE_IDS), ids=list(DTYPE_IDS.values()))
-def test_fallback_matches_pattern(monkeypatch, dtype):
+def test_fallback_matches_pattern(monkeypatch, dtype, device):
     # The plain-PyTorch path (a CPU without the interpreter) is held to the same rule, and launches nothing.
     force_fallback(monkeypatch, lowering.doc, "_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
     monkeypatch.setattr(lowering, "use_triton", lambda t: False)
-    check(CASES["gqa-window-5"], dtype, name="fallback")
+    check(CASES["gqa-window-5"], dtype, device, name="fallback")
 
 
-def test_sink_takes_its_share():
+def test_sink_takes_its_share(device):
     # A sink far above every score takes (nearly) all of each row's mass: the output goes to 0. A sink far below
     # takes none: the op is then plain windowed attention.
-    q, k, v, sinks, _ = inputs(1, 2, 2, 16, 9)
+    q, k, v, sinks, _ = inputs(1, 2, 2, 16, 9, device=device)
     bounds = window_bounds(q, 4)
-    assert sink_attention(q, k, v, torch.full((2,), 80.0), bounds).abs().max() < 1e-12
-    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(9, 4, torch.float32))
-    torch.testing.assert_close(sink_attention(q, k, v, torch.full((2,), -80.0), bounds), plain, rtol=1e-5, atol=1e-5)
+    assert sink_attention(q, k, v, torch.full((2,), 80.0, device=device), bounds).abs().max() < 1e-12
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                             attn_mask=window_mask(9, 4, torch.float32, device))
+    torch.testing.assert_close(sink_attention(q, k, v, torch.full((2,), -80.0, device=device), bounds), plain,
+                               rtol=1e-5, atol=1e-5)
 
 
-def test_window_bounds():
-    q = torch.zeros(2, 1, 6, 4)
+def test_window_bounds(device):
+    q = torch.zeros(2, 1, 6, 4, device=device)
     bounds = window_bounds(q, 3)
     assert bounds.dtype == torch.int32 and bounds.shape == (2, 2, 6)
     assert bounds[0, 1].tolist() == [0, 0, 0, 1, 2, 3]  # start = max(0, i - 2)
@@ -106,17 +108,17 @@ def test_window_bounds():
         window_bounds(q, 0)
 
 
-def test_bad_sinks_are_named():
-    q, k, v, _, _ = inputs(1, 4, 2, 16, 7)
+def test_bad_sinks_are_named(device):
+    q, k, v, _, _ = inputs(1, 4, 2, 16, 7, device=device)
     bounds = window_bounds(q, 7)
     with pytest.raises(ValueError, match=r"sinks must be a float \[4\] tensor"):
-        sink_attention(q, k, v, torch.zeros(2), bounds)
+        sink_attention(q, k, v, torch.zeros(2, device=device), bounds)
     with pytest.raises(ValueError, match="bounds must be int32"):
-        sink_attention(q, k, v, torch.zeros(4), bounds.long())
+        sink_attention(q, k, v, torch.zeros(4, device=device), bounds.long())
 
 
-def test_opcheck():
-    q, k, v, sinks, _ = inputs(1, 2, 1, 8, 11)
+def test_opcheck(device):
+    q, k, v, sinks, _ = inputs(1, 2, 1, 8, 11, device=device)
     lowering.register()
     args = (q, k, v, sinks.requires_grad_(), window_bounds(q, 4), 0.25)
     torch.library.opcheck(torch.ops.sloth.sink_attention.default, args)

@@ -92,31 +92,32 @@ SHAPES = [(37, 24, 40, 4, 8), (19, 33, 70, 16, 19), (23, 16, 30, 8, 64)]  # a ra
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
-def test_matches_the_composed_patterns(dtype, adapter_dtype, merged, recompute):
-    check(dtype, adapter_dtype, "silu", merged, *SHAPES[0], recompute)
+def test_matches_the_composed_patterns(dtype, adapter_dtype, merged, recompute, device):
+    check(dtype, adapter_dtype, "silu", merged, *SHAPES[0], recompute, device)
 
 
 @pytest.mark.parametrize("dtype,adapter_dtype", [DTYPE_PAIRS[0], DTYPE_PAIRS[2]])
 @pytest.mark.parametrize("rows,hidden,inter,rank,tile_rows", SHAPES[1:], ids=["one-block", "one-short-block"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
-def test_blocks_of_other_sizes(dtype, adapter_dtype, rows, hidden, inter, rank, tile_rows, recompute):
-    check(dtype, adapter_dtype, "silu", False, rows, hidden, inter, rank, tile_rows, recompute)
+def test_blocks_of_other_sizes(dtype, adapter_dtype, rows, hidden, inter, rank, tile_rows, recompute, device):
+    check(dtype, adapter_dtype, "silu", False, rows, hidden, inter, rank, tile_rows, recompute, device)
 
 
 @pytest.mark.parametrize("dtype,adapter_dtype", DTYPE_PAIRS[:2])
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu_erf"])
-def test_other_activations(dtype, adapter_dtype, activation):  # the activation only reaches the GLU's kernels
-    check(dtype, adapter_dtype, activation, False, *SHAPES[0], recompute=True)
+def test_other_activations(dtype, adapter_dtype, activation, device):  # the activation only reaches the GLU's kernels
+    check(dtype, adapter_dtype, activation, False, *SHAPES[0], recompute=True, device=device)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
-def test_what_is_saved(recompute):
+def test_what_is_saved(recompute, device):
     # Recomputed: nothing of the intermediate width is saved. Kept: gate and up, and nothing else of that width
     # (no hidden, as the two ops it replaces).
     rows, hidden, inter, rank = 37, 24, 40, 4
-    x = torch.randn(rows, hidden, generator=seeded(7), requires_grad=True)
-    w_gate, w_up, w_down, adapters = make_weights(hidden, inter, rank, merged=False)
-    a_g, b_g, a_u, b_u, a_d, b_d = (t.requires_grad_() for t in adapters)
+    x = torch.randn(rows, hidden, generator=seeded(7)).to(device).requires_grad_()
+    w_gate, w_up, w_down, adapters = (t if t is None or isinstance(t, list) else t.to(device)
+                                      for t in make_weights(hidden, inter, rank, merged=False))
+    a_g, b_g, a_u, b_u, a_d, b_d = (t.to(device).requires_grad_() for t in adapters)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = lora_mlp_tiled(x, [w_gate, w_up], [None, None], [a_g, a_u], [b_g, b_u], SCALE, "silu", w_down, None,
@@ -128,13 +129,14 @@ def test_what_is_saved(recompute):
     assert all(t.grad is not None for t in (x, a_g, b_g, a_u, b_u, a_d, b_d))
 
 
-def test_bad_input_is_refused_with_a_reason():
-    x = torch.randn(5, 8)
-    w = torch.randn(12, 8)
-    a, b = torch.randn(2, 8), torch.randn(12, 2)
+def test_bad_input_is_refused_with_a_reason(device):
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+
+    x, w, a, b = randn(5, 8), randn(12, 8), randn(2, 8), randn(12, 2)
     with pytest.raises(ValueError, match="tile_rows must be a positive"):
-        lora_mlp_tiled(x, [w, w], [None, None], [a, a], [b, b], 1.0, "silu", torch.randn(8, 12), None,
-                       torch.randn(2, 12), torch.randn(8, 2), 1.0, 0, True)
+        lora_mlp_tiled(x, [w, w], [None, None], [a, a], [b, b], 1.0, "silu", randn(8, 12), None, randn(2, 12),
+                       randn(8, 2), 1.0, 0, True)
     with pytest.raises(ValueError, match="down projection's weight must be"):
-        lora_mlp_tiled(x, [w, w], [None, None], [a, a], [b, b], 1.0, "silu", torch.randn(8, 11), None,
-                       torch.randn(2, 11), torch.randn(8, 2), 1.0, 4)
+        lora_mlp_tiled(x, [w, w], [None, None], [a, a], [b, b], 1.0, "silu", randn(8, 11), None, randn(2, 11),
+                       randn(8, 2), 1.0, 4)

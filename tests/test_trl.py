@@ -113,3 +113,103 @@ def test_dpo_trainer_matches_eager(tmp_path) -> None:
     compiled = _train(trl.DPOTrainer, trl.DPOConfig, data, True, tmp_path / "sloth")
     _assert_like_eager(eager, compiled, DPO_METRICS)
     _assert_report()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A 30-step run: how many graphs, and every site fused in each
+# ---------------------------------------------------------------------------------------------------
+
+def zen_of_python() -> list[str]:
+    """The 19 aphorisms of ``import this``: real text of 3 to 13 words a line, shipped with Python."""
+    import codecs
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this
+    return [line for line in codecs.decode(this.s, "rot13").splitlines()[2:] if line]
+
+
+def zen_tokenizer(lines: list[str]) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the words and punctuation of ``lines`` (no model hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    pre = pre_tokenizers.Whitespace()
+    words = sorted({w for line in lines for w, _ in pre.pre_tokenize_str(line)})
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture
+def graphs_and_reports(monkeypatch) -> list:
+    """Each graph sloth compiles gets its own report, appended here. The ``sloth`` backend runs with
+    ``inner="aot_eager"`` (Dynamo's graphs and sloth's passes are Inductor's; only the compile of the rewritten
+    graph is skipped, tens of seconds a graph on the CPU), and the ops run their PyTorch references, not Triton's
+    interpreter (their numbers are checked by the op tests and by the runs against eager above)."""
+    import torch._dynamo.backends.registry as registry
+
+    from sloth.lowering import backend_choice
+
+    torch._dynamo.lookup_backend("sloth")  # the entry point loaded, so that the patch below is what Dynamo finds
+    reports = []
+
+    def counted(gm, example_inputs, **kwargs):
+        compiled = sloth.sloth_backend(gm, example_inputs, options={"inner": "aot_eager"})
+        reports.append(sloth.last_report())
+        return compiled
+
+    monkeypatch.setitem(registry._COMPILER_FNS, "sloth", counted)
+    monkeypatch.setattr(backend_choice, "_INTERPRETED", False)
+    return reports
+
+
+# Graphs compiled over the 30 steps, measured (torch 2.13, transformers 5.25, TRL 1.16). The model's forward: one
+# graph at the first step's row length, then one of symbolic length for every later length (automatic dynamic
+# shapes); padded, one more for the last batch of each epoch, of one row (19 aphorisms in batches of 2: Dynamo
+# specialises a size of 1). TRL's fused LM head breaks Dynamo's graph twice (its chunked log-probabilities, then
+# the per-token masking), and each piece is compiled at a static and then a symbolic size, the masking piece also
+# at the one-row batch. So padded 3 + 2 + 3 = 8, packed 2 + 2 + 2 = 6. Nothing else makes a graph (TRL's
+# num_items_in_batch, the learning rate, the step's other Python values).
+MODEL_GRAPHS_30_STEPS = {False: 3, True: 2}
+GRAPHS_30_STEPS = {False: 8, True: 6}
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_sft_30_steps_graphs_and_sites(tmp_path, graphs_and_reports, packing: bool) -> None:
+    """30 SFT steps as TRL's defaults run them, bf16 autocast around an fp32 model, on the Zen of Python: rows padded
+    per batch (lengths change every step) or packed, two rows of up to 32 tokens flattened into one (position ids
+    restarting per aphorism; its length changes too). Every graph of the model's forward fuses all of its sites:
+    the layer's two RMSNorms, RoPE, the GLU, the seven adapters (in bf16, as autocast runs them) and, packed, the
+    attention; the final norm. TRL's head graphs hold none. The graph counts are GRAPHS_30_STEPS'."""
+    lines = zen_of_python()
+    tokenizer = zen_tokenizer(lines)
+    config = transformers.AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=30, report_to=[],
+                         use_cpu=True, save_strategy="no", seed=0, data_seed=0, logging_steps=10, max_length=32,
+                         torch_compile=True, torch_compile_backend="sloth", packing=packing)
+    assert args.bf16, "TRL's default: bf16 autocast"
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(
+        [{"text": line} for line in lines]), processing_class=tokenizer,
+        peft_config=peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    trainer.train()
+    assert trainer.state.global_step == 30
+    summary = "\n".join(str(r) for r in graphs_and_reports)
+    model_graphs = [r for r in graphs_and_reports if "rms_norm" in r.counts]
+    per_graph = {"rms_norm": 3, "rope": 1, "glu": 1, "lora": 7, **({"packed_attention": 1} if packing else {})}
+    assert [dict(r.counts) for r in model_graphs] == [per_graph] * MODEL_GRAPHS_30_STEPS[packing], summary
+    assert len(graphs_and_reports) == GRAPHS_30_STEPS[packing], summary
+    # Padded, the mask is transformers' padding mask, read from attention_mask: packed_attention and causal_mask
+    # keep it, with that reason (README: leave attention_mask out where there is no padding).
+    refused = ("lora", "packed_attention") if packing else ("lora",)
+    for report in graphs_and_reports:
+        assert not [r for r in report.rejections if r.family in refused], str(report)
+        assert all("under autocast: in bfloat16" in s.detail for s in report.sites if s.family == "lora"), str(report)
+    assert all(not r.sites for r in graphs_and_reports if r not in model_graphs), summary
