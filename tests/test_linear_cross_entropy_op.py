@@ -42,7 +42,7 @@ def forward_backward(fn, x, w, b, dy_seed: int = 1, weight_grad: bool = True):
     w = w.detach().requires_grad_(weight_grad)
     b = b.detach().requires_grad_(weight_grad) if b is not None else None
     loss = fn(x, w, b)
-    dy = torch.randn(loss.shape, generator=torch.Generator().manual_seed(dy_seed)).to(loss.dtype)
+    dy = torch.randn(loss.shape, generator=torch.Generator().manual_seed(dy_seed)).to(loss.device, loss.dtype)
     wrt = [x] + ([w] if weight_grad else []) + ([b] if (b is not None and weight_grad) else [])
     grads = list(torch.autograd.grad(loss, wrt, dy))
     dx = grads.pop(0)
@@ -365,16 +365,16 @@ def _labels_with_one_bad(v: int, bad: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("logits_given", [False, True], ids=["recomputed", "logits-given"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("bad", BAD_LABELS)
-def test_out_of_range_label_makes_the_kernel_loss_nan(bad, reduction, logits_given):
-    """The Triton kernel (interpreted here) cannot raise without a host sync: the offending row's loss and its
-    gradient are NaN, so 'mean' and 'sum' are NaN, never a finite loss; every other row is what it is with the
-    offending row ignored (for 'mean' up to the count, which includes the offending row)."""
-    x, w, b, _ = make_inputs(7, 16, 13, bias=True)
-    labels, ignored = _labels_with_one_bad(13, bad(13))
+def test_out_of_range_label_makes_the_kernel_loss_nan(bad, reduction, logits_given, device):
+    """The Triton kernel (interpreted on the CPU, compiled on a GPU) cannot raise without a host sync: the offending
+    row's loss and its gradient are NaN, so 'mean' and 'sum' are NaN, never a finite loss; every other row is what it
+    is with the offending row ignored (for 'mean' up to the count, which includes the offending row)."""
+    x, w, b, _ = (t.to(device) for t in make_inputs(7, 16, 13, bias=True))
+    labels, ignored = (t.to(device) for t in _labels_with_one_bad(13, bad(13)))
     opts = dict(reduction=reduction, softcap=3.0, label_smoothing=0.1)
     loss, dx, dw, db = forward_backward(fused(labels, logits_given, **opts), x, w, b)
     want_loss, want_dx, _, _ = forward_backward(fused(ignored, logits_given, **opts), x, w, b)
-    rows = torch.arange(7) != 2
+    rows = torch.arange(7, device=device) != 2
     if reduction == "none":
         assert loss[2].isnan() and not loss[rows].isnan().any()
         assert (loss[[0, 4]] == 0).all(), "ignored rows must stay 0"
