@@ -66,15 +66,14 @@ def _l2_norm_fwd_kernel(
              mask=m_md)
 
 
-# Whether a row whose norm equals eps takes the norm's gradient, as the installed torch's clamp_min passes it.
-_PASS_AT_BOUND = tl.constexpr(CLAMP_PASSES_AT_BOUND)
-
-
 @triton.jit
 def _l2_norm_bwd_kernel(
     p_dy, p_x, p_dx, n_rows, n_cols, stride_dy, stride_x, stride_dx, eps,
-    CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    CLAMP: tl.constexpr, PASS_AT_BOUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """``PASS_AT_BOUND``: whether a row whose norm equals eps takes the norm's gradient, as the installed torch's
+    clamp_min passes it (``CLAMP_PASSES_AT_BOUND``, read by the launcher at each call: a module-level constexpr would
+    be frozen into the first compile, and Triton refuses a changed global)."""
     i_m = tl.program_id(0)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
@@ -86,7 +85,7 @@ def _l2_norm_bwd_kernel(
     b_y = b_x * b_r[:, None]
     b_dot = tl.sum(b_dy * b_y, axis=1)
     if CLAMP:  # a row clamped to eps has a constant scale: no gradient through its norm
-        if _PASS_AT_BOUND:
+        if PASS_AT_BOUND:
             b_dot = tl.where(tl.sqrt(b_sumsq) >= eps, b_dot, 0.0)
         else:
             b_dot = tl.where(tl.sqrt(b_sumsq) > eps, b_dot, 0.0)
@@ -153,7 +152,8 @@ def _l2_norm_bwd(dy: torch.Tensor, x: torch.Tensor, eps: float, clamp: bool) -> 
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
         launch(_l2_norm_bwd_kernel)[(cdiv(n_rows, block_m),)](
             dy_ND, x_ND, dx_ND, n_rows, n_cols, dy_ND.stride(0), x_ND.stride(0), dx_ND.stride(0), float(eps),
-            CLAMP=bool(clamp), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+            CLAMP=bool(clamp), PASS_AT_BOUND=CLAMP_PASSES_AT_BOUND, BLOCK_M=block_m, BLOCK_D=block_d,
+            num_warps=num_warps,
         )
     return dx_ND.view(x.shape)
 

@@ -92,7 +92,16 @@ def _dot16(b_a, b_b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _dot_fp32_exact(b_act, b_fac, acc, MODE: tl.constexpr, FACTOR_LEFT: tl.constexpr, UPCAST: tl.constexpr):
     """acc + b_act @ b_fac (or b_fac @ b_act when FACTOR_LEFT), with products as exact as fp32 FMA:
-    ``b_act`` a 16-bit (or fp32) activation tile, ``b_fac`` an fp32 (or 16-bit) adapter tile."""
+    ``b_act`` a 16-bit (or fp32) activation tile, ``b_fac`` an fp32 (or 16-bit) adapter tile.
+
+    _SPLIT_BF16 forms the tile's product on its own, from zero, the small parts first (lo, mid, then hi on them),
+    and adds it to ``acc`` with one fp32 add, as Triton's tf32x3 lowering does with its small products. Chained
+    onto ``acc`` (hi, mid, lo), the mid and lo dots' products, 2^-8 and 2^-16 of hi's, met a running sum of the
+    whole K so far inside the tensor core, which aligns every product to the sum's exponent and truncates it
+    (no IEEE rounding; Fasi et al. 2021, Khattak and Mikaitis 2025): da came out at 4.5x eager's error on an
+    H100 (bf16 x, fp32 adapter, M = 257), reproduced to 1% by a model of that accumulator, which gives this
+    form 0.8x (tests/test_lora_op.py). The sum stays a separate fp32 add: Triton's combine pass folds
+    ``acc + dot(a, b, 0)`` back into ``dot(a, b, acc)``, not ``acc + dot(a, b, t)`` with t from the chain."""
     if MODE == _NATIVE:
         if FACTOR_LEFT:
             acc = _dot16(b_fac.to(b_act.dtype), b_act, acc, UPCAST)
@@ -101,14 +110,16 @@ def _dot_fp32_exact(b_act, b_fac, acc, MODE: tl.constexpr, FACTOR_LEFT: tl.const
     elif MODE == _SPLIT_BF16:
         b_hi, b_mid, b_lo = _split_bf16(b_fac.to(tl.float32))
         b_a = b_act.to(tl.bfloat16)
+        b_tile = tl.zeros_like(acc)
         if FACTOR_LEFT:
-            acc = _dot16(b_hi, b_a, acc, UPCAST)
-            acc = _dot16(b_mid, b_a, acc, UPCAST)
-            acc = _dot16(b_lo, b_a, acc, UPCAST)
+            b_tile = _dot16(b_lo, b_a, b_tile, UPCAST)
+            b_tile = _dot16(b_mid, b_a, b_tile, UPCAST)
+            b_tile = _dot16(b_hi, b_a, b_tile, UPCAST)
         else:
-            acc = _dot16(b_a, b_hi, acc, UPCAST)
-            acc = _dot16(b_a, b_mid, acc, UPCAST)
-            acc = _dot16(b_a, b_lo, acc, UPCAST)
+            b_tile = _dot16(b_a, b_lo, b_tile, UPCAST)
+            b_tile = _dot16(b_a, b_mid, b_tile, UPCAST)
+            b_tile = _dot16(b_a, b_hi, b_tile, UPCAST)
+        acc = acc + b_tile
     else:
         if FACTOR_LEFT:
             acc = tl.dot(b_fac.to(tl.float32), b_act.to(tl.float32), acc, input_precision="tf32x3")

@@ -208,15 +208,16 @@ def _grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, 
     """``torch._grouped_mm(a, b, offs=offs)`` for the two forms used here, in plain PyTorch without host sync.
 
     a [S, k], b [E, k, n] -> [S, n]: row s times b[group_of_row[s]], by bmm on gathered weights (S*k*n memory).
-    a [k, S], b [S, n] -> [E, k, n]: per-row outer products summed into their group by index_add (fp32).
+    a [k, S], b [S, n] -> [E, k, n]: per-row outer products (fp32) summed over each group's rows in row order by
+    ``moe_kernels.segment_sum``, rounded once. Not ``index_add_``: on CUDA its atomic adds land in any order, so the
+    weight gradients of fp32 experts (which take this path on a GPU) changed bits from run to run.
     ``group_of_row`` [S] is the expert of each row, the information ``offs`` carries, in a gatherable form.
     """
     if b.dim() == 3:
         return torch.bmm(a.unsqueeze(1), b[group_of_row]).squeeze(1)
-    n_groups = offs.shape[0]
-    out = torch.zeros((n_groups, a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-    out.index_add_(0, group_of_row, a.t().float().unsqueeze(2) * b.float().unsqueeze(1))
-    return out.to(a.dtype)
+    k, n = a.shape[0], b.shape[1]
+    products = (a.t().float().unsqueeze(2) * b.float().unsqueeze(1)).view(a.shape[1], k * n)
+    return segment_sum(products, offs, group_of_row, None, a.dtype).view(offs.shape[0], k, n)
 
 
 class _Lazy:

@@ -130,22 +130,20 @@ EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": _SWIGLU_OAI.value, "silu_clam
 UNGATED_ACTIVATIONS = tuple(ACTIVATIONS)
 
 
-# Whether the clamped GLUs' derivatives pass at the clamp's bound, as the installed torch's clamp does.
-_PASS_AT_BOUND = tl.constexpr(CLAMP_PASSES_AT_BOUND)
-
-
 @triton.jit
-def _inside_clamps(b_g, b_u, limit):
+def _inside_clamps(b_g, b_u, limit, PASS_AT_BOUND: tl.constexpr):
     """(g not clamped by min(g, limit), u not clamped by clamp(u, -limit, limit)): where torch.clamp's backward passes
-    the gradient, the bound itself included or not as the installed torch does (``_PASS_AT_BOUND``)."""
-    if _PASS_AT_BOUND:
+    the gradient, the bound itself included or not (``PASS_AT_BOUND``: the installed torch's convention,
+    ``CLAMP_PASSES_AT_BOUND``, which the launcher reads at each call and passes as a launch argument, so that each
+    value compiles its own kernel; a module-level constexpr would be frozen into the first compile)."""
+    if PASS_AT_BOUND:
         return b_g <= limit, (b_u >= -limit) & (b_u <= limit)
     else:
         return b_g < limit, (b_u > -limit) & (b_u < limit)
 
 
 @triton.jit
-def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
+def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr, PASS_AT_BOUND: tl.constexpr):
     """(h, dh/dg, dh/du) in fp32 (module docstring)."""
     if ACTIVATION == _SWIGLU_OAI:
         b_gc = tl.minimum(b_g, limit)
@@ -154,7 +152,7 @@ def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr
         b_s, b_1ms = _sigmoid_pair(b_av)
         b_a = b_gc * b_s
         b_h = b_a * (b_uc + 1.0)
-        m_g, m_u = _inside_clamps(b_g, b_u, limit)
+        m_g, m_u = _inside_clamps(b_g, b_u, limit, PASS_AT_BOUND)
         b_dg = tl.where(m_g, (b_uc + 1.0) * (b_s + alpha * b_a * b_1ms), 0.0)
         b_du = tl.where(m_u, b_a, 0.0)
     elif ACTIVATION == _SILU_CLAMPED:
@@ -163,7 +161,7 @@ def _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr
         b_s, b_1ms = _sigmoid_pair(b_gc)
         b_a = b_gc * b_s
         b_h = b_a * b_uc
-        m_g, m_u = _inside_clamps(b_g, b_u, limit)
+        m_g, m_u = _inside_clamps(b_g, b_u, limit, PASS_AT_BOUND)
         b_dg = tl.where(m_g, b_uc * b_s * (1.0 + b_gc * b_1ms), 0.0)
         b_du = tl.where(m_u, b_a, 0.0)
     else:
@@ -188,8 +186,8 @@ def _ungated_activation_and_derivative(b_u, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _expert_glu(b_g, b_u, alpha, limit, ACTIVATION: tl.constexpr):
-    """h in fp32 (module docstring); the derivatives, unused, are dead code the compiler drops."""
-    b_h, _, _ = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
+    """h in fp32 (module docstring); the derivatives, unused, are dead code the compiler drops (either convention)."""
+    b_h, _, _ = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION, PASS_AT_BOUND=True)
     return b_h
 
 
@@ -324,8 +322,10 @@ def _segment_sum_kernel(
     p_rows, p_scale, p_offs, p_out, n_cols, stride_rows, stride_out,
     HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One expert (program 0) by one column block (program 1): out[e, cols] = sum over its sorted rows."""
-    i_e, i_n = tl.program_id(0), tl.program_id(1)
+    """One column block (program 0) by one expert (program 1): out[e, cols] = sum over its sorted rows. The column
+    blocks on the grid's first axis (up to 2**31 - 1; the second stops at 65535): lowering/moe.py's reference
+    weight gradient sums rows of k*n columns, 16.6M (130K blocks) at GPT-OSS-20B's W1."""
+    i_n, i_e = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < n_cols
     i_end = tl.load(p_offs + i_e).to(tl.int64)
@@ -339,7 +339,8 @@ def _segment_sum_kernel(
         if HAS_SCALE:
             b_row = b_row * tl.load(p_scale + o_m, mask=m_m, other=0.0).to(tl.float32)[:, None]
         b_acc += b_row
-    tl.store(p_out + i_e * stride_out + o_n, round_to(tl.sum(b_acc, axis=0), p_out.dtype.element_ty), mask=m_n)
+    tl.store(p_out + i_e.to(tl.int64) * stride_out + o_n, round_to(tl.sum(b_acc, axis=0), p_out.dtype.element_ty),
+             mask=m_n)  # int64: E * k*n elements pass 2**31 at 128 experts of 16.6M
 
 
 def segment_sum_reference(rows: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor, scale: torch.Tensor | None,
@@ -361,9 +362,9 @@ def segment_sum(rows: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor, scale
         return segment_sum_reference(rows, offs, ids, scale, out_dtype)
     out = torch.empty((offs.shape[0], n_cols), dtype=out_dtype, device=rows.device)
     if out.numel():
-        # 32 rows x 128 columns a step; the grid is E x column blocks (GPT-OSS-20B: 32 x 45 programs for d b1)
+        # 32 rows x 128 columns a step; the grid is column blocks x E (GPT-OSS-20B: 45 x 32 programs for d b1)
         block_n = min(next_power_of_2(n_cols), 128)
-        launch(_segment_sum_kernel)[(offs.shape[0], cdiv(n_cols, block_n))](
+        launch(_segment_sum_kernel)[(cdiv(n_cols, block_n), offs.shape[0])](
             rows, scale if scale is not None else rows, offs, out, n_cols, rows.stride(0), out.stride(0),
             HAS_SCALE=scale is not None, BLOCK_M=32, BLOCK_N=block_n, num_warps=4,
         )
@@ -378,12 +379,12 @@ def segment_sum(rows: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor, scale
 def _glu_backward_weighted_kernel(
     p_c, p_gu, p_weights, p_order, p_dgu, p_dw, p_hw, p_dw_add,
     n_rows, n_cols, stride_c, stride_gu, stride_dgu, stride_hw, alpha, limit,
-    ACTIVATION: tl.constexpr, STORE_DW: tl.constexpr, STORE_HW: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_DW: tl.constexpr, STORE_HW: tl.constexpr, PASS_AT_BOUND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr = False, HAS_DW_ADD: tl.constexpr = False,
     GATED: tl.constexpr = True,
 ):
     """BLOCK_M sorted rows a program, their n_cols = I columns in BLOCK_N chunks (d w_r sums over all of them).
-    Ungated (GATED=False), gu and d gu are u and d u [n_rows, n_cols]."""
+    Ungated (GATED=False), gu and d gu are u and d u [n_rows, n_cols]. ``PASS_AT_BOUND``: ``_inside_clamps``'."""
     i_m = tl.program_id(0)
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     m_m = o_m < n_rows
@@ -411,7 +412,8 @@ def _glu_backward_weighted_kernel(
                 b_g = tl.load(p_gu + o_m[:, None] * stride_gu + o_n[None, :], mask=m_mn, other=0.0).to(tl.float32)
                 b_u = tl.load(p_gu + o_m[:, None] * stride_gu + n_cols + o_n[None, :], mask=m_mn,
                               other=0.0).to(tl.float32)
-            b_h, b_dhdg, b_dhdu = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION)
+            b_h, b_dhdg, b_dhdu = _expert_glu_and_derivatives(b_g, b_u, alpha, limit, ACTIVATION,
+                                                                          PASS_AT_BOUND)
             b_dg = round_to(b_dh * b_dhdg, p_dgu.dtype.element_ty)
             b_du = round_to(b_dh * b_dhdu, p_dgu.dtype.element_ty)
             if INTERLEAVED:
@@ -529,6 +531,7 @@ def glu_backward_weighted(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tens
             n_rows, n_cols, c.stride(0), gu.stride(0), d_gu.stride(0), hw.stride(0) if hw is not None else 0,
             float(alpha), float(limit),
             ACTIVATION=EXPERT_ACTIVATIONS[activation], STORE_DW=want_dw, STORE_HW=want_hw,
+            PASS_AT_BOUND=CLAMP_PASSES_AT_BOUND,  # read now: tests switch it (_inside_clamps)
             BLOCK_M=block_m, BLOCK_N=block_n, INTERLEAVED=interleaved, HAS_DW_ADD=d_w_add is not None, GATED=gated,
             num_warps=4,
         )

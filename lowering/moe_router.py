@@ -99,7 +99,15 @@ def _program_rows(p_l, n_rows, n_experts, stride_l, BLOCK_M: tl.constexpr, BLOCK
     return o_m, o_e, tl.arange(0, BLOCK_K), o_m < n_rows, b_l
 
 
-@triton.jit
+# The kernels do not specialise on the logits' (and dw's) address and row stride. Triton marks a 16-byte-aligned
+# pointer, and an int that is a multiple of 16, divisible; with both, a row's loads become 4-wide vectors, the layout
+# gives each thread 4 neighbouring experts, and the row sums (the softmax's denominator, the renormalisation) add in
+# another order: on an H100 a slice of a wider projection (row stride 40, 12 bytes past an aligned address) gave
+# other weight bits than its contiguous copy (tests/test_moe_router_op.py::test_strided_logits). Unspecialised, every
+# layout of the same values compiles to one kernel and gives the same bits; the loads are scalar, still coalesced (a
+# warp's lanes read consecutive experts of a row) in a kernel that then makes K passes over the row in registers
+# (the cost not measured).
+@triton.jit(do_not_specialize_on_alignment=["p_l", "stride_l"])
 def _moe_router_fwd_kernel(
     p_l, p_w, p_idx, n_rows, n_experts, stride_l,
     K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORM: tl.constexpr,
@@ -113,7 +121,7 @@ def _moe_router_fwd_kernel(
     tl.store(p_idx + o_m[:, None] * K + o_k[None, :], b_idx.to(tl.int64), mask=m_mk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["p_l", "stride_l", "p_dw", "stride_dw"])  # as the forward
 def _moe_router_bwd_kernel(
     p_dw, p_l, p_idx, p_dl, n_rows, n_experts, stride_l, stride_dw, stride_dl,
     K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORM: tl.constexpr,

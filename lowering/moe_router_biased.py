@@ -95,7 +95,7 @@ def _keep_groups(b_c, o_e, group_size, N_GROUP: tl.constexpr, TOPK_GROUP: tl.con
     return b_keep > 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["p_l", "stride_l"])  # as moe_router's: bits independent of layout
 def _moe_router_biased_fwd_kernel(
     p_l, p_bias, p_w, p_idx, n_rows, n_experts, stride_l, group_size, fill, eps,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, CHOOSE_LOGITS: tl.constexpr,
@@ -137,7 +137,7 @@ def _moe_router_biased_fwd_kernel(
     tl.store(p_idx + o_m[:, None] * K + o_k[None, :], b_idx.to(tl.int64), mask=m_mk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["p_l", "stride_l", "p_dw", "stride_dw"])  # as the forward
 def _moe_router_biased_bwd_kernel(
     p_dw, p_l, p_idx, p_dl, n_rows, n_experts, stride_l, stride_dw, stride_dl, eps,
     K: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,

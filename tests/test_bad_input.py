@@ -64,7 +64,7 @@ from sloth.patterns.norm_rope import qk_norm_rope_pattern
 from sloth.patterns.rms_norm import rms_norm_pattern
 from sloth.patterns.rope import rope_rotate_half_pattern, rope_single_pattern
 from op_checks import StayFloat64, force_fallback
-from tolerance import ATOL, SLACK_ULPS, assert_close, rms, slack
+from tolerance import ATOL, assert_close, rms
 
 ROWS = 3
 EAGER = "eager"
@@ -472,9 +472,10 @@ def _in_float64(inputs: dict[str, Any]) -> dict[str, Any]:
 def _assert_matches_eager(name: str, ours: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor,
                           operand_scale: float = 0.0) -> None:
     """The tolerance rule, with NaN required exactly where eager has it (and the rest compared). ``operand_scale``
-    (the largest RMS of the op's float inputs) adds units of roundoff at the operands' size: these inputs make
-    results that cancel (a head of identical rows gives dx = sum_v (p_v - y_v) w_v = 0 exactly, so any error is
-    roundoff of the terms, not of the result) or sum many equal rows in another order (a zero-stride x's db)."""
+    (the largest RMS of the op's float inputs) is tests/tolerance.py's: units of roundoff at the operands' size. These
+    inputs make results that cancel (a head of identical rows gives dx = sum_v (p_v - y_v) w_v = 0 exactly, so any
+    error is roundoff of the terms, not of the result) or sum many equal rows in another order (a zero-stride x's
+    db)."""
     nan = torch.isnan(eager)
     assert torch.equal(torch.isnan(ours), nan), f"{name}: NaN at other places than eager's"
     if nan.any():
@@ -484,9 +485,7 @@ def _assert_matches_eager(name: str, ours: torch.Tensor, eager: torch.Tensor, re
     atol = None
     if eager.dim() == 0 and eager.numel():
         atol = ATOL[eager.dtype] + 2 * torch.finfo(eager.dtype).eps * reference.abs().item()
-    elif eager.numel():
-        atol = slack(eager.dtype, reference) + SLACK_ULPS * torch.finfo(eager.dtype).eps * operand_scale
-    assert_close(name, ours, eager, reference, atol=atol)
+    assert_close(name, ours, eager, reference, atol=atol, operand_scale=operand_scale)
 
 
 @pytest.mark.parametrize("op,kind,args,expect", CASES)

@@ -75,11 +75,9 @@ def test_rows_below_eps(dtype, device):
 def test_norm_at_eps_follows_the_clamp_convention(monkeypatch, passes, device):
     # A row whose norm is exactly eps: F.normalize's clamp_min(eps) passes the gradient to the norm up to torch 2.13
     # and not from 2.14 (lowering/torch_conventions.py). The kernel and the reference follow CLAMP_PASSES_AT_BOUND,
-    # both ways here: with it dx = (dy - y <dy, y>) / eps, without it dx = dy / eps.
-    import triton.language as tl
-
+    # both ways here (the launcher passes it as a constexpr argument: one compiled kernel each): with it
+    # dx = (dy - y <dy, y>) / eps, without it dx = dy / eps.
     monkeypatch.setattr(lowering, "CLAMP_PASSES_AT_BOUND", passes)
-    monkeypatch.setattr(lowering, "_PASS_AT_BOUND", tl.constexpr(passes))
     x = torch.tensor([[0.5, 0.0, 0.0, 0.0]], device=device)  # ||x|| = 0.5, exact
     dy = torch.tensor([[1.0, 1.0, 0.0, 0.0]], device=device)
     through_norm = torch.tensor([[0.0, 2.0, 0.0, 0.0]], device=device)  # (dy - y <dy, y>) / eps with y = [1, 0, 0, 0]
