@@ -7,8 +7,8 @@ Why plain ``accelerate launch --dynamo_backend sloth`` refuses the name (acceler
 ``accelerate.commands.config.config_utils.DYNAMO_BACKENDS``), and its launcher converts it with
 ``DynamoBackend(value.upper())``, both in the launching process, before any training process starts, so the ``import sloth`` that adds the name inside a training script comes too late.
 This module is accelerate's own ``launch`` command run in a process where sloth has added ``SLOTH`` to both (the
-enum: compiler/accelerate_name.py; the list: here). Each training process is then started by accelerate with
-``ACCELERATE_DYNAMO_BACKEND=SLOTH``, which its ``Accelerator`` reads through the same enum: the script must
+enum: compiler/integrations/accelerate_name.py; the list: here). Each training process is then started by accelerate
+with ``ACCELERATE_DYNAMO_BACKEND=SLOTH``, which its ``Accelerator`` reads through the same enum: the script must
 ``import sloth`` before it builds the ``Accelerator`` (as the Trainer recipe does). accelerate compiles the
 prepared model with ``torch.compile(model, backend="sloth", ...)``.
 """
@@ -22,7 +22,7 @@ NAME = "SLOTH"
 def add_to_accelerate_cli() -> None:
     """Make ``sloth`` one of accelerate's ``--dynamo_backend`` choices (the enum and the list both), in this
     process; a clear error where accelerate is missing or its internals differ."""
-    from .compiler.accelerate_name import register_with_accelerate
+    from .compiler.integrations.accelerate_name import register_with_accelerate
 
     try:
         from accelerate.commands.config import config_utils

@@ -734,7 +734,7 @@ def run_all(args: argparse.Namespace) -> int:
             with log.open("w") as fh:
                 try:
                     # the peers run peft as a user has it: sloth's polyfill of peft's ParamWrapper (LoRA on the
-                    # experts, compiler/peft_experts.py) only where sloth is the backend
+                    # experts, compiler/integrations/peft_experts.py) only where sloth is the backend
                     env = {**os.environ, "PYTHONUNBUFFERED": "1",
                            **({} if variant == "sloth" else {"SLOTH_PEFT_TRACEABLE": "0"})}
                     rc = subprocess.run(_child_args(args, variant, json_out), stdout=fh, stderr=subprocess.STDOUT,

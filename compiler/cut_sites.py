@@ -20,7 +20,6 @@ from typing import Iterator
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .anchors import is_gate_activation
 from .fx_utils import is_call, linear_parts, matrix_width, tensor_of
 
 _WHERE = ("(a graph break, or DDP's split at a gradient bucket: torch._dynamo.config.optimize_ddp = False keeps "
@@ -58,6 +57,8 @@ def _is_adapter_down_projection(node: fx.Node, linears: list[tuple[fx.Node, tupl
 
 def cut_sites(gm: fx.GraphModule) -> Iterator[tuple[str, fx.Node, str]]:
     """(family, node, reason) for each half of a cut pattern ``gm`` returns (module docstring)."""
+    from ..patterns.glu import is_gate_activation  # the glu family's predicate; patterns import compiler modules
+
     linears = [(n, parts) for n in gm.graph.nodes if (parts := linear_parts(n)) is not None]
     for node in gm.graph.nodes:
         if node.op != "call_function" or not _only_returned(node):

@@ -1,25 +1,37 @@
-"""The family registry: the one way a pattern family joins the pipeline, for sloth's own families and a user's.
+"""The family registry: how a pattern family is declared, and the one way it joins the pipeline.
+
+A family is declared once, in its own patterns file, as a ``Family``: its name, its pass, its place in the
+order, its anchor (where its sites are), the ops it puts in graphs and the options it reads::
+
+    DECLARATION = Family("rms_norm", fuse_rms_norm_pass, order=20, anchor=anchor, emits=("rms_norm",),
+                         summary="RMSNorm (Llama, Gemma's 1 + w, q/k norms) -> one op")
+
+The pipeline finds every ``DECLARATION`` in sloth's patterns package (``declared_families``) and registers
+them in ``order``; the completeness check, the report, the family tables (README.md and docs/families.md,
+written by ``python -m sloth.compiler.families``) and the family-wide tests are built from the same declarations, so adding a
+family touches its patterns file, its lowering file(s) and its tests (docs/extending.md).
+
+A user's family joins the same registry at run time:
 
     sloth.register_family("scaled_tanh", fuse_scaled_tanh, anchor=is_tanh, after="glu")
 
-A family is a name, a pass with the pipeline's one signature
+A pass has the pipeline's one signature
 
     pass(gm, example_inputs, *, report, options) -> gm
 
-and a place in the order of families (``before=`` or ``after=`` a registered family; default: last). The pass
-gets everything a built-in one gets: it runs on the top-level graph and on every subgraph body (unless
+It gets everything a built-in one gets: it runs on the top-level graph and on every subgraph body (unless
 ``whole_module``, which runs once on the top level and reaches into the bodies itself), after
 canonicalisation, with the report and the options; it is timed in ``report.pass_seconds``, shown in the graph
 dumps and switched off by name like any family (``options={"patterns": [...]}``). With an ``anchor`` (a
 predicate on canonical-graph nodes, one per site a user would expect handled) every anchor the pass neither
 replaced nor explained with ``report.reject`` is reported as unexplained (compiler/anchors.py).
-
-sloth's built-in families register here in roadmap order when ``compiler.pipeline`` is imported.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
+import pkgutil
 from typing import Callable, Optional
 
 import torch.fx as fx
@@ -32,26 +44,34 @@ RESERVED = ("canonicalize", "anchors", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
-class FamilyPass:
-    """One registered family: its name, its pass, its anchor predicate (optional), and how it runs."""
-    family: str
+class Family:
+    """One family: its declaration (sloth's own, in its patterns file) or a user's registration.
+
+    ``order``: a built-in family's place (lower runs first; a family may rely on the ones before it having run).
+    ``emits``: the ``torch.ops.sloth`` ops its pass puts in graphs (their ``_backward`` ops come with them).
+    ``reads``: the ``PassOptions`` fields its pass reads. ``summary``: one line for the docs' family table."""
+    name: str
     run: GraphPass
+    order: Optional[int] = None
     anchor: Optional[Anchor] = None
     whole_module: bool = False  # run once on the top-level graph, which reaches into its bodies itself
+    emits: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    summary: str = ""
     builtin: bool = False
 
 
-_registry: list[FamilyPass] = []
+_registry: list[Family] = []
 
 
-def family_passes() -> tuple[FamilyPass, ...]:
+def family_passes() -> tuple[Family, ...]:
     """The registered families in the order their passes run."""
     return tuple(_registry)
 
 
 def families() -> tuple[str, ...]:
     """The names of the registered families, in the order their passes run (built-in ones and the user's)."""
-    return tuple(p.family for p in _registry)
+    return tuple(p.name for p in _registry)
 
 
 def _check_signature(name: str, run: GraphPass) -> None:
@@ -69,7 +89,7 @@ def _check_signature(name: str, run: GraphPass) -> None:
 
 
 def register_family(name: str, run: GraphPass, *, anchor: Optional[Anchor] = None, before: Optional[str] = None,
-                    after: Optional[str] = None, whole_module: bool = False, _builtin: bool = False) -> FamilyPass:
+                    after: Optional[str] = None, whole_module: bool = False) -> Family:
     """Add the family ``name`` whose pass is ``run`` to the pipeline, ``before`` or ``after`` a registered
     family (at most one of them; neither: after every family registered so far). Returns its entry.
 
@@ -79,7 +99,7 @@ def register_family(name: str, run: GraphPass, *, anchor: Optional[Anchor] = Non
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"sloth.register_family: a family's name must be an identifier string, got {name!r}")
-    taken = {p.family: p for p in _registry}
+    taken = {p.name: p for p in _registry}
     if name in taken:
         kind = "a built-in family" if taken[name].builtin else "a family registered earlier"
         raise ValueError(f"sloth.register_family: {name!r} is already {kind}; pick another name "
@@ -101,7 +121,7 @@ def register_family(name: str, run: GraphPass, *, anchor: Optional[Anchor] = Non
             raise ValueError(f"sloth.register_family: {'before' if offset == 0 else 'after'}={where!r} is not a "
                              f"registered family; registered: {list(families())}")
         position = list(taken).index(where) + offset
-    entry = FamilyPass(name, run, anchor=anchor, whole_module=bool(whole_module), builtin=_builtin)
+    entry = Family(name, run, anchor=anchor, whole_module=bool(whole_module))
     _registry.insert(position, entry)
     return entry
 
@@ -110,10 +130,79 @@ def unregister_family(name: str) -> None:
     """Remove a family registered with ``register_family`` (sloth's built-in ones stay: switch them off with
     ``options={"patterns": [...]}``)."""
     for i, entry in enumerate(_registry):
-        if entry.family == name:
+        if entry.name == name:
             if entry.builtin:
                 raise ValueError(f"sloth.unregister_family: {name!r} is a built-in family; leave it out of "
                                  "options={'patterns': [...]} to switch it off")
             del _registry[i]
             return
     raise ValueError(f"sloth.unregister_family: no family {name!r} is registered; registered: {list(families())}")
+
+
+def declared_families(package: str = "sloth.patterns") -> list[Family]:
+    """Every ``DECLARATION`` (a ``Family``) in the modules of ``package``, in ``order``. Errors name a declaration
+    without an order, two with one name or one order, and a declaration that is not a ``Family``."""
+    found: list[Family] = []
+    root = importlib.import_module(package)
+    for info in sorted(pkgutil.iter_modules(root.__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"{package}.{info.name}")
+        declared = getattr(module, "DECLARATION", None)
+        if declared is None:
+            continue
+        if not isinstance(declared, Family) or declared.order is None:
+            raise TypeError(f"sloth: {module.__name__}.DECLARATION must be a Family with an order, got {declared!r}")
+        found.append(declared)
+    for key in ("name", "order"):
+        values = [getattr(f, key) for f in found]
+        doubled = sorted({v for v in values if values.count(v) > 1})
+        if doubled:
+            raise ValueError(f"sloth: two families declare the same {key}: {doubled}")
+    return sorted(found, key=lambda f: f.order)
+
+
+def register_declared(package: str = "sloth.patterns") -> None:
+    """Register the declared families of ``package`` (sloth's own: ``compiler.pipeline`` calls this at import)."""
+    for declared in declared_families(package):
+        if declared.name in families():
+            continue
+        _check_signature(declared.name, declared.run)
+        _registry.append(dataclasses.replace(declared, builtin=True))
+
+
+def family_table() -> str:
+    """The docs' family table (docs/families.md), from the declarations: name, what it fuses, ops, options read."""
+    rows = ["| family | fuses | ops | options read |", "|---|---|---|---|"]
+    for f in declared_families():
+        ops = ", ".join(f"`sloth.{op}`" for op in f.emits) or "none (SDPA's own arguments)"
+        reads = ", ".join(f"`{r}`" for r in f.reads) or "-"
+        rows.append(f"| `{f.name}` | {f.summary} | {ops} | {reads} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLE_BEGIN, TABLE_END = "<!-- family table: python -m sloth.compiler.families -->", "<!-- end of family table -->"
+
+
+def write_family_table(path: str) -> bool:
+    """Rewrite the table between the markers in ``path``; whether it changed."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
+    new = text[:start] + "\n" + family_table() + text[end:]
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != text
+
+
+# The files whose family table is written from the declarations, relative to the repository root.
+TABLE_FILES = ("README.md", "docs/families.md")
+
+if __name__ == "__main__":
+    import os
+
+    from sloth.compiler import families as registry  # the package's module (this file runs as __main__ here)
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in TABLE_FILES:
+        path = os.path.join(root, name)
+        print(("rewrote " if registry.write_family_table(path) else "up to date: ") + path)

@@ -275,3 +275,23 @@ def linear_parts(node: Any) -> Optional[tuple[Any, Any, Any]]:
         if w is not None and xt is not None and xt.dim() >= 1:
             return x, w, None
     return None
+
+
+def op_name(node: fx.Node) -> str:
+    """A call's name: a method's, an op's without namespace and overload, a function's ``__name__``."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def without_eps(node: object) -> object:
+    """The operand of ``v + c`` that is a node, when the other is not (a constant or a scalar eps)."""
+    if is_call(node, torch.add) and len(node.args) == 2:
+        a, b = node.args
+        return a if tensor_of(b) is None else b if tensor_of(a) is None else node
+    return node

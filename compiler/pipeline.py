@@ -27,24 +27,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
 
-from ..patterns.causal_mask import fuse_causal_mask_pass
-from ..patterns.cross_entropy import fuse_cross_entropy_pass
-from ..patterns.glu import fuse_glu_pass
-from ..patterns.l2_norm import fuse_l2_norm_pass
-from ..patterns.layer_norm import fuse_layer_norm_pass
-from ..patterns.lora import fuse_lora_pass
-from ..patterns.moe import fuse_moe_pass
-from ..patterns.moe_router import fuse_moe_router_pass
-from ..patterns.packed_attention import fuse_packed_attention_pass
-from ..patterns.rms_norm import fuse_rms_norm_pass
-from ..patterns.rope import fuse_rope_pass
-from ..patterns.gqa_attention import fuse_gqa_attention_pass
-from ..patterns.sink_attention import fuse_sink_attention_pass
-from .anchors import ANCHORS, UNMATCHED, anchors, unexplained
+from .anchors import UNMATCHED, anchors, unexplained
 from .canonicalize import canonicalize_pass
 from .cut_sites import cut_sites
 from .dump import GraphDump
-from .families import family_passes, families, register_family
+from .families import family_passes, families, register_declared
 from .fx_utils import subgraphs
 from .options import PassOptions
 from .pass_guard import run_guarded
@@ -53,19 +40,9 @@ from .report import Report
 
 log = logging.getLogger("sloth")
 
-# sloth's own families, registered in roadmap order (DESIGN.md) through the same call a user's family uses
-# (compiler/families.py). A family's pass may rely on the passes before it having run.
-# layer_norm comes before rms_norm: a LayerNorm is an RMSNorm of x - mean(x), and taking it whole is better;
-# moe_route before glu, whose pass would otherwise take the experts' GLU out of the region moe_route replaces.
-for _name, _run, _whole_module in (("layer_norm", fuse_layer_norm_pass, False), ("rms_norm", fuse_rms_norm_pass, False),
-                                   ("l2_norm", fuse_l2_norm_pass, False), ("rope", fuse_rope_pass, False),
-                                   ("moe_route", fuse_moe_pass, False),
-                                   ("moe_router", fuse_moe_router_pass, False), ("glu", fuse_glu_pass, False), ("cross_entropy", fuse_cross_entropy_pass, False),
-                                   ("lora", fuse_lora_pass, False), ("packed_attention", fuse_packed_attention_pass, True),
-                                   ("causal_mask", fuse_causal_mask_pass, True),
-                                   ("sink_attention", fuse_sink_attention_pass, True),
-                                   ("gqa_attention", fuse_gqa_attention_pass, True)):
-    register_family(_name, _run, anchor=ANCHORS[_name], whole_module=_whole_module, _builtin=True)
+# sloth's own families, each declared in its patterns file (a ``DECLARATION``: compiler/families.py), registered
+# in their declared order through the registry a user's family joins too.
+register_declared()
 # The built-in families' names (``families()`` lists a user's too).
 FAMILIES: tuple[str, ...] = families()
 
@@ -99,7 +76,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
     report.graphs += 1
     report.ran_on(example_inputs)
     registered = family_passes()
-    report.disabled = sorted(set(report.disabled) | ({p.family for p in registered} - set(families)))
+    report.disabled = sorted(set(report.disabled) | ({p.name for p in registered} - set(families)))
     dump = GraphDump(dump_root, gm) if dump_root else None
     if dump:
         report.dumps.append(dump.folder)
@@ -130,28 +107,28 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
             refuse = f"canonicalisation failed ({report.failed['canonicalize']}); the graph runs as written"
     if dump:
         dump.snapshot("canonicalize", gm)
-    enabled = [p for p in registered if p.family in families]
+    enabled = [p for p in registered if p.name in families]
     for family_pass in enabled if refuse is None else []:
         for graph_module in graph_modules:
             if graph_module is gm or not family_pass.whole_module:
                 touched = graph_modules if family_pass.whole_module else [graph_module]
                 results: list[Any] = []
-                if not run_guarded(family_pass.family, touched, report, lambda: results.append(timed(
-                        family_pass.family, family_pass.run, graph_module, example_inputs, report=report,
+                if not run_guarded(family_pass.name, touched, report, lambda: results.append(timed(
+                        family_pass.name, family_pass.run, graph_module, example_inputs, report=report,
                         options=options_for(graph_module)))):
                     break  # undone on this graph; the family's sites left get its reason below
                 if results[0] is not graph_module:
-                    raise TypeError(f"sloth: the {family_pass.family!r} pass returned {type(results[0]).__name__}; "
+                    raise TypeError(f"sloth: the {family_pass.name!r} pass returned {type(results[0]).__name__}; "
                                     "a pass rewrites the graph module it is given in place and returns it")
         if dump:
-            dump.snapshot(family_pass.family, gm)
+            dump.snapshot(family_pass.name, gm)
     # Halves of patterns a graph boundary cut, which no anchor sees (compiler/cut_sites.py).
     if refuse is None:
         for family, node, reason in cut_sites(gm):
             if family in families:
                 report.reject(family, node, reason)
     # Every anchor a family looks for and left in the graph gets a reason in the report (compiler/anchors.py).
-    left = timed("anchors", anchors, graph_modules, [(p.family, p.anchor) for p in enabled if p.anchor is not None])
+    left = timed("anchors", anchors, graph_modules, [(p.name, p.anchor) for p in enabled if p.anchor is not None])
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})
     for family, node in unexplained(left, report.rejected_nodes):
         if refuse is not None or family in report.failed:

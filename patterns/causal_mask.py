@@ -51,10 +51,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..compiler.fx_utils import module_path, source_location, tensor_of
 from ..compiler.writes import body_of, mutated_producer
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..runtime import proven_masks
 from .mask_rows import RowBlocks
@@ -494,3 +496,18 @@ def _rewrite(graph_module: fx.GraphModule, call_sites: Optional[list[tuple[fx.Gr
                              f"causal {lengths[0]} x {lengths[1]} mask dropped"))
     if changed:
         graph_module.recompile()
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def anchor(node: fx.Node) -> bool:
+    """The ``causal_mask`` family's anchor: scaled_dot_product_attention with an attn_mask node and is_causal False"""
+    if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
+        return False
+    params = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args), **node.kwargs)
+    return isinstance(params.get("attn_mask"), fx.Node) and params.get("is_causal", False) is False
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_causal_mask_pass, order=110, anchor=anchor, whole_module=True,
+                     reads=("mask_check",),
+                     summary="an SDPA mask proven at compile time to be causal -> `is_causal=True`")

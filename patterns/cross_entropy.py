@@ -84,6 +84,7 @@ from ..compiler.fx_utils import (arg_of, insert_call, is_call, is_function, is_m
                                  value_of)
 from ..compiler import returned_logits
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 
 FAMILY = "cross_entropy"
@@ -746,3 +747,17 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def anchor(node: fx.Node) -> bool:
+    """The ``cross_entropy`` family's anchor: F.cross_entropy, F.nll_loss"""
+    return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_cross_entropy_pass, order=80, anchor=anchor,
+                     emits=("linear_cross_entropy",),
+                     reads=("return_logits",),
+                     summary=("the LM head's linear and the loss in one chunked op, no `[N, V]` logits: shifted, "
+                              "sliced, soft-capped, under autocast"))

@@ -46,10 +46,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..compiler.canonicalize import cast
+from ..compiler.canonicalize import cast, gelu
 from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, same_size,
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from .glu_forms import ACTIVATION_NAMES, Activation, activation_of, describe, gated_product
 
@@ -256,3 +257,37 @@ def fuse_glu_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def is_gate_activation(node: object) -> bool:
+    """An activation that gates wherever it is multiplied (F.silu, gelu in sloth's canonical spelling): the GLU half
+    compiler/cut_sites.py reports when a graph returns it. Not relu or sigmoid, which a graph returns for other
+    reasons too (an ungated MLP's activation, a router's scores)."""
+    return is_call(node, F.silu) or is_call(node, gelu)
+
+
+def anchor(node: fx.Node) -> bool:
+    """The ``glu`` family's anchor: an activation (F.silu, gelu) whose one user is a product: act(gate) * up; and the
+    gate factor of any elementwise product of two linear projections of one input, one of them through a
+    nonlinearity (whatever the activation: relu, relu^2, sigmoid, tanh, x * sigmoid(1.702 x), ...)
+
+    An activation (F.silu, gelu) whose one user is a product with a tensor of its shape, or the gate factor of a
+    gated product (patterns/glu_forms.py: two linear projections of one input, one through a nonlinearity)."""
+    users = [u for u in node.users if is_call(u, torch.mul) and len(u.args) == 2]
+    if is_gate_activation(node) and len(node.users) == 1 and users:
+        other = users[0].args[1] if users[0].args[0] is node else users[0].args[0]
+        act_t, other_t = tensor_of(node), tensor_of(other)  # a gate times an up of its shape; not a scale or a mask
+        if act_t is not None and other_t is not None and tuple(act_t.shape) == tuple(other_t.shape):
+            return True
+    if not users:
+        return False
+    from ..patterns.glu_forms import gated_product  # patterns import compiler modules
+
+    return any((gated := gated_product(u)) is not None and gated.gate.factor is node for u in users)
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_glu_pass, order=70, anchor=anchor,
+                     emits=("glu",),
+                     summary="gated MLPs: SwiGLU, GeGLU, relu, relu^2, sigmoid gates, merged or separate gate and up")

@@ -27,9 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..compiler.anchors import op_name
 from ..compiler.canonicalize import cast, gelu
-from ..compiler.fx_utils import is_call, linear_parts, same_shape, tensor_of, value_of
+from ..compiler.fx_utils import op_name, is_call, linear_parts, same_shape, tensor_of, value_of
 
 # Elementwise calls of one tensor (their other arguments constants): affine ones, and the rest.
 _AFFINE = {"cast", "neg", "positive"}

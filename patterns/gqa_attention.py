@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from ..compiler.fx_utils import is_function, is_method, is_number, module_path, source_location, tensor_of
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..compiler.fx_utils import subgraphs
 from .causal_mask import MASK_INPUT_SITES
@@ -272,3 +273,9 @@ def _erase_chains(nodes: list[fx.Node]) -> None:
         inputs = node.all_input_nodes
         node.graph.erase_node(node)
         stack.extend(inputs)
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_gqa_attention_pass, order=130, anchor=is_repeated_kv_attention, whole_module=True,
+                     summary=("key and value heads repeated for SDPA -> SDPA's `enable_gqa=True` on the unrepeated "
+                              "heads"))

@@ -29,11 +29,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (insert_call, is_call, module_path, replace_and_erase, same_shape, single_user,
-                                 source_location, tensor_of)
+from ..compiler.fx_utils import (insert_call, is_call, replace_and_erase, same_shape, single_user, tensor_of,
+                                 without_eps)
 from ..compiler.options import PassOptions
-from ..compiler.report import Report, Site
-from .rms_norm import _runtime_float, _widened_root
+from ..compiler.families import Family
+from ..compiler.report import Report
+from .site_loop import rewrite_sites
+from .rms_norm import _dtypes_text, _eps_text, _runtime_float, _widened_root
 
 FAMILY = "l2_norm"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -152,26 +154,26 @@ def fuse_l2_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, repo
     after:   y = sloth.l2_norm(x, eps, True, f32)
     """
     _lowering().register()
-    erased: set[fx.Node] = set()
-    for node in list(gm.graph.nodes):
-        if node in erased or node.op != "call_function":
-            continue
-        if is_call(node, torch.rsqrt):
-            found = _match_decomposed(node)
-        elif is_call(node, F.normalize):
-            found = _match_normalize(node)
-        else:
-            continue
-        if found is None:
-            continue
-        if isinstance(found, str):
-            report.reject(FAMILY, node, found)
-            continue
-        detail = (f"eps={found.eps if isinstance(found.eps, fx.Node) else format(found.eps, 'g')} "
-                  + ("clamps the norm" if found.clamp else "added to the sum of squares")
-                  + f", {tensor_of(found.x).dtype} -> {tensor_of(found.out).dtype}".replace("torch.", ""))
-        erased |= _replace(gm, found)
-        report.replaced(Site(FAMILY, "sloth.l2_norm", module_path(node), source_location(node), detail))
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return rewrite_sites(gm, report, FAMILY, "sloth.l2_norm",
+                         [((torch.rsqrt,), _match_decomposed), ((F.normalize,), _match_normalize)], _replace,
+                         lambda found: (f"eps={_eps_text(found.eps)} "
+                                        + ("clamps the norm" if found.clamp else "added to the sum of squares")
+                                        + _dtypes_text(found)))
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def anchor(node: fx.Node) -> bool:
+    """The ``l2_norm`` family's anchor: F.normalize, and rsqrt(sum(square(x)) [+ eps])"""
+    if is_call(node, F.normalize):
+        return True
+    if not is_call(node, torch.rsqrt):
+        return False
+    s = without_eps(node.args[0])
+    return is_call(s, torch.sum) and len(s.args) == 3 and is_call(s.args[0], torch.square)
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_l2_norm_pass, order=30, anchor=anchor,
+                     emits=("l2_norm",),
+                     summary=("L2 normalisation over the last dim: `F.normalize` and `x * rsqrt(sum(x^2) + eps)`, each"
+                              " with its own eps"))

@@ -34,11 +34,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast, variance
-from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_shape, same_size,
-                                 single_user, source_location, tensor_of, value_of)
+from ..compiler.fx_utils import (insert_call, is_call, is_number, replace_and_erase, same_shape, same_size,
+                                 single_user, tensor_of, value_of, without_eps)
 from ..compiler.options import PassOptions
-from ..compiler.report import Report, Site
-from .rms_norm import _runtime_float, _widened_root
+from ..compiler.families import Family
+from ..compiler.report import Report
+from .site_loop import rewrite_sites
+from .rms_norm import _dtypes_text, _eps_text, _runtime_float, _widened_root
 
 FAMILY = "layer_norm"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -271,29 +273,33 @@ def fuse_layer_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, r
     after:   y = sloth.layer_norm(x, w, b, eps, bf16)
     """
     _lowering().register()
-    erased: set[fx.Node] = set()
-    for node in list(gm.graph.nodes):
-        if node in erased or node.op != "call_function":
-            continue
-        if is_call(node, torch.rsqrt):
-            found = _match_decomposed(node)
-        elif is_call(node, F.layer_norm):
-            found = _match_functional(node)
-        elif is_call(node, torch.sqrt):
-            found = _eps_outside_sqrt(node)
-        else:
-            continue
-        if found is None:
-            continue
-        if isinstance(found, str):
-            report.reject(FAMILY, node, found)
-            continue
-        detail = (f"eps={found.eps if isinstance(found.eps, fx.Node) else format(found.eps, 'g')}"
-                  + ("" if found.weight is not None else ", no weight")
-                  + ("" if found.bias is not None else ", no bias")
-                  + f", {tensor_of(found.x).dtype} -> {tensor_of(found.out).dtype}".replace("torch.", ""))
-        erased |= _replace(gm, found)
-        report.replaced(Site(FAMILY, "sloth.layer_norm", module_path(node), source_location(node), detail))
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return rewrite_sites(gm, report, FAMILY, "sloth.layer_norm",
+                         [((torch.rsqrt,), _match_decomposed), ((F.layer_norm,), _match_functional),
+                          ((torch.sqrt,), _eps_outside_sqrt)], _replace,
+                         lambda found: (f"eps={_eps_text(found.eps)}"
+                                        + ("" if found.weight is not None else ", no weight")
+                                        + ("" if found.bias is not None else ", no bias") + _dtypes_text(found)))
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def anchor(node: fx.Node) -> bool:
+    """The ``layer_norm`` family's anchor: F.layer_norm, and rsqrt or sqrt of a variance about the mean [+ eps]:
+    mean(square(x - mean(x))) or variance(x, ...) (any dims, any correction)"""
+    if is_call(node, F.layer_norm):
+        return True
+    if not is_call(node, torch.rsqrt, torch.sqrt):
+        return False
+    v = without_eps(node.args[0])
+    if is_call(v, variance):
+        return True
+    if not (is_call(v, torch.mean) and is_call(v.args[0], torch.square)):
+        return False
+    c = v.args[0].args[0]
+    return is_call(c, torch.sub) and is_call(c.args[1], torch.mean) and c.args[1].args[0] is c.args[0]
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_layer_norm_pass, order=10, anchor=anchor,
+                     emits=("layer_norm",),
+                     summary=("LayerNorm over the last dim: `F.layer_norm`, `nn.LayerNorm`, mean-centred forms written"
+                              " by hand (before `rms_norm`, which would take one as an RMSNorm of `x - mean`)"))

@@ -53,11 +53,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..compiler.anchors import ANCHORS, near
+from ..compiler.anchors import near
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (dtype_of, insert_call, is_call, is_number, linear_parts, module_path,
+from ..compiler.fx_utils import (matrix_width, dtype_of, insert_call, is_call, is_number, linear_parts, module_path,
                                  replace_and_erase, source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..compiler.writes import mutated_producer, written
 from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused
@@ -656,7 +657,7 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     # neither fused nor explained gets the reason its add shows.
     explained = [outcome[0] for _, outcome in outcomes if not isinstance(outcome, Site)]
     for node in list(gm.graph.nodes):
-        if node not in erased and ANCHORS[FAMILY](node) and not any(near(node, r) for r in explained):
+        if node not in erased and anchor(node) and not any(near(node, r) for r in explained):
             add, why = _unmatched_adapter(node)
             outcomes.append((position.get(add, len(position)), (add, why)))
     joined: dict[fx.Node, list[fx.Node]] = {}
@@ -687,3 +688,60 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def _strip_casts_and_scales(node: object, *targets: object) -> object:
+    """Follow single steps of ``targets`` (casts, constant scales) back to their input."""
+    while isinstance(node, fx.Node):
+        if is_call(node, cast):
+            node = node.args[0]
+        elif is_call(node, torch.mul, torch.div) and len(node.args) == 2 and is_number(node.args[1]):
+            node = node.args[0]
+        elif is_call(node, torch.mul) and len(node.args) == 2 and is_number(node.args[0]):
+            node = node.args[1]
+        else:
+            return node
+    return node
+
+
+def _low_rank(node: fx.Node) -> bool:
+    outer = linear_parts(node)
+    if outer is None:
+        return False
+    inner = linear_parts(_strip_casts_and_scales(outer[0]))
+    if inner is None:
+        return False
+    rank, width_in, width_out = matrix_width(inner[1], 0), matrix_width(inner[1], 1), matrix_width(outer[1], 0)
+    if not all(isinstance(n, int) for n in (rank, width_in, width_out)):
+        return False  # symbolic or unknown widths: no claim either way
+    return rank < width_in and rank < width_out and matrix_width(outer[1], 1) == rank
+
+
+def anchor(node: fx.Node) -> bool:
+    """The ``lora`` family's anchor: a low-rank chain B(A(x)) added to something: a linear reading (through casts and
+    constant scales) a linear of rank r below both the chain's input and output widths, whose value (through casts
+    and constant scales) is an operand of an add
+
+    A low-rank chain whose value, through casts and constant scales, is added to something: an adapter on
+    whatever it is added to (a bare factorised projection, or one times a mask, is no adapter)."""
+    if not _low_rank(node):
+        return False
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if is_call(user, torch.add):
+            return True
+        if not (is_call(user, cast) or (is_call(user, torch.mul, torch.div) and len(user.args) == 2
+                                         and any(is_number(a) for a in user.args))):
+            return False
+        node = user
+    return False
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_lora_pass, order=90, anchor=anchor,
+                     emits=("lora_linear", "qlora_linear", "glu_lora_linear", "glu_qlora_linear",
+                            "lora_linear_shared", "qlora_linear_shared", "lora_mlp_tiled"),
+                     reads=("share_lora_input", "tiled_mlp", "tiled_mlp_recompute"),
+                     summary=("a frozen linear (dense or bitsandbytes 4-bit) plus its LoRA adapters; q/k/v and gate/up"
+                              " sharing one input as one op"))

@@ -27,8 +27,8 @@ a row, the second downstream of the first, are a candidate, and its interface is
 
 Where a stacked weight is computed from its graph input before the GEMM reads it, W1 / W2 are that computed value
 (for the probes). When it is ``baddbmm(W, lhs, rhs, alpha=s)`` with W the graph input (peft's ``target_parameters``
-LoRA as compiler/peft_experts.py has Dynamo trace it: ``W + s B A`` each step), the op takes W and the factors
-(``lhs``, ``rhs``; for the transposed layout ``rhs^T``, ``lhs^T``) and forms the adapters' products as grouped GEMMs
+LoRA as compiler/integrations/peft_experts.py has Dynamo trace it: ``W + s B A`` each step), the op takes W and the
+factors (``lhs``, ``rhs``; for the transposed layout ``rhs^T``, ``lhs^T``) and forms the adapters' products as grouped GEMMs
 at rank r, and the merged weight goes unformed (erased with what fed only it). Any other computed weight (a sum
 of several adapters, a hand-written merge) is passed as it is: the computation stays in the graph, the op reads
 its result, and the op's weight gradient flows back through it.
@@ -91,10 +91,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import expert_operand, expert_weight_arg, is_expert_gemm, op_name
-from ..compiler.fx_utils import erase_unused, insert_call, module_path, replace_and_erase, source_location, \
+from .moe_sites import anchor, expert_operand, expert_weight_arg, is_expert_gemm
+from ..compiler.fx_utils import op_name, erase_unused, insert_call, module_path, replace_and_erase, source_location, \
     tensor_of, value_of
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..compiler.writes import written
 from .moe_einsum import gemm_rows
@@ -209,8 +210,8 @@ def _weight_value(gemm: fx.Node, base: fx.Node) -> fx.Node:
 @dataclasses.dataclass
 class Adapter:
     """A stacked weight computed as ``baddbmm(W, lhs, rhs, alpha=scale)`` = W + scale lhs @ rhs, W the graph
-    input [E, n, k], lhs [E, n, r], rhs [E, r, k] (peft's ``target_parameters`` fold, as compiler/peft_experts.py
-    has Dynamo trace it)."""
+    input [E, n, k], lhs [E, n, r], rhs [E, r, k] (peft's ``target_parameters`` fold, as
+    compiler/integrations/peft_experts.py has Dynamo trace it)."""
     lhs: fx.Node
     rhs: fx.Node
     scale: float
@@ -798,3 +799,11 @@ def _erase_dead(region: list[fx.Node], erased: set[fx.Node]) -> None:
             continue
         node.graph.erase_node(node)
         erased.add(node)
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_moe_pass, order=50, anchor=anchor,
+                     emits=("moe_experts",),
+                     reads=("moe_recompute",),
+                     summary=("routed experts, whatever code ran them (stacked weights under grouped_mm / bmm / "
+                              "einsum, expert lists), with LoRA on the experts"))

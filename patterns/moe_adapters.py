@@ -41,8 +41,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import expert_operand, expert_weight_arg, op_name
-from ..compiler.fx_utils import is_number, tensor_of
+from .moe_sites import expert_operand, expert_weight_arg
+from ..compiler.fx_utils import op_name, is_number, tensor_of
 
 # Views and casts a path may pass through (canonical names; ``cast`` is the canonical dtype conversion).
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "transpose", "permute", "t",

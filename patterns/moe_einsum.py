@@ -21,8 +21,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..compiler.anchors import op_name
-from ..compiler.fx_utils import tensor_of
+from ..compiler.fx_utils import op_name, tensor_of
 
 
 def gemm_rows(gemm: fx.Node) -> tuple[Optional[int], Optional[int]]:

@@ -53,8 +53,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import is_router_weight, is_topk, list_expert_weight, op_name
-from ..compiler.fx_utils import insert_call, linear_parts, module_path, replace_and_erase, source_location, \
+from .moe_router import is_topk
+from .moe_sites import is_router_weight, list_expert_weight
+from ..compiler.fx_utils import op_name, insert_call, linear_parts, module_path, replace_and_erase, source_location, \
     tensor_of, value_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site

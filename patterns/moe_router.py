@@ -39,11 +39,11 @@ from typing import Any, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import is_topk
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (arg_of, insert_call, is_function, is_last_dim, is_method, module_path, softmax_input,
+from ..compiler.fx_utils import (arg_of, is_function, is_last_dim, is_method, module_path, softmax_input,
                                  source_location, tensor_of)
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from .moe_router_biased import BiasedMatch, _written, insert_router, match_biased, renormalisation, replace_biased
 
@@ -208,3 +208,20 @@ def fuse_moe_router_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, r
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def is_topk(node: fx.Node) -> bool:
+    """A ``topk`` of a float tensor of 2 or more dims: the ``moe_router`` family's anchor."""
+    if not ((node.op == "call_function" and node.target is torch.topk)
+            or (node.op == "call_method" and node.target == "topk")) or not node.args:
+        return False
+    value = tensor_of(node.args[0])
+    return value is not None and value.is_floating_point() and value.dim() >= 2
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_moe_router_pass, order=60, anchor=is_topk,
+                     emits=("moe_router", "moe_router_biased"),
+                     summary=("the router's top-k with its softmax and renormalisation, and bias-corrected grouped "
+                              "routers"))

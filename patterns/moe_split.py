@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import expert_operand, expert_weight_arg, op_name
-from ..compiler.fx_utils import insert_call, tensor_of
+from .moe_sites import expert_operand, expert_weight_arg
+from ..compiler.fx_utils import op_name, insert_call, tensor_of
 from .moe_adapters import _same_call, _viewed, rows_of
 
 # What an activation of the gate is called in the canonical graph (a clamp first: GPT-OSS and DeepSeek-V4 clamp).

@@ -52,16 +52,17 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import reads_integer_input
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (insert_call, module_path, same_size, set_value, source_location, tensor_of,
                                  value_of)
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..compiler.writes import body_of
 from ..lowering import document_attention as document_attention_op
 from ..runtime.packing import RULES, document_bounds
-from .causal_mask import (_SDPA, _is_symbolic, allowed_of, erase_unused, evaluation_budget,
+from .causal_mask import (anchor as is_masked_attention, _SDPA, _is_symbolic, allowed_of, erase_unused,
+                          evaluation_budget,
                           mask_producers)
 from .mask_rows import RowBlocks
 
@@ -492,3 +493,37 @@ def _rewrite_body_input(body: fx.GraphModule, node: fx.Node, args: dict[str, Any
         report.replaced(Site(FAMILY, "sloth.document_attention", module_path(out), source_location(out),
                              f"document-causal {_length(q_len)} mask ({rule}) dropped in a checkpointed layer"))
     return None
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def reads_integer_input(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from an integer graph input (position ids, document ids, a padding mask)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            value = n.meta.get("example_value", n.meta.get("val"))
+            if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+                    and value.dtype != torch.bool:
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def anchor(node: fx.Node) -> bool:
+    """The ``packed_attention`` family's anchor: scaled_dot_product_attention with an attn_mask node and is_causal
+    False, its mask computed from an integer graph input (position ids, document ids)"""
+    if not is_masked_attention(node):
+        return False
+    params = dict(zip(("query", "key", "value", "attn_mask"), node.args), **node.kwargs)
+    return reads_integer_input(params["attn_mask"])
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_packed_attention_pass, order=100, anchor=anchor, whole_module=True,
+                     emits=("document_attention",),
+                     summary=("SDPA under a packed-document causal mask built from position or document ids -> "
+                              "attention over each document's triangle"))

@@ -30,10 +30,12 @@ import torch
 import torch.fx as fx
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (insert_call, is_call, is_number, module_path, replace_and_erase, same_shape, same_size,
-                                 single_user, source_location, tensor_of, value_of)
+from ..compiler.fx_utils import (insert_call, is_call, is_number, replace_and_erase, same_shape, same_size,
+                                 single_user, tensor_of, value_of)
 from ..compiler.options import PassOptions
-from ..compiler.report import Report, Site
+from ..compiler.families import Family
+from ..compiler.report import Report
+from .site_loop import rewrite_sites
 
 FAMILY = "rms_norm"
 
@@ -237,26 +239,38 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, rep
     after:   y = sloth.rms_norm(x, w, eps, 0.0, bf16)
     """
     _lowering().register()
-    erased: set[fx.Node] = set()
-    for node in list(gm.graph.nodes):
-        if node in erased or node.op != "call_function":
-            continue
-        if node.target is torch.rsqrt:
-            found = _match_decomposed(node)
-        elif node.target is torch.rms_norm:
-            found = _match_functional(node)
-        else:
-            continue
-        if found is None:
-            continue
-        if isinstance(found, str):
-            report.reject(FAMILY, node, found)
-            continue
-        detail = (f"eps={found.eps if isinstance(found.eps, fx.Node) else format(found.eps, 'g')}" + (f", weight+{found.offset:g}" if found.offset else "")
-                  + ("" if found.weight is not None else ", no weight")
-                  + f", {tensor_of(found.x).dtype} -> {tensor_of(found.out).dtype}".replace("torch.", ""))
-        erased |= _replace(gm, found)
-        report.replaced(Site(FAMILY, "sloth.rms_norm", module_path(node), source_location(node), detail))
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return rewrite_sites(gm, report, FAMILY, "sloth.rms_norm",
+                         [((torch.rsqrt,), _match_decomposed), ((torch.rms_norm,), _match_functional)], _replace,
+                         lambda found: (f"eps={_eps_text(found.eps)}"
+                                        + (f", weight+{found.offset:g}" if found.offset else "")
+                                        + ("" if found.weight is not None else ", no weight") + _dtypes_text(found)))
+
+
+def _eps_text(eps: Any) -> str:
+    return str(eps) if isinstance(eps, fx.Node) else format(eps, "g")
+
+
+def _dtypes_text(found: Any) -> str:
+    """", bfloat16 -> bfloat16": the site's input and output dtypes, for the report."""
+    return f", {tensor_of(found.x).dtype} -> {tensor_of(found.out).dtype}".replace("torch.", "")
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def anchor(node: fx.Node) -> bool:
+    """The ``rms_norm`` family's anchor: rsqrt(mean(square(x)) [+ eps]), and torch.rms_norm"""
+    if is_call(node, torch.rms_norm):
+        return True
+    if not is_call(node, torch.rsqrt):
+        return False
+    inner = node.args[0]
+    if is_call(inner, torch.add) and len(inner.args) == 2:
+        a, b = inner.args
+        inner = a if is_call(a, torch.mean) else b
+    return is_call(inner, torch.mean) and is_call(inner.args[0], torch.square)
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_rms_norm_pass, order=20, anchor=anchor,
+                     emits=("rms_norm",),
+                     summary=("RMSNorm: Llama's fp32 upcast, Gemma's `1 + w`, weightless, q/k norms on heads, "
+                              "`F.rms_norm`, `nn.RMSNorm`"))

@@ -79,11 +79,11 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import is_deinterleaving_rotation, is_halves_rotation, is_matrix_rotation
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (inherit_requires_grad, insert_call, is_call, is_method, module_path,
                                  replace_and_erase, same_shape, same_size, single_user, source_location, tensor_of)
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..lowering.layout import empty_heads, is_bshd
 from .norm_rope import join_qk_norms
@@ -687,3 +687,169 @@ def fuse_rope_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def _is_even_odd_slice(node: object, start: int) -> bool:
+    """``x[..., start::2]``: the even (0) or odd (1) elements of the last dimension (an explicit stop at or past its
+    size too: ``x[..., 0:d:2]``)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return False
+    index = node.args[1]
+    last = index[-1] if isinstance(index, tuple) and index else index
+    if not (isinstance(last, slice) and last.step == 2 and (last.start or 0) == start):
+        return False
+    if last.stop is None:
+        return True
+    x = node.args[0]
+    value = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    size = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() else None
+    return isinstance(last.stop, int) and isinstance(size, int) and last.stop >= size
+
+
+def _without_negations(node: object) -> object:
+    """``node`` with every ``neg`` around it taken off (``-(-x)`` is x; the signs are the matcher's business)."""
+    while is_call(node, torch.neg) and len(node.args) == 1:
+        node = node.args[0]
+    return node
+
+
+def rotated_terms_factors(node: object) -> Optional[list[object]]:
+    """The eight factors, negations taken off, of ``cat([a * b ± c * d, e * f ± g * h])``: two concatenated terms,
+    each a sum or difference of two products, any term, product or factor negated (``x1 * (-sin)``, ``-x2 * sin``,
+    ``-(x2 * sin)``); else None."""
+    if not (is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple))
+            and len(node.args[0]) == 2):
+        return None
+    factors: list[object] = []
+    for term in node.args[0]:
+        term = _without_negations(term)
+        if not (is_call(term, torch.add, torch.sub) and len(term.args) == 2):
+            return None
+        for product in term.args:
+            product = _without_negations(product)
+            if not (is_call(product, torch.mul) and len(product.args) == 2):
+                return None
+            factors += [_without_negations(f) for f in product.args]
+    return factors
+
+
+def is_deinterleaving_rotation(node: fx.Node) -> bool:
+    """RoPE on interleaved pairs written on even/odd slices, its output de-interleaved (DeepSeek's
+    ``apply_rotary_pos_emb_interleave``): cat([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1), x0 = x[..., 0::2],
+    x1 = x[..., 1::2]. Deliberately broad: any signs (``rotated_terms_factors``), products in any order; the
+    matcher (patterns/rope_forms.py) says which sign arrangements are rotations."""
+    operands = rotated_terms_factors(node)
+    return (operands is not None and any(_is_even_odd_slice(a, 0) for a in operands)
+            and any(_is_even_odd_slice(a, 1) for a in operands))
+
+
+def is_halves_rotation(node: fx.Node) -> bool:
+    """Rotate-half RoPE written out on the two halves (GPT-OSS's ``_apply_rotary_emb``, NanoChat's rotation by
+    -theta): cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), x1 and x2 the first and second half of x's last
+    dim (a ``chunk``, ``split`` or slices: ``narrow`` in the canonical graph). Deliberately broad: any signs
+    (``rotated_terms_factors``: ``cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos])``), products and factors in
+    any order; the matcher (patterns/rope_forms.py) says which are rotations."""
+    operands = rotated_terms_factors(node)
+    if operands is None or len(node.args) != 2:
+        return False
+    halves = {(a.args[0], a.args[2]) for a in operands if is_call(a, torch.narrow) and a.args[1] == -1}
+    return len(halves) == 2 and len({x for x, _ in halves}) == 1
+
+
+def pair_member(node: object) -> Optional[tuple[fx.Node, int, bool]]:
+    """(t, k, strided) when ``node`` is member k (0 or 1) of the pairs of t's last dim: ``t[..., k::2]`` (strided
+    True: the even or odd elements, pairs (t[2i], t[2i+1])), or entry k of a last dim of size 2 (strided False:
+    ``t[..., k]``, ``t.unbind(-1)[k]``, ``t.select(-1, k)``, t being x viewed as [..., d/2, 2] or a table of
+    (cos, sin) pairs); else None."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    for parity in (0, 1):
+        if _is_even_odd_slice(node, parity):
+            return node.args[0], parity, True
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 and not node.kwargs:
+        t, index = node.args
+        if isinstance(t, fx.Node) and t.target in (torch.unbind, "unbind") and isinstance(index, int):
+            dims = [*t.args[1:], *t.kwargs.values()]
+            source, dim = t.args[0], dims[0] if dims else 0
+            return _last_of_two(source, dim, index)
+        index = index if isinstance(index, tuple) else (index,)
+        if index and isinstance(index[-1], int) and all(i is Ellipsis or i == slice(None) for i in index[:-1]):
+            tt = tensor_of(t)
+            if tt is not None and (Ellipsis in index or len(index) == tt.dim()):
+                return _last_of_two(t, -1, index[-1])
+        return None
+    if node.target in (torch.select, "select") and len(node.args) == 3 and not node.kwargs:
+        return _last_of_two(*node.args)
+    return None
+
+
+def _last_of_two(t: Any, dim: Any, index: Any) -> Optional[tuple[fx.Node, int, bool]]:
+    """(t, index) as a pair member when ``dim`` is t's last dim and of size 2, else None."""
+    tt = tensor_of(t)
+    if tt is None or not tt.dim() or not isinstance(index, int) or dim not in (-1, tt.dim() - 1) \
+            or tt.shape[-1] != 2 or not -2 <= index < 2:
+        return None
+    return t, index % 2, False
+
+
+def is_stacked_rotation(node: fx.Node) -> bool:
+    """Interleaved RoPE written as a stack of each pair's rotated members: stack([x0 * c - x1 * s, x1 * c + x0 * s]),
+    x0, x1 members 0 and 1 of pairs (``pair_member``: even/odd slices, GPT-J's real form; x viewed as [..., d/2, 2]
+    at [..., 0] and [..., 1], llama2.c and torchtune). Deliberately broad: any signs, order, stack dim, casts of the
+    two stacked terms; the matcher (patterns/rope_forms.py) says which of those it fuses."""
+    if not (node.op == "call_function" and node.target is torch.stack and node.args
+            and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2):
+        return False
+    terms = [t.args[0] if is_call(t, cast) else t for t in node.args[0]]
+    if not all(is_call(t, torch.add, torch.sub) for t in terms):
+        return False
+    operands = [a for t in terms for m in t.args if is_call(m, torch.mul) for a in m.args]
+    members = [pair_member(a) for a in operands]
+    return len(operands) == 8 and {m[1] for m in members if m is not None} == {0, 1}
+
+
+def is_matrix_rotation(node: fx.Node) -> bool:
+    """RoPE with one 2x2 matrix per pair (Flux's ``apply_rope``): M[..., 0] * xs[..., 0] + M[..., 1] * xs[..., 1],
+    xs = x viewed as [..., d/2, 1, 2] and M [..., d/2, 2, 2]: each product pairs member k of both (any order)."""
+    if not (is_call(node, torch.add) and len(node.args) == 2 and all(is_call(m, torch.mul) for m in node.args)):
+        return False
+    members = [[pair_member(a) for a in m.args] for m in node.args]
+    if any(p is None or p[2] for ps in members for p in ps) or [{p[1] for p in ps} for ps in members] != [{0}, {1}]:
+        return False
+    tails = {tuple(tensor_of(p[0]).shape[-2:]) for ps in members for p in ps}
+    return tails == {(1, 2), (2, 2)}
+
+
+def anchor(node: fx.Node) -> bool:
+    """The ``rope`` family's anchor: rotate-half: cat([neg(narrow(x)), narrow(x)]) (either half negated); an
+    interleaved pair: stack([neg(a), b]) (either member negated); a complex rotation:
+    view_as_real(view_as_complex(x) * f); even/odd slices rotated and concatenated: cat([x0 * c - x1 * s, x1 * c +
+    x0 * s]) (DeepSeek's interleaved form); the same on the two halves of x (GPT-OSS's rotate-half written out;
+    NanoChat's by -theta: cat([x1 * c + x2 * s, x1 * (-s) + x2 * c])), for both with any signs; the members of x's
+    pairs rotated and stacked: stack([x0 * c - x1 * s, x1 * c + x0 * s]), x0/x1 even/odd slices or x viewed as [...,
+    d/2, 2] at [..., 0] and [..., 1] (GPT-J's real form, llama2.c, torchtune); one 2x2 matrix per pair: M[..., 0] *
+    xs[..., 0] + M[..., 1] * xs[..., 1] (Flux)"""
+    if is_deinterleaving_rotation(node) or is_halves_rotation(node) or is_stacked_rotation(node) \
+            or is_matrix_rotation(node):
+        return True
+    if is_call(node, torch.cat) and node.args and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
+        # rotate_half: the negated half first (transformers) or second (NanoChat's cat((x2, -x1)), -rotate_half)
+        parts = [p.args[0] if is_call(p, torch.neg) else p for p in node.args[0]]
+        return (sum(is_call(p, torch.neg) for p in node.args[0]) == 1 and all(is_call(p, torch.narrow) for p in parts)
+                and parts[0].args[0] is parts[1].args[0])
+    # rotate_every_two (GPT-J, Cohere): stack((-x[..., 1::2], x[..., ::2]), dim=-1), the dim often a keyword
+    if node.op == "call_function" and node.target is torch.stack and node.args \
+            and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2:
+        return any(is_call(p, torch.neg) for p in node.args[0])
+    if is_call(node, torch.view_as_real):
+        product = node.args[0]
+        return is_call(product, torch.mul) and any(is_call(a, torch.view_as_complex) for a in product.args)
+    return False
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_rope_pass, order=40, anchor=anchor,
+                     emits=("rope", "rope_single", "norm_rope"),
+                     summary=("rotary embeddings: rotate-half, interleaved pairs, complex, stacked products, halves "
+                              "written out; q and k in one launch, with their q/k norms when just before"))

@@ -58,10 +58,10 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..compiler.anchors import is_halves_rotation, is_stacked_rotation, pair_member, rotated_terms_factors
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import is_call, same_shape, same_size, single_user, tensor_of
-from .rope import (RopeMatch, _extend_partial, _inserted_once, _is_reshape, _operand_guard, _pair_shapes_guard,
+from .rope import (is_halves_rotation, is_stacked_rotation, pair_member, rotated_terms_factors, RopeMatch,
+                   _extend_partial, _inserted_once, _is_reshape, _operand_guard, _pair_shapes_guard,
                    _strided_half)
 
 

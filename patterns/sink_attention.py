@@ -35,9 +35,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import (arg_of, insert_call, is_function, is_last_dim, is_method, is_number, module_path,
+from ..compiler.fx_utils import (op_name, arg_of, insert_call, is_function, is_last_dim, is_method, is_number,
+                                 module_path,
                                  replace_and_erase, softmax_input, source_location, tensor_of)
 from ..compiler.options import PassOptions
+from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..lowering import document_attention as document_attention_op
 from ..lowering import sink_attention as sink_attention_op
@@ -437,3 +439,29 @@ def fuse_sink_attention_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], 
             graph_module.graph.lint()
             graph_module.recompile()
     return gm
+
+
+# The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
+def anchor(node: fx.Node) -> bool:
+    """The ``sink_attention`` family's anchor: a softmax over the last dim of cat([x, c], -1) with c one column wide
+    (through a subtraction of anything: the row max): attention with a sink logit per row (GPT-OSS)"""
+    is_softmax = (node.op == "call_function" and node.target in (F.softmax, torch.softmax)) or \
+        (node.op == "call_method" and node.target == "softmax")
+    if not is_softmax or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    x = node.args[0]
+    if x.op in ("call_function", "call_method") and op_name(x) == "sub" and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    if not (x.op == "call_function" and x.target is torch.cat and x.args and isinstance(x.args[0], (list, tuple))):
+        return False
+    value, last = tensor_of(x), tensor_of(x.args[0][-1])
+    dim = x.args[1] if len(x.args) > 1 else x.kwargs.get("dim", 0)
+    return value is not None and last is not None and dim in (-1, value.dim() - 1) and last.shape[-1] == 1 \
+        and len(x.args[0]) >= 2
+
+
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
+DECLARATION = Family(FAMILY, fuse_sink_attention_pass, order=120, anchor=anchor, whole_module=True,
+                     emits=("sink_attention", "window_bounds"),
+                     summary=("attention with a learned sink logit per head (GPT-OSS) under a causal sliding-window "
+                              "mask"))

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 def _register_backend_name() -> None:
     """``backend="sloth"`` is found through the package's ``torch_dynamo_backends`` entry point, which exists only
     where sloth is pip-installed. The device machine imports the checkout through a symlink instead
-    (benchmarks/h200_rows.sh ``gpu_tests``), so the name is registered here when the entry point is missing."""
+    (benchmarks/gpu_lane.py), so the name is registered here when the entry point is missing."""
     import torch._dynamo
 
     import sloth

@@ -108,7 +108,7 @@ def test_every_family_replaces_its_hand_written_site():
 def test_a_family_that_says_nothing_is_caught(monkeypatch, family):
     # The family's pass replaced by one that neither replaces nor reports: its site must show as unexplained,
     # the other families' as replaced.
-    passes = [dataclasses.replace(p, run=lambda gm, *_, **__: gm) if p.family == family else p
+    passes = [dataclasses.replace(p, run=lambda gm, *_, **__: gm) if p.name == family else p
               for p in families.family_passes()]
     monkeypatch.setattr(families, "_registry", passes)
     torch.compile(EveryFamily(), backend="sloth", options={"inner": "eager"})(*every_family_inputs())

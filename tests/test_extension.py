@@ -128,7 +128,7 @@ def test_docs_hold_the_example_verbatim():
 def test_registered_family_runs_in_its_place():
     assert sloth.families().index("softcap") == sloth.families().index("glu") + 1
     assert "softcap" not in sloth.FAMILIES  # the built-in ones
-    assert [p.family for p in registry.family_passes() if p.builtin] == list(sloth.FAMILIES)
+    assert [p.name for p in registry.family_passes() if p.builtin] == list(sloth.FAMILIES)
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])

@@ -1,5 +1,5 @@
-"""compiler/hub_kernels.py: the ``kernels`` package's routing store (transformers 5.25's ``use_kernelized_func``)
-inside gradient-checkpointed layers.
+"""compiler/integrations/hub_kernels.py: the ``kernels`` package's routing store (transformers 5.25's
+``use_kernelized_func``) inside gradient-checkpointed layers.
 
 What it must do: a checkpointed layer whose class is ``use_kernelized_func``-decorated traces in one graph (the
 package's own store splits it: checked in a process with the adjustment off); the same numbers and gradients as
@@ -114,7 +114,7 @@ def _in_a_fresh_process(code: str, **env) -> str:
 
 
 GRAPHS = ("import torch; from tests.test_hub_kernels import Net, _graphs_output_grads; "
-          "from sloth.compiler import hub_kernels as h; torch.manual_seed(0); "
+          "from sloth.compiler.integrations import hub_kernels as h; torch.manual_seed(0); "
           "print(h._registered, _graphs_output_grads(Net(), torch.randn(2, 5, 6))[0])")
 
 
@@ -129,6 +129,6 @@ def test_opt_out_leaves_the_package_alone_and_its_store_keeps_the_layers_out_of_
 def test_registered_whichever_is_imported_first_and_kernels_never_imported_for_it(order):
     imports = {"sloth-first": "import sloth; import kernels; ", "kernels-first": "import kernels; import sloth; ",
                "sloth-only": "import sloth; "}[order]
-    check = ("import sys; from sloth.compiler import hub_kernels as h; "
+    check = ("import sys; from sloth.compiler.integrations import hub_kernels as h; "
              "print(h._registered, 'kernels._internals.layer.layer' in sys.modules)")
     assert _in_a_fresh_process(imports + check) == ("False False" if order == "sloth-only" else "True True")

@@ -1,4 +1,4 @@
-"""compiler/input_grads_hook.py: transformers' input-embedding ``requires_grad_`` hook under Dynamo.
+"""compiler/integrations/input_grads_hook.py: transformers' input-embedding ``requires_grad_`` hook under Dynamo.
 
 What it must do: a checkpointed (non-reentrant) transformers model with peft LoRA traces in one graph, with eager's
 loss and LoRA gradients (the hook split it: checked in a process with the adjustment off); under reentrant
@@ -17,7 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import sloth  # noqa: F401  (importing sloth wraps the hook, before or after transformers is imported)
-from sloth.compiler import input_grads_hook
+from sloth.compiler.integrations import input_grads_hook
 from checkpointing import enable_checkpointing
 
 transformers = pytest.importorskip("transformers")
@@ -140,7 +140,7 @@ def test_may_checkpoint_reentrantly(layer, reentrant):
 
 
 GRAPHS = ("import torch; from tests.test_input_grads_hook import build, graphs_loss_grads, IDS; "
-          "from sloth.compiler import input_grads_hook as h; "
+          "from sloth.compiler.integrations import input_grads_hook as h; "
           "print(h._registered, graphs_loss_grads(build(reentrant=False), IDS)[0])")
 
 

@@ -481,8 +481,8 @@ def test_an_op_that_cannot_run_on_the_fakes_leaves_the_experts_with_reason(model
                          ids=["qwen3_moe-fp32", "qwen3_moe-bf16", "gpt_oss-fp32", "mixtral-bf16"])
 def test_peft_lora_on_experts_is_one_graph_and_every_adapter_trains(model_type, dtype, tmp_path) -> None:
     # peft's target_parameters puts LoRA on the stacked expert weights (W + s B A, a parametrization formed each
-    # step). Dynamo traces sloth's traceable form of it (compiler/peft_experts.py) in one graph, the op takes the
-    # factors (no merged weight), and every expert adapter (A and B of gate_up and of down, each layer) gets a
+    # step). Dynamo traces sloth's traceable form of it (compiler/integrations/peft_experts.py) in one graph, the op
+    # takes the factors (no merged weight), and every expert adapter (A and B of gate_up and of down, each layer) gets a
     # nonzero gradient within the tolerance rule of eager's (B starts random here so A's gradient is not zero).
     # Unsloth's GPT-OSS LoRA once left every expert adapter frozen while saying it had enabled them: this is the
     # test that would have caught it.

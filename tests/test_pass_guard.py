@@ -60,7 +60,7 @@ def test_a_family_whose_pass_raises_leaves_the_graph_as_it_found_it(monkeypatch,
     without = sloth.report().counts
     torch._dynamo.reset()
     sloth.reset_report()
-    passes = [dataclasses.replace(p, run=_raise_after(p.run)) if p.family == family else p
+    passes = [dataclasses.replace(p, run=_raise_after(p.run)) if p.name == family else p
               for p in families.family_passes()]
     monkeypatch.setattr(families, "_registry", passes)
     _assert_eager_numbers(torch.compile(model, backend="sloth", options={"inner": "eager"}), model, inputs)

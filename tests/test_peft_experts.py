@@ -1,4 +1,4 @@
-"""compiler/peft_experts.py: peft's ``ParamWrapper`` (LoRA on stacked expert weights) as Dynamo traces it.
+"""compiler/integrations/peft_experts.py: peft's ``ParamWrapper`` (LoRA on stacked expert weights) as Dynamo traces it.
 
 What it must do: one graph where peft's own forward splits each MoE block; the same numbers as peft's eager
 forward; every case it does not cover traced through peft's own forward (graph breaks, same numbers); registered
@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from sloth.compiler import peft_experts  # importing sloth makes ParamWrapper traceable, before peft is imported here
+# importing sloth makes ParamWrapper traceable, before peft is imported here
+from sloth.compiler.integrations import peft_experts
 from tests.pattern_checks import seeded
 from tests.test_models import VOCAB
 from tests.test_moe_pattern import moe_model
@@ -58,7 +59,20 @@ def _graphs_and_logits(model, ids):
     return len(graphs), compiled, model(input_ids=ids).logits, why
 
 
-def test_registered_and_traced_in_one_graph_with_peft_numbers():
+@pytest.fixture(scope="module")
+def base_in_one_graph():
+    """The premise of every one-graph assertion here: the model without peft traces in one graph. Not so where
+    transformers' grouped_mm experts take a host-synchronising fallback (transformers 5.17 with torch 2.11 on the
+    CPU: a ``.item()`` per expert, so aot_eager meets ``aten._local_scalar_dense``); such a test says so and skips."""
+    graphs, _, _, why = _graphs_and_logits(moe_model("qwen3_moe", "grouped_mm"),
+                                           torch.randint(3, VOCAB, (2, 11), generator=seeded(1)))
+    if graphs != 1:
+        import transformers
+        pytest.skip(f"the model without peft makes {graphs} graphs on torch {torch.__version__}, transformers "
+                    f"{transformers.__version__} (first break: {why()}): nothing for peft's tracing to keep whole")
+
+
+def test_registered_and_traced_in_one_graph_with_peft_numbers(base_in_one_graph):
     assert peft_experts.register()  # peft was imported above: registered at import already, idempotent
     model = _lora_model()
     ids = torch.randint(3, VOCAB, (2, 11), generator=seeded(1))
@@ -67,7 +81,7 @@ def test_registered_and_traced_in_one_graph_with_peft_numbers():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_survives_init_process_group_clearing_dynamos_rule_cache():
+def test_survives_init_process_group_clearing_dynamos_rule_cache(base_in_one_graph):
     # torch.distributed.init_process_group clears Dynamo's trace-rule cache (trace_rules.clear_lru_cache), which
     # dropped a torch.compiler.substitute_in_graph registration: under torchrun the experts split again.
     torch._dynamo.trace_rules.clear_lru_cache()
@@ -77,7 +91,7 @@ def test_survives_init_process_group_clearing_dynamos_rule_cache():
 
 
 @pytest.mark.parametrize("case", ["disabled", "merged", "two-adapters", "no-active-adapter-on-experts"])
-def test_cases_it_does_not_cover_trace_peft_own_forward(case):
+def test_cases_it_does_not_cover_trace_peft_own_forward(case, base_in_one_graph):
     # Each traces peft's own forward, which with the adapter merged or disabled (or inactive on the experts) calls
     # the base module alone and needs no parametrization: the numbers stay eager's.
     model = _lora_model(("default", "other") if case == "two-adapters" else ("default",))
@@ -110,7 +124,7 @@ def _in_a_fresh_process(code: str, **env) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-CHECK = ("import sys; from sloth.compiler import peft_experts as p; "
+CHECK = ("import sys; from sloth.compiler.integrations import peft_experts as p; "
          "print(p._registered, 'peft.tuners.lora.layer' in sys.modules)")
 
 
@@ -123,7 +137,7 @@ def test_registered_whichever_is_imported_first_and_peft_never_imported_for_it(o
 
 def test_opt_out_leaves_param_wrapper_alone():
     code = ("import sloth, peft; from peft.tuners.lora.layer import ParamWrapper; "
-            "from sloth.compiler import peft_experts as p; "
+            "from sloth.compiler.integrations import peft_experts as p; "
             "print(p._registered, ParamWrapper.forward.__code__.co_filename.endswith('lora/layer.py'))")
     assert _in_a_fresh_process(code, SLOTH_PEFT_TRACEABLE="0") == "False True"
     assert _in_a_fresh_process(code) == "True False"  # the test can fail: registered, the forward is sloth's

@@ -558,7 +558,7 @@ def test_negated_tables_are_one_node_for_q_and_k(form_id, negated):
 def anchors_erased():
     """Wraps the rope pass: counts the rope anchors (compiler/anchors.py) each run erases, over every graph."""
     erased: list = []
-    (i, rope), = [(i, p) for i, p in enumerate(families.family_passes()) if p.family == "rope"]
+    (i, rope), = [(i, p) for i, p in enumerate(families.family_passes()) if p.name == "rope"]
 
     def run(gm, example_inputs, **kwargs):
         before = [n for n in gm.graph.nodes if rope.anchor(n)]

@@ -1,8 +1,8 @@
 """transformers' Trainer trains a model sloth compiled, and every family is found: compiled by hand
 (``model.forward = torch.compile(...)``) or by the Trainer itself with
 ``TrainingArguments(torch_compile_backend="sloth")``, which accelerate accepts once ``import sloth`` has
-added the name to its ``DynamoBackend`` enum (compiler/accelerate_name.py); packed batches; gradient accumulation
-equal to one big batch; and ``python -m sloth.launch --dynamo_backend sloth`` (accelerate's launch, launch.py).
+added the name to its ``DynamoBackend`` enum (compiler/integrations/accelerate_name.py); packed batches; gradient
+accumulation equal to one big batch; and ``python -m sloth.launch --dynamo_backend sloth`` (accelerate's launch, launch.py).
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ store is skipped and a token returned that ``reset`` recognises and ignores. The
 routed call and the plain call run the same function. A dict that routes to a kernelized forward, and every
 eager call, take the package's own ``set`` / ``reset``.
 
-When. At ``import sloth`` if the package's module is loaded, else right after it is (compiler/import_hooks.py);
-a ``kernels`` without ``CompileableContextVar`` in that module (other releases) is left alone.
+When. At ``import sloth`` if the package's module is loaded, else right after it is
+(compiler/integrations/import_hooks.py); a ``kernels`` without ``CompileableContextVar`` in that module (other releases) is left alone.
 ``SLOTH_HUB_KERNELS_TRACEABLE=0`` leaves it alone too.
 """
 from __future__ import annotations

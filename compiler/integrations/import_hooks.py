@@ -1,11 +1,10 @@
 """Run a function right after a module is first imported, without importing it.
 
-sloth adjusts three third-party libraries for Dynamo (compiler/peft_experts.py, compiler/hub_kernels.py,
-compiler/input_grads_hook.py). Any may be imported before sloth or after it, and sloth must never import them on its
-own account, so each adjustment runs
-at ``import sloth`` when its module is already loaded, else from a finder placed first on ``sys.meta_path`` that
-finds nothing itself: when the module is imported it has the path finder find it, and wraps the loader's
-``exec_module`` so that the callback runs once the module's code has run.
+sloth adjusts three third-party libraries for Dynamo (peft_experts.py, hub_kernels.py, input_grads_hook.py beside
+this file). Any may be imported before sloth or after it, and sloth must never import them on its own account, so
+each adjustment runs at ``import sloth`` when its module is already loaded, else from a finder placed first on
+``sys.meta_path`` that finds nothing itself: when the module is imported it has the path finder find it, and wraps
+the loader's ``exec_module`` so that the callback runs once the module's code has run.
 """
 from __future__ import annotations
 

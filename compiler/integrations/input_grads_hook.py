@@ -26,7 +26,7 @@ called: peft's ``prepare_model_for_kbit_training`` registers the hook first); Dy
 change recompiles.
 
 When. At ``import sloth`` if ``transformers.modeling_utils`` is loaded, else right after it is
-(compiler/import_hooks.py). A transformers without ``enable_input_require_grads`` and
+(compiler/integrations/import_hooks.py). A transformers without ``enable_input_require_grads`` and
 ``_set_gradient_checkpointing`` on ``PreTrainedModel`` is left alone, and so are hooks not found where 5.x keeps
 them (``model._require_grads_hooks``). ``SLOTH_INPUT_GRADS_TRACEABLE=0`` leaves it alone too.
 """

@@ -25,8 +25,8 @@ in float32 / bfloat16 / float16 (peft upcasts float8 weights); a peft whose ``Pa
 alone too.
 
 When. At ``import sloth`` (which ``torch.compile(backend="sloth")`` causes through the entry point, before Dynamo
-traces anything): at once if peft's LoRA layer module is loaded, else right after it is (compiler/import_hooks.py),
-so peft is never imported on sloth's account.
+traces anything): at once if peft's LoRA layer module is loaded, else right after it is
+(compiler/integrations/import_hooks.py), so peft is never imported on sloth's account.
 """
 from __future__ import annotations
 
