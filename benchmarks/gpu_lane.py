@@ -7,7 +7,7 @@ that fits one device call (10 minutes on one H100/H200 with 16 cores), with a ma
 Why the result does not depend on how many workers share the GPU (pytest -n auto gave 6 failed, 268 passed on an
 H100 where each failure passed alone; a record of 2026-12-06 names one cause: four workers held 26 + 22 + 21 +
 10 GiB at once, and the fourth ran out of memory):
-- a fixed number of workers (``--workers``, 4), each capped at an equal share of the GPU's memory
+- a fixed number of workers (``--workers``, 8: the shared phase in 161 s on a warm H100, 305 s not done with 4), each capped at an equal share of the GPU's memory
   (``SLOTH_TEST_GPU_MEMORY_FRACTION``, read by tests/conftest.py): a test that needs more than its share fails
   every time, whatever its neighbours do, instead of when they happen to be large at once;
 - the model-sized cases (``SERIAL``: Qwen3-MoE, GPT-OSS-20B, Nemotron, DeepSeek-V3, Llama-3-8B shapes, the 2^31
@@ -202,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="folder for the record and logs (default: benchmarks/results)")
     parser.add_argument("--dry-run", action="store_true", help="collect the lane's tests only (any machine)")
-    parser.add_argument("--workers", type=int, default=4, help="xdist workers of the shared phase (default 4)")
+    parser.add_argument("--workers", type=int, default=8, help="xdist workers of the shared phase (default 8)")
     parser.add_argument("--budget", type=float, default=570.0, help="seconds for both phases together (default 570)")
-    parser.add_argument("--serial-budget", type=float, default=250.0,
-                        help="seconds of the budget kept for the serial phase (default 250: its 69 model-sized "
-                             "cases took about 3.3 s each on an H100)")
+    parser.add_argument("--serial-budget", type=float, default=300.0,
+                        help="seconds of the budget kept for the serial phase (default 300: its 70 model-sized "
+                             "cases took 162 s on a warm H100, 40 of them 250 s on a fresh one)")
     parser.add_argument("--files", nargs="*", help="test files instead of the lane's (names under tests/)")
     args = parser.parse_args(argv)
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or ROOT / "benchmarks" / "results"
     log_dir = (args.out / "logs") if args.out else Path(tempfile.mkdtemp(prefix="gpu_lane_logs_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    # The serial phase keeps its share; the shared phase (about 290 s with 4 workers on an H100) gets the rest, and
+    # The serial phase keeps its share; the shared phase (161 s with 8 workers on a warm H100) gets the rest, and
     # whatever it leaves goes to the serial phase too.
     shared = Phase("shared", ["-k", f"not ({SERIAL})"], args.workers, max(30.0, args.budget - args.serial_budget))
     run_phase(shared, files, env, log_dir, args.dry_run)

@@ -38,7 +38,7 @@ from .devices import check_one_device
 from .host_math import cdiv
 from .layout import rows_2d
 from .registration import define, fake, launch
-from .rounding import round_to
+from .rounding import mul_rounded, round_to
 # The launch shapes of a row-wise norm: whole rows in registers, rows packed per program when short, and
 # persistent backward programs summing parameter-gradient partials. Same loads and reductions per element
 # as RMSNorm plus one more reduction, so its H200-measured settings are taken over until a sweep of this op.
@@ -109,7 +109,10 @@ def _layer_norm_bwd_kernel(
         b_rstd = 1.0 / tl.sqrt(_row_mean(b_c * b_c, n_cols) + eps)
         b_n = b_c * b_rstd[:, None]
         if HAS_WEIGHT:
-            b_dn = b_dy * b_w[None, :]
+            # dn rounded before it is both averaged and subtracted from its mean: an FMA of dy * w with the
+            # subtraction left the product's roundoff times rstd (eps^-1/2 = 316 on a constant row), 8e-6 on an
+            # H100 where the exact dx of a one-column row is 0.
+            b_dn = mul_rounded(b_dy, b_w[None, :] + tl.zeros_like(b_dy))
         else:
             b_dn = b_dy
         b_mean_dn = _row_mean(b_dn, n_cols)

@@ -28,3 +28,15 @@ def round_to(b_x, DTYPE: tl.constexpr):
         return tl.where(b_x != b_x, b_x.to(DTYPE), b_rounded)
     else:
         return b_x.to(DTYPE)
+
+
+@triton.jit
+def mul_rounded(b_a, b_b):
+    """fp32 ``a * b`` rounded on its own, never contracted into an FMA with the add or subtract that reads it: PTX
+    ``mul.rn.f32`` (an explicit rounding mode, which the PTX optimiser never fuses) on a GPU; numpy, which never
+    fuses, in the interpreter. For a product that is both summed and subtracted from that sum (a row's mean), where
+    an FMA would subtract the rounded sum from the unrounded product and leave its roundoff, times what follows."""
+    if INTERPRETED:
+        return b_a * b_b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [b_a, b_b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
