@@ -7,9 +7,10 @@ that fits one device call (10 minutes on one H100/H200 with 16 cores), with a ma
 Why the result does not depend on how many workers share the GPU (pytest -n auto gave 6 failed, 268 passed on an
 H100 where each failure passed alone; a record of 2026-12-06 names one cause: four workers held 26 + 22 + 21 +
 10 GiB at once, and the fourth ran out of memory):
-- a fixed number of workers (``--workers``, 8: the shared phase in 161 s on a warm H100, 305 s not done with 4), each capped at an equal share of the GPU's memory
-  (``SLOTH_TEST_GPU_MEMORY_FRACTION``, read by tests/conftest.py): a test that needs more than its share fails
-  every time, whatever its neighbours do, instead of when they happen to be large at once;
+- a fixed number of workers (``--workers``, 8: the shared phase in 161 s on a warm H100, not done in 305 s with
+  4), each capped at an equal share of the GPU's memory (``SLOTH_TEST_GPU_MEMORY_FRACTION``, read by
+  tests/conftest.py): a test that needs more than its share fails every time, whatever its neighbours do, instead
+  of when they happen to be large at once;
 - the model-sized cases (``SERIAL``: Qwen3-MoE, GPT-OSS-20B, Nemotron, DeepSeek-V3, Llama-3-8B shapes, the 2^31
   element offsets) run afterwards in one process with the whole GPU;
 - no test depends on timing: no Triton autotuning in lowering/, and the one kernel with atomics (lowering/lora.py's
