@@ -69,9 +69,9 @@ def base_in_one_graph():
     if graphs != 1:
         import transformers
         reason = why()  # None: no graph break; the backend's own compile failed and Dynamo split the frames
+        cause = f"first break: {reason}" if reason else "no graph break: aot_eager failed on its graph"
         pytest.skip(f"the model without peft makes {graphs} graphs on torch {torch.__version__}, transformers "
-                    f"{transformers.__version__} ({f'first break: {reason}' if reason else 'no graph break: aot_eager '
-                    'failed on its graph and Dynamo split it'}): nothing for peft's tracing to keep whole")
+                    f"{transformers.__version__} ({cause}): nothing for peft's tracing to keep whole")
 
 
 def test_registered_and_traced_in_one_graph_with_peft_numbers(base_in_one_graph):
