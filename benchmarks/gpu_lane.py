@@ -86,7 +86,7 @@ def run_phase(phase: Phase, files: list[str], env: dict, log_dir: Path, dry_run:
     # From the repository root: some pattern files import tests.pattern_checks
     # (python -m puts the root on sys.path); tests/pytest.ini still holds the configuration.
     paths = [f if os.path.isabs(f) else f"tests/{f}" for f in files]
-    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE",
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE", "--slow",
            f"--junitxml={junit}", *paths, *phase.args]
     if dry_run:
         cmd.append("--collect-only")

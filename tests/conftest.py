@@ -41,6 +41,35 @@ def pytest_addoption(parser):
     parser.addoption("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="the device of the op tests' tensors (the `device` fixture): cuda where there is one, else "
                           "cpu (Triton kernels in the interpreter); cpu on a GPU machine runs the references only")
+    parser.addoption("--slow", action="store_true",
+                     help="also run the slow tests listed in tests/slow.txt (whole-trainer and two-process runs, "
+                          "the long tail of model compiles), which the README's test command leaves out")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out the tests tests/slow.txt lists unless ``--slow`` is given (tests/slow.py says why and how the list
+    is made); pytest counts them as deselected and the summary says how to run them."""
+    if config.getoption("--slow"):
+        return
+    from slow import read
+
+    listed = read()
+    slow = [item for item in items if item.nodeid in listed]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.nodeid not in listed]
+        config._sloth_slow_left_out = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("--slow"):
+        return
+    # Under xdist the workers collect, so the controller knows only the list, not how many of it this run selected.
+    from slow import read
+
+    left_out = getattr(config, "_sloth_slow_left_out", None)
+    count = f"{left_out} slow tests" if left_out is not None else f"the slow tests (up to {len(read())})"
+    terminalreporter.write_line(f"sloth: {count} of tests/slow.txt left out; python -m pytest tests --slow runs them")
 
 
 @pytest.fixture

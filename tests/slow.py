@@ -1,0 +1,47 @@
+"""Which tests are slow: those that took at least ``THRESHOLD_S`` seconds (setup, call and teardown together) in a
+full run on the CPU, listed in tests/slow.txt. The README's test command leaves them out (tests/conftest.py), so
+CI stays under 15 minutes on 2 cores; ``python -m pytest tests --slow`` runs them too, and the GPU lane always does.
+
+What stays in the default run covers every family on every path: each op's tests on the interpreter and on its
+PyTorch reference, each family's pattern tests, the model-level tests of both paths (tests/test_reference_path.py,
+tests/test_models.py), the completeness check. What goes is the long tail: whole-trainer runs (TRL, Trainer,
+torchrun), two-process runs, the coverage sweep's architectures beyond a few, model-sized checkpointed compiles.
+
+To measure again (about 35 minutes on 2 cores), then rewrite the list:
+
+    python -m pytest tests -q --slow --durations=0 > durations.txt
+    python tests/slow.py durations.txt
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import sys
+
+THRESHOLD_S = 4.0
+LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow.txt")
+
+
+def read() -> set[str]:
+    """The node ids listed in tests/slow.txt (relative to tests/, as pytest names them there)."""
+    with open(LIST, encoding="utf-8") as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+def write(durations_output: str) -> int:
+    seconds: collections.Counter = collections.Counter()
+    for line in durations_output.splitlines():
+        match = re.match(r"\s*([\d.]+)s (?:call|setup|teardown)\s+(\S+)", line)
+        if match:
+            seconds[match.group(2)] += float(match.group(1))
+    slow = sorted(n for n, s in seconds.items() if s >= THRESHOLD_S)
+    with open(LIST, "w", encoding="utf-8") as f:
+        f.write(f"# tests that took >= {THRESHOLD_S:g} s on the CPU (tests/slow.py writes this file; --slow runs them)\n")
+        f.writelines(f"{n}\n" for n in slow)
+    return len(slow)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], encoding="utf-8") as f:
+        print(f"{write(f.read())} slow tests listed in {LIST}")
