@@ -295,3 +295,14 @@ def without_eps(node: object) -> object:
         a, b = node.args
         return a if tensor_of(b) is None else b if tensor_of(a) is None else node
     return node
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node that reads ``node``, directly or through others (its users, their users, ...)."""
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen

@@ -92,8 +92,8 @@ import torch
 import torch.fx as fx
 
 from .moe_sites import anchor, expert_operand, expert_weight_arg, is_expert_gemm
-from ..compiler.fx_utils import op_name, erase_unused, insert_call, module_path, replace_and_erase, source_location, \
-    tensor_of, value_of
+from ..compiler.fx_utils import (descendants, erase_unused, insert_call, module_path, op_name, replace_and_erase,
+                                 source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
 from ..compiler.families import Family
 from ..compiler.report import Report, Site
@@ -159,16 +159,6 @@ class MoeSite:
         """The graph inputs of the adapters beside the GEMMs (A and B of each), inputs of the region."""
         return tuple(n for a in (self.beside1, self.beside2) if a is not None for n in a.factors())
 
-
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
 
 
 def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
@@ -258,7 +248,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False,
     if not rows:  # (no tokens to tell the experts' output by: a zero-row slice of an expert loop)
         return [], "its first expert GEMM has no rows in this graph (a zero-row slice): no tokens to read it by", False
     order = {n: i for i, n in enumerate(gemm2.graph.nodes)}
-    below = sorted(_descendants(gemm2), key=order.__getitem__)
+    below = sorted(descendants(gemm2), key=order.__getitem__)
     weights = {w1, *(split.parts() if split is not None else ())}
     data = [a for a in gemm1.all_input_nodes if a not in weights and not weights & _ancestors(a, set())]
     why_not = "no [tokens, hidden] value follows the second expert GEMM (the experts' sum over k)"
@@ -622,7 +612,7 @@ def _sites(gm: fx.GraphModule) -> list[Candidate]:
     for i, first in enumerate(gemms):
         if first in used:
             continue
-        below = _descendants(first)
+        below = descendants(first)
         second = next((g for g in gemms[i + 1:] if g in below and g not in used), None)
         beside = (adapters.get(first), adapters.get(second) if second is not None else None)
         theirs = tuple(g for a in beside if a is not None for g in (a.ga, a.gb, *a.others))

@@ -55,8 +55,8 @@ import torch.fx as fx
 
 from .moe_router import is_topk
 from .moe_sites import is_router_weight, list_expert_weight
-from ..compiler.fx_utils import op_name, insert_call, linear_parts, module_path, replace_and_erase, source_location, \
-    tensor_of, value_of
+from ..compiler.fx_utils import (descendants, insert_call, linear_parts, module_path, op_name, replace_and_erase,
+                                 source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 
@@ -140,15 +140,6 @@ def _experts(gm: fx.GraphModule) -> list[list[ListExpert]]:
     return list(blocks.values())
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
-
 
 @dataclasses.dataclass
 class ListSite:
@@ -173,7 +164,7 @@ def _interface(experts: list[ListExpert]) -> tuple[Optional[ListSite], Optional[
     gathered = experts[0].rows is not x
     if len(experts) < 2:
         return None, "one expert module alone whose result a router weight scales: no list of experts to route"
-    common = set.intersection(*(_descendants(e.down) for e in experts))
+    common = set.intersection(*(descendants(e.down) for e in experts))
     order = {n: i for i, n in enumerate(x.graph.nodes)}
     shape = tuple(tensor_of(x).shape)
     outs = sorted((n for n in common if (v := tensor_of(n)) is not None and tuple(v.shape) == shape), key=order.get)

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .moe_sites import expert_operand, expert_weight_arg
-from ..compiler.fx_utils import op_name, insert_call, tensor_of
+from ..compiler.fx_utils import descendants, op_name, insert_call, tensor_of
 from .moe_adapters import _same_call, _viewed, rows_of
 
 # What an activation of the gate is called in the canonical graph (a clamp first: GPT-OSS and DeepSeek-V4 clamp).
@@ -69,15 +69,6 @@ def _activated(gemm: fx.Node, depth: int = 3) -> bool:
     return False
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
-
 
 def _cat_dim(gemm: fx.Node, stored: tuple[int, int, int], hidden: int) -> int:
     """The dim of the stored [E, ., .] weights that holds I (the one the joined weight doubles): the one that is not
@@ -106,7 +97,7 @@ def split_gate_ups(gemms: list[fx.Node]) -> dict[fx.Node, SplitGateUp]:
             wa, wb = (tensor_of(expert_operand(g)) for g in (a, b))
             if expert_operand(a) is expert_operand(b) or wa.shape != wb.shape or wa.dtype != wb.dtype:
                 continue
-            below = _descendants(a) & _descendants(b)
+            below = descendants(a) & descendants(b)
             if not any(g in below for g in gemms):
                 continue
             gate, up = (b, a) if _activated(b) and not _activated(a) else (a, b)
