@@ -160,7 +160,6 @@ class MoeSite:
         return tuple(n for a in (self.beside1, self.beside2) if a is not None for n in a.factors())
 
 
-
 def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
     seen, stack = set(), [node]
     while stack:

@@ -140,7 +140,6 @@ def _experts(gm: fx.GraphModule) -> list[list[ListExpert]]:
     return list(blocks.values())
 
 
-
 @dataclasses.dataclass
 class ListSite:
     experts: list[ListExpert]

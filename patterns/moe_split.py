@@ -69,7 +69,6 @@ def _activated(gemm: fx.Node, depth: int = 3) -> bool:
     return False
 
 
-
 def _cat_dim(gemm: fx.Node, stored: tuple[int, int, int], hidden: int) -> int:
     """The dim of the stored [E, ., .] weights that holds I (the one the joined weight doubles): the one that is not
     H; where both are (I == H), read off how the GEMM multiplies: ``grouped_mm(x, B)`` / ``x @ B[e]`` take B as
