@@ -21,28 +21,20 @@ import torch._functorch.config  # enable_autograd_cache, patched per compile
 import torch.fx as fx
 
 from . import returned_logits, subclass_guard
-from .dump import dump_root
 from .mask_inputs import compile_reading_masks
-from .offload_partition import OffloadPartitioner, OffloadPolicy
+from .offload_partition import OffloadPartitioner
 from ..lowering.backend_choice import triton_interpreter_on
-from .options import PassOptions
+from .options import INNER_COMPILERS, OFFLOAD_NEEDS_PARTITION, check_attention, parse_options
 from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS
 from ..patterns.gqa_attention import GQA_WHEN_CAUSAL
-from .pipeline import resolve_families, run_passes
+from .families import families
+from .pipeline import run_passes
 from .report import Report
 from .runtime_ops import with_runtime_twins
 
 # The keys sloth's passes write into a graph's meta (read back by this module and compiler/mask_inputs.py).
 _PASS_RECORDS = (returned_logits.META_KEY, MASK_INPUT_SITES, PROVEN_OUTPUTS, GQA_WHEN_CAUSAL)
 log = logging.getLogger("sloth")
-
-INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-_SLOTH_OPTIONS = ("inner", "patterns", "report", "return_logits", "recompute", "share_lora_input", "tiled_mlp",
-                  "attention", "dump", "offload")
-_OFFLOAD_NEEDS_PARTITION = ("sloth: offload acts on AOTAutograd's forward/backward partition, which inner='eager' "
-                            "does not make; use inner='inductor' (default) or 'aot_eager'")
-# Names for the ``attention`` option: PyTorch's SDPA backends.
-SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 
 _last_report: Optional[Report] = None
 _interpreter_warned = False
@@ -92,14 +84,9 @@ def _warn_if_interpreter_unused() -> None:
 
 
 def _inductor_config(mode: Optional[str], extra: dict[str, Any]) -> dict[str, Any]:
-    """Inductor config patches from ``mode`` and from any option that is an Inductor config key."""
-    import torch._inductor.config as inductor_config
-
+    """Inductor config patches from ``mode`` and from the options that are Inductor config keys (``parse_options``
+    checked their names)."""
     patches = dict(torch._inductor.list_mode_options(mode)) if mode else {}
-    unknown = [k for k in extra if not hasattr(inductor_config, k)]
-    if unknown:
-        raise ValueError(f"sloth: unknown option(s) {unknown}; sloth's own options are {list(_SLOTH_OPTIONS)}, "
-                         "and any other key must be an Inductor config name")
     patches.update(extra)
     return patches
 
@@ -121,7 +108,6 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
             patches["custom_partitioner_fn"] = partitioner
         return compile_fx(gm, list(example_inputs), config_patches=patches or None)
     if inductor_options:
-        _inductor_config(None, inductor_options)  # a misspelt option is named as unknown first
         raise ValueError(f"sloth: options {list(inductor_options)} are Inductor settings, but inner={inner!r}")
     if inner == "aot_eager":
         if partitioner is not None:
@@ -135,7 +121,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
         return lookup_backend("aot_eager")(gm, list(example_inputs))
     if inner == "eager":
         if partitioner is not None:
-            raise ValueError(_OFFLOAD_NEEDS_PARTITION)
+            raise ValueError(OFFLOAD_NEEDS_PARTITION)
         return gm.forward
     raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
 
@@ -145,11 +131,8 @@ def sdpa_priority(names: Optional[Sequence[str]]) -> contextlib.AbstractContextM
     (the rest disabled), or no change for None. Compiling inside it fixes the choice in the traced graph:
     AOTAutograd decomposes SDPA into the chosen backend's forward and backward ops while it traces. The
     settings are process-wide while the context is open (as ``sdpa_kernel``'s are)."""
-    if names is None:
+    if check_attention(names) is None:
         return contextlib.nullcontext()
-    if not isinstance(names, (list, tuple)) or not names or any(n not in SDPA_BACKENDS for n in names):
-        raise ValueError(f"sloth: attention must be a non-empty list of SDPA backends from {list(SDPA_BACKENDS)} "
-                         f"in priority order, got {names!r}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     enum = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -161,30 +144,13 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
                   mode: Optional[str] = None) -> Callable:
     """torch.compile backend: rewrite ``gm`` with sloth's passes, then compile it with the inner compiler.
 
-    Options: ``inner`` ("inductor" default, "aot_eager", "eager"), ``patterns`` (families to enable,
-    default all), ``report`` (print the report after compiling), ``return_logits`` (True default; False
-    returns an empty tensor in place of logits that only a fused loss needs), ``recompute`` (True default:
-    RMSNorm outputs recomputed in the backward instead of saved), ``attention`` (SDPA backends
-    in priority order, e.g. ["flash", "cudnn"]; default PyTorch's own choice), ``dump`` (a folder for the
-    graph before and after each pass, compiler/dump.py; default ``$SLOTH_DUMP_DIR``, else none), ``offload``
-    (False default; True, or a dict of min_bytes / keep_last, moves saved activations to host memory and back:
-    compiler/offload_partition.py), ``tiled_mlp`` (False default; True, or rows per block, runs a LoRA MLP a
-    block of rows at a time: patterns/tiled_mlp.py); other keys go to Inductor's config.
+    ``options``: sloth's own (compiler/options.py's ``Options`` documents each) and Inductor config keys.
     """
     _warn_if_interpreter_unused()
-    options = dict(options or {})
-    inner = options.pop("inner", "inductor")
-    if inner not in INNER_COMPILERS:
-        raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
-    families = resolve_families(options.pop("patterns", None))
-    show_report = bool(options.pop("report", False))
-    attention = options.pop("attention", None)
-    sdpa_priority(attention)  # a bad value fails here, before any work
-    dump_folder = dump_root(options.pop("dump", None))
-    offload = OffloadPolicy.from_user(options.pop("offload", False))
-    if offload is not None and inner == "eager":
-        raise ValueError(_OFFLOAD_NEEDS_PARTITION)  # before any work
-    pass_options = PassOptions.from_user(options)
+    opts, inductor_options = parse_options(options)  # every bad option fails here, before any work
+    inner, attention, offload = opts.inner, opts.attention, opts.offload
+    chosen = list(families()) if opts.patterns is None else list(opts.patterns)
+    pass_options = opts.pass_options()
 
     # The graph's own meta dict, without what sloth's passes record there: Dynamo's DDP optimizer gives every
     # piece of a split graph the whole graph's meta dict (torch/_dynamo/backends/distributed.py,
@@ -193,11 +159,11 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     gm.meta = {k: v for k, v in gm.meta.items() if k not in _PASS_RECORDS}
     fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
     graph_report = Report()
-    rewritten = run_passes(gm, example_inputs, families, graph_report, pass_options, dump_folder)
+    rewritten = run_passes(gm, example_inputs, chosen, graph_report, pass_options, opts.dump)
     refused = subclass_guard.sloth_op_on_subclass(rewritten) if fallback is not None else None
     if refused:  # a sloth op would read a DTensor: the graph as it was, every site reported with the reason
         graph_report = Report()
-        rewritten = run_passes(fallback, example_inputs, families, graph_report, pass_options, dump_folder,
+        rewritten = run_passes(fallback, example_inputs, chosen, graph_report, pass_options, opts.dump,
                                refuse=refused)
     gm = rewritten
     log.debug("sloth: rewritten graph\n%s", gm.graph)
@@ -213,7 +179,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         # A graph that reads a mask input is compiled twice (compiler/mask_inputs.py); the second compile's
         # partition goes to a report of its own, so the offload counts are the first version's alone.
         second = OffloadPartitioner(offload, Report().offload) if offload is not None and not first else None
-        return compile_inner(gm, example_inputs, inner, mode, options, partitioner=partitioner if first else second)
+        return compile_inner(gm, example_inputs, inner, mode, inductor_options,
+                             partitioner=partitioner if first else second)
 
     try:
         with sdpa_priority(attention), torch._functorch.config.patch(
@@ -228,7 +195,7 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         _publish(graph_report)
         raise
     _publish(graph_report)
-    if show_report:
+    if opts.report:
         print(graph_report)
     slots = gm.meta.get(returned_logits.META_KEY)
     if slots:  # logits returned detached by the cross-entropy pass: back into autograd, the extra outputs dropped

@@ -39,50 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..runtime import offload as offload_runtime
 from . import fx_utils
 from .fx_utils import is_attention_backward
-
-DEFAULT_MIN_BYTES = 64 * 2**20  # below this (8k tokens of a 4096-wide model in bf16) a copy costs more than it frees
-
-
-@dataclasses.dataclass(frozen=True)
-class OffloadPolicy:
-    """Which saved activations go to host memory: those of at least ``min_bytes``, except the ``keep_last``
-    the backward reads first. ``mid_layer``: also save (and so offload) each checkpointed layer's residual
-    stream between its blocks (``save_mid_layer_residuals``). ``prefetch_after_attention`` (on by default): where
-    an attention backward runs between two reloads, start the second's copy only after it (``offload_saved``): one
-    layer-sized buffer less at that backward (measured on an H100 at 16k tokens: 17.06 instead of 17.19 GiB,
-    1831.0 against 1832.5 ms a step, benchmarks/results/2026-12-06_issue19_issue20_h100_morning2.md)."""
-    min_bytes: int = DEFAULT_MIN_BYTES
-    keep_last: int = 1
-    mid_layer: bool = False
-    prefetch_after_attention: bool = True
-
-    @classmethod
-    def from_user(cls, value: Any) -> Optional["OffloadPolicy"]:
-        """The policy for ``options={"offload": value}``: False/None off, True the defaults, or a dict with
-        ``min_bytes``, ``keep_last``, ``mid_layer`` and/or ``prefetch_after_attention``; a clear error for
-        anything else."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, dict):
-            unknown = set(value) - {"min_bytes", "keep_last", "mid_layer", "prefetch_after_attention"}
-            if unknown:
-                raise ValueError(f"sloth: offload takes min_bytes, keep_last, mid_layer and prefetch_after_attention, "
-                                 f"not {sorted(unknown)}")
-            policy = cls(**value)
-            for name in ("min_bytes", "keep_last"):
-                got = getattr(policy, name)
-                if not isinstance(got, int) or isinstance(got, bool) or got < 0:
-                    raise ValueError(f"sloth: offload's {name} must be an integer >= 0, got {got!r}")
-            for name in ("mid_layer", "prefetch_after_attention"):
-                got = getattr(policy, name)
-                if not isinstance(got, bool):
-                    raise ValueError(f"sloth: offload's {name} must be True or False, got {got!r}")
-            return policy
-        raise ValueError(f"sloth: offload must be True, False or a dict of min_bytes / keep_last / mid_layer / "
-                         f"prefetch_after_attention, got {value!r}")
-
+from .options import OffloadOptions
 
 _NORMS = ("sloth::rms_norm", "sloth::layer_norm")
 
@@ -179,7 +136,8 @@ def _late_prefetches(bw: fx.GraphModule, chosen: list, bw_order: dict) -> dict[i
     return late
 
 
-def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, policy: OffloadPolicy) -> OffloadRecord:
+def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
+                  policy: OffloadOptions) -> OffloadRecord:
     """Rewrite a partitioned (forward, backward) pair so the chosen saved activations live on the host."""
     output = fw.graph.find_nodes(op="output")[0]
     outputs = list(output.args[0])
@@ -259,7 +217,7 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
 class OffloadPartitioner(CustomPartitionerFn):
     """Inductor's default partitioner, then ``offload_saved`` on its result; records what it did."""
 
-    def __init__(self, policy: OffloadPolicy, records: list):
+    def __init__(self, policy: OffloadOptions, records: list):
         self.policy = policy
         self.records = records
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
 
@@ -45,21 +45,6 @@ log = logging.getLogger("sloth")
 register_declared()
 # The built-in families' names (``families()`` lists a user's too).
 FAMILIES: tuple[str, ...] = families()
-
-
-def resolve_families(patterns: Optional[Iterable[str]]) -> list[str]:
-    """The families to run: all by default; a clear error for a name that is not a family."""
-    registered = families()
-    if patterns is None:
-        return list(registered)
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    chosen = list(patterns)
-    unknown = [p for p in chosen if p not in registered]
-    if unknown:
-        raise ValueError(f"sloth: unknown pattern famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; "
-                         f"known: {list(registered)}")
-    return chosen
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequence[str],

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import sloth
-from sloth.compiler.options import PassOptions
+from sloth.compiler.options import parse_options
 from tests.pattern_checks import seeded
 from tests.test_models import VOCAB, assert_model_close, loss_and_grads, tiny_config
 
@@ -144,7 +144,7 @@ def test_moe_recompute_option(dtype) -> None:
         str(report)
     assert_model_close(ours, eager, reference, dtype)
     with pytest.raises(ValueError, match="moe_recompute must be True or False"):
-        PassOptions.from_user({"moe_recompute": "yes"})
+        parse_options({"moe_recompute": "yes"})
 
 
 def _scale_gpt_oss_experts(model: nn.Module, factor: float) -> None:
