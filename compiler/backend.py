@@ -30,7 +30,7 @@ from ..patterns.gqa_attention import GQA_WHEN_CAUSAL
 from .families import families
 from .pipeline import run_passes
 from .report import Report
-from .runtime_ops import with_runtime_twins
+from .runtime_ops import post_grad_passes_off, with_runtime_twins
 
 # The keys sloth's passes write into a graph's meta (read back by this module and compiler/mask_inputs.py).
 _PASS_RECORDS = (returned_logits.META_KEY, MASK_INPUT_SITES, PROVEN_OUTPUTS, GQA_WHEN_CAUSAL)
@@ -159,10 +159,12 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     gm.meta = {k: v for k, v in gm.meta.items() if k not in _PASS_RECORDS}
     fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
     graph_report = Report()
+    graph_report.passes_off.update(post_grad_passes_off(inner))
     rewritten = run_passes(gm, example_inputs, chosen, graph_report, pass_options, opts.dump)
     refused = subclass_guard.sloth_op_on_subclass(rewritten) if fallback is not None else None
     if refused:  # a sloth op would read a DTensor: the graph as it was, every site reported with the reason
         graph_report = Report()
+        graph_report.passes_off.update(post_grad_passes_off(inner))
         rewritten = run_passes(fallback, example_inputs, chosen, graph_report, pass_options, opts.dump,
                                refuse=refused)
     gm = rewritten

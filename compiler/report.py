@@ -60,6 +60,8 @@ class Report:
     # pass name -> "internal error: ..." for each pass that raised and was undone (compiler/pass_guard.py): the
     # graph ran as that pass found it, and the family's sites left are reported with this reason
     failed: dict = dataclasses.field(default_factory=dict)
+    # post-grad pass name -> why it did not run on these graphs (compiler/runtime_ops.py post_grad_passes_off)
+    passes_off: dict = dataclasses.field(default_factory=dict)
     # folders the graphs were dumped into (the ``dump`` option, compiler/dump.py)
     dumps: list = dataclasses.field(default_factory=list)
     # what ran the sloth ops of these graphs, as the first line says (lowering/backend_choice.py execution_path)
@@ -127,6 +129,8 @@ class Report:
         self.pass_seconds.update(other.pass_seconds)  # update, not +=: keeps a pass that took 0.0 s
         for name, reason in other.failed.items():
             self.failed.setdefault(name, reason)
+        for name, reason in other.passes_off.items():
+            self.passes_off.setdefault(name, reason)
         for family, where in other.unexplained.items():
             self.unexplained[family] = self.unexplained.get(family, []) + where
 
@@ -139,6 +143,12 @@ class Report:
                        + "; ".join(f"{name}: {reason}" for name, reason in self.failed.items()))
         if self.disabled:
             out.append(f"  disabled passes: {', '.join(self.disabled)}")
+        if self.passes_off:
+            by_reason: dict = {}
+            for name, reason in self.passes_off.items():
+                by_reason.setdefault(reason, []).append(name)
+            out.append("  post-grad passes off: " + "; ".join(f"{', '.join(names)} ({reason})"
+                                                           for reason, names in by_reason.items()))
         if self.pass_seconds:
             out.append(f"  sloth's passes took {sum(self.pass_seconds.values()):.3f} s: "
                        + ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.pass_seconds.items()))

@@ -66,6 +66,28 @@ class RuntimeTwinsPass(CustomGraphPass):
         return (mine, theirs) if theirs else None
 
 
+# The post-grad passes RuntimeTwinsPass carries, in the order it runs them (the names the report uses).
+POST_GRAD_PASSES = ("runtime_twins", "lean_backward", "attention_chunks")
+
+
+def post_grad_passes_off(inner: str) -> dict[str, str]:
+    """Each of sloth's post-grad passes that will not run on a graph compiled by ``inner``, with the reason (the
+    report lists them: a pass switched off must not vanish without a word)."""
+    if inner != "inductor":
+        return {name: f"inner={inner!r}: they are Inductor post-grad passes" for name in POST_GRAD_PASSES}
+    if registration.TRITON_OP:
+        return {name: "SLOTH_TRITON_OP=1: sloth's ops are triton_ops, whose kernels Inductor launches itself"
+                for name in POST_GRAD_PASSES}
+    if os.environ.get("SLOTH_RUNTIME_TWINS", "1") == "0":
+        return {name: "SLOTH_RUNTIME_TWINS=0 removes the post-grad pass that carries it" for name in POST_GRAD_PASSES}
+    off = {}
+    if not lean_backward.ENABLED:
+        off["lean_backward"] = "SLOTH_LEAN_BACKWARD=0"
+    if not attention_chunks.ENABLED:
+        off["attention_chunks"] = "SLOTH_ATTENTION_CHUNKS=0"
+    return off
+
+
 def with_runtime_twins(patches: dict[str, Any]) -> dict[str, Any]:
     """Inductor config ``patches`` plus the twin-swapping post-grad pass, which runs before a user's own
     post-grad passes (they see ``sloth_rt::*`` nodes, not ``sloth::*``); as they are when sloth's ops are

@@ -146,3 +146,38 @@ def test_swap_leaves_other_nodes_alone() -> None:
     graph.output(y)
     assert swap_to_runtime_twins(graph) == 0
     assert y.target is torch.ops.aten.relu.default
+
+
+
+@pytest.mark.parametrize("inner, switch, expected", [
+    ("aot_eager", None, dict.fromkeys(("runtime_twins", "lean_backward", "attention_chunks"),
+                                      "inner='aot_eager': they are Inductor post-grad passes")),
+    ("inductor", ("SLOTH_RUNTIME_TWINS", "0"), dict.fromkeys(
+        ("runtime_twins", "lean_backward", "attention_chunks"),
+        "SLOTH_RUNTIME_TWINS=0 removes the post-grad pass that carries it")),
+    ("inductor", ("lean_backward", False), {"lean_backward": "SLOTH_LEAN_BACKWARD=0"}),
+    ("inductor", ("attention_chunks", False), {"attention_chunks": "SLOTH_ATTENTION_CHUNKS=0"}),
+    ("inductor", None, {}),
+])
+def test_post_grad_passes_off_name_each_switch(monkeypatch, inner, switch, expected):
+    # A post-grad pass switched off (an environment switch, or an inner compiler that runs none) is named with the
+    # reason (issue 55: they vanished without a word).
+    from sloth.compiler import attention_chunks, lean_backward
+    from sloth.compiler.runtime_ops import post_grad_passes_off
+
+    if switch and switch[0] == "SLOTH_RUNTIME_TWINS":
+        monkeypatch.setenv(*switch)
+    elif switch:
+        monkeypatch.setattr({"lean_backward": lean_backward, "attention_chunks": attention_chunks}[switch[0]],
+                            "ENABLED", switch[1])
+    assert post_grad_passes_off(inner) == expected
+
+
+def test_the_report_names_the_post_grad_passes_that_did_not_run():
+    import sloth
+
+    sloth.reset_report()
+    torch._dynamo.reset()
+    torch.compile(NormLoRA(), backend="sloth", options={"inner": "aot_eager"})(torch.randn(3, 24))
+    assert ("post-grad passes off: runtime_twins, lean_backward, attention_chunks (inner='aot_eager': they are "
+            "Inductor post-grad passes)") in str(sloth.report()), str(sloth.report())
