@@ -158,13 +158,12 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     # otherwise be read when the next piece compiles.
     gm.meta = {k: v for k, v in gm.meta.items() if k not in _PASS_RECORDS}
     fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
-    graph_report = Report()
-    graph_report.passes_off.update(post_grad_passes_off(inner))
+    passes_off = post_grad_passes_off(inner)
+    graph_report = Report(passes_off=dict(passes_off))
     rewritten = run_passes(gm, example_inputs, chosen, graph_report, pass_options, opts.dump)
     refused = subclass_guard.sloth_op_on_subclass(rewritten) if fallback is not None else None
     if refused:  # a sloth op would read a DTensor: the graph as it was, every site reported with the reason
-        graph_report = Report()
-        graph_report.passes_off.update(post_grad_passes_off(inner))
+        graph_report = Report(passes_off=dict(passes_off))
         rewritten = run_passes(fallback, example_inputs, chosen, graph_report, pass_options, opts.dump,
                                refuse=refused)
     gm = rewritten

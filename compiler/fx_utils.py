@@ -297,6 +297,19 @@ def without_eps(node: object) -> object:
     return node
 
 
+def ancestors(node: fx.Node, stop: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """Every node ``node`` reads, directly or through others; a node in ``stop`` is included but not walked past."""
+    stop = set(stop)
+    seen, stack = set(), [node]
+    while stack:
+        for source in stack.pop().all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                if source not in stop:
+                    stack.append(source)
+    return seen
+
+
 def descendants(node: fx.Node) -> set[fx.Node]:
     """Every node that reads ``node``, directly or through others (its users, their users, ...)."""
     seen, stack = set(), [node]

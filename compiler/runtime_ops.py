@@ -95,7 +95,7 @@ def with_runtime_twins(patches: dict[str, Any]) -> dict[str, Any]:
     (``SLOTH_RUNTIME_TWINS=0``). Where Inductor takes a list of passes (torch 2.13; its own handling of
     inference-aware passes and cache keys then applies to the user's), the user's passes follow ours in the
     list; before that, ours calls theirs."""
-    if registration.TRITON_OP or os.environ.get("SLOTH_RUNTIME_TWINS", "1") == "0":
+    if "runtime_twins" in post_grad_passes_off("inductor"):
         return patches
     import torch._inductor.config as inductor_config
 

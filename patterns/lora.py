@@ -691,8 +691,8 @@ def fuse_lora_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report:
 
 
 # The family's anchor (compiler/anchors.py): where its sites are, more broadly than its matchers take them.
-def _strip_casts_and_scales(node: object, *targets: object) -> object:
-    """Follow single steps of ``targets`` (casts, constant scales) back to their input."""
+def _strip_casts_and_scales(node: object) -> object:
+    """Follow single steps of casts and constant scales back to their input."""
     while isinstance(node, fx.Node):
         if is_call(node, cast):
             node = node.args[0]

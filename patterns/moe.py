@@ -92,7 +92,7 @@ import torch
 import torch.fx as fx
 
 from .moe_sites import anchor, expert_operand, expert_weight_arg, is_expert_gemm
-from ..compiler.fx_utils import (descendants, erase_unused, insert_call, module_path, op_name, replace_and_erase,
+from ..compiler.fx_utils import (ancestors, descendants, erase_unused, insert_call, module_path, op_name, replace_and_erase,
                                  source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
 from ..compiler.families import Family
@@ -159,17 +159,6 @@ class MoeSite:
         """The graph inputs of the adapters beside the GEMMs (A and B of each), inputs of the region."""
         return tuple(n for a in (self.beside1, self.beside2) if a is not None for n in a.factors())
 
-
-def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        for i in n.all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                if i not in stop:
-                    stack.append(i)
-    return seen
 
 
 def _shape(node: fx.Node) -> Optional[tuple]:
@@ -249,7 +238,7 @@ def _interface(gemm1: fx.Node, gemm2: fx.Node, only_top_1: bool = False,
     order = {n: i for i, n in enumerate(gemm2.graph.nodes)}
     below = sorted(descendants(gemm2), key=order.__getitem__)
     weights = {w1, *(split.parts() if split is not None else ())}
-    data = [a for a in gemm1.all_input_nodes if a not in weights and not weights & _ancestors(a, set())]
+    data = [a for a in gemm1.all_input_nodes if a not in weights and not weights & ancestors(a)]
     why_not = "no [tokens, hidden] value follows the second expert GEMM (the experts' sum over k)"
     for hidden in dict.fromkeys((e2[1], e2[2])):  # [E, H, I], or transposed [E, I, H]
         outs = [] if only_top_1 else [n for n in below if (shape := _shape(n)) is not None and len(shape) == 2
@@ -292,15 +281,15 @@ def _site(out: fx.Node, x: fx.Node, w1: fx.Node, w2: fx.Node, gemm1: fx.Node, ge
     """The site whose output is ``out``: its router ids and weights, biases and region, or why not."""
     e1 = _shape(w1)
     tokens, top_k = _shape(out)[0], rows // _shape(out)[0]
-    upstream = sorted(_ancestors(out, {x, w1, w2}), key=order.__getitem__)
+    upstream = sorted(ancestors(out, {x, w1, w2}), key=order.__getitem__)
     ints = [n for n in upstream if _shape(n) == (tokens, top_k) and not _value(n).is_floating_point()]
     floats = [n for n in upstream if _shape(n) == (tokens, top_k) and _value(n).is_floating_point()]
     if not ints or not floats:
         return None, f"no [{tokens}, {top_k}] expert ids and router weights found upstream of the experts"
     idx, w = ints[-1], floats[-1]
     if top_k == 1:  # the router weights gathered in expert order are [T, 1] too: prefer those not computed from idx
-        w = next((f for f in reversed(floats) if idx not in _ancestors(f, set())), w)
-    if w in _ancestors(gemm1, {x}):  # torchtitan's score_before_experts: w scales the rows the experts read
+        w = next((f for f in reversed(floats) if idx not in ancestors(f)), w)
+    if w in ancestors(gemm1, {x}):  # torchtitan's score_before_experts: w scales the rows the experts read
         return None, ("the router weights scale the experts' input rows (score before the experts, torchtitan's "
                       "score_before_experts=True), not their output: the op weights the experts' outputs")
     factors = {n for a in beside if a is not None for n in a.factors()}

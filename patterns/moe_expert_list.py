@@ -55,7 +55,7 @@ import torch.fx as fx
 
 from .moe_router import is_topk
 from .moe_sites import is_router_weight, list_expert_weight
-from ..compiler.fx_utils import (descendants, insert_call, linear_parts, module_path, op_name, replace_and_erase,
+from ..compiler.fx_utils import (ancestors, descendants, insert_call, linear_parts, module_path, op_name, replace_and_erase,
                                  source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
@@ -178,7 +178,8 @@ def _interface(experts: list[ListExpert]) -> tuple[Optional[ListSite], Optional[
             and tuple(tensor_of(next(iter(out.users))).shape) == shape:
         out = next(iter(out.users))
     tokens = shape[0]
-    upstream = [n for n in sorted(_ancestors(out), key=order.get) if (v := tensor_of(n)) is not None
+    above = sorted(ancestors(out), key=order.get)
+    upstream = [n for n in above if (v := tensor_of(n)) is not None
                 and v.dim() == 2 and v.shape[0] == tokens and 0 < v.shape[1] < len(experts)]
     ints = [n for n in upstream if not tensor_of(n).is_floating_point() and tensor_of(n).dtype != torch.bool]
     floats = [n for n in upstream if tensor_of(n).is_floating_point()
@@ -188,21 +189,12 @@ def _interface(experts: list[ListExpert]) -> tuple[Optional[ListSite], Optional[
     site.out, site.idx, site.w = out, ints[-1], floats[-1]
     weights = {w for e in experts for w in e.weights()}
     # the [T, E] buffer the weights are scattered into is often zeros_like(logits): it reads the router's shape only
-    site.shape_only = tuple(dict.fromkeys(n.args[0] for n in sorted(_ancestors(out), key=order.get)
+    site.shape_only = tuple(dict.fromkeys(n.args[0] for n in above
                                           if op_name(n) in _LIKE and isinstance(n.args[0], fx.Node)
                                           and n.args[0] not in (x, site.idx, site.w)))
     site.region, why_not = _region(out, {x, site.idx, site.w, *weights, *site.shape_only})
     return (site, None) if why_not is None else (None, why_not)
 
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for i in stack.pop().all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return seen
 
 
 def _stacked(site: ListSite, values: dict[fx.Node, torch.Tensor], swapped: bool) -> tuple[torch.Tensor, ...]:
