@@ -116,7 +116,7 @@ def environment() -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": bool(dirty) if dirty is not None else None,
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
-        # sloth's switches for measuring (SLOTH_TRITON_OP, SLOTH_DOWN_SPLIT): which variant a row is
+        # sloth's environment switches (the integrations' kill switches; older records: measurement switches)
         "sloth_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLOTH_")},
         # the caching allocator's settings (expandable segments change how often it calls cudaMalloc/cudaFree)
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),

@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks import common, copy_overlap
+from benchmarks import variants as sloth_variants
 
 VARIANTS = ["eager", "inductor", "liger", "sloth", "unsloth"]  # unsloth: not in --all's default (wheels)
 # fsdp2-per-layer: torchtitan's recipe (each decoder layer compiled, then sharded; the rest eager); ddp-one-graph:
@@ -116,15 +117,6 @@ def _columns(args: argparse.Namespace) -> list[str]:
 # ----------------------------------------------------------------------------- one run
 
 
-def _sloth_ops() -> str | None:
-    """How sloth's ops were registered (lowering/registration.py): "triton_op" under SLOTH_TRITON_OP=1,
-    else "custom_op"."""
-    registration = sys.modules.get("sloth.lowering.registration")
-    if registration is None:
-        return None
-    return "triton_op" if registration.TRITON_OP else "custom_op"
-
-
 def _mask_versions() -> dict[str, int]:
     from sloth.runtime import proven_masks
 
@@ -136,10 +128,7 @@ def sloth_op_calls(step: Callable[[], Any]) -> dict[str, int] | None:
     runs, where the report counts what was compiled. The two differ where Dynamo reuses one compiled graph for
     several modules: under FSDP2 the graph breaks at each sharded decoder layer, and the layers after the first
     two reuse a compiled layer graph (CPU, tiny Llama: the report counted 24 sites at 2 and at 12 layers, the
-    unwrapped model 26 at 2 and 50 at 4; at 4 layers every sloth op ran as often per step as unwrapped).
-    None under SLOTH_TRITON_OP=1, whose ops Inductor inlines as kernels (no op to count)."""
-    if _sloth_ops() != "custom_op":
-        return None
+    unwrapped model 26 at 2 and 50 at 4; at 4 layers every sloth op ran as often per step as unwrapped)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -334,6 +323,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
         unsloth_variant.import_first()  # before anything imports transformers
     sloth = common.import_sloth() if args.variant == "sloth" else None
+    if sloth is not None:
+        sloth_variants.apply(args.sloth_variant)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("no CUDA device: use --smoke for the CPU toy run")
@@ -469,7 +460,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "mask versions": _mask_versions() if sloth is not None else None,
         # sloth's own share of the warm-up (compile) time, per pass (compiler/pipeline.py run_passes)
         "sloth pass s": dict(report.pass_seconds) if report is not None else None,
-        "sloth ops": _sloth_ops() if sloth is not None else None,
+        "sloth variants": list(args.sloth_variant) if sloth is not None else None,
         "sloth report": str(report) if report is not None else None,
         "syncs per step": None if sync_sites is None else len(sync_sites),
         "sync sites": sync_sites,
@@ -606,23 +597,27 @@ def profile_step(step: Callable[[], Any], args: argparse.Namespace, top: int = 4
 def _run_tag(args: argparse.Namespace) -> str:
     """What tells a run's text files apart from another variant's in one call: ``-qlora``, ``-lora-experts``, the
     sloth options set to true (``-offload-tiled_mlp``) and those given as a dict, with its keys set to true
-    (``{"offload": {"mid_layer": true}}``: ``-offload-mid_layer``), so a second run does not write over the first's."""
+    (``{"offload": {"mid_layer": true}}``: ``-offload-mid_layer``), those given as a list with its items
+    (``{"disable": ["lean_backward"]}``: ``-disable-lean_backward``) and the measurement variants, so a second run
+    does not write over the first's."""
     flags = [name for name, on in (("qlora", args.qlora), ("lora-experts", args.lora_experts)) if on]
+    flags += list(args.sloth_variant)
     for key, value in json.loads(args.sloth_options).items():
         if value is True:
             flags.append(key)
         elif isinstance(value, dict):
             flags.append("-".join([key, *(k for k, v in value.items() if v is True)]))
+        elif isinstance(value, list) and value:
+            flags.append("-".join([key, *map(str, value)]))
     return "".join(f"-{flag}" for flag in flags)
 
 
 def _text_file(args: argparse.Namespace, kind: str, extra: str = "") -> Path:
     """Where a run's text file of ``kind`` (profile, hostprofile, memory-peak) goes: $OUT, else --results-dir, else
-    benchmarks/results, as <kind>-<variant>[-triton-op]-<model><run tag>-L<layers><extra>.txt (``_run_tag``)."""
+    benchmarks/results, as <kind>-<variant>-<model><run tag>-L<layers><extra>.txt (``_run_tag``)."""
     out_dir = (Path(os.environ["OUT"]) if os.environ.get("OUT")
                else args.results_dir or Path(__file__).parent / "results")
-    ops = "-triton-op" if args.variant == "sloth" and os.environ.get("SLOTH_TRITON_OP") == "1" else ""
-    return out_dir / f"{kind}-{args.variant}{ops}-{args.model}{_run_tag(args)}-L{args.layers or 'all'}{extra}.txt"
+    return out_dir / f"{kind}-{args.variant}-{args.model}{_run_tag(args)}-L{args.layers or 'all'}{extra}.txt"
 
 
 def memory_peak_step(step: Callable[[], Any], args: argparse.Namespace) -> str:
@@ -682,6 +677,8 @@ def _child_args(args: argparse.Namespace, variant: str, json_out: Path) -> list[
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--sloth-options", args.sloth_options,
            "--inductor-options", args.inductor_options, "--guard-filter", args.guard_filter,
            "--distributed", args.distributed]
+    for name in args.sloth_variant:
+        cmd += ["--sloth-variant", name]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     if args.grad_ckpt:
@@ -817,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="MFU denominator; measured if 0")
+    parser.add_argument("--sloth-variant", action="append", default=[], choices=sorted(sloth_variants.VARIANTS),
+                        help="a measurement variant (benchmarks/variants.py), repeatable")
     parser.add_argument("--sloth-options", default="{}", help='JSON, e.g. \'{"inner": "aot_eager"}\'')
     parser.add_argument("--inductor-options", default="{}",
                         help='JSON Inductor config for the inductor variant, e.g. \'{"triton.cudagraphs": true}\'')

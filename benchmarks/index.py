@@ -104,6 +104,7 @@ def _from_json(name: str, doc: dict[str, Any], json_name: str) -> Record:
         what.append(options)
     switches = env.get("sloth_env") or {}
     what += [f"{k}={v}" for k, v in sorted(switches.items())]
+    what += [f"variant {v}" for v in config.get("sloth_variant") or ()]
     for flag in ("profile", "host_profile", "memory_peak", "copy_overlap", "no_telemetry"):
         if config.get(flag):
             what.append("--" + flag.replace("_", "-"))

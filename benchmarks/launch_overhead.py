@@ -134,19 +134,17 @@ def main() -> int:
         **_qlora_calls(x, dy, a, b, h),
         **_moe_calls(dev, bf16),
     }
-    from sloth.lowering import registration
-
-    if not registration.TRITON_OP:  # the runtime twins compiled graphs call instead of the custom ops
-        calls.update({
-            "sloth_rt::lora_linear": lambda: torch.ops.sloth_rt.lora_linear(x, w, None, a, b, 2.0),
-            "sloth_rt::lora_linear_backward": lambda: torch.ops.sloth_rt.lora_linear_backward(dy, x, w, a, b, h, 2.0,
-                                                                                              True),
-            "sloth_rt::rms_norm": lambda: torch.ops.sloth_rt.rms_norm(x, nw, 1e-6, 0.0, bf16),
-            "sloth_rt::lora_linear_shared (q, k, v)": lambda: torch.ops.sloth_rt.lora_linear_shared(
-                x, qkv_w, [None] * 3, qkv_a, qkv_b, 2.0),
-            "sloth_rt::lora_linear_shared_backward (q, k, v)": lambda: torch.ops.sloth_rt.lora_linear_shared_backward(
-                qkv_dy, x, qkv_w, qkv_a, qkv_b, qkv_h, 2.0, True),
-        })
+    # The runtime twins compiled graphs call instead of the custom ops.
+    calls.update({
+        "sloth_rt::lora_linear": lambda: torch.ops.sloth_rt.lora_linear(x, w, None, a, b, 2.0),
+        "sloth_rt::lora_linear_backward": lambda: torch.ops.sloth_rt.lora_linear_backward(dy, x, w, a, b, h, 2.0,
+                                                                                          True),
+        "sloth_rt::rms_norm": lambda: torch.ops.sloth_rt.rms_norm(x, nw, 1e-6, 0.0, bf16),
+        "sloth_rt::lora_linear_shared (q, k, v)": lambda: torch.ops.sloth_rt.lora_linear_shared(
+            x, qkv_w, [None] * 3, qkv_a, qkv_b, 2.0),
+        "sloth_rt::lora_linear_shared_backward (q, k, v)": lambda: torch.ops.sloth_rt.lora_linear_shared_backward(
+            qkv_dy, x, qkv_w, qkv_a, qkv_b, qkv_h, 2.0, True),
+    })
     rows = []
     for name, fn in calls.items():
         rows.append({"call": name, "host us": round(_host_us(fn), 2)})

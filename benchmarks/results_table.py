@@ -44,13 +44,15 @@ def _workload(config: dict) -> str:
 
 
 def _options(record: dict, variant: str) -> str:
-    """"" for a default run, else the sloth options and SLOTH_* switches it ran with, as code."""
+    """"" for a default run, else the sloth options, measurement variants and (older records) SLOTH_* switches it
+    ran with, as code."""
     if variant != "sloth":
         return ""
     options = json.loads(record["config"].get("sloth_options") or "{}")
     switches = record["env"].get("sloth_env") or {}
     parts = [f"`{json.dumps(options)}`"] if options else []
     parts += [f"`{name}={value}`" for name, value in sorted(switches.items())]
+    parts += [f"`--sloth-variant {v}`" for v in record["config"].get("sloth_variant") or ()]
     return ", ".join(parts)
 
 

@@ -18,7 +18,7 @@ git where the caller did not set it (the device's copy of the checkout may carry
 The steps are those of the former benchmarks/h200_rows.sh, its invocations kept argument for argument (the
 limits too, taken from the part each step came from); benchmarks/README.md lists the parts that were dropped. A
 call's limits add to at most ``CALL_LIMIT_S``; tests/test_benchmarks_index.py checks that, and that every module,
-option and ``SLOTH_*`` switch a step names still exists.
+option, pass name and measurement variant (benchmarks/variants.py) a step names still exists.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ FILES_BACK = 8  # the device tool returns at most this many files from $OUT
 # Most rows run sloth without the logits (Unsloth and Liger do not return them while training either); since
 # issue 17 the headline is sloth's default options, and that option is the extra row.
 NO_LOGITS = '{"return_logits": false}'
+NO_TWINS = '{"return_logits": false, "disable": ["runtime_twins"]}'
 NO_LOGITS_CG = '{"return_logits": false, "triton.cudagraphs": true}'
 OFFLOAD = '{"offload": true, "return_logits": false}'
 OFFLOAD_TILED = '{"offload": true, "tiled_mlp": true, "return_logits": false}'
@@ -302,44 +303,40 @@ SUITES: tuple[Suite, ...] = (
             e2e("ws1-inductor-fsdp2", 260, "--all", "--steps", "8", "--variants", "inductor", "--distributed", "fsdp2"),
         )),
     )),
-    Suite("ablations", "each SLOTH_* switch the code still reads, against the default on one machine (when a switch "
-          "leaves the product code, its step goes with it)", (
+    Suite("ablations", "each pass switched off and each measurement variant (benchmarks/variants.py), against the "
+          "default on one machine (when a variant leaves the code, its step goes with it)", (
         Call("dense", "the 8B LoRA step without logits: the default, the runtime twins off, the LoRA down kernels "
              "without the factor split launch; then 20 steps with the GLU output recomputed beside the default", (
                  e2e("lora-sloth", 120, "--all", "--variants", "sloth", "--sloth-options", NO_LOGITS),
-                 e2e("lora-sloth-no-twins", 130, "--all", "--variants", "sloth", "--sloth-options", NO_LOGITS,
-                     env={"SLOTH_RUNTIME_TWINS": "0"}),
+                 e2e("lora-sloth-no-twins", 130, "--all", "--variants", "sloth", "--sloth-options", NO_TWINS),
                  e2e("lora-sloth-nosplit", 120, "--all", "--variants", "sloth", "--sloth-options", NO_LOGITS,
-                     env={"SLOTH_LORA_DOWN_SPLIT": "0"}),
+                     "--sloth-variant", "lora_down_tf32x3"),
                  e2e("lora-sloth-20", 100, "--all", "--steps", "20", "--variants", "sloth",
                      "--sloth-options", NO_LOGITS),
                  e2e("lora-sloth-recompute", 90, "--all", "--steps", "20", "--variants", "sloth",
-                     "--sloth-options", NO_LOGITS, env={"SLOTH_GLU_LORA_FUSED_HIDDEN": "0"}),
+                     "--sloth-options", NO_LOGITS, "--sloth-variant", "glu_lora_recompute_hidden"),
              )),
-        Call("triton-op-lean", "4 layers with sloth's ops as custom ops and as triton_op, profiled; the 16k step "
-             "with and without the lean backward's rewrites", (
-                 e2e("l4-custom-op", 90, "--all", "--variants", "sloth", "--layers", "4", "--sloth-options", NO_LOGITS,
-                     "--profile"),
-                 e2e("l4-triton-op", 150, "--all", "--variants", "sloth", "--layers", "4", "--sloth-options", NO_LOGITS,
-                     "--profile", env={"SLOTH_TRITON_OP": "1"}),
+        Call("lean", "the 16k step with and without the lean backward's rewrites", (
                  e2e("long16k-default", 150, *LLAMA_16K, "--variants", "sloth"),
-                 e2e("long16k-default-off", 150, *LLAMA_16K, "--variants", "sloth", env={"SLOTH_LEAN_BACKWARD": "0"}),
+                 e2e("long16k-default-off", 150, *LLAMA_16K, "--variants", "sloth",
+                     "--sloth-options", '{"disable": ["lean_backward"]}'),
              )),
         Call("moe", "the Qwen3-MoE step: the default, the dispatch by sort, every expert GEMM by torch._grouped_mm, "
              "the q/k norms and RoPE apart, the rotated q/k recomputed", (
                  e2e("moe-sloth", 100, *MOE, "--variants", "sloth", "--steps", "16"),
                  e2e("moe-route-sort", 90, *MOE, "--variants", "sloth", "--steps", "16",
-                     env={"SLOTH_MOE_ROUTE": "sort"}),
+                     "--sloth-variant", "moe_route_sort"),
                  e2e("moe-grouped-mm", 100, *MOE, "--variants", "sloth", "--steps", "16",
-                     env={"SLOTH_MOE_GEMM": "grouped_mm"}),
-                 e2e("moe-unjoined", 110, *MOE, "--variants", "sloth", "--steps", "16", env={"SLOTH_NORM_ROPE": "0"}),
+                     "--sloth-variant", "moe_gemm_grouped_mm"),
+                 e2e("moe-unjoined", 110, *MOE, "--variants", "sloth", "--steps", "16",
+                     "--sloth-variant", "norm_rope_apart"),
                  e2e("moe-norm-rope-recompute", 110, *MOE, "--variants", "sloth", "--steps", "16",
-                     env={"SLOTH_NORM_ROPE_RECOMPUTE": "1"}),
+                     "--sloth-variant", "norm_rope_recompute"),
              )),
         Call("moe-triton", "the Qwen3-MoE step with every expert GEMM in Triton beside the default (mixed)", (
             e2e("grouped-moe-default", 165, *MOE, "--variants", "sloth", "--steps", "16"),
             e2e("grouped-moe-triton", 165, *MOE, "--variants", "sloth", "--steps", "16",
-                env={"SLOTH_MOE_GEMM": "triton"}),
+                "--sloth-variant", "moe_gemm_triton"),
         )),
     )),
     Suite("cpu", "measurements a CPU is enough for: Dynamo's guard cost, a garbage collection's cost, the coverage "

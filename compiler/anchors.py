@@ -33,6 +33,20 @@ def anchors(graph_modules: Iterable[fx.GraphModule],
     return found
 
 
+def cut_by_graph_boundary(what: str) -> str:
+    """The reason for a half of a pattern that a graph boundary cut (a family's ``cut_sites``: compiler/families.py):
+    ``what`` says which half went where. A graph break, or Dynamo's DDP optimizer splitting the graph at gradient
+    bucket boundaries (sloth is then called once per piece), can fall inside a pattern and leave no anchor in either
+    graph; the half a graph returns is reported under its family, so that no site is silently lost."""
+    return (f"cut apart by a graph boundary: {what} (a graph break, or DDP's split at a gradient bucket: "
+            "torch._dynamo.config.optimize_ddp = False keeps one graph), so neither graph holds the whole pattern")
+
+
+def returned_only(node: fx.Node) -> bool:
+    """Whether ``node``'s one user is the graph's output (the half of a cut pattern a graph returns)."""
+    return node.op == "call_function" and len(node.users) == 1 and next(iter(node.users)).op == "output"
+
+
 UNMATCHED = ("sloth recognised this as the family's site, but none of its patterns matched this form and the pass "
              "gave no reason (a gap in sloth's matching: please report it)")
 

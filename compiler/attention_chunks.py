@@ -25,21 +25,18 @@ dropout (its random stream is drawn over all heads), no mask or bias, no nested 
 counts fixed at compile time (the slices are cut at them). Each chunk's logsumexp is copied to a contiguous
 tensor ([B, Hq/n, S] fp32, 512 KiB a chunk at 16k tokens): flash's CUDA backward indexes it as if it were
 contiguous, which a slice across heads is not once B > 1 (cuDNN and the CPU kernel read its strides).
-Run in sloth's Inductor post-grad pass (compiler/runtime_ops.py) after compiler/lean_backward.py's rewrites, so
-``SLOTH_RUNTIME_TWINS=0``, which drops that pass, drops this too; ``SLOTH_ATTENTION_CHUNKS=0`` switches it
-alone off (for measuring it).
+A post-grad pass (compiler/late_passes.py) after compiler/lean_backward.py's rewrites; ``options={"disable":
+["attention_chunks"]}`` switches it off.
 """
 from __future__ import annotations
 
 import functools
 import operator
-import os
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
-ENABLED: bool = os.environ.get("SLOTH_ATTENTION_CHUNKS", "1") != "0"
 MIN_BYTES = 64 * 2**20  # a query this large or larger (bytes) has its attention backward chunked
 CHUNK_BYTES = 32 * 2**20  # each chunk's query at most this large, where the key heads divide that finely
 
@@ -202,8 +199,6 @@ def split_attention_backward(graph: fx.Graph, node: fx.Node, n: int) -> bool:
 
 def chunk_attention_backwards(graph: fx.Graph) -> int:
     """Split every attention backward of ``graph`` that the module docstring's rules allow; returns how many."""
-    if not ENABLED:
-        return 0
     split = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _arguments()]:
         n = chunk_count(node)

@@ -20,20 +20,15 @@ import torch._dynamo.exc  # RestartAnalysis: a compile Dynamo discards
 import torch._functorch.config  # enable_autograd_cache, patched per compile
 import torch.fx as fx
 
-from . import returned_logits, subclass_guard
-from .mask_inputs import compile_reading_masks
+from . import subclass_guard
 from .offload_partition import OffloadPartitioner
 from ..lowering.backend_choice import triton_interpreter_on
+from .late_passes import passes_off, with_post_grad_passes
 from .options import INNER_COMPILERS, OFFLOAD_NEEDS_PARTITION, check_attention, parse_options
-from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS
-from ..patterns.gqa_attention import GQA_WHEN_CAUSAL
-from .families import families
+from .families import compile_with_families, families, pass_records
 from .pipeline import run_passes
 from .report import Report
-from .runtime_ops import post_grad_passes_off, with_runtime_twins
 
-# The keys sloth's passes write into a graph's meta (read back by this module and compiler/mask_inputs.py).
-_PASS_RECORDS = (returned_logits.META_KEY, MASK_INPUT_SITES, PROVEN_OUTPUTS, GQA_WHEN_CAUSAL)
 log = logging.getLogger("sloth")
 
 _last_report: Optional[Report] = None
@@ -93,14 +88,16 @@ def _inductor_config(mode: Optional[str], extra: dict[str, Any]) -> dict[str, An
 
 def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, mode: Optional[str] = None,
                   inductor_options: Optional[dict[str, Any]] = None,
-                  partitioner: Optional[OffloadPartitioner] = None) -> Callable:
+                  partitioner: Optional[OffloadPartitioner] = None, off: Sequence[str] = (),
+                  report: Optional[Report] = None) -> Callable:
     """Compile the rewritten graph with ``inner``: Inductor, AOTAutograd without codegen, or plain eager.
 
-    ``partitioner`` (the offload option) replaces the partitioner of Inductor or of AOTAutograd."""
+    ``partitioner`` (the offload option) replaces the partitioner of Inductor or of AOTAutograd; Inductor runs
+    sloth's post-grad passes (compiler/late_passes.py) but those named in ``off``, timed into ``report``."""
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        patches = with_runtime_twins(_inductor_config(mode, inductor_options or {}))
+        patches = with_post_grad_passes(_inductor_config(mode, inductor_options or {}), off, report)
         if partitioner is not None:
             if patches.get("custom_partitioner_fn") is not None:
                 raise ValueError("sloth: offload replaces Inductor's partitioner; it cannot be combined with "
@@ -149,21 +146,24 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     _warn_if_interpreter_unused()
     opts, inductor_options = parse_options(options)  # every bad option fails here, before any work
     inner, attention, offload = opts.inner, opts.attention, opts.offload
-    chosen = list(families()) if opts.patterns is None else list(opts.patterns)
+    chosen = [f for f in (families() if opts.patterns is None else opts.patterns) if f not in opts.disable]
+    if "offload" in opts.disable:
+        offload = None
     pass_options = opts.pass_options()
 
     # The graph's own meta dict, without what sloth's passes record there: Dynamo's DDP optimizer gives every
     # piece of a split graph the whole graph's meta dict (torch/_dynamo/backends/distributed.py,
     # propagate_metadata), so one piece's records (the returned logits' slots, the masks it proved) would
     # otherwise be read when the next piece compiles.
-    gm.meta = {k: v for k, v in gm.meta.items() if k not in _PASS_RECORDS}
+    records = pass_records()
+    gm.meta = {k: v for k, v in gm.meta.items() if k not in records}
     fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
-    passes_off = post_grad_passes_off(inner)
-    graph_report = Report(passes_off=dict(passes_off))
+    late_off = passes_off(inner, opts.disable)
+    graph_report = Report(passes_off=dict(late_off))
     rewritten = run_passes(gm, example_inputs, chosen, graph_report, pass_options, opts.dump)
     refused = subclass_guard.sloth_op_on_subclass(rewritten) if fallback is not None else None
     if refused:  # a sloth op would read a DTensor: the graph as it was, every site reported with the reason
-        graph_report = Report(passes_off=dict(passes_off))
+        graph_report = Report(passes_off=dict(late_off))
         rewritten = run_passes(fallback, example_inputs, chosen, graph_report, pass_options, opts.dump,
                                refuse=refused)
     gm = rewritten
@@ -177,16 +177,18 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     # The report is published (and printed) once the inner compiler is done: the offload partitioner writes
     # into it while AOTAutograd partitions the graph. A compile that fails publishes what the passes did.
     def compile_once(first: bool) -> Callable:
-        # A graph that reads a mask input is compiled twice (compiler/mask_inputs.py); the second compile's
+        # A graph that reads a mask input is compiled twice (patterns/mask_inputs.py); the second compile's
         # partition goes to a report of its own, so the offload counts are the first version's alone.
         second = OffloadPartitioner(offload, Report().offload) if offload is not None and not first else None
         return compile_inner(gm, example_inputs, inner, mode, inductor_options,
-                             partitioner=partitioner if first else second)
+                             partitioner=partitioner if first else second, off=tuple(late_off), report=graph_report)
 
     try:
         with sdpa_priority(attention), torch._functorch.config.patch(
                 enable_autograd_cache=torch._functorch.config.enable_autograd_cache and not uncacheable):
-            compiled = compile_reading_masks(gm, compile_once, check=pass_options.mask_check)
+            # Each family's compile_with and after_compile (compiler/families.py): the causal mask's two versions,
+            # the cross-entropy family's returned logits back into autograd.
+            compiled = compile_with_families(gm, compile_once, pass_options)
     except torch._dynamo.exc.RestartAnalysis:
         # Dynamo traces the frame again and calls sloth anew (seen under dynamic=True: AOTAutograd cannot make a
         # tensor of a symbolic float such as an RMSNorm's eps and asks Dynamo to specialise it): this compile is
@@ -198,9 +200,6 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     _publish(graph_report)
     if opts.report:
         print(graph_report)
-    slots = gm.meta.get(returned_logits.META_KEY)
-    if slots:  # logits returned detached by the cross-entropy pass: back into autograd, the extra outputs dropped
-        compiled = returned_logits.reattach(compiled, slots)
     if inner != "eager" or attention is None:
         return compiled
 

@@ -7,8 +7,8 @@ import torch
 import torch.fx as fx
 
 from . import backend as _backend
-from . import returned_logits
 from .dump import dump_root
+from .families import after_compile
 from .pipeline import families, run_passes
 from .report import Report
 
@@ -29,8 +29,7 @@ def explain(model_or_fn: Callable, *args: Any, **kwargs: Any) -> Report:
         gm = run_passes(gm, example_inputs, families(), report, dump_root=dump_root(None))
         merged.merge(report)
         _backend._publish(report)
-        slots = gm.meta.get(returned_logits.META_KEY)
-        return returned_logits.reattach(gm.forward, slots) if slots else gm.forward
+        return after_compile(gm, gm.forward)
 
     with torch.no_grad():
         torch.compile(model_or_fn, backend=capture)(*args, **kwargs)

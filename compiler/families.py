@@ -32,7 +32,7 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
-from typing import Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch.fx as fx
 
@@ -49,7 +49,15 @@ class Family:
 
     ``order``: a built-in family's place (lower runs first; a family may rely on the ones before it having run).
     ``emits``: the ``torch.ops.sloth`` ops its pass puts in graphs (their ``_backward`` ops come with them).
-    ``reads``: the ``PassOptions`` fields its pass reads. ``summary``: one line for the docs' family table."""
+    ``reads``: the ``PassOptions`` fields its pass reads. ``summary``: one line for the docs' family table.
+
+    What a family needs beyond its pass, each declared with it (the backend calls them without knowing the family):
+    ``records``: the keys of ``gm.meta`` its pass writes (cleared before the passes: a graph split by Dynamo's DDP
+    optimizer gives every piece the whole graph's meta dict). ``cut_sites(gm)``: (node, reason) for each half of its
+    pattern that a graph boundary cut and ``gm`` returns, which no anchor sees. ``compile_with(gm, compile_once,
+    options)``: how a graph its pass rewrote is compiled, where that is not one call of ``compile_once(first=True)``
+    (the causal mask: twice, the version chosen per call). ``after_compile(gm, compiled)``: the compiled graph
+    wrapped (the cross-entropy family's returned logits put back into autograd)."""
     name: str
     run: GraphPass
     order: Optional[int] = None
@@ -58,6 +66,10 @@ class Family:
     emits: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
     summary: str = ""
+    records: tuple[str, ...] = ()
+    cut_sites: Optional[Callable[[fx.GraphModule], Iterable[tuple[fx.Node, str]]]] = None
+    compile_with: Optional[Callable[..., Callable]] = None
+    after_compile: Optional[Callable[[fx.GraphModule, Callable], Callable]] = None
     builtin: bool = False
 
 
@@ -167,6 +179,31 @@ def register_declared(package: str = "sloth.patterns") -> None:
             continue
         _check_signature(declared.name, declared.run)
         _registry.append(dataclasses.replace(declared, builtin=True))
+
+
+def pass_records() -> set[str]:
+    """Every registered family's ``records``: the keys of ``gm.meta`` sloth's passes write."""
+    return {key for f in _registry for key in f.records}
+
+
+def compile_with_families(gm: fx.GraphModule, compile_once: Callable[[bool], Callable], options: Any) -> Callable:
+    """``gm`` compiled through every registered family's ``compile_with`` (in registry order, the first outermost),
+    then wrapped by each one's ``after_compile``; with none, ``compile_once(True)``."""
+    def through(hooks: list[Callable[..., Callable]], first: bool) -> Callable:
+        if not hooks:
+            return compile_once(first)
+        return hooks[0](gm, lambda inner_first: through(hooks[1:], first and inner_first), options)
+
+    compiled = through([f.compile_with for f in _registry if f.compile_with is not None], True)
+    return after_compile(gm, compiled)
+
+
+def after_compile(gm: fx.GraphModule, compiled: Callable) -> Callable:
+    """``compiled`` wrapped by every registered family's ``after_compile``, in registry order."""
+    for f in _registry:
+        if f.after_compile is not None:
+            compiled = f.after_compile(gm, compiled)
+    return compiled
 
 
 def family_table() -> str:

@@ -58,13 +58,12 @@ on the same input), and the cost is one more norm pass a layer (a read of x and 
 tokens 128 MiB less at that point for ~0.1 ms on an H100, estimated, not yet measured). It applies only where y is
 read before and after an attention backward and x is read at or after the later readers.
 
-All run in sloth's Inductor post-grad pass (compiler/runtime_ops.py), after the runtime twins.
-``SLOTH_LEAN_BACKWARD=0`` switches them off (for measuring them).
+All run as one post-grad pass (compiler/late_passes.py), after the runtime twins; ``options={"disable":
+["lean_backward"]}`` switches them off.
 """
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any, Optional
 
 import torch
@@ -73,7 +72,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .fx_utils import is_attention_backward
 
-ENABLED: bool = os.environ.get("SLOTH_LEAN_BACKWARD", "1") != "0"
 
 
 def _overloads(name: str) -> list[Any]:
@@ -248,6 +246,4 @@ def norm_again_after_attention(graph: fx.Graph) -> int:
 def lean_backward(graph: fx.Graph) -> tuple[int, int, int]:
     """The three rewrites on ``graph``, in order (the first leaves gate and up to the backward op alone);
     (forwards dropped, backwards made in-place, norms formed again)."""
-    if not ENABLED:
-        return 0, 0, 0
     return drop_recomputed_forwards(graph), write_gradients_in_place(graph), norm_again_after_attention(graph)

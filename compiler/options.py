@@ -84,6 +84,8 @@ class Options:
     ``$SLOTH_DUMP_DIR`` when the option is not given, and ``True`` means ``./sloth_dump``."""
     attention: Optional[tuple[str, ...]] = None
     """SDPA backends in priority order, from ``SDPA_BACKENDS``; None: PyTorch's own choice."""
+    disable: tuple[str, ...] = ()
+    """Passes switched off by name: families, and the partition / post-grad passes of compiler/late_passes.py."""
 
     def pass_options(self) -> "PassOptions":
         """What the passes read."""
@@ -123,7 +125,7 @@ class PassOptions:
 
     ``mask_check``: True lets a graph that reads an attention mask another graph or eager code made, which no
     compile-time proof covers, compare that tensor's values with the causal mask on the device once (one host
-    sync per new mask tensor) and run ``is_causal`` attention when it is causal (compiler/mask_inputs.py,
+    sync per new mask tensor) and run ``is_causal`` attention when it is causal (patterns/mask_inputs.py,
     runtime/proven_masks.py); False runs such masks as written, with no sync.
     """
     return_logits: bool = True
@@ -134,7 +136,7 @@ class PassOptions:
     mask_check: bool = True
     moe_recompute: bool = False
     # Not a user option: whether the pass may change the graph's outputs (the top-level graph, whose outputs
-    # the backend's wrapper sees; compiler/returned_logits.py), False in subgraph bodies.
+    # the backend's wrapper sees; patterns/returned_logits.py), False in subgraph bodies.
     top_level: bool = True
 
 
@@ -171,6 +173,7 @@ def parse_options(user: Optional[dict[str, Any]]) -> tuple[Options, dict[str, An
         mask_check=_bool(user, "mask_check", True),
         dump=dump_root(user.get("dump")),
         attention=check_attention(user.get("attention")),
+        disable=_disable(user.get("disable", ())),
     )
     # Checks across options, before any work.
     if options.offload is not None and inner == "eager":
@@ -206,6 +209,23 @@ def _patterns(value: Any) -> Optional[tuple[str, ...]]:
         raise ValueError(f"sloth: unknown pattern famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; "
                          f"known: {list(registered)}")
     return chosen
+
+
+def _disable(value: Any) -> tuple[str, ...]:
+    """The passes switched off (one name or a list): registered families and the late passes; a clear error, with
+    the closest names, for any other."""
+    from .late_passes import LATE_PASS_NAMES
+
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"sloth: disable must be a pass name or a list of them, got {value!r}")
+    known = families() + LATE_PASS_NAMES
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        hints = "".join(_did_you_mean(n, known) for n in unknown)
+        raise ValueError(f"sloth: disable: unknown pass(es) {unknown}{hints}; the passes are the families "
+                         f"{list(families())} and {list(LATE_PASS_NAMES)}")
+    return tuple(names)
 
 
 def check_attention(names: Any) -> Optional[tuple[str, ...]]:

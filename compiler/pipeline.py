@@ -29,7 +29,6 @@ import torch.fx as fx
 
 from .anchors import UNMATCHED, anchors, unexplained
 from .canonicalize import canonicalize_pass
-from .cut_sites import cut_sites
 from .dump import GraphDump
 from .families import family_passes, families, register_declared
 from .fx_utils import subgraphs
@@ -107,11 +106,11 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], families: Sequ
                                     "a pass rewrites the graph module it is given in place and returns it")
         if dump:
             dump.snapshot(family_pass.name, gm)
-    # Halves of patterns a graph boundary cut, which no anchor sees (compiler/cut_sites.py).
+    # Halves of patterns a graph boundary cut, which no anchor sees (each family's ``cut_sites``).
     if refuse is None:
-        for family, node, reason in cut_sites(gm):
-            if family in families:
-                report.reject(family, node, reason)
+        for family_pass in enabled:
+            for node, reason in family_pass.cut_sites(gm) if family_pass.cut_sites is not None else ():
+                report.reject(family_pass.name, node, reason)
     # Every anchor a family looks for and left in the graph gets a reason in the report (compiler/anchors.py).
     left = timed("anchors", anchors, graph_modules, [(p.name, p.anchor) for p in enabled if p.anchor is not None])
     report.anchors_left.update({family: len(nodes) for family, nodes in left.items() if nodes})

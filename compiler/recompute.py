@@ -17,40 +17,30 @@ the op in the backward wherever a backward reads its output, just before that us
 top-level graph only: subgraph bodies (a checkpointed layer, an autograd.Function) keep their own policy,
 so norms inside them are not tagged.
 
-Under ``SLOTH_TRITON_OP=1`` on torch 2.14 and later the pass tags nothing (the report lists it as disabled): there
-AOTAutograd traces into the ops, and those partitioners fail on the tagged nodes it traces ("Node ... was invalid,
-but is output", a LoRA adapter's gradient needing a recomputed norm; tests/test_registration.py, CPU, torch 2.14.1).
-
 Because the cache of AOTAutograd cannot see node meta, compiler/backend.py switches that cache off for a
 graph with tags; the report counts the tagged outputs (a backward that never reads one recomputes nothing).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.torch_version import TorchVersion
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..lowering.registration import TRITON_OP
 from .options import PassOptions
 from .report import Report
 
 # Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive.
-# norm_rope (q/k norms and RoPE) only with SLOTH_NORM_ROPE_RECOMPUTE=1: its inputs (q and k before their norms)
+# Not norm_rope (q/k norms and RoPE; benchmarks/variants.py adds it for measuring): its inputs (q and k before their norms)
 # are what its own backward keeps and its two outputs what attention's backward reads, so recomputing them saves
 # two [tokens, heads, D] tensors a layer (0.4 GiB at the Qwen3-MoE row), but on an H100 that step took 55.2 ms
 # with it against 53.1 without (benchmarks/results/2026-12-05_issue20_norm_rope.md): off by default. AOTAutograd
 # tags every node it traces from a tagged one, the getitems of a multi-output op included
-# (tests/test_norm_rope_pattern.py checks the backward recomputes the pair under the switch).
-RECOMPUTED_OPS = ("rms_norm", "layer_norm") + (("norm_rope",) if os.environ.get("SLOTH_NORM_ROPE_RECOMPUTE") == "1"
-                                               else ())
+# (tests/test_norm_rope_pattern.py checks the backward recomputes the pair with it added).
+RECOMPUTED_OPS: tuple[str, ...] = ("rms_norm", "layer_norm")
 # Checkpointed regions number themselves from 0 or 1 up; ours sits below them (see the module docstring).
 AC_GRAPH_ID = -1
-# Whether tags would break the partition (module docstring): triton_op registration on torch >= 2.14.
-TAGS_BREAK_PARTITION = TRITON_OP and TorchVersion(torch.__version__) >= (2, 14)
 
 
 def _recomputed_targets() -> set[Any]:
@@ -60,12 +50,9 @@ def _recomputed_targets() -> set[Any]:
 def recompute_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                    options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Tag every node of ``RECOMPUTED_OPS`` for recomputation in the backward, unless ``options.recompute`` is
-    off, ``TAGS_BREAK_PARTITION`` or the node already has a checkpoint policy; the number tagged goes to
+    off or the node already has a checkpoint policy; the number tagged goes to
     ``report.recomputed``."""
     if not options.recompute:
-        return gm
-    if TAGS_BREAK_PARTITION:
-        report.disabled = sorted(set(report.disabled) | {"recompute (SLOTH_TRITON_OP=1 on torch >= 2.14)"})
         return gm
     targets = _recomputed_targets()
     for node in gm.graph.nodes:

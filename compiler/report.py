@@ -60,7 +60,7 @@ class Report:
     # pass name -> "internal error: ..." for each pass that raised and was undone (compiler/pass_guard.py): the
     # graph ran as that pass found it, and the family's sites left are reported with this reason
     failed: dict = dataclasses.field(default_factory=dict)
-    # post-grad pass name -> why it did not run on these graphs (compiler/runtime_ops.py post_grad_passes_off)
+    # late pass name -> why it did not run on these graphs (compiler/late_passes.py passes_off)
     passes_off: dict = dataclasses.field(default_factory=dict)
     # folders the graphs were dumped into (the ``dump`` option, compiler/dump.py)
     dumps: list = dataclasses.field(default_factory=list)
@@ -147,7 +147,7 @@ class Report:
             by_reason: dict = {}
             for name, reason in self.passes_off.items():
                 by_reason.setdefault(reason, []).append(name)
-            out.append("  post-grad passes off: " + "; ".join(f"{', '.join(names)} ({reason})"
+            out.append("  partition / post-grad passes off: " + "; ".join(f"{', '.join(names)} ({reason})"
                                                            for reason, names in by_reason.items()))
         if self.pass_seconds:
             out.append(f"  sloth's passes took {sum(self.pass_seconds.values()):.3f} s: "

@@ -46,7 +46,7 @@ import triton.language as tl
 from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import INTERPRETED, round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -386,7 +386,7 @@ def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: to
         return out, lse
     blocks = _blocks(q.device, d)
     bm, bn, warps, stages = blocks["fwd"]
-    launch(_fwd_kernel)[(cdiv(t, bm), b * heads)](
+    _fwd_kernel[(cdiv(t, bm), b * heads)](
         q, k, v, out, lse, bounds, lse if sink2 is None else sink2,
         t, heads, heads // k.shape[1], d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -428,7 +428,7 @@ def backward_kernels(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     blocks = _blocks(q.device, d)
     group = heads // kv_heads
     bm, bn, warps, stages = blocks["dkdv"]
-    launch(_bwd_dkdv_kernel)[(cdiv(t, bn), b * kv_heads)](
+    _bwd_dkdv_kernel[(cdiv(t, bn), b * kv_heads)](
         q, k, v, dout, lse, delta, bounds, dk, dv,
         b, t, heads, kv_heads, group, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -437,7 +437,7 @@ def backward_kernels(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         IEEE=_ieee(q.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=blocks["block_d"], num_warps=warps, num_stages=stages,
     )
     bm, bn, warps, stages = blocks["dq"]
-    launch(_bwd_dq_kernel)[(cdiv(t, bm), b * heads)](
+    _bwd_dq_kernel[(cdiv(t, bm), b * heads)](
         q, k, v, dout, lse, delta, bounds, dq,
         t, heads, group, d,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -63,7 +63,7 @@ from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .layout import rows_2d
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -304,7 +304,7 @@ def glu_forward(x: torch.Tensor, up: Optional[torch.Tensor], activation: str) ->
     y_Nn = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if y_Nn.numel():
         block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_glu_fwd_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+        _glu_fwd_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             g_Nn, u_Nn, y_Nn,
             n_rows, n_cols, g_Nn.stride(0), u_Nn.stride(0), y_Nn.stride(0),
             ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -347,7 +347,7 @@ def glu_backward_impl(dy: torch.Tensor, x: torch.Tensor, up: Optional[torch.Tens
     dg_Nn, du_Nn = _split(dx_2d, du_Nn)
     if dg_Nn.numel():
         block_m, block_n, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_glu_bwd_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+        _glu_bwd_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             dy_Nn, g_Nn, u_Nn, dg_Nn, du_Nn,
             n_rows, n_cols, dy_Nn.stride(0), g_Nn.stride(0), u_Nn.stride(0), dg_Nn.stride(0), du_Nn.stride(0),
             ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, STORE_Y=y_over_dy,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -40,8 +39,8 @@ from .registration import define, fake
 
 # The backward's hidden written by the GLU's backward over d_hidden (the default) instead of recomputed by a
 # GLU forward pass of its own: per layer one launch and a read of gate and up (2 x tokens x intermediate)
-# fewer. SLOTH_GLU_LORA_FUSED_HIDDEN=0 keeps the recompute, for measuring the two on one lease.
-FUSED_HIDDEN: bool = os.environ.get("SLOTH_GLU_LORA_FUSED_HIDDEN", "1") != "0"
+# fewer. False keeps the recompute, for measuring the two on one machine (benchmarks/variants.py).
+FUSED_HIDDEN = True
 
 
 def _glu_lora_fwd(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str, w: torch.Tensor,
@@ -215,6 +214,10 @@ def register_4bit() -> None:
     @fake(fwd)
     def _(gate, up, activation, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features,
           in_features, blocksize, quant_type, bias, a, b, scale):
+        # A call with a meta input runs this, not the op and its checks (lowering/devices.py).
+        check_one_device("sloth.glu_qlora_linear", ("gate", gate), ("up", up), ("packed", packed), ("absmax", absmax),
+                         ("absmax_code", absmax_code), ("absmax_scale", absmax_scale),
+                         ("absmax_offset", absmax_offset), ("bias", bias), ("a", a), ("b", b))
         rows = math.prod(gate.shape[:-1])
         return gate.new_empty((*gate.shape[:-1], out_features)), gate.new_empty((rows, a.shape[0]),
                                                                                 dtype=torch.float32)

@@ -21,7 +21,7 @@ Rows at or past ``offs[-1]`` are not written (``torch._grouped_mm`` leaves them 
 
 Both accumulate in fp32 and round once. fp32 operands multiply in IEEE fp32 (``input_precision="ieee"``), not
 TF32: eager fp32 matmuls do not round their inputs to TF32 either (``torch.backends.cuda.matmul.allow_tf32`` is off
-by default). The op sends fp32 here only in the CPU interpreter (or when SLOTH_MOE_GEMM=triton forces it).
+by default). The op sends fp32 here only in the CPU interpreter (or when lowering/moe.py's GEMM_CHOICE "triton" forces it).
 
 Scheduling, with no host sync: the host knows S and E but not the group sizes. The first kernel's grid is an upper
 bound on the row tiles, ``cdiv(S, BLOCK_M) + E`` (each group wastes at most one partial tile), by the column tiles;
@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_power_of_2
-from .registration import launch
 from .rounding import INTERPRETED, round_to
 
 
@@ -223,7 +222,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch
     if n_rows == 0 or n_n == 0:
         return out
     c = config or _config(a, n_n)
-    launch(_grouped_mm_kernel)[(cdiv(n_rows, c["BLOCK_M"]) + n_groups, cdiv(n_n, c["BLOCK_N"]))](
+    _grouped_mm_kernel[(cdiv(n_rows, c["BLOCK_M"]) + n_groups, cdiv(n_n, c["BLOCK_N"]))](
         a, rows if rows is not None else offs, b, offs, out,
         n_k, n_n, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         N_GROUPS=n_groups, GROUPS_POW2=next_power_of_2(n_groups), GATHER=rows is not None,
@@ -246,7 +245,7 @@ def grouped_mm_weight(left: torch.Tensor, right: torch.Tensor, offs: torch.Tenso
     if out.numel() == 0:
         return out
     c = config or _config(left, n_n, n_k, weight_form=True)
-    launch(_grouped_mm_weight_kernel)[(n_groups, cdiv(n_k, c["BLOCK_K"]), cdiv(n_n, c["BLOCK_N"]))](
+    _grouped_mm_weight_kernel[(n_groups, cdiv(n_k, c["BLOCK_K"]), cdiv(n_n, c["BLOCK_N"]))](
         left, right, offs, out,
         n_k, n_n, left.stride(0), left.stride(1), right.stride(0), right.stride(1),
         out.stride(0), out.stride(1), out.stride(2),

@@ -33,7 +33,7 @@ from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv
 from .layout import rows_2d
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import round_to
 # Whole rows in registers, short rows packed per program (see lowering/rms_norm.py for the measurements).
 from .rms_norm import MAX_HIDDEN, _block_sizes
@@ -134,7 +134,7 @@ def _l2_norm_fwd(x: torch.Tensor, eps: float, clamp: bool, out_dtype: torch.dtyp
     y_ND = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0 and n_cols > 0:
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_l2_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        _l2_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
             x_ND, y_ND, n_rows, n_cols, x_ND.stride(0), y_ND.stride(0), float(eps),
             CLAMP=bool(clamp), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
         )
@@ -150,7 +150,7 @@ def _l2_norm_bwd(dy: torch.Tensor, x: torch.Tensor, eps: float, clamp: bool) -> 
     dx_ND = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows > 0 and n_cols > 0:
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_l2_norm_bwd_kernel)[(cdiv(n_rows, block_m),)](
+        _l2_norm_bwd_kernel[(cdiv(n_rows, block_m),)](
             dy_ND, x_ND, dx_ND, n_rows, n_cols, dy_ND.stride(0), x_ND.stride(0), dx_ND.stride(0), float(eps),
             CLAMP=bool(clamp), PASS_AT_BOUND=CLAMP_PASSES_AT_BOUND, BLOCK_M=block_m, BLOCK_D=block_d,
             num_warps=num_warps,

@@ -37,7 +37,7 @@ from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv
 from .layout import rows_2d
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import mul_rounded, round_to
 # The launch shapes of a row-wise norm: whole rows in registers, rows packed per program when short, and
 # persistent backward programs summing parameter-gradient partials. Same loads and reductions per element
@@ -194,7 +194,7 @@ def _layer_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optio
     y_ND = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0 and n_cols > 0:
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_layer_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        _layer_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
             x_ND, weight if weight is not None else x_ND, bias if bias is not None else x_ND, y_ND,
             n_rows, n_cols, x_ND.stride(0), y_ND.stride(0),
             float(eps),
@@ -226,7 +226,7 @@ def _layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Te
     partial = lambda wanted: torch.empty((n_progs, n_cols) if wanted else (0,), dtype=torch.float32,  # noqa: E731
                                          device=x.device)
     dw_partial, db_partial = partial(compute_dw), partial(compute_db)
-    launch(_layer_norm_bwd_kernel)[(n_progs,)](
+    _layer_norm_bwd_kernel[(n_progs,)](
         dy_ND, x_ND, weight if weight is not None else x_ND, dx_ND, dw_partial, db_partial,
         n_rows, n_cols, dy_ND.stride(0), x_ND.stride(0), dx_ND.stride(0), blocks_per_prog,
         float(eps),

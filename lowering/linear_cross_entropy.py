@@ -69,7 +69,7 @@ import triton.language as tl
 from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import next_power_of_2
-from .registration import add_twin, add_twin_fake
+from .registration import define, fake
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -415,11 +415,8 @@ def _backward(ctx, grad_loss, _gdx, _gdw, _gdb):
 @functools.cache
 def register() -> None:
     """Define ``sloth::linear_cross_entropy`` and ``sloth::linear_cross_entropy_backward`` (idempotent)."""
-    # custom_op also under SLOTH_TRITON_OP (lowering/registration.py's define would make triton_ops there).
-    fwd = torch.library.custom_op("sloth::linear_cross_entropy", mutates_args=())(_lce_fwd)
-    bwd = torch.library.custom_op("sloth::linear_cross_entropy_backward", mutates_args=())(_lce_bwd)
-    add_twin(fwd, _lce_fwd)
-    add_twin(bwd, _lce_bwd)
+    fwd = define("sloth::linear_cross_entropy", _lce_fwd)
+    bwd = define("sloth::linear_cross_entropy_backward", _lce_bwd)
 
     def fwd_fake(x, w, bias, labels, ignore_index, reduction, softcap, logit_scale, label_smoothing, compute_dx,
                  compute_dw, logits=None):
@@ -438,8 +435,7 @@ def register() -> None:
         return x.new_empty(x.shape), dw, db
 
     for op, impl in ((fwd, fwd_fake), (bwd, bwd_fake)):
-        op.register_fake(impl)
-        add_twin_fake(op, impl)
+        fake(op)(impl)
     fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

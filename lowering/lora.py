@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -57,7 +56,7 @@ from .backend_choice import triton_interpreter_on, use_triton
 from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .layout import rows_2d
-from .registration import TRITON_OP, define, fake, launch
+from .registration import define, fake
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -339,13 +338,14 @@ def _mode(act: torch.Tensor, factor: torch.Tensor) -> int:
 
 
 # The down kernels' product for bf16 activations and an fp32 factor: the factor split into three bf16 parts
-# by a launch of its own (the default), or, with SLOTH_LORA_DOWN_SPLIT=0, tf32x3 on the fp32 factor as fp16
+# by a launch of its own (the default), or, with DOWN_SPLIT_LAUNCH False, tf32x3 on the fp32 factor as fp16
 # and fp32 activations have it (a bf16 value is exact in tf32, so each product keeps 22 of the factor's 24
 # significand bits), which saves the split launch: one per down call, 256 a Llama-3-8B step. Measured on the
 # H200 (2026-11-30, one lease) and not kept: QLoRA step 301.3 and 302.4 ms against the default's 273.1, LoRA
 # 290.6; the step is bound by the GPU's power cap, not the host, and three tf32 products cost more than the
-# launches save (benchmarks/results/2026-11-30_052355_*, _052510_*, _052842_*). The switch stays, off.
-DOWN_SPLIT_LAUNCH: bool = os.environ.get("SLOTH_LORA_DOWN_SPLIT", "1") != "0"
+# launches save (benchmarks/results/2026-11-30_052355_*, _052510_*, _052842_*). The other form stays, for
+# measuring (benchmarks/variants.py's ``lora_down_tf32x3``).
+DOWN_SPLIT_LAUNCH = True
 
 
 def _down_mode(act: torch.Tensor, factor: torch.Tensor) -> int:
@@ -395,10 +395,10 @@ def _down(x_MK: torch.Tensor, p_KR: torch.Tensor, out: Optional[torch.Tensor] = 
     block_k = _down_block_k(c, mode, block_r, x_MK.element_size(), 2 if mode != _TF32X3.value else 4, k)
     if mode == _SPLIT_BF16.value:
         split = torch.empty((k, 4 * block_r), dtype=torch.bfloat16, device=x_MK.device)
-        launch(_split_factor_kernel)[(cdiv(k, 64),)](
+        _split_factor_kernel[(cdiv(k, 64),)](
             p_KR, split, k, rank, p_KR.stride(0), p_KR.stride(1), BLOCK_K=64, BLOCK_R=block_r, num_warps=4)
         p_KR = split
-    launch(_lora_down_kernel)[(cdiv(n_rows, c["block_m"]),)](
+    _lora_down_kernel[(cdiv(n_rows, c["block_m"]),)](
         x_MK, p_KR, h_MR, n_rows, k, rank, x_MK.stride(0), p_KR.stride(0), p_KR.stride(1), h_MR.stride(0),
         MODE=mode, UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k, BLOCK_R=block_r,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -427,7 +427,7 @@ def _up_add_(base_MN: torch.Tensor, h_MR: torch.Tensor, q_RN: torch.Tensor, scal
         return base_MN
     c = UP_CONFIG
     groups, per_group = up_add_groups(n_rows, n_cols)
-    launch(_lora_up_add_kernel)[(cdiv(n_rows, c["block_m"]), groups)](
+    _lora_up_add_kernel[(cdiv(n_rows, c["block_m"]), groups)](
         base_MN, h_MR, q_RN, n_rows, n_cols, h_MR.shape[1], base_MN.stride(0), h_MR.stride(0), q_RN.stride(0),
         q_RN.stride(1), float(scale), per_group,
         BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(h_MR.shape[1]), num_warps=c["num_warps"],
@@ -457,8 +457,7 @@ def _splits(n_rows: int, k_blocks: list[int]) -> tuple[int, int]:
 # is made when the LoRA pass places an op (``make_counter_buffer``), never while a step runs: made then, it
 # could come from a CUDA graph's private pool (cudagraph trees warm up in it) and be handed to other tensors
 # under the kernels' feet. Other streams (whose kernels may run beside the default stream's), graph capture,
-# a need past the buffer's size and ops registered with triton_op (whose bodies Inductor traces: the buffer
-# would become a graph constant that the kernel writes) get a fresh zeroed buffer, as every call did before.
+# and a need past the buffer's size get a fresh zeroed buffer, as every call did before.
 COUNTER_BUFFER_SIZE = 4096
 _COUNTER_BUFFERS: dict[torch.device, torch.Tensor] = {}
 
@@ -485,7 +484,7 @@ def _zeroed_counters(n: int, device: torch.device) -> torch.Tensor:
     """At least ``n`` zeroed int32 split counters on ``device``: the shared buffer where it may be used (the
     launch goes to the current device's current stream, as Triton launches: it must be ``device``'s default
     stream, not capturing)."""
-    shared = None if TRITON_OP else _COUNTER_BUFFERS.get(device)
+    shared = _COUNTER_BUFFERS.get(device)
     if shared is not None and n <= shared.numel() and (device.type != "cuda" or (
             device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
             and torch.cuda.current_stream() == torch.cuda.default_stream())):
@@ -542,7 +541,7 @@ def _grads(problems: list[tuple[torch.Tensor, torch.Tensor, bool]], scale: float
                          f"{u1.dtype} and {x2.dtype} x {u2.dtype}")
     if len(problems) == 1:
         k2 = 0  # the second slot gets no programs
-    launch(_lora_grad_kernel)[(sum(k_blocks), splits)](
+    _lora_grad_kernel[(sum(k_blocks), splits)](
         u1, x1, *rest1, k_blocks[0],
         u2, x2, g2, out2, k2, *strides2,
         counters, n_rows, rank, rows_per_split, splits, float(scale),

@@ -26,7 +26,6 @@ from .backend_choice import triton_interpreter_on
 from .host_math import cdiv
 from .lora import (_SPLIT_BF16, _TF32X3, DOWN_CONFIG, UP_CONFIG, _block_r, _down_block_k, _down_mode, _down_tile,
                    _split_tile, _up_add_rows, up_add_groups)
-from .registration import launch
 
 MEMBERS_PER_LAUNCH = 3
 _SPLIT_BLOCK_K = 64  # lora._down's split launch: 64 rows a program
@@ -108,7 +107,7 @@ def down_members(xs_MK: Sequence[torch.Tensor], ps_KR: Sequence[torch.Tensor], h
     n_rows, rank = xs_MK[0].shape[0], ps_KR[0].shape[1]
     modes = {_down_mode(x, p) for x, p in zip(xs_MK, ps_KR)}
     # One dtype each for the x_i and the p_i too: the kernel selects its member's pointers, and a select needs
-    # one pointer type (tf32x3 takes fp32 and bf16 activations alike, with SLOTH_LORA_DOWN_SPLIT=0 as well).
+    # one pointer type (tf32x3 takes fp32 and bf16 activations alike, with lowering/lora.py's DOWN_SPLIT_LAUNCH off as well).
     if len(modes) != 1 or len({x.dtype for x in xs_MK}) != 1 or len({p.dtype for p in ps_KR}) != 1 or \
             any(x.shape[0] != n_rows for x in xs_MK) or any(p.shape[1] != rank for p in ps_KR):
         raise ValueError("sloth.lora_members: the members must share rows, rank, dtypes and product mode, got x "
@@ -130,7 +129,7 @@ def down_members(xs_MK: Sequence[torch.Tensor], ps_KR: Sequence[torch.Tensor], h
                        for i in range(i0, min(i0 + MEMBERS_PER_LAUNCH, n))]
             (p0, k0, b0, _), (p1, k1, b1, r1), (p2, k2, _, r2) = _padded(members)
             blocks = sum(m[2] for m in members)
-            launch(_split_members_kernel)[(blocks,)](
+            _split_members_kernel[(blocks,)](
                 split[rows[i0]:], rank,
                 p0, k0, p0.stride(0), p0.stride(1), b0,
                 p1, k1, p1.stride(0), p1.stride(1), b1 if len(members) > 1 else 0, r1,
@@ -143,7 +142,7 @@ def down_members(xs_MK: Sequence[torch.Tensor], ps_KR: Sequence[torch.Tensor], h
         args = []
         for x, p, h, k in _padded(members):
             args += [x, p, h, k, x.stride(0), p.stride(0), p.stride(1)]
-        launch(_down_members_kernel)[(cdiv(n_rows, c["block_m"]), len(members))](
+        _down_members_kernel[(cdiv(n_rows, c["block_m"]), len(members))](
             n_rows, rank, h_MR.stride(0), *args,
             MODE=mode, UPCAST=triton_interpreter_on(), BLOCK_M=c["block_m"], BLOCK_K=block_k, BLOCK_R=block_r,
             num_warps=c["num_warps"], num_stages=c["num_stages"])
@@ -166,7 +165,7 @@ def up_add_members_(ys_MN: Sequence[torch.Tensor], h_MR: torch.Tensor, qs_RN: Se
             args += [y, h, q, y.shape[1], y.stride(0), q.stride(0), q.stride(1), per_group]
             if j < MEMBERS_PER_LAUNCH - 1:
                 args.append(groups if j < len(members) else 0)
-        launch(_up_add_members_kernel)[(cdiv(n_rows, c["block_m"]), sum(m[3] for m in members))](
+        _up_add_members_kernel[(cdiv(n_rows, c["block_m"]), sum(m[3] for m in members))](
             n_rows, rank, h_MR.stride(0), float(scale), *args,
             BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_R=_block_r(rank), num_warps=c["num_warps"],
             num_stages=c["num_stages"])

@@ -314,6 +314,14 @@ def register() -> None:
     @fake(qfwd)
     def _(x, packed, absmax, absmax_code, absmax_scale, absmax_offset, out_features, in_features, blocksize,
           quant_type, biases, a, bs, scale):
+        # A call with a meta input runs this, not the op and its checks (lowering/devices.py).
+        check_one_device("sloth.qlora_linear_shared", ("x", x), ("a", a),
+                         *((f"{name}[{i}]", t) for name, ts in (("packed", packed), ("absmax", absmax),
+                                                                 ("absmax_code", absmax_code),
+                                                                 ("absmax_scale", absmax_scale),
+                                                                 ("absmax_offset", absmax_offset),
+                                                                 ("biases", biases), ("bs", bs))
+                           for i, t in enumerate(ts)))
         return _outputs(x, out_features, a)
 
     @fake(qbwd)

@@ -111,7 +111,6 @@ only for weights that require grad (frozen experts under LoRA get none, and thei
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -243,10 +242,8 @@ class _Gathered(_Lazy):
 
 # Which grouped GEMMs the op runs: "auto" (below), or "triton", "grouped_mm" for one kind throughout, or "mixed"
 # wherever torch._grouped_mm runs on a GPU (whatever the rows an expert and the adapters), to measure one against
-# another (SLOTH_MOE_GEMM, read at import).
-GEMM_CHOICE = os.environ.get("SLOTH_MOE_GEMM", "auto")
-if GEMM_CHOICE not in ("auto", "triton", "grouped_mm", "mixed"):
-    raise ValueError(f"SLOTH_MOE_GEMM must be auto, triton, grouped_mm or mixed, got {GEMM_CHOICE!r}")
+# another (benchmarks/variants.py sets the others).
+GEMM_CHOICE = "auto"
 # "auto" reads the tokens' rows through the sort order in Triton's GEMM (the forward's first GEMM, its recompute, the
 # backward's first) where experts get at most this many rows on average, and runs every other GEMM in
 # torch._grouped_mm. H100, bf16, 4096 tokens (benchmarks/results/2026-12-06_h100_103628_grouped_gemm.md), ms with
@@ -317,7 +314,7 @@ def _grouped_mm_plan(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
     "mixed" when the experts get at most ``GATHER_ROWS_PER_EXPERT`` of the ``n_rows`` sorted rows on average, with
     or without LoRA factors (the Qwen3-MoE step with LoRA on attention and experts, one H100 lease: 70.8 ms with
     "mixed", 72.6 with "grouped_mm", benchmarks/results/2026-12-06_issue20_static_launch_h100.md). Else "triton"
-    where ``_triton_gemm_runs``, else "reference". SLOTH_MOE_GEMM=triton or grouped_mm forces one; mixed takes
+    where ``_triton_gemm_runs``, else "reference". GEMM_CHOICE "triton" or "grouped_mm" forces one; mixed takes
     "mixed" on a GPU wherever "grouped_mm" would run. ``factors``: the adapters' contiguous factors, None where not
     given (the op checked their dtype and shapes)."""
     hidden, size = x.shape[1], x.element_size()

@@ -59,7 +59,6 @@ import triton.language as tl
 from .backend_choice import use_triton
 from .glu import ACTIVATIONS, _activation_and_derivative, _sigmoid_pair, glu_backward_reference, glu_reference
 from .host_math import cdiv, next_power_of_2
-from .registration import launch
 from .rounding import round_to
 from .torch_conventions import CLAMP_PASSES_AT_BOUND
 
@@ -110,7 +109,7 @@ def combine(rows: torch.Tensor, inverse: torch.Tensor, top_k: int, scale: torch.
         # One program per token and up to 2048 columns: K row loads of 4 KiB (bf16) in flight per program.
         block_n = min(next_power_of_2(n_cols), 2048)
         scale_flat = scale.reshape(-1) if scale is not None else inverse  # any pointer when unused
-        launch(_combine_kernel)[(n_tokens, cdiv(n_cols, block_n))](
+        _combine_kernel[(n_tokens, cdiv(n_cols, block_n))](
             rows, inverse, scale_flat, out, n_cols, rows.stride(0), out.stride(0),
             TOP_K=top_k, HAS_SCALE=scale is not None, BLOCK_N=block_n, num_warps=4 if block_n <= 1024 else 8,
         )
@@ -304,7 +303,7 @@ def expert_glu_forward(gu: torch.Tensor, bias: torch.Tensor | None, ids: torch.T
         # Tiles of ~4K elements as lowering/glu.py's (not swept)
         block_n = min(next_power_of_2(n_cols), 256)
         block_m = max(1, min(16, 4096 // block_n))
-        launch(_expert_glu_fwd_kernel)[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+        _expert_glu_fwd_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             gu, bias if bias is not None else gu, ids, h, n_rows, n_cols, gu.stride(0),
             bias.stride(0) if bias is not None else 0, h.stride(0), float(alpha), float(limit),
             ACTIVATION=EXPERT_ACTIVATIONS[activation], INTERLEAVED=interleaved, HAS_BIAS=bias is not None,
@@ -364,7 +363,7 @@ def segment_sum(rows: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor, scale
     if out.numel():
         # 32 rows x 128 columns a step; the grid is column blocks x E (GPT-OSS-20B: 45 x 32 programs for d b1)
         block_n = min(next_power_of_2(n_cols), 128)
-        launch(_segment_sum_kernel)[(cdiv(n_cols, block_n), offs.shape[0])](
+        _segment_sum_kernel[(cdiv(n_cols, block_n), offs.shape[0])](
             rows, scale if scale is not None else rows, offs, out, n_cols, rows.stride(0), out.stride(0),
             HAS_SCALE=scale is not None, BLOCK_M=32, BLOCK_N=block_n, num_warps=4,
         )
@@ -525,7 +524,7 @@ def glu_backward_weighted(c: torch.Tensor, gu: torch.Tensor, weights: torch.Tens
         block_n = min(next_power_of_2(n_cols), 256)
         block_m = max(1, min(16, 4096 // block_n))
         d_w_add = d_w_add.float().contiguous() if d_w_add is not None else None
-        launch(_glu_backward_weighted_kernel)[(cdiv(n_rows, block_m),)](
+        _glu_backward_weighted_kernel[(cdiv(n_rows, block_m),)](
             c, gu, weights_flat, order, d_gu, dw if dw is not None else d_gu, hw if hw is not None else d_gu,
             d_w_add if d_w_add is not None else d_gu,
             n_rows, n_cols, c.stride(0), gu.stride(0), d_gu.stride(0), hw.stride(0) if hw is not None else 0,

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .backend_choice import use_triton
 from .host_math import cdiv, next_power_of_2
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -216,7 +216,7 @@ def _moe_router_fwd(logits: torch.Tensor, k: int, softmax_first: bool, renorm: b
     idx = torch.empty((n_rows, k), dtype=torch.int64, device=logits.device)
     if n_rows:
         block_m, block_e, block_k = _blocks(logits, k)
-        launch(_moe_router_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        _moe_router_fwd_kernel[(cdiv(n_rows, block_m),)](
             logits, w, idx, n_rows, n_experts, logits.stride(0),
             K=k, SOFTMAX_FIRST=bool(softmax_first), RENORM=bool(renorm),
             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
@@ -236,7 +236,7 @@ def _moe_router_bwd(dw: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor, s
     dl = torch.empty((n_rows, n_experts), dtype=logits.dtype, device=logits.device)
     if n_rows:
         block_m, block_e, block_k = _blocks(logits, k)
-        launch(_moe_router_bwd_kernel)[(cdiv(n_rows, block_m),)](
+        _moe_router_bwd_kernel[(cdiv(n_rows, block_m),)](
             dw, logits, idx, dl, n_rows, n_experts, logits.stride(0), dw.stride(0), dl.stride(0),
             K=k, SOFTMAX_FIRST=bool(softmax_first), RENORM=bool(renorm),
             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,

@@ -44,9 +44,10 @@ import triton
 import triton.language as tl
 
 from .backend_choice import use_triton
+from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .moe_router import MAX_EXPERTS, MAX_TOP_K, _blocks, _program_rows
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -195,6 +196,7 @@ def _check(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, score: st
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != experts or not bias.is_floating_point()):
         raise ValueError(f"{name}: bias must be a float [experts] = [{experts}] tensor, got {bias.dtype} "
                          f"{tuple(bias.shape)}")
+    check_one_device(name, ("logits", logits), ("bias", bias))
     if score not in _SCORES:
         raise ValueError(f"{name}: score must be one of {_SCORES}, got {score!r}")
     if choose_logits and score != "sigmoid":
@@ -281,7 +283,7 @@ def _moe_router_biased_fwd(logits: torch.Tensor, bias: Optional[torch.Tensor], k
     idx = torch.empty((n_rows, k), dtype=torch.int64, device=logits.device)
     if n_rows:
         block_m, block_e, block_k = _blocks(logits, k)
-        launch(_moe_router_biased_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        _moe_router_biased_fwd_kernel[(cdiv(n_rows, block_m),)](
             logits, logits if bias is None else bias.contiguous(), w, idx, n_rows, n_experts, logits.stride(0),
             n_experts // n_group, float(fill), float(eps),
             K=k, HAS_BIAS=bias is not None, SOFTMAX=score == "softmax", CHOOSE_LOGITS=bool(choose_logits),
@@ -303,7 +305,7 @@ def _moe_router_biased_bwd(dw: torch.Tensor, logits: torch.Tensor, idx: torch.Te
     dl = torch.empty((n_rows, n_experts), dtype=logits.dtype, device=logits.device)
     if n_rows:
         block_m, block_e, block_k = _blocks(logits, k)
-        launch(_moe_router_biased_bwd_kernel)[(cdiv(n_rows, block_m),)](
+        _moe_router_biased_bwd_kernel[(cdiv(n_rows, block_m),)](
             dw, logits, idx, dl, n_rows, n_experts, logits.stride(0), dw.stride(0), dl.stride(0), float(eps),
             K=k, SOFTMAX=score == "softmax", RENORM=renorm,
             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,

@@ -25,11 +25,10 @@ H100 (benchmarks/ops/moe_routing.py; benchmarks/results/2026-12-06_issue20_final
 4096 tokens of top-8 over 128 experts 52.0 us of host time a call against 134.7 (about 1 ms a 12-layer step), and
 at 8192 tokens 39.8 us of GPU time against 83.7. The backward forms the inverse and the token of each row again from
 the saved order in one launch (``invert_order``) instead of three: 2.9 against 7.8 us of GPU time.
-``SLOTH_MOE_ROUTE=sort`` (read at import) keeps the PyTorch ops, which also run wherever Triton does not.
+``ROUTE_CHOICE = "sort"`` (benchmarks/variants.py's ``moe_route_sort``) keeps the PyTorch ops, which also run wherever Triton does not.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -38,11 +37,8 @@ import triton.language as tl
 
 from .backend_choice import use_triton
 from .host_math import cdiv, next_power_of_2
-from .registration import launch
 
-ROUTE_CHOICE = os.environ.get("SLOTH_MOE_ROUTE", "counting")
-if ROUTE_CHOICE not in ("counting", "sort"):
-    raise ValueError(f"SLOTH_MOE_ROUTE must be counting or sort, got {ROUTE_CHOICE!r}")
+ROUTE_CHOICE = "counting"  # or "sort" (module docstring)
 
 # Each program holds a [block_s, next_power_of_2(E)] one-hot and its cumulative sum: block_s rows such that the
 # tile has at most TILE elements (256 rows at 128 experts).
@@ -143,7 +139,7 @@ def invert_order(order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
     if ROUTE_CHOICE == "sort" or not use_triton(order) or n_rows == 0 or not order.is_contiguous():
         return invert_order_reference(order, top_k)
     inverse, token = torch.empty_like(order), torch.empty_like(order)
-    launch(_invert_order_kernel)[(cdiv(n_rows, 1024),)](order, inverse, token, n_rows, TOP_K=top_k, BLOCK=1024,
+    _invert_order_kernel[(cdiv(n_rows, 1024),)](order, inverse, token, n_rows, TOP_K=top_k, BLOCK=1024,
                                                        num_warps=4)
     return inverse, token
 
@@ -165,7 +161,7 @@ def route_reference(top_k_index: torch.Tensor, n_experts: int) -> Routing:
 
 def route(top_k_index: torch.Tensor, n_experts: int) -> Routing:
     """The dispatch of ``top_k_index [T, K]`` (int32 or int64, ids in [0, n_experts)) over ``n_experts`` experts
-    (module docstring): two Triton launches where Triton runs and SLOTH_MOE_ROUTE is not "sort", else
+    (module docstring): two Triton launches where Triton runs and ROUTE_CHOICE is not "sort", else
     ``route_reference``; the same values either way."""
     if top_k_index.dim() != 2:
         raise ValueError(f"sloth.moe_experts: top_k_index must be [T, K], got shape {tuple(top_k_index.shape)}")
@@ -189,9 +185,9 @@ def route(top_k_index: torch.Tensor, n_experts: int) -> Routing:
     offs = torch.empty(n_experts, dtype=torch.int32, device=device)
     # Each program holds [BLOCK_S, block_e] int32 tiles: more warps as the experts grow (128 experts: 8 warps).
     warps = 4 if block_e <= 64 else 8
-    launch(_route_counts_kernel)[(n_blocks,)](ids, counts, n_rows, n_experts, counts.stride(0), BLOCK_S=block_s,
+    _route_counts_kernel[(n_blocks,)](ids, counts, n_rows, n_experts, counts.stride(0), BLOCK_S=block_s,
                                               BLOCK_E=block_e, num_warps=warps)
-    launch(_route_scatter_kernel)[(n_blocks,)](
+    _route_scatter_kernel[(n_blocks,)](
         ids, counts, order, sorted_ids, inverse, token, offs, n_rows, n_experts, n_blocks, counts.stride(0),
         TOP_K=top_k_index.shape[1], BLOCK_S=block_s, BLOCK_E=block_e, BLOCK_C=BLOCK_C, num_warps=warps)
     return Routing(order, sorted_ids, offs, inverse, token)

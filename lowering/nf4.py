@@ -59,7 +59,6 @@ import triton.language as tl
 
 from .backend_choice import triton_interpreter_on, use_triton
 from .host_math import cdiv
-from .registration import launch
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' quantize_4bit accepts these
@@ -118,7 +117,7 @@ def _scaled_plus_offset(b_code, b_scale, offset, INTERPRETED: tl.constexpr):
     Compiled, as PTX ``mul.rn.f32`` and ``add.rn.f32`` (an explicit rounding mode: the PTX optimiser never
     contracts them; no flush of subnormals, as nvcc's default; libdevice's ``mul_rn`` would add ``.ftz``), so
     the two roundings do not depend on the launch's ``enable_fp_fusion`` (Inductor drops launch options when
-    it launches a user kernel, as under SLOTH_TRITON_OP=1); interpreted, numpy arithmetic, which never fuses."""
+    it launches a user kernel); interpreted, numpy arithmetic, which never fuses."""
     if INTERPRETED:
         return b_code * b_scale + offset
     b_scaled = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [b_code, b_scale], dtype=tl.float32,
@@ -297,7 +296,7 @@ def _launch_4bit(packed: torch.Tensor, absmax: torch.Tensor, nested: Optional[tu
         return
     absmax2, code2, offset, blocksize2 = nested if nested is not None else (absmax, absmax, absmax, 256)
     n_bytes = (n + 1) // 2
-    launch(_dequantize_4bit_kernel)[(cdiv(n_bytes, _BLOCK_BYTES),)](
+    _dequantize_4bit_kernel[(cdiv(n_bytes, _BLOCK_BYTES),)](
         _flat(packed), _flat(absmax), code_table(quant_type, packed.device), out, _flat(absmax2), _flat(code2),
         offset,
         n, n_bytes,
@@ -371,7 +370,7 @@ def dequantize_absmax(absmax_u8: torch.Tensor, state2_absmax: torch.Tensor, stat
                                            offset_t, blocksize2)
     out = torch.empty(n, dtype=torch.float32, device=absmax_u8.device)
     if n:
-        launch(_dequantize_absmax_kernel)[(cdiv(n, _ABSMAX_BLOCK),)](
+        _dequantize_absmax_kernel[(cdiv(n, _ABSMAX_BLOCK),)](
             _flat(absmax_u8), _flat(state2_absmax), _flat(state2_code), offset_t, out,
             n,
             BLOCKSIZE2=blocksize2, BLOCK=_ABSMAX_BLOCK, INTERPRETED=triton_interpreter_on(), num_warps=4,
@@ -449,7 +448,7 @@ def dequantize_4bit_members(packed: Sequence[torch.Tensor], absmax: Sequence[tor
             args += list(m[:8])
             if j < WEIGHTS_PER_LAUNCH - 1:
                 args.append(m[8] if j < len(group) else 0)
-        launch(_dequantize_4bit_members_kernel)[(sum(m[8] for m in group),)](
+        _dequantize_4bit_members_kernel[(sum(m[8] for m in group),)](
             code_table(quant_type, device), out, *args,
             BLOCKSIZE=blocksize, BLOCK_BYTES=_BLOCK_BYTES, NESTED=nested is not None, BLOCKSIZE2=blocksizes2[0],
             INTERPRETED=triton_interpreter_on(), num_warps=4,

@@ -13,7 +13,7 @@ normalised value, the weight product, and RoPE's products and sum, so the fused 
 
 Why one op: the two norms and the RoPE are three op calls and three launches forward and three backward (a third
 of sloth's op calls in a Qwen3-MoE layer, whose step the host bounds); here one each way. With
-``SLOTH_NORM_ROPE_RECOMPUTE=1`` the pair is recomputed in the backward instead of saved (compiler/recompute.py):
+``norm_rope`` in compiler/recompute.py's ``RECOMPUTED_OPS`` (benchmarks/variants.py's ``norm_rope_recompute``) the pair is recomputed in the backward instead of saved (compiler/recompute.py):
 the backward keeps the un-normalised q and k for the norms' gradient anyway, so the rotated q and k that
 attention's backward reads cost one more launch there instead of two [tokens, heads, D] tensors a layer (0.37
 GiB at the Qwen3-MoE row), but 2.1 ms of that 53 ms step on an H100 (benchmarks/results/
@@ -48,7 +48,7 @@ from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv
 from .layout import empty_heads, in_heads_layout
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rms_norm import MAX_HIDDEN, rms_norm_backward_reference
 from .rope import (_block_sizes, _check_inputs as _check_rope_inputs, _lead_strides, _out_dtype, _rows_meta,
                    rope_reference)
@@ -333,7 +333,7 @@ def _norm_rope_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Te
     half, n_pass, block_m, block_h, block_p, num_warps, n_blocks = _geometry(q, k, cos, interleaved)
     if sum(n_blocks) == 0:
         return q_out, k_out
-    launch(_norm_rope_fwd_kernel)[(sum(n_blocks),)](
+    _norm_rope_fwd_kernel[(sum(n_blocks),)](
         q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k, cos, sin,
         q_out, k_out, *_rows_meta(q, cos, sin), *_lead_strides(q_out), *_rows_meta(k, cos, sin), *_lead_strides(k_out),
         half, n_pass, n_blocks[0], float(q_eps), float(k_eps), float(q_offset), float(k_offset),
@@ -368,7 +368,7 @@ def _norm_rope_bwd(dq: torch.Tensor, dk: torch.Tensor, q: torch.Tensor, k: torch
     partials = torch.empty((sum(n_blocks), head) if compute_dwq or compute_dwk else (0,), dtype=torch.float32,
                            device=q.device)
     if sum(n_blocks):
-        launch(_norm_rope_bwd_kernel)[(sum(n_blocks),)](
+        _norm_rope_bwd_kernel[(sum(n_blocks),)](
             dq, dk, q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k,
             cos, sin, dq_in, dk_in, partials if partials.numel() else dq_in,
             *_meta_with_grad(q, dq, cos, sin), *_lead_strides(dq_in), *_meta_with_grad(k, dk, cos, sin),

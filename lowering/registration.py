@@ -1,27 +1,25 @@
-"""How sloth's ops become torch.library operators: ``custom_op`` (opaque to the compiler) or ``triton_op``.
+"""How sloth's ops become torch.library operators: one way, ``custom_op`` (opaque to the compiler) with a twin.
 
-    define("sloth::name", fn)   the operator, from a function of tensors (its type hints give the schema)
-    fake(op)(impl)              op.register_fake(impl); nothing under triton_op, where fn is its own fake
-    launch(kernel)[grid](...)   how fn launches a Triton kernel: wrap_triton(kernel) under triton_op
+    define("sloth::name", fn)   the operator, from a function of tensors (its type hints give the schema), and its
+                                runtime twin
+    fake(op)(impl)              op.register_fake(impl), for the op and its twin
     RUNTIME_TWINS               custom op -> its runtime twin, the op a compiled graph calls (below)
     RESTRIDED                   outputs of a PyTorch reference (CPU, no interpreter) copied into the layout the
                                 fake declares, per op: on that path each op and twin returns what its fake declares
 
-With ``custom_op`` every call of an op from a compiled graph runs fn in Python, and each Triton launch goes
-through Triton's JIT dispatch: on the H200 that host time (0.3 ms a LoRA forward, 0.45 ms a backward,
-benchmarks/results/2026-11-29_1739_profile-sloth-host-L4.txt) exceeds the GPU time of a LoRA step. With
-``triton_op`` AOTAutograd traces fn itself into the graph (its torch ops plus one higher-order op per kernel
-launch) and Inductor launches the same kernels from its generated wrapper, with no Python per op.
-
-``triton_op`` is chosen when ``SLOTH_TRITON_OP=1`` is set before sloth is imported and the kernels are not
-interpreted (Triton's CPU interpreter makes its own kernel objects, which ``wrap_triton`` refuses before torch
-2.14). The op's meaning, its backward (``register_autograd``) and its kernels are the same either way; one
-difference: Inductor launches a user kernel with its own compile options and drops launch options such as
-``enable_fp_fusion``, so a kernel must not rely on them for its numbers (lowering/nf4.py rounds explicitly).
+Every call of an op from a compiled graph runs fn in Python, and each Triton launch goes through Triton's JIT
+dispatch. Tried and not kept (docs/history.md): ``triton_op``, where AOTAutograd traces fn into the graph and
+Inductor launches the kernels from its generated wrapper, with no Python per op; on the H200 a 4-layer step was no
+faster (44.9 vs 45.2 ms), the GPU time grew 2.6% and compiling took 2.3 times longer
+(benchmarks/README.md, "What closed the LoRA gap"). Nor a launcher of sloth's own: one that kept each kernel's
+``CompiledKernel`` under a specialisation key built in Python was slower than Triton 3.6's own dispatch on the H200
+(23.9 vs 16.4 us a launch, LoRA step 277.5 vs 263.4 ms; benchmarks/results/2026-11-29_212631_launch_overhead.json,
+commit bfd1dc1); Triton's binder with torch's static launcher was no faster on an H100 (10.97 vs 11.13 us a launch,
+the Qwen3-MoE step 49.9 vs 49.65 ms; benchmarks/results/2026-12-06_issue20_static_launch_h100.md, commit 8592dd2):
+most of a launch is the native specialisation and the C launch, which both paths keep.
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Any, Callable
 
@@ -29,9 +27,6 @@ import torch
 from torch._ops import OpOverload
 
 from .backend_choice import triton_interpreter_on
-
-TRITON_OP: bool = (os.environ.get("SLOTH_TRITON_OP", "0") == "1" and not triton_interpreter_on()
-                   and hasattr(torch.library, "triton_op"))
 
 
 # Runtime twins. A custom op called from a compiled graph goes through custom_op's Python wrappers on every
@@ -46,14 +41,11 @@ TRITON_OP: bool = (os.environ.get("SLOTH_TRITON_OP", "0") == "1" and not triton_
 # rms_norm 88.7 -> 37.3 us a call, lora_linear 147.4 -> 119.3, the joined q/k/v backward (list arguments)
 # 728.9 -> 407.8.
 RUNTIME_TWINS: dict[OpOverload, OpOverload] = {}
-_RUNTIME_LIB = None if TRITON_OP else torch.library.Library("sloth_rt", "DEF")
+_RUNTIME_LIB = torch.library.Library("sloth_rt", "DEF")
 
 
 def add_twin(op: Any, fn: Callable) -> None:
-    """Define ``op``'s runtime twin computing ``fn`` (nothing under triton_op: Inductor launches those ops'
-    kernels itself). ``define`` does this; an op made by ``torch.library.custom_op`` directly calls it."""
-    if TRITON_OP:
-        return
+    """Define ``op``'s runtime twin computing ``fn`` (``define`` calls this)."""
     overload = op._opoverload
     schema = str(overload._schema)
     name = schema.split("(", 1)[0].split("::", 1)[1]
@@ -122,19 +114,14 @@ def add_twin_fake(op: Any, impl: Callable) -> None:
 
 def define(name: str, fn: Callable, mutates_args: tuple[str, ...] = ()) -> Any:
     """The operator ``name`` (e.g. "sloth::rms_norm") computing ``fn``, functional unless ``mutates_args`` names
-    the inputs it writes, and (with custom_op) its runtime twin."""
-    if TRITON_OP:
-        return torch.library.triton_op(name, fn, mutates_args=mutates_args)
+    the inputs it writes, and its runtime twin."""
     op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
     add_twin(op, fn)
     return op
 
 
 def fake(op: Any) -> Callable[[Callable], Callable]:
-    """Decorator registering ``impl`` as ``op``'s (and its twin's) fake (shape-only) implementation; under
-    triton_op the op's own function already is one, so ``impl`` is left unused."""
-    if TRITON_OP:
-        return lambda impl: impl
+    """Decorator registering ``impl`` as ``op``'s (and its twin's) fake (shape-only) implementation."""
 
     def register(impl: Callable) -> Callable:
         op.register_fake(impl)
@@ -142,20 +129,3 @@ def fake(op: Any) -> Callable[[Callable], Callable]:
         return impl
 
     return register
-
-
-def launch(kernel: Any) -> Any:
-    """``kernel`` as the op's function should launch it: ``launch(kernel)[grid](*args)``.
-
-    Tried and not kept: a launcher that kept each kernel's ``CompiledKernel`` under a specialisation key built
-    in Python and called its launcher directly, skipping ``JITFunction.run``. On the H200 it was slower than
-    Triton 3.6's own dispatch, whose argument specialisation is native code: 23.9 vs 16.4 us a launch, LoRA
-    step 277.5 vs 263.4 ms on one lease (benchmarks/results/2026-11-29_212631_launch_overhead.json and the
-    e2e records beside it; commit bfd1dc1). Tried again on 2026-12-06 and not kept either: Triton's own binder
-    and cache key, then torch's static launcher (the C launch Inductor uses for its kernels) instead of Triton's
-    launcher and launch metadata. On one H100 lease with Triton 3.6 it was no faster: 10.97 vs 11.13 us a launch,
-    the Qwen3-MoE step 49.9 vs 49.65 ms (medians), since most of a launch is the native specialisation and the C
-    launch, which both paths keep (benchmarks/results/2026-12-06_issue20_static_launch_h100.md, commit 8592dd2)."""
-    if TRITON_OP:
-        return torch.library.wrap_triton(kernel)
-    return kernel

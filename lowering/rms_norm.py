@@ -37,7 +37,7 @@ import triton.language as tl
 from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import round_to
 
 # A row lives in registers whole; past this the single-pass kernel would spill (the patterns' guard
@@ -182,7 +182,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, o
     y_ND = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0:
         block_m, block_d, num_warps = _block_sizes(n_rows, n_cols)
-        launch(_rms_norm_fwd_kernel)[(cdiv(n_rows, block_m),)](
+        _rms_norm_fwd_kernel[(cdiv(n_rows, block_m),)](
             x_ND, weight if weight is not None else x_ND, y_ND,
             n_rows, n_cols, x_ND.stride(0), y_ND.stride(0),
             float(eps), float(offset),
@@ -250,7 +250,7 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     blocks_per_prog = cdiv(n_blocks, n_progs)
     n_progs = cdiv(n_blocks, blocks_per_prog)
     dw_partial = torch.empty((n_progs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=x.device)
-    launch(_rms_norm_bwd_kernel)[(n_progs,)](
+    _rms_norm_bwd_kernel[(n_progs,)](
         dy_ND, x_ND, weight if weight is not None else x_ND, dx_ND, dw_partial,
         n_rows, n_cols, dy_ND.stride(0), x_ND.stride(0), dx_ND.stride(0), blocks_per_prog,
         float(eps), float(offset),

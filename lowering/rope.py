@@ -72,7 +72,7 @@ from .backend_choice import use_triton
 from .devices import check_one_device
 from .host_math import cdiv, next_power_of_2
 from .layout import empty_heads, in_heads_layout
-from .registration import define, fake, launch
+from .registration import define, fake
 from .rounding import round_to
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -304,7 +304,7 @@ def _launch(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, out_dt
         return ys
     if len(xs) == 1:  # the k slot gets no programs
         xs, ys, metas, n_blocks = xs * 2, ys * 2, metas * 2, n_blocks + [0]
-    launch(_rope_kernel)[(sum(n_blocks),)](
+    _rope_kernel[(sum(n_blocks),)](
         xs[0], xs[1], cos, sin, ys[0], ys[1],
         *metas[0], *metas[1],
         rot // 2, head - rot, n_blocks[0],

@@ -46,7 +46,7 @@ graph holds no casts: the projection's value is in d from float32 x and w. The o
 and b cast to d, as autocast's ``F.linear`` did, and computes the loss in float32 from those d logits, as
 autocast's cross-entropy does (on its fp32 list, or log_softmax's); compiler/autocast.py says how the dtype is
 read ("under autocast: in bfloat16"). Logits returned beside such a loss stay in autograd through the graph's own
-linear (compiler/returned_logits.py's node would multiply their gradient by the float32 w).
+linear (patterns/returned_logits.py's node would multiply their gradient by the float32 w).
 
 Logits with another user (returned to the caller, as every transformers ``*ForCausalLM`` does, or logged)
 still fuse: the loss becomes the sloth op and the chain nodes the other user reads stay, in the model's
@@ -82,7 +82,7 @@ from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (arg_of, insert_call, is_call, is_function, is_method, is_number, linear_parts,
                                  module_path, replace_and_erase, same_size, set_value, source_location, tensor_of,
                                  value_of)
-from ..compiler import returned_logits
+from . import returned_logits
 from ..compiler.options import PassOptions
 from ..compiler.families import Family
 from ..compiler.report import Report, Site
@@ -615,7 +615,7 @@ def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
 
 def _detach_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
     """Return the projection detached, with x as one more output, for the backend to put back into autograd on
-    a node that costs nothing when the logits are not differentiated (compiler/returned_logits.py). Only where
+    a node that costs nothing when the logits are not differentiated (patterns/returned_logits.py). Only where
     the projection itself is an output and read by nothing but the output and the loss, and w (and the bias)
     are graph inputs; False, changing nothing, otherwise."""
     output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
@@ -758,6 +758,7 @@ def anchor(node: fx.Node) -> bool:
 # The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
 DECLARATION = Family(FAMILY, fuse_cross_entropy_pass, order=80, anchor=anchor,
                      emits=("linear_cross_entropy",),
-                     reads=("return_logits",),
+                     reads=("return_logits",), records=(returned_logits.META_KEY,),
+                     after_compile=returned_logits.reattach_returned,
                      summary=("the LM head's linear and the loss in one chunked op, no `[N, V]` logits: shifted, "
                               "sliced, soft-capped, under autocast"))

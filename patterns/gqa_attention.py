@@ -30,7 +30,7 @@ Variants (on the canonical graph, whatever module wrote them), checked by shape,
 
 A site whose mask is a graph input another graph made (FSDP2's per-layer graphs, a graph break: the causal_mask
 family compiles such a graph twice, ``is_causal`` and as written, chosen per call) gets the grouped heads in its
-``is_causal`` version only (``GQA_WHEN_CAUSAL`` in the graph's meta, applied by compiler/mask_inputs.py): the
+``is_causal`` version only (``GQA_WHEN_CAUSAL`` in the graph's meta, applied by patterns/mask_inputs.py): the
 version as written keeps the mask and so its repeats.
 
 ``x.repeat(1, G, 1, 1)`` is another mapping (key head ``h % Hk``) and is not matched. Left as they were, with the
@@ -59,7 +59,7 @@ from .packed_attention import _sdpa_arguments
 
 FAMILY = "gqa_attention"
 # Graph meta key: the SDPA sites whose mask is chosen per call, to read grouped heads in the graph's is_causal
-# version: [(graph module, SDPA node, key heads node, value heads node)] (compiler/mask_inputs.py applies them).
+# version: [(graph module, SDPA node, key heads node, value heads node)] (patterns/mask_inputs.py applies them).
 GQA_WHEN_CAUSAL = "sloth_gqa_when_causal_sites"
 # torch's SDPBackend numbering (torch._fused_sdp_choice's answer): the kernel that repeats grouped heads itself.
 _MATH = 0
@@ -277,5 +277,6 @@ def _erase_chains(nodes: list[fx.Node]) -> None:
 
 # The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
 DECLARATION = Family(FAMILY, fuse_gqa_attention_pass, order=130, anchor=is_repeated_kv_attention, whole_module=True,
+                     records=(GQA_WHEN_CAUSAL,),
                      summary=("key and value heads repeated for SDPA -> SDPA's `enable_gqa=True` on the unrepeated "
                               "heads"))

@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..compiler.anchors import near
+from ..compiler.anchors import cut_by_graph_boundary, near, returned_only
 from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import (matrix_width, dtype_of, insert_call, is_call, is_number, linear_parts, module_path,
                                  replace_and_erase, source_location, tensor_of, value_of)
@@ -739,7 +739,44 @@ def anchor(node: fx.Node) -> bool:
 
 
 # The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
-DECLARATION = Family(FAMILY, fuse_lora_pass, order=90, anchor=anchor,
+LORA_CUT = cut_by_graph_boundary("the adapter's down-projection A(x) is returned to another graph that applies B and "
+                                  "adds it to the base")
+
+
+def _trained(weight: object) -> bool:
+    t = tensor_of(weight)
+    return t is not None and t.requires_grad
+
+
+def _is_adapter_down_projection(node: fx.Node, linears: list[tuple[fx.Node, tuple]]) -> bool:
+    """A linear with a trained weight of rank r below its input width, whose input a wider linear with a frozen
+    weight also reads (the base); a frozen router's logits are no adapter."""
+    parts = linear_parts(node)
+    if parts is None:
+        return False
+    x, w, _ = parts
+    rank, width_in = matrix_width(w, 0), matrix_width(w, 1)
+    if not (isinstance(rank, int) and isinstance(width_in, int) and rank < width_in and _trained(w)):
+        return False
+    source = x.args[0] if is_call(x, F.dropout) else x  # peft reads dropout(x) (identity when p = 0)
+    for other, (ox, ow, _) in linears:
+        if other is not node and (ox is source or ox is x) and not _trained(ow):
+            out = matrix_width(ow, 0)
+            if isinstance(out, int) and out > rank:
+                return True
+    return False
+
+
+def cut_sites(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, str]]:
+    """The family's ``cut_sites``: an adapter's down-projection A(x) ``gm`` returns, to which another graph applies B
+    and adds the base (a cut between an adapter and its base linear is the pass's own rejection)."""
+    linears = [(n, parts) for n in gm.graph.nodes if (parts := linear_parts(n)) is not None]
+    for node in gm.graph.nodes:
+        if returned_only(node) and _is_adapter_down_projection(node, linears):
+            yield node, LORA_CUT
+
+
+DECLARATION = Family(FAMILY, fuse_lora_pass, order=90, anchor=anchor, cut_sites=cut_sites,
                      emits=("lora_linear", "qlora_linear", "glu_lora_linear", "glu_qlora_linear",
                             "lora_linear_shared", "qlora_linear_shared", "lora_mlp_tiled"),
                      reads=("share_lora_input", "tiled_mlp", "tiled_mlp_recompute"),

@@ -702,16 +702,16 @@ def fuse_moe_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: 
                              site.alpha, site.limit, *factors, *scales, site.gated,
                              *((True,) if options.moe_recompute else ())), meta_from=site.out)
         if value_of(fused) is None:  # (a tuple of four tensors when it ran)
-            # The op did not run on the graph's fakes (seen: SLOTH_TRITON_OP=1, where the op's function is its own
-            # fake and the values of a Dynamo graph come from more than one fake mode): the graph as it was.
+            # The op did not run on the graph's fakes (seen when the op's function was its own fake and the values of
+            # a Dynamo graph came from more than one fake mode): the graph as it was.
             inserted = [fused, *(n for n in (*factors, w1, w2) if isinstance(n, fx.Node) and not n.users
                                  and n.target is torch.transpose)]
             for node in inserted:
                 gm.graph.erase_node(node)
             if candidate.split is not None:
                 unjoin(candidate.split)
-            report.reject(FAMILY, anchor, "the fused op could not be evaluated on this graph's fake values "
-                                          "(SLOTH_TRITON_OP=1 does not take it): the experts run as written")
+            report.reject(FAMILY, anchor, "the fused op could not be evaluated on this graph's fake values: "
+                                          "the experts run as written")
             report.rejected_nodes.extend((FAMILY, n) for n in (second, *candidate.adapter_gemms) if n is not None)
             continue
         y = insert_call(gm.graph, site.out, operator.getitem, (fused, 0), meta_from=site.out)

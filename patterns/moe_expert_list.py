@@ -293,12 +293,12 @@ def fuse_expert_lists(gm: fx.GraphModule, report: Report, options: PassOptions) 
                             (site.x, site.idx, site.w, w1, w2, site.act, None, None, False, 1.702, 7.0, None, None,
                              None, None, 1.0, 1.0, site.gated, *((True,) if options.moe_recompute else ())),
                             meta_from=at)
-        if value_of(fused) is None:  # (the op did not run on the graph's fakes: SLOTH_TRITON_OP=1)
+        if value_of(fused) is None:  # (the op did not run on the graph's fakes: patterns/moe.py)
             for node in (fused, w2, w1, *stacks):
                 if not node.users and node.graph is graph:
                     graph.erase_node(node)
-            report.reject(FAMILY, anchor, "the fused op could not be evaluated on this graph's fake values "
-                                          "(SLOTH_TRITON_OP=1 does not take it): the experts run as written")
+            report.reject(FAMILY, anchor, "the fused op could not be evaluated on this graph's fake values: "
+                                          "the experts run as written")
             report.rejected_nodes.extend((FAMILY, g) for g in others)
             continue
         y = insert_call(graph, at, operator.getitem, (fused, 0), meta_from=at)

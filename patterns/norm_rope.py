@@ -16,12 +16,11 @@ it saves). The rope pass calls ``join_qk_norms`` on each q/k pair it made; it jo
 - the two norms give one dtype (the op's ``norm_dtype``) and their eps and offsets are numbers, not graph inputs.
 
 Otherwise the three ops stay as they are, which is correct and merely slower: nothing to report as left. The
-report's two rms_norm sites and the rope site then name ``sloth.norm_rope``. ``SLOTH_NORM_ROPE=0`` (read when
-sloth is imported) leaves every pair unjoined, for A/B measurements.
+report's two rms_norm sites and the rope site then name ``sloth.norm_rope``. ``JOIN = False`` leaves every pair
+unjoined, for A/B measurements (benchmarks/variants.py's ``norm_rope_apart``).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
@@ -31,7 +30,7 @@ from ..compiler.fx_utils import arg_of, insert_call, is_last_dim, same_size, ten
 from ..compiler.report import Report
 from ..lowering.layout import empty_heads, is_bshd
 
-JOIN = os.environ.get("SLOTH_NORM_ROPE", "1") != "0"
+JOIN = True  # False leaves the q/k norms and RoPE apart, for measuring the join (benchmarks/variants.py)
 
 
 def qk_rms_norm_pattern(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6,

@@ -12,7 +12,7 @@ does not fix: no proof is possible there. Two ways make such a tensor known caus
 
 A graph reading a mask input runs its ``is_causal`` version only for a tensor whose recorded verdict is causal and
 which is unchanged since (its version counter), else its version with the mask as written
-(compiler/mask_inputs.py). The check exists for masks no graph can prove: under FSDP2 transformers' mask is
+(patterns/mask_inputs.py). The check exists for masks no graph can prove: under FSDP2 transformers' mask is
 computed from position ids an eager frame made, so every step's mask is a new tensor, checked once (a 2 x 2048 x
 2048 bool mask is two small reductions), and read by every layer's graph.
 

@@ -91,14 +91,11 @@ def test_chunk_count_follows_the_sizes(monkeypatch):
     assert attention_chunks.chunk_count(node) == 2  # no finer than one key head a chunk
 
 
-@pytest.mark.parametrize("case", ["dropout", "mask", "disabled"])
+@pytest.mark.parametrize("case", ["dropout", "mask"])
 def test_left_whole_where_the_split_would_change_the_math(case, small_thresholds, monkeypatch):
     args = _inputs(8, 2, torch.float32)
     gm = make_fx(_traced(dropout=0.1 if case == "dropout" else 0.0, mask=case == "mask"), tracing_mode="fake")(*args)
-    if case == "disabled":
-        monkeypatch.setattr(attention_chunks, "ENABLED", False)
-    else:
-        assert attention_chunks.chunk_count(_backward_node(gm)) == 1
+    assert attention_chunks.chunk_count(_backward_node(gm)) == 1
     assert attention_chunks.chunk_attention_backwards(gm.graph) == 0
     assert len([n for n in gm.graph.nodes if n.target == _BACKWARD]) == 1
 
@@ -121,11 +118,11 @@ def test_an_output_nothing_reads_goes_with_its_copies(small_thresholds):
 
 def _checkpointed_step(model, ids, enabled: bool, monkeypatch):
     """Loss, gradients, and the generated code's calls of an SDPA backward kernel (on a cache hit too)."""
-    monkeypatch.setattr(attention_chunks, "ENABLED", enabled)
     torch._dynamo.reset()
     sloth.reset_report()
     # The backend function, not its name: a checkout that is not pip-installed (the device's) has no entry point.
-    run = torch.compile(model, backend=functools.partial(sloth.sloth_backend, options={}))
+    options = {} if enabled else {"disable": ["attention_chunks"]}
+    run = torch.compile(model, backend=functools.partial(sloth.sloth_backend, options=options))
     (loss, grads), codes = run_and_get_code(lambda: loss_and_grads(model, ids, run=run))
     calls = sum(len(re.findall(r"aten\._scaled_dot_product_\w+_attention\w*_backward\.default\(", code))
                 for code in codes)

@@ -3,9 +3,10 @@
 One table, ``CASES``: a case is an op and an input kind (id ``<op>-<input>``) and the outcome the op must give:
 
   EAGER          eager PyTorch's answer: the op's pattern function (patterns/*.py; for the 4-bit dequantisation
-                 its plain-PyTorch reference) on the same inputs, forward and the gradient of every
-                 differentiable input, by the tolerance rule (tests/tolerance.py) against the pattern in
-                 float64; bit for bit for the dequantisation, which is exact. NaN where eager has NaN.
+                 and the MoE routers, which have none, their plain-PyTorch reference) on the same inputs,
+                 forward and the gradient of every differentiable input, by the tolerance rule
+                 (tests/tolerance.py) against the pattern in float64; bit for bit for the dequantisation, which
+                 is exact. NaN where eager has NaN.
   Raises(...)    a TypeError or ValueError whose message names the problem.
   NAN            where eager raises but checking would need a host sync: no error and no crash, a NaN
                  value (never a finite one) and gradients of the inputs' shapes with NaN in them; eager is
@@ -44,10 +45,10 @@ import torch.nn.functional as F
 import sloth
 import sloth.lowering.linear_cross_entropy as lce_lowering
 from sloth.lowering.glu import glu
-from sloth.lowering.glu_lora import glu_lora_linear
+from sloth.lowering.glu_lora import glu_lora_linear, register_4bit as register_glu_qlora
 from sloth.lowering.linear_cross_entropy import linear_cross_entropy
 from sloth.lowering.lora import lora_linear
-from sloth.lowering.lora_shared import lora_linear_shared
+from sloth.lowering.lora_shared import lora_linear_shared, register as register_lora_shared
 from sloth.lowering.nf4 import dequantize_4bit, dequantize_4bit_reference
 from sloth.lowering.qlora import qlora_linear
 from sloth.lowering.l2_norm import l2_norm
@@ -55,6 +56,10 @@ from sloth.lowering.layer_norm import layer_norm
 from sloth.lowering.rms_norm import rms_norm
 from sloth.lowering.norm_rope import norm_rope
 from sloth.lowering.rope import rope, rope_single
+from sloth.lowering.moe_router import moe_router, moe_router_reference
+from sloth.lowering.moe_router_biased import moe_router_biased, moe_router_biased_reference
+from sloth.lowering.sink_attention import sink_attention, window_bounds
+from sloth.lowering.tiled_mlp import lora_mlp_tiled
 from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
 from sloth.patterns.glu import swiglu_pattern
 from sloth.patterns.lora import lora_pattern
@@ -63,6 +68,7 @@ from sloth.patterns.layer_norm import layer_norm_pattern
 from sloth.patterns.norm_rope import qk_norm_rope_pattern
 from sloth.patterns.rms_norm import rms_norm_pattern
 from sloth.patterns.rope import rope_rotate_half_pattern, rope_single_pattern
+from sloth.patterns.sink_attention import sink_attention_pattern
 from op_checks import StayFloat64, force_fallback
 from tolerance import ATOL, assert_close, rms
 
@@ -201,8 +207,91 @@ def _qlora_inputs(rows, dtype):
                 a=(torch.randn(2, 64, generator=g) / 8).to(dtype), b=(torch.randn(5, 2, generator=g) / 2).to(dtype))
 
 
-def _qlora_weight(packed, absmax, dtype):
-    return dequantize_4bit_reference(packed, absmax, NF4_BLOCK, "nf4", NF4_SHAPE, dtype)
+def _tiled_mlp_inputs(rows, dtype):
+    # a LoRA MLP: gate and up [8, 16], down [5, 8], rank 2 each
+    g = seeded(18)
+    t = {"x": torch.randn(rows, 16, generator=g)}
+    for name, (n, k) in (("g", (8, 16)), ("u", (8, 16)), ("d", (5, 8))):
+        t[f"w{name}"], t[f"a{name}"] = torch.randn(n, k, generator=g) / 4, torch.randn(2, k, generator=g) / 4
+        t[f"b{name}"] = torch.randn(n, 2, generator=g) / 2
+    return {k: v.to(dtype) for k, v in t.items()}
+
+
+def _qlora_weight(packed, absmax, dtype, n_out: int = NF4_SHAPE[0]):
+    return dequantize_4bit_reference(packed, absmax, NF4_BLOCK, "nf4", (n_out, NF4_SHAPE[1]), dtype)
+
+
+def _qlora_shared_inputs(rows, dtype):
+    # as _lora_shared_inputs over 4-bit bases: two members of 5 and 4 output features, rank 2
+    g = seeded(16)
+    t = {"x": torch.randn(rows, 64, generator=g).to(dtype)}
+    for i, n in enumerate((5, 4)):
+        t[f"packed{i}"], t[f"absmax{i}"] = _nf4_weight(g, n)
+        t[f"a{i}"] = (torch.randn(2, 64, generator=g) / 8).to(dtype)
+        t[f"b{i}"] = (torch.randn(n, 2, generator=g) / 2).to(dtype)
+    return t
+
+
+def _qlora_shared(x, packed0, absmax0, a0, b0, packed1, absmax1, a1, b1):
+    """``torch.ops.sloth.qlora_linear_shared`` (no Python wrapper: the pass calls the op) without double
+    quantisation, as its two members' outputs."""
+    register_lora_shared()
+    *ys, _ = torch.ops.sloth.qlora_linear_shared(x, [packed0, packed1], [absmax0, absmax1], [], [], [], [5, 4],
+                                                 NF4_SHAPE[1], NF4_BLOCK, "nf4", [None, None], torch.cat([a0, a1]),
+                                                 [b0, b1], 2.0)
+    return tuple(ys)
+
+
+def _glu_qlora_inputs(rows, dtype):
+    # as _glu_lora_inputs over a 4-bit base [5, 64]
+    g = seeded(17)
+    packed, absmax = _nf4_weight(g, NF4_SHAPE[0])
+    t = dict(gate=torch.randn(rows, 64, generator=g), up=torch.randn(rows, 64, generator=g),
+             a=torch.randn(2, 64, generator=g) / 8, b=torch.randn(5, 2, generator=g) / 2)
+    return {**{k: v.to(dtype) for k, v in t.items()}, "packed": packed, "absmax": absmax}
+
+
+def _glu_qlora(gate, up, packed, absmax, a, b):
+    """``torch.ops.sloth.glu_qlora_linear`` (no Python wrapper: the pass calls the op) without double
+    quantisation."""
+    register_glu_qlora()
+    y, _ = torch.ops.sloth.glu_qlora_linear(gate, up, "silu", packed, absmax, None, None, None, *NF4_SHAPE,
+                                            NF4_BLOCK, "nf4", None, a, b, 2.0)
+    return y
+
+
+SINK_WINDOW = 2  # narrower than the 3 tokens: the window's start moves
+
+
+def _sink_attention_inputs(rows, dtype):
+    # [b, h, s, d] q (2 heads), k and v (1 head: grouped), one sink logit per query head; rows are tokens.
+    g = seeded(13)
+    t = dict(q=torch.randn(1, 2, rows, 8, generator=g), k=torch.randn(1, 1, rows, 8, generator=g),
+             v=torch.randn(1, 1, rows, 8, generator=g), sinks=torch.randn(2, generator=g))
+    return {k: v.to(dtype) for k, v in t.items()}
+
+
+def _window_mask(tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive [T, T] mask of the causal window the op is given: 0 where i - W < j <= i, -inf elsewhere."""
+    i = torch.arange(tokens)
+    allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - SINK_WINDOW)
+    return torch.zeros(tokens, tokens, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+def _router_inputs(rows, dtype):
+    # 8 experts; no two logits of a row tie, in fp16 either (the chosen experts do not depend on rounding)
+    return dict(logits=torch.randn(rows, 8, generator=seeded(14)).to(dtype))
+
+
+def _router_biased_inputs(rows, dtype):
+    g = seeded(15)
+    return dict(logits=torch.randn(rows, 8, generator=g).to(dtype), bias=(0.5 * torch.randn(8, generator=g)).to(dtype))
+
+
+def _routed(w: torch.Tensor, idx: torch.Tensor, experts: int = 8) -> torch.Tensor:
+    """The routing as one dense [T, E] tensor (w at the chosen experts, 0 elsewhere): a wrong index is a wrong
+    value, and the weights keep their gradient."""
+    return torch.zeros(w.shape[0], experts, dtype=w.dtype, device=w.device).scatter(1, idx, w)
 
 
 RMS_NORM = Op("rms_norm", _rms_norm_inputs, lambda x, w: rms_norm(x, w, 1e-6),
@@ -237,6 +326,45 @@ QLORA = Op("qlora_linear", _qlora_inputs,
                                                         2.0),
            lambda x, packed, absmax, a, b: lora_pattern(x, _qlora_weight(packed, absmax, x.dtype), None, a, b, 2.0),
            grads=("x", "a", "b"))
+SINK_ATTENTION = Op(
+    "sink_attention", _sink_attention_inputs,
+    lambda q, k, v, sinks: sink_attention(q, k, v, sinks, window_bounds(q, SINK_WINDOW), 8 ** -0.5),
+    lambda q, k, v, sinks: sink_attention_pattern(q, k, v, sinks, _window_mask(q.shape[2], q.dtype), 8 ** -0.5),
+    grads=("q", "k", "v", "sinks"))
+# softmax over the 8 experts, top 2, renormalised (Mixtral); the routers have no pattern function: their eager twin
+# is the lowering's plain-PyTorch reference (fp32 inside, as transformers' routers)
+MOE_ROUTER = Op("moe_router", _router_inputs,
+                lambda logits: _routed(*moe_router(logits, 2, True, True)),
+                lambda logits: _routed(*moe_router_reference(logits, 2, True, True, torch.float32)),
+                grads=("logits",))
+# sigmoid scores plus the bias choose 2 experts within the best 1 of 2 groups (DeepSeek-V3's router, small)
+_BIASED = dict(k=2, score="sigmoid", choose_logits=False, n_group=2, topk_group=1, group_top2=True,
+               fill=float("-inf"), renorm=1, eps=1e-20)
+MOE_ROUTER_BIASED = Op(
+    "moe_router_biased", _router_biased_inputs,
+    lambda logits, bias: _routed(*moe_router_biased(logits, bias, **_BIASED)),
+    lambda logits, bias: _routed(*moe_router_biased_reference(logits, bias, **_BIASED, out_dtype=torch.float32)),
+    grads=("logits",))  # the bias only chooses: no gradient, as in eager
+QLORA_SHARED = Op(
+    "qlora_linear_shared", _qlora_shared_inputs, _qlora_shared,
+    lambda x, packed0, absmax0, a0, b0, packed1, absmax1, a1, b1: (
+        lora_pattern(x, _qlora_weight(packed0, absmax0, x.dtype, 5), None, a0, b0, 2.0),
+        lora_pattern(x, _qlora_weight(packed1, absmax1, x.dtype, 4), None, a1, b1, 2.0)),
+    grads=("x", "a0", "b0", "a1", "b1"))
+GLU_QLORA = Op("glu_qlora_linear", _glu_qlora_inputs, _glu_qlora,
+               lambda gate, up, packed, absmax, a, b: lora_pattern(swiglu_pattern(gate, up),
+                                                                   _qlora_weight(packed, absmax, gate.dtype), None, a,
+                                                                   b, 2.0),
+               grads=("gate", "up", "a", "b"))
+# two rows a block: 3 rows make a full block and a partial one
+TILED_MLP = Op(
+    "lora_mlp_tiled", _tiled_mlp_inputs,
+    lambda x, wg, ag, bg, wu, au, bu, wd, ad, bd: lora_mlp_tiled(x, [wg, wu], [None, None], [ag, au], [bg, bu], 2.0,
+                                                                 "silu", wd, None, ad, bd, 2.0, tile_rows=2),
+    lambda x, wg, ag, bg, wu, au, bu, wd, ad, bd: lora_pattern(
+        swiglu_pattern(lora_pattern(x, wg, None, ag, bg, 2.0), lora_pattern(x, wu, None, au, bu, 2.0)), wd, None, ad,
+        bd, 2.0),
+    grads=("x", "ag", "bg", "au", "bu", "ad", "bd"))
 NF4 = Op("dequantize_4bit", _nf4_inputs,
          lambda packed, absmax, shape, dtype: dequantize_4bit(packed, absmax, NF4_BLOCK, "nf4", shape, dtype),
          lambda packed, absmax, shape, dtype: dequantize_4bit_reference(packed, absmax, NF4_BLOCK, "nf4", shape, dtype),
@@ -434,6 +562,64 @@ CASES = [
     case(QLORA, "zero-stride", EAGER),
     case(QLORA, "empty", EAGER),
     case(QLORA, "two-devices", Raises(ValueError, "sloth.qlora_linear: " + _device("a", "x")), "a"),
+
+    # The op checks q, k, v and the bounds as document attention does, under that name.
+    case(SINK_ATTENTION, "float64", Raises(ValueError, r"sloth.document_attention: q has dtype torch\.float64")),
+    case(SINK_ATTENTION, "fp16", EAGER),
+    case(SINK_ATTENTION, "non-contiguous", EAGER),
+    case(SINK_ATTENTION, "transposed", EAGER),
+    case(SINK_ATTENTION, "zero-stride", EAGER),
+    case(SINK_ATTENTION, "empty", EAGER),
+    case(SINK_ATTENTION, "two-devices", Raises(ValueError, "sloth.sink_attention: " + _device("sinks", "q")), "sinks"),
+
+    case(MOE_ROUTER, "float64", Raises(ValueError, r"sloth.moe_router: logits must be a float32/bfloat16/float16 "
+                                                   r"\[tokens, experts\] tensor, got torch\.float64")),
+    case(MOE_ROUTER, "fp16", EAGER),
+    case(MOE_ROUTER, "non-contiguous", EAGER),
+    case(MOE_ROUTER, "transposed", EAGER),
+    case(MOE_ROUTER, "zero-stride", EAGER),
+    case(MOE_ROUTER, "empty", EAGER),
+
+    case(MOE_ROUTER_BIASED, "float64", Raises(ValueError, r"sloth.moe_router_biased: logits must be a "
+                                                          r"float32/bfloat16/float16 \[tokens, experts\] tensor, got "
+                                                          r"torch\.float64")),
+    case(MOE_ROUTER_BIASED, "fp16", EAGER),
+    case(MOE_ROUTER_BIASED, "non-contiguous", EAGER),
+    case(MOE_ROUTER_BIASED, "transposed", EAGER),
+    case(MOE_ROUTER_BIASED, "zero-stride", EAGER),
+    case(MOE_ROUTER_BIASED, "empty", EAGER),
+    # Found by this row: the op checked no devices and returned uninitialised weights and indices.
+    case(MOE_ROUTER_BIASED, "two-devices", Raises(ValueError, "sloth.moe_router_biased: " + _device("bias", "logits")),
+         "bias"),
+
+    # The 4-bit ops dequantise their bases first: a float64 input asks the dequantisation for a float64 weight.
+    # The two-devices rows found that their fakes checked no devices: a meta input beside CPU ones returned
+    # uninitialised outputs.
+    case(QLORA_SHARED, "float64", Raises(TypeError, "sloth.nf4: dtype " + F64)),
+    case(QLORA_SHARED, "fp16", EAGER),
+    case(QLORA_SHARED, "non-contiguous", EAGER),
+    case(QLORA_SHARED, "transposed", EAGER),
+    case(QLORA_SHARED, "zero-stride", EAGER),
+    case(QLORA_SHARED, "empty", EAGER),
+    case(QLORA_SHARED, "two-devices", Raises(ValueError, r"sloth.qlora_linear_shared: " + _device(r"bs\[1\]", "x")),
+         "b1"),
+
+    case(GLU_QLORA, "float64", Raises(TypeError, "sloth.nf4: dtype " + F64)),
+    case(GLU_QLORA, "fp16", EAGER),
+    case(GLU_QLORA, "non-contiguous", EAGER),
+    case(GLU_QLORA, "transposed", EAGER),
+    case(GLU_QLORA, "zero-stride", EAGER),
+    case(GLU_QLORA, "empty", EAGER),
+    case(GLU_QLORA, "two-devices", Raises(ValueError, "sloth.glu_qlora_linear: " + _device("a", "gate")), "a"),
+
+    # The tiled MLP checks its projections as lora_linear does, under that name.
+    case(TILED_MLP, "float64", Raises(TypeError, r"sloth.lora_linear: x, w \(and bias\) " + F64_SHARED)),
+    case(TILED_MLP, "fp16", EAGER),
+    case(TILED_MLP, "non-contiguous", EAGER),
+    case(TILED_MLP, "transposed", EAGER),
+    case(TILED_MLP, "zero-stride", EAGER),
+    case(TILED_MLP, "empty", EAGER),
+    case(TILED_MLP, "two-devices", Raises(ValueError, "sloth.lora_mlp_tiled: " + _device("a_d", "x")), "ad"),
 
     case(NF4, "float64", Raises(TypeError, "sloth.nf4: dtype " + F64)),
     case(NF4, "fp16", EAGER),

@@ -2,6 +2,7 @@
 name modules, options and switches that exist; the runner's time limit and summary work (no GPU, a few seconds)."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import index, suites
+from benchmarks import index, suites, variants
+from sloth.compiler.options import parse_options
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT_DIRS = ("compiler", "lowering", "patterns", "runtime")
@@ -89,6 +91,25 @@ def test_suite_steps_exist(suite):
                     assert f'"{arg}"' in source, f"{step.module} defines no {arg} ({suite.name}:{step.name})"
             for key, _ in step.env:
                 assert key in product, f"{key} is read nowhere in {', '.join(PRODUCT_DIRS)} ({step.name})"
+            for flag, value in zip(step.argv, step.argv[1:]):
+                if flag == "--sloth-variant":
+                    assert value in variants.VARIANTS, f"{step.name}: no measurement variant {value!r}"
+                if flag == "--sloth-options":
+                    parse_options(json.loads(value))  # every option and pass name it gives still exists
+
+
+@pytest.mark.parametrize("name", sorted(variants.VARIANTS))
+def test_every_measurement_variant_sets_what_exists(name, monkeypatch):
+    """benchmarks/variants.py's variants set module constants sloth still has (else a run measures the default)."""
+    import sloth.compiler.recompute as recompute
+    from sloth.lowering import glu_lora, lora, moe, moe_routing
+    from sloth.patterns import norm_rope
+
+    for module in (recompute, glu_lora, lora, moe, moe_routing, norm_rope):
+        for key, value in vars(module).items():
+            if key.isupper():
+                monkeypatch.setattr(module, key, value)  # each variant's change undone after the test
+    variants.apply([name])
 
 
 def test_list_and_dry_run():

@@ -436,7 +436,7 @@ def test_returned_logits_are_what_the_loss_reads(fn):
 
 def test_returned_logits_not_differentiated_cost_no_backward_matmul():
     # A compiled graph materialises a zero gradient for each differentiable output the caller leaves alone;
-    # the returned logits are put back into autograd outside it (compiler/returned_logits.py), so a backward
+    # the returned logits are put back into autograd outside it (patterns/returned_logits.py), so a backward
     # of the loss alone runs no matmul over the vocabulary, and one through the logits gets their gradient.
     from op_checks import RecordOps
 

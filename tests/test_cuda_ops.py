@@ -20,6 +20,7 @@ import test_norm_rope_op as norm_rope_tests
 import test_rope_op as rope_tests
 import test_sink_attention_op as sink_tests
 import test_tiled_mlp_op as tiled_tests
+from op_checks import record_launches
 import sloth.lowering.moe as moe
 from sloth.lowering.norm_rope import norm_rope
 from sloth.lowering.rope import rope
@@ -69,8 +70,8 @@ def test_moe_experts_on_cuda(T, H, I, E, K, unused, dtype, gemm, monkeypatch):
 def test_moe_routing_on_cuda(tokens, top_k, n_experts, one_expert, dtype, monkeypatch):
     import sloth.lowering.moe_routing as moe_routing
 
-    launched = []
-    monkeypatch.setattr(moe_routing, "launch", lambda kernel: launched.append(kernel) or kernel)
+    launched = record_launches(monkeypatch, moe_routing, "_route_counts_kernel", "_route_scatter_kernel",
+                               "_invert_order_kernel")
     g = torch.Generator(device="cuda").manual_seed(tokens + n_experts)
     index = torch.full((tokens, top_k), 7, dtype=dtype, device="cuda") if one_expert else \
         torch.randint(0, n_experts, (tokens, top_k), generator=g, dtype=dtype, device="cuda")

@@ -114,3 +114,36 @@ def test_the_declaration_on_the_extending_page_is_found(tmp_path, monkeypatch):
     between = [f.name for f in DECLARED if f.order < found.order][-1:] + \
         [f.name for f in DECLARED if f.order > found.order][:1]
     assert between == ["glu", "cross_entropy"]  # what the page says: after glu
+
+
+# Declared ops without a row in tests/test_bad_input.py yet, each with why; a declared op that is neither covered nor
+# listed here fails below, as does one listed here that has gained its rows (the list only shrinks).
+BAD_INPUT_GAPS = {
+    "document_attention": "a packed-attention op whose bounds come from the runtime (runtime/packing.py)",
+    "moe_experts": "tests/test_moe_op.py checks its values and its input checks",
+    "window_bounds": "an index helper of sink_attention's, no float input",
+}
+
+
+def _test_source(name: str) -> str:
+    with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("family", DECLARED, ids=lambda f: f.name)
+def test_every_declared_op_has_op_tests_on_the_gpu_lane_and_bad_input_rows(family):
+    """Built from the declarations: each op a family emits is exercised by a file the GPU lane runs (its op tests,
+    CPU and CUDA: benchmarks/gpu_lane.py's ``lane_files``) and has rows in tests/test_bad_input.py's table, so a new
+    family's op cannot ship without either."""
+    from benchmarks.gpu_lane import lane_files
+
+    lane = {name: _test_source(name) for name in lane_files()}
+    bad_input = _test_source("test_bad_input.py")
+    for op in family.emits:
+        assert any(re.search(rf"\b{op}\b", text) for text in lane.values()), \
+            f"sloth.{op} ({family.name}) appears in no file of the GPU lane: {sorted(lane)}"
+        has_rows = re.search(rf'Op\(\s*"{op}"', bad_input) is not None
+        if op in BAD_INPUT_GAPS:
+            assert not has_rows, f"sloth.{op} has bad-input rows now: drop it from BAD_INPUT_GAPS"
+        else:
+            assert has_rows, f"sloth.{op} ({family.name}) has no row in tests/test_bad_input.py's CASES"

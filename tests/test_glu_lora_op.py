@@ -102,7 +102,7 @@ def test_4bit_base_matches_the_composed_patterns(dtype, nested, device):
 def test_the_backward_takes_hidden_from_the_glu_backward(monkeypatch, dtype, activation, merged, device):
     # The backward's hidden comes from the GLU backward's pass (written over d_hidden), not from a GLU forward
     # launch of its own, and every gradient is bit for bit the recomputing backward's
-    # (SLOTH_GLU_LORA_FUSED_HIDDEN=0).
+    # (FUSED_HIDDEN False).
     from sloth.lowering import glu as glu_lowering
     from sloth.lowering import glu_lora as glu_lora_lowering
 

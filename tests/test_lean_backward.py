@@ -168,11 +168,11 @@ def test_pass_leaves_activations_it_does_not_own(case):
 def _checkpointed_step(model, ids, enabled: bool, monkeypatch, options=None):
     """Loss, gradients, and the generated code's calls of sloth ops by name (the forward graph's and the
     backward's together)."""
-    monkeypatch.setattr(lean_backward, "ENABLED", enabled)
     torch._dynamo.reset()
     sloth.reset_report()
     # The backend function, not its name: a checkout that is not pip-installed (the device's) has no entry point.
-    run = torch.compile(model, backend=functools.partial(sloth.sloth_backend, options=options or {}))
+    options = {**(options or {}), **({} if enabled else {"disable": ["lean_backward"]})}
+    run = torch.compile(model, backend=functools.partial(sloth.sloth_backend, options=options))
     (loss, grads), codes = run_and_get_code(lambda: loss_and_grads(model, ids, run=run))
     calls: dict[str, int] = {}
     for name in (m for code in codes for m in re.findall(r"torch\.ops\.sloth_rt\.(\w+)\.default\(", code)):

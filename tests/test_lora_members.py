@@ -125,7 +125,7 @@ def test_dequantize_members_bad_inputs():
 @pytest.mark.parametrize("split_launch", [True, False], ids=["split", "tf32x3"])
 def test_members_of_other_modes_refused(device, split_launch, monkeypatch):
     """Members whose x (or p) dtypes differ are refused with the reason, also where both take one product mode
-    (tf32x3 for fp32 and, with SLOTH_LORA_DOWN_SPLIT=0, bf16 activations): the kernel cannot select between
+    (tf32x3 for fp32 and, with DOWN_SPLIT_LAUNCH off, bf16 activations): the kernel cannot select between
     pointers of two types."""
     monkeypatch.setattr(lora, "DOWN_SPLIT_LAUNCH", split_launch)
     x = [torch.randn(4, 8, device=device).bfloat16(), torch.randn(4, 8, device=device)]

@@ -1,6 +1,6 @@
 """A causal mask made in one graph and read in others (graph breaks, FSDP2's per-module graphs, DDP's splits):
 the making graph proves it and marks the tensor it returns, the reading graphs run ``is_causal`` only for a
-marked, unchanged tensor (patterns/causal_mask.py, compiler/mask_inputs.py, runtime/proven_masks.py).
+marked, unchanged tensor (patterns/causal_mask.py, patterns/mask_inputs.py, runtime/proven_masks.py).
 
 A hand-written model whose graph breaks between the mask and each layer: the loss and every gradient equal
 eager's, the layers' SDPA sites are reported, and every call took the causal version. A mask the caller builds

@@ -195,7 +195,7 @@ def test_gpt_oss_frozen_experts_and_biases(dtype, device):
 
 def planned_backend(dtype: torch.dtype, device: str) -> str:
     """The backend lowering/moe.py's ``_grouped_mm_plan`` takes for the aligned shape (H=32, I=16, 34 rows over 4
-    experts) under SLOTH_MOE_GEMM=auto: on the CPU torch._grouped_mm's kernel (every float); on a GPU of sm90 or
+    experts) under GEMM_CHOICE "auto": on the CPU torch._grouped_mm's kernel (every float); on a GPU of sm90 or
     later bf16 is "mixed" (_grouped_mm, with Triton's GEMM where the tokens are read through the order: 8.5 rows an
     expert, under GATHER_ROWS_PER_EXPERT), on sm80 Triton's GEMM; fp32 on a GPU the reference (``_triton_gemm_runs``:
     not fp32 there, and torch._grouped_mm's fast kernel is bf16 only)."""
@@ -265,7 +265,7 @@ def test_grouped_gemm_backends_agree(monkeypatch, dtype, act, gated, backend, de
 @pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "plain-cpu"])
 def test_pattern_and_plan_agree_on_the_reference(monkeypatch, choice, interpreted):
     # patterns/moe.py refuses large experts where the op would take its reference GEMM (gemm_runs False); the op's
-    # plan must then be the reference and otherwise not, under every SLOTH_MOE_GEMM and with or without the
+    # plan must then be the reference and otherwise not, under every GEMM_CHOICE and with or without the
     # interpreter (found in review: gemm_runs said yes under "triton" on a plain CPU while the plan took the reference).
     monkeypatch.setattr(lowering, "GEMM_CHOICE", choice)
     monkeypatch.setattr(lowering, "triton_interpreter_on", lambda: interpreted)
@@ -336,7 +336,7 @@ def test_lora_on_gpt_oss_and_ungated_experts_on_every_backend(monkeypatch, varia
 def test_no_host_sync_and_nothing_of_size_T_by_E(variant, route, monkeypatch, device):
     # No .item()/.tolist() (aten._local_scalar_dense) and no nonzero (data-dependent shape), forward or backward;
     # GPT-OSS's variant with its biases and their gradients, and LoRA on the experts, too; with either dispatch
-    # (lowering/moe_routing.py's counting sort, or SLOTH_MOE_ROUTE=sort's PyTorch ops).
+    # (lowering/moe_routing.py's counting sort, or ROUTE_CHOICE "sort"'s PyTorch ops).
     monkeypatch.setattr(moe_routing, "ROUTE_CHOICE", route)
     T, H, I, E, K = 13, 24, 20, 7, 2
     x, index, weights, gate_up, down, _ = make_inputs(T, H, I, E, K, gated=variant != "ungated", device=device)

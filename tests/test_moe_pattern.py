@@ -453,8 +453,8 @@ def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
 def test_an_op_that_cannot_run_on_the_fakes_leaves_the_experts_with_reason(model_type, monkeypatch) -> None:
-    # Seen under SLOTH_TRITON_OP=1: the op's value could not be computed on the graph's fakes, and the pass then
-    # failed on it (an AttributeError out of the backend). Now the graph stays as it was (GPT-OSS's transposed
+    # Seen when the op was registered as a triton_op (since removed): its value could not be computed on the graph's
+    # fakes, and the pass then failed on it (an AttributeError out of the backend). Now the graph stays as it was (GPT-OSS's transposed
     # weight views, inserted for the op, removed again) and the report says why.
     from sloth.patterns import moe as pattern_moe
 
@@ -470,8 +470,8 @@ def test_an_op_that_cannot_run_on_the_fakes_leaves_the_experts_with_reason(model
     ours, eager, reference, report = _compare(model, torch.float32)
     assert not report.counts.get("moe_route"), str(report)
     reasons = {r.reason for r in report.rejections if r.family == "moe_route"}
-    assert reasons == {"the fused op could not be evaluated on this graph's fake values (SLOTH_TRITON_OP=1 does "
-                       "not take it): the experts run as written"}, reasons
+    assert reasons == {"the fused op could not be evaluated on this graph's fake values: the experts run as written"}, \
+        reasons
     assert not report.unexplained.get("moe_route"), str(report)
     assert_model_close(ours, eager, reference, torch.float32)
 

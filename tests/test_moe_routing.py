@@ -7,18 +7,15 @@ import torch
 
 import sloth.lowering.moe_routing as moe_routing
 from sloth.lowering.moe_routing import route, route_reference
+from op_checks import record_launches
+
+KERNELS = ("_route_counts_kernel", "_route_scatter_kernel", "_invert_order_kernel")
 
 
 @pytest.fixture(autouse=True)
 def launches(monkeypatch):
-    """The kernels ``route`` launches, by name (the interpreter runs them here, as a GPU would)."""
-    names = []
-
-    def counted(kernel):
-        names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
-        return kernel
-    monkeypatch.setattr(moe_routing, "launch", counted)
-    return names
+    """The kernels ``route`` launches, as (name, grid, keywords) (the interpreter runs them here, as a GPU would)."""
+    return record_launches(monkeypatch, moe_routing, *KERNELS)
 
 
 def _check_equal(index: torch.Tensor, n_experts: int) -> moe_routing.Routing:
@@ -42,7 +39,7 @@ def test_counting_sort_equals_the_stable_sort(tokens, top_k, n_experts, dtype, l
     g = torch.Generator().manual_seed(tokens)
     index = torch.randint(0, n_experts, (tokens, top_k), generator=g, dtype=dtype)
     routing = _check_equal(index, n_experts)
-    assert launches == ["_route_counts_kernel", "_route_scatter_kernel"]  # the kernels ran, not the fallback
+    assert [name for name, _, _ in launches] == ["_route_counts_kernel", "_route_scatter_kernel"]  # the kernels ran, not the fallback
     assert routing.offs[-1] == tokens * top_k
 
 
@@ -92,7 +89,7 @@ def test_invert_order_gives_the_routes_inverse_and_tokens(tokens, top_k, launche
     index = torch.randint(0, 16, (tokens, top_k), generator=torch.Generator().manual_seed(tokens))
     routing = route_reference(index, 16)
     inverse, token = moe_routing.invert_order(routing.order, top_k)
-    assert launches == ["_invert_order_kernel"]
+    assert [name for name, _, _ in launches] == ["_invert_order_kernel"]
     assert torch.equal(inverse, routing.inverse) and torch.equal(token, routing.token)
     with pytest.raises(ValueError, match="top_k must be at least 1"):
         moe_routing.invert_order(routing.order, 0)

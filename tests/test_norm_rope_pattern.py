@@ -163,7 +163,7 @@ def test_not_joined_where_a_norm_must_stay(case, monkeypatch):
     model = NormedQueryReadTwice(k_norm=case != "k-without-norm")
     model.return_normed_q = case == "normed-q-read-elsewhere"
     if case == "switched-off":
-        monkeypatch.setattr(pattern_module, "JOIN", False)  # SLOTH_NORM_ROPE=0
+        monkeypatch.setattr(pattern_module, "JOIN", False)  # benchmarks/variants.py's norm_rope_apart
     x = torch.randn(2, 5, 32)
     cos, sin = _rope_tables(5, 16)
     graphs: list = []
@@ -180,7 +180,7 @@ def test_not_joined_where_a_norm_must_stay(case, monkeypatch):
 
 
 def test_backward_recomputes_the_rotated_pair_instead_of_keeping_it(monkeypatch):
-    # SLOTH_NORM_ROPE_RECOMPUTE=1 (off by default: compiler/recompute.py says why)
+    # benchmarks/variants.py's norm_rope_recompute (off by default: compiler/recompute.py says why)
     import sloth.compiler.recompute as recompute
 
     monkeypatch.setattr(recompute, "RECOMPUTED_OPS", (*recompute.RECOMPUTED_OPS, "norm_rope"))

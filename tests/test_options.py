@@ -35,7 +35,8 @@ def test_defaults():
     assert options == Options() == parse_options({})[0]
     assert dataclasses.asdict(options) == dict(
         inner="inductor", patterns=None, report=False, return_logits=True, recompute=True, share_lora_input=True,
-        offload=None, tiled_mlp=None, moe_recompute=False, mask_check=True, dump=None, attention=None)
+        offload=None, tiled_mlp=None, moe_recompute=False, mask_check=True, dump=None, attention=None,
+        disable=())
     assert options.pass_options() == PassOptions(tiled_mlp=0, tiled_mlp_recompute=False)
     assert PassOptions() == PassOptions(return_logits=True, recompute=True, share_lora_input=True, tiled_mlp=0,
                                         tiled_mlp_recompute=True, mask_check=True, moe_recompute=False, top_level=True)
@@ -65,6 +66,8 @@ VALUES = [
     ({"tiled_mlp": {"rows": 8, "recompute": False}}, "tiled_mlp", TiledMlpOptions(8, False)),
     ({"tiled_mlp": {"recompute": False}}, "tiled_mlp", TiledMlpOptions(DEFAULT_TILE_ROWS, False)),
     ({"tiled_mlp": {"rows": False}}, "tiled_mlp", None),
+    ({"disable": "lean_backward"}, "disable", ("lean_backward",)),
+    ({"disable": ["rms_norm", "runtime_twins", "offload"]}, "disable", ("rms_norm", "runtime_twins", "offload")),
 ]
 
 
@@ -96,6 +99,9 @@ BAD = [
     *[({name: "yes"}, f"sloth: {name} must be True or False, got 'yes'") for name in BOOLS],
     ({"inner": "nvcc"}, r"inner must be one of \['inductor', 'aot_eager', 'eager'\], got 'nvcc'"),
     ({"patterns": ["rms_norm", "nope"]}, r"unknown pattern family \['nope'\]; known: \["),
+    ({"disable": ["lean_backwards"]}, r"disable: unknown pass\(es\) \['lean_backwards'\] \('lean_backwards': did you "
+                                      r"mean 'lean_backward'\?\); the passes are the families \["),
+    ({"disable": 3}, "disable must be a pass name or a list of them, got 3"),
     ({"attention": "flash"}, "attention must be a non-empty list of SDPA backends"),
     ({"attention": []}, "attention must be a non-empty list of SDPA backends"),
     ({"attention": ["flash", "fa3"]}, "attention must be a non-empty list of SDPA backends"),

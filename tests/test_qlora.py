@@ -45,16 +45,19 @@ def op_args(packed, state) -> dict:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("quant_type,blocksize,nested,bias", [
     ("nf4", 64, True, False), ("nf4", 128, False, True), ("fp4", 64, False, False), ("fp4", 128, True, True)])
-def test_op_against_the_pattern_on_bitsandbytes_weights(dtype, quant_type, blocksize, nested, bias):
+def test_op_against_the_pattern_on_bitsandbytes_weights(dtype, quant_type, blocksize, nested, bias, device):
+    # Quantised on the CPU by bitsandbytes, then every tensor moved to ``device`` (the GPU lane's CUDA run).
     n, k, r = 45, 70, 5
     packed, state = quantized(n, k, quant_type, blocksize, nested, dtype)
-    w = dequantize_4bit(packed, state).to(dtype)  # bitsandbytes' own dequantisation: the op must agree
+    w = dequantize_4bit(packed, state).to(device, dtype)  # bitsandbytes' own dequantisation: the op must agree
     gen = seeded(6)
-    x = torch.randn(3, 7, k, generator=gen).to(dtype)
-    a = torch.randn(r, k, generator=gen) / k**0.5
-    b = torch.randn(n, r, generator=gen) / r**0.5
-    bias_t = torch.randn(n, generator=gen).to(dtype) if bias else None
-    args = op_args(packed, state)
+    x = torch.randn(3, 7, k, generator=gen).to(device, dtype)
+    a = (torch.randn(r, k, generator=gen) / k**0.5).to(device)
+    b = (torch.randn(n, r, generator=gen) / r**0.5).to(device)
+    bias_t = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    args = {key: value.to(device) if isinstance(value, torch.Tensor) else value
+            for key, value in op_args(packed, state).items()}
+    packed = packed.to(device)
 
     def fused(x, a, b):
         return qlora_linear(x, packed, args["absmax"], args["out_features"], args["in_features"], args["blocksize"],

@@ -74,7 +74,7 @@ def test_lora_model_recomputes_the_norms_the_adapters_read(dtype):
         assert sloth.report().recomputed == ({"rms_norm": 5} if recompute else {}), str(sloth.report())
     # Saving: each layer's two norm outputs are kept for the adapters' weight gradients. The final norm's feeds
     # the fused loss, which forms its gradient in the forward and keeps nothing of it, and it is one output more:
-    # the input of the returned logits, for their gradient should one arrive (compiler/returned_logits.py).
+    # the input of the returned logits, for their gradient should one arrive (patterns/returned_logits.py).
     assert _saved_norm_outputs(graphs[False]["forward"]) == 4 + 1
     assert _norm_calls(graphs[False]["backward"]) == 0
     # Recomputing: none of the layers' kept, all four recomputed in the backward from the residual stream it

@@ -1,4 +1,4 @@
-"""Runtime twins (lowering/registration.py, compiler/runtime_ops.py): Inductor's compiled graphs call
+"""Runtime twins (lowering/registration.py, compiler/late_passes.py): Inductor's compiled graphs call
 ``sloth_rt::*`` instead of the custom ops, with the same results; a user's own post-grad pass still runs."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 from pattern_checks import seeded
-from sloth.compiler.runtime_ops import swap_to_runtime_twins
+from sloth.compiler.late_passes import swap_to_runtime_twins
 from sloth.lowering import registration
 
 
@@ -116,9 +116,8 @@ def test_inference_graphs_call_the_twins_too() -> None:
     torch.testing.assert_close(got, want.detach())
 
 
-def test_switched_off_the_custom_ops_stay(monkeypatch) -> None:
-    monkeypatch.setenv("SLOTH_RUNTIME_TWINS", "0")
-    _, calls = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(5)), {})
+def test_switched_off_the_custom_ops_stay() -> None:
+    _, calls = _step(NormLoRA(), torch.randn(2, 24, generator=seeded(5)), {"disable": ["runtime_twins"]})
     assert calls and not any("sloth_rt" in line for line in calls), calls
 
 
@@ -149,28 +148,23 @@ def test_swap_leaves_other_nodes_alone() -> None:
 
 
 
-@pytest.mark.parametrize("inner, switch, expected", [
-    ("aot_eager", None, dict.fromkeys(("runtime_twins", "lean_backward", "attention_chunks"),
-                                      "inner='aot_eager': they are Inductor post-grad passes")),
-    ("inductor", ("SLOTH_RUNTIME_TWINS", "0"), dict.fromkeys(
-        ("runtime_twins", "lean_backward", "attention_chunks"),
-        "SLOTH_RUNTIME_TWINS=0 removes the post-grad pass that carries it")),
-    ("inductor", ("lean_backward", False), {"lean_backward": "SLOTH_LEAN_BACKWARD=0"}),
-    ("inductor", ("attention_chunks", False), {"attention_chunks": "SLOTH_ATTENTION_CHUNKS=0"}),
-    ("inductor", None, {}),
+@pytest.mark.parametrize("inner, disabled, expected", [
+    ("aot_eager", (), dict.fromkeys(("runtime_twins", "lean_backward", "attention_chunks"),
+                                    "inner='aot_eager': an Inductor post-grad pass")),
+    ("inductor", ("runtime_twins",), {"runtime_twins": "switched off by the disable option"}),
+    ("inductor", ("lean_backward", "rms_norm"), {"lean_backward": "switched off by the disable option"}),
+    ("aot_eager", ("attention_chunks",), {**dict.fromkeys(("runtime_twins", "lean_backward"),
+                                                          "inner='aot_eager': an Inductor post-grad pass"),
+                                          "attention_chunks": "switched off by the disable option"}),
+    ("inductor", ("offload",), {}),
+    ("inductor", (), {}),
 ])
-def test_post_grad_passes_off_name_each_switch(monkeypatch, inner, switch, expected):
-    # A post-grad pass switched off (an environment switch, or an inner compiler that runs none) is named with the
-    # reason (issue 55: they vanished without a word).
-    from sloth.compiler import attention_chunks, lean_backward
-    from sloth.compiler.runtime_ops import post_grad_passes_off
+def test_passes_off_name_each_switch(inner, disabled, expected):
+    # A partition / post-grad pass that will not run (switched off by name, or an inner compiler that runs none) is
+    # named with the reason (issue 55: they vanished without a word); one off by default (offload) is not listed.
+    from sloth.compiler.late_passes import passes_off
 
-    if switch and switch[0] == "SLOTH_RUNTIME_TWINS":
-        monkeypatch.setenv(*switch)
-    elif switch:
-        monkeypatch.setattr({"lean_backward": lean_backward, "attention_chunks": attention_chunks}[switch[0]],
-                            "ENABLED", switch[1])
-    assert post_grad_passes_off(inner) == expected
+    assert passes_off(inner, disabled) == expected
 
 
 def test_the_report_names_the_post_grad_passes_that_did_not_run():
@@ -179,5 +173,32 @@ def test_the_report_names_the_post_grad_passes_that_did_not_run():
     sloth.reset_report()
     torch._dynamo.reset()
     torch.compile(NormLoRA(), backend="sloth", options={"inner": "aot_eager"})(torch.randn(3, 24))
-    assert ("post-grad passes off: runtime_twins, lean_backward, attention_chunks (inner='aot_eager': they are "
-            "Inductor post-grad passes)") in str(sloth.report()), str(sloth.report())
+    assert ("partition / post-grad passes off: runtime_twins, lean_backward, attention_chunks (inner='aot_eager': an "
+            "Inductor post-grad pass)") in str(sloth.report()), str(sloth.report())
+
+
+def test_each_post_grad_pass_is_timed_and_one_switched_off_is_named_and_skipped():
+    import sloth
+
+    sloth.reset_report()
+    torch._dynamo.reset()
+    # Inductor's FX graph cache off: on a hit no post-grad pass runs, so none would be timed.
+    model, x = NormLoRA(), torch.randn(3, 24, generator=seeded(6), requires_grad=True)
+    run = torch.compile(model, backend="sloth", options={"disable": ["attention_chunks"], "fx_graph_cache": False})
+    run(x).sum().backward()
+    report = sloth.report()
+    assert "attention_chunks (switched off by the disable option)" in str(report), str(report)
+    assert {"runtime_twins", "lean_backward"} <= set(report.pass_seconds), report.pass_seconds
+    assert "attention_chunks" not in report.pass_seconds, report.pass_seconds
+
+
+def test_a_family_switched_off_by_name_does_not_run():
+    import sloth
+
+    sloth.reset_report()
+    torch._dynamo.reset()
+    torch.compile(NormLoRA(), backend="sloth", options={"inner": "aot_eager", "disable": ["rms_norm"]})(
+        torch.randn(3, 24))
+    report = sloth.report()
+    assert "rms_norm" in report.disabled and not report.counts.get("rms_norm"), str(report)
+    assert report.counts.get("lora"), str(report)

@@ -311,7 +311,7 @@ def test_every_kernel_compiles_for_the_h200(monkeypatch):
     too_big = [(name, shared) for name, _, shared, _, _ in results if shared > H200_SHARED_BYTES]
     assert not too_big, too_big
     # A nested absmax is rounded twice (bitsandbytes' two ops) even with fp fusion on, as Inductor compiles a
-    # user kernel under SLOTH_TRITON_OP=1 (these launches are compiled with Triton's default, fusion on):
+    # user kernel (these launches are compiled with Triton's default, fusion on):
     # explicitly rounded PTX multiply and add, no FMA.
     nested = [(name, rounded) for name, constants, _, rounded, _ in results
               if name == "_dequantize_absmax_kernel" or

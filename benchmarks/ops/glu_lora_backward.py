@@ -1,6 +1,6 @@
 """The LoRA MLP's down-projection backward (sloth::glu_lora_linear_backward) with the GLU output written by
 the GLU's backward over d_hidden (lowering/glu_lora.py, the default) against the recomputing form
-(SLOTH_GLU_LORA_FUSED_HIDDEN=0: a GLU forward pass of its own before the LoRA backward).
+(``FUSED_HIDDEN = False``: a GLU forward pass of its own before the LoRA backward).
 
     python -m benchmarks.ops.glu_lora_backward        (CUDA; on the CPU a smoke run at small shapes)
 

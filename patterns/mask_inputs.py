@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from ..patterns.causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS, set_causal
-from ..patterns.gqa_attention import GQA_WHEN_CAUSAL, set_grouped
+from .causal_mask import MASK_INPUT_SITES, PROVEN_OUTPUTS, set_causal
+from .gqa_attention import GQA_WHEN_CAUSAL, set_grouped
 from ..runtime import proven_masks
 
 

@@ -76,3 +76,10 @@ def reattach(compiled: Callable, slots: list[ReturnedLogitsSlot]) -> Callable:
         return type(returned)(outputs) if isinstance(returned, tuple) else outputs
 
     return run
+
+
+def reattach_returned(gm: Any, compiled: Callable) -> Callable:
+    """The cross-entropy family's ``after_compile``: ``compiled`` reattached where its pass recorded slots in
+    ``gm.meta[META_KEY]``, else as it is."""
+    slots = gm.meta.get(META_KEY)
+    return reattach(compiled, slots) if slots else compiled
