@@ -22,7 +22,7 @@ A pass has the pipeline's one signature
 It gets everything a built-in one gets: it runs on the top-level graph and on every subgraph body (unless
 ``whole_module``, which runs once on the top level and reaches into the bodies itself), after
 canonicalisation, with the report and the options; it is timed in ``report.pass_seconds``, shown in the graph
-dumps and switched off by name like any family (``options={"patterns": [...]}``). With an ``anchor`` (a
+dumps and switched off by name like any family (``options={"disable": [...]}``). With an ``anchor`` (a
 predicate on canonical-graph nodes, one per site a user would expect handled) every anchor the pass neither
 replaced nor explained with ``report.reject`` is reported as unexplained (compiler/anchors.py).
 """
@@ -140,7 +140,7 @@ def register_family(name: str, run: GraphPass, *, anchor: Optional[Anchor] = Non
 
 def unregister_family(name: str) -> None:
     """Remove a family registered with ``register_family`` (sloth's built-in ones stay: switch them off with
-    ``options={"patterns": [...]}``)."""
+    ``options={"disable": [...]}``)."""
     for i, entry in enumerate(_registry):
         if entry.name == name:
             if entry.builtin:

@@ -8,9 +8,9 @@ Every pass has one signature:
 except those that would change what it returns to its caller (``return_logits``, ``top_level``).
 
 ``canonicalize`` runs first, on the graph and every subgraph body (every pattern assumes canonical
-spellings); then each family registered in compiler/families.py (sloth's own, registered below in roadmap
-order, and a user's) runs in registry order, unless switched off by name through
-``options={"patterns": [...]}``. A family pass runs on the graph and on each subgraph body, except a
+spellings); then each family registered in compiler/families.py (sloth's own, registered below in their declared
+order, and a user's) runs in registry order, unless switched off by name (``options={"disable": [...]}``, or
+left out of ``options={"patterns": [...]}``). A family pass runs on the graph and on each subgraph body, except a
 ``whole_module`` one, which runs once on the top-level graph and reaches into the bodies itself (the causal
 mask: a body receives it from its caller). Then every enabled family's anchors left in the graphs are
 checked for a reason (compiler/anchors.py), and ``recompute`` marks what the backward should recompute
