@@ -11,6 +11,12 @@ To measure again (about 35 minutes on 2 cores), then rewrite the list:
 
     python -m pytest tests -q --slow --durations=0 > durations.txt
     python tests/slow.py durations.txt
+
+Or, when CI nears its limit, add the default run's slowest (about 12 minutes): every test of at least
+``ADD_THRESHOLD_S`` but those of ``KEEP``, one whole-model run of each kind that CI keeps on purpose:
+
+    python -m pytest tests -q --durations=0 > durations.txt
+    python tests/slow.py --add durations.txt
 """
 from __future__ import annotations
 
@@ -20,6 +26,12 @@ import re
 import sys
 
 THRESHOLD_S = 4.0
+ADD_THRESHOLD_S = 5.0
+# Whole-model tests the default run keeps however long they take: a transformers model through every family in fp32
+# and in bf16, a partial-rotary one, and the loss without logits.
+KEEP = {"test_models.py::test_model_matches_eager[fp32-llama]", "test_models.py::test_model_matches_eager[bf16-qwen3]",
+        "test_models.py::test_partial_rotary_model_matches_eager[phi]",
+        "test_models.py::test_return_logits_false_drops_the_logits[llama]"}
 LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow.txt")
 
 
@@ -29,12 +41,30 @@ def read() -> set[str]:
         return {line.strip() for line in f if line.strip() and not line.startswith("#")}
 
 
-def write(durations_output: str) -> int:
+def _seconds(durations_output: str) -> collections.Counter:
     seconds: collections.Counter = collections.Counter()
     for line in durations_output.splitlines():
         match = re.match(r"\s*([\d.]+)s (?:call|setup|teardown)\s+(\S+)", line)
         if match:
             seconds[match.group(2)] += float(match.group(1))
+    return seconds
+
+
+def add(durations_output: str) -> int:
+    """Add the default run's tests of at least ADD_THRESHOLD_S, but KEEP's, to the list; how many were added."""
+    listed = read()
+    new = {n for n, s in _seconds(durations_output).items() if s >= ADD_THRESHOLD_S and n not in KEEP} - listed
+    with open(LIST, encoding="utf-8") as f:
+        header = f.readline()
+    with open(LIST, "w", encoding="utf-8") as f:
+        f.write(header.rstrip("\n").removesuffix(f", and the default run's >= {ADD_THRESHOLD_S:g} s")
+                + f", and the default run's >= {ADD_THRESHOLD_S:g} s\n" if new else header)
+        f.writelines(f"{n}\n" for n in sorted(listed | new))
+    return len(new)
+
+
+def write(durations_output: str) -> int:
+    seconds = _seconds(durations_output)
     slow = sorted(n for n, s in seconds.items() if s >= THRESHOLD_S)
     with open(LIST, "w", encoding="utf-8") as f:
         f.write(f"# tests that took >= {THRESHOLD_S:g} s on the CPU (tests/slow.py writes this file; --slow runs them)\n")
@@ -43,5 +73,9 @@ def write(durations_output: str) -> int:
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1], encoding="utf-8") as f:
-        print(f"{write(f.read())} slow tests listed in {LIST}")
+    if sys.argv[1] == "--add":
+        with open(sys.argv[2], encoding="utf-8") as f:
+            print(f"{add(f.read())} slow tests added to {LIST}")
+    else:
+        with open(sys.argv[1], encoding="utf-8") as f:
+            print(f"{write(f.read())} slow tests listed in {LIST}")
