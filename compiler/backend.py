@@ -27,6 +27,7 @@ from .late_passes import passes_off, with_post_grad_passes
 from .options import INNER_COMPILERS, OFFLOAD_NEEDS_PARTITION, check_attention, parse_options
 from .families import compile_with_families, families, pass_records
 from .pipeline import run_passes
+from .planner import Plan, StepFacts, plan, step_facts
 from .report import Report
 
 log = logging.getLogger("sloth")
@@ -145,6 +146,14 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     """
     _warn_if_interpreter_unused()
     opts, inductor_options = parse_options(options)  # every bad option fails here, before any work
+    # The memory savers the plan chooses for this step, where the user pinned none (compiler/planner.py). A planner
+    # that raises chooses nothing and says why: never a crash of the user's step.
+    try:
+        step_plan = plan(opts.memory, step_facts(gm, example_inputs), opts.inner)
+    except Exception as error:
+        step_plan = Plan("off", StepFacts(0, False, False),
+                         reason=f"the planner raised ({type(error).__name__}: {error}), so no saver was chosen")
+    opts = step_plan.apply(opts)
     inner, attention, offload = opts.inner, opts.attention, opts.offload
     chosen = [f for f in (families() if opts.patterns is None else opts.patterns) if f not in opts.disable]
     if "offload" in opts.disable:
@@ -159,11 +168,11 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     gm.meta = {k: v for k, v in gm.meta.items() if k not in records}
     fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
     late_off = passes_off(inner, opts.disable)
-    graph_report = Report(passes_off=dict(late_off))
+    graph_report = Report(passes_off=dict(late_off), plan=[step_plan.describe(opts)])
     rewritten = run_passes(gm, example_inputs, chosen, graph_report, pass_options, opts.dump)
     refused = subclass_guard.sloth_op_on_subclass(rewritten) if fallback is not None else None
     if refused:  # a sloth op would read a DTensor: the graph as it was, every site reported with the reason
-        graph_report = Report(passes_off=dict(late_off))
+        graph_report = Report(passes_off=dict(late_off), plan=[step_plan.describe(opts)])
         rewritten = run_passes(fallback, example_inputs, chosen, graph_report, pass_options, opts.dump,
                                refuse=refused)
     gm = rewritten

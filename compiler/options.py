@@ -17,6 +17,8 @@ from .families import families
 
 # What compiles the rewritten graph: Inductor, AOTAutograd without codegen, or plain eager (the ``inner`` option).
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+# The ``memory`` option's goals (compiler/planner.py).
+MEMORY_GOALS = ("auto", "min", "off")
 # Names for the ``attention`` option: PyTorch's SDPA backends.
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 DEFAULT_MIN_BYTES = 64 * 2**20  # below this (8k tokens of a 4096-wide model in bf16) a copy costs more than it frees
@@ -59,6 +61,8 @@ class TiledMlpOptions:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Every sloth option, as ``parse_options`` reads it from the user's dict; the defaults are the product's."""
+    memory: str = "auto"
+    """The memory goal the plan's savers follow (compiler/planner.py): "auto", "min" or "off"."""
     inner: str = "inductor"
     """What compiles the rewritten graph: "inductor", or "aot_eager" / "eager" for debugging."""
     patterns: Optional[tuple[str, ...]] = None
@@ -86,6 +90,8 @@ class Options:
     """SDPA backends in priority order, from ``SDPA_BACKENDS``; None: PyTorch's own choice."""
     disable: tuple[str, ...] = ()
     """Passes switched off by name: families, and the partition / post-grad passes of compiler/late_passes.py."""
+    given: frozenset[str] = frozenset()
+    """Not an option: the names the user gave, whose values the plan leaves as they are."""
 
     def pass_options(self) -> "PassOptions":
         """What the passes read."""
@@ -140,7 +146,7 @@ class PassOptions:
     top_level: bool = True
 
 
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options) if f.name != "given")
 
 
 def parse_options(user: Optional[dict[str, Any]]) -> tuple[Options, dict[str, Any]]:
@@ -160,7 +166,11 @@ def parse_options(user: Optional[dict[str, Any]]) -> tuple[Options, dict[str, An
     inner = user.get("inner", "inductor")
     if inner not in INNER_COMPILERS:
         raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
+    memory = user.get("memory", "auto")
+    if memory not in MEMORY_GOALS:
+        raise ValueError(f"sloth: memory must be one of {list(MEMORY_GOALS)}, got {memory!r}")
     options = Options(
+        memory=memory,
         inner=inner,
         patterns=_patterns(user.get("patterns")),
         report=bool(user.get("report", False)),
@@ -174,6 +184,7 @@ def parse_options(user: Optional[dict[str, Any]]) -> tuple[Options, dict[str, An
         dump=dump_root(user.get("dump")),
         attention=check_attention(user.get("attention")),
         disable=_disable(user.get("disable", ())),
+        given=frozenset(k for k in user if k in OPTION_NAMES),
     )
     # Checks across options, before any work.
     if options.offload is not None and inner == "eager":

@@ -62,6 +62,8 @@ class Report:
     failed: dict = dataclasses.field(default_factory=dict)
     # late pass name -> why it did not run on these graphs (compiler/late_passes.py passes_off)
     passes_off: dict = dataclasses.field(default_factory=dict)
+    # the plan's line for each graph (compiler/planner.py), one per distinct plan
+    plan: list = dataclasses.field(default_factory=list)
     # folders the graphs were dumped into (the ``dump`` option, compiler/dump.py)
     dumps: list = dataclasses.field(default_factory=list)
     # what ran the sloth ops of these graphs, as the first line says (lowering/backend_choice.py execution_path)
@@ -131,6 +133,7 @@ class Report:
             self.failed.setdefault(name, reason)
         for name, reason in other.passes_off.items():
             self.passes_off.setdefault(name, reason)
+        self.plan += [line for line in other.plan if line not in self.plan]
         for family, where in other.unexplained.items():
             self.unexplained[family] = self.unexplained.get(family, []) + where
 
@@ -141,6 +144,8 @@ class Report:
         if self.failed:
             out.append("  passes that raised and were undone (a bug in sloth; the graph ran as the pass found it): "
                        + "; ".join(f"{name}: {reason}" for name, reason in self.failed.items()))
+        for line in self.plan:
+            out.append(f"  plan: {line}")
         if self.disabled:
             out.append(f"  disabled passes: {', '.join(self.disabled)}")
         if self.passes_off:

@@ -34,9 +34,9 @@ def test_defaults():
     assert inductor == {}
     assert options == Options() == parse_options({})[0]
     assert dataclasses.asdict(options) == dict(
-        inner="inductor", patterns=None, report=False, return_logits=True, recompute=True, share_lora_input=True,
+        memory="auto", inner="inductor", patterns=None, report=False, return_logits=True, recompute=True, share_lora_input=True,
         offload=None, tiled_mlp=None, moe_recompute=False, mask_check=True, dump=None, attention=None,
-        disable=())
+        disable=(), given=frozenset())
     assert options.pass_options() == PassOptions(tiled_mlp=0, tiled_mlp_recompute=False)
     assert PassOptions() == PassOptions(return_logits=True, recompute=True, share_lora_input=True, tiled_mlp=0,
                                         tiled_mlp_recompute=True, mask_check=True, moe_recompute=False, top_level=True)
@@ -116,7 +116,7 @@ BAD = [
     *[({"tiled_mlp": v}, TILED) for v in (0, -4, 2.5, "yes", {"rows": 8, "recompute": "no"}, {"blocks": 8})],
     ({"offload": True, "inner": "eager"}, "offload acts on AOTAutograd's forward/backward partition"),
     ({"max_autotune": True, "inner": "eager"}, r"options \['max_autotune'\] are Inductor settings, but inner='eager'"),
-    ({"zzzq": 1}, r"unknown option\(s\) \['zzzq'\]; sloth's own options are \['inner', "),
+    ({"zzzq": 1}, r"unknown option\(s\) \['zzzq'\]; sloth's own options are \['memory', 'inner', "),
 ]
 
 
