@@ -10,6 +10,7 @@ autograd, so the backward graph holds sloth's backward kernels and Inductor fuse
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import warnings
@@ -154,10 +155,10 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         step_plan = Plan("off", StepFacts(0, False, False),
                          reason=f"the planner raised ({type(error).__name__}: {error}), so no saver was chosen")
     opts = step_plan.apply(opts)
+    if "offload" in opts.disable:
+        opts = dataclasses.replace(opts, offload=None)
     inner, attention, offload = opts.inner, opts.attention, opts.offload
     chosen = [f for f in (families() if opts.patterns is None else opts.patterns) if f not in opts.disable]
-    if "offload" in opts.disable:
-        offload = None
     pass_options = opts.pass_options()
 
     # The graph's own meta dict, without what sloth's passes record there: Dynamo's DDP optimizer gives every

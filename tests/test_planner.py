@@ -115,3 +115,12 @@ def test_a_planner_that_raises_chooses_nothing_and_says_why(monkeypatch):
     torch.testing.assert_close(loss, model(x).detach())
     [line] = sloth.report().plan
     assert "the planner raised (RuntimeError: no facts today), so no saver was chosen" in line, line
+
+
+def test_offload_switched_off_by_name_is_off_in_the_plan_line():
+    model = Checkpointed(layers=2)
+    run = torch.compile(model, backend="sloth", options={"memory": "min", "inner": "aot_eager", "disable": "offload"})
+    _step(model, run, torch.randn(2, 7, 24))
+    [line] = sloth.report().plan
+    assert "offload" not in line and "moe_recompute" in line, line
+    assert sloth.report().offload == []
