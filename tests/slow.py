@@ -13,7 +13,8 @@ To measure again (about 35 minutes on 2 cores), then rewrite the list:
     python tests/slow.py durations.txt
 
 Or, when CI nears its limit, add the default run's slowest (about 12 minutes): every test of at least
-``ADD_THRESHOLD_S`` but those of ``KEEP``, one whole-model run of each kind that CI keeps on purpose:
+``ADD_THRESHOLD_S`` but those of ``KEEP`` (one whole-model run of each kind that CI keeps on purpose) and the fastest
+of them in a file that would otherwise keep fewer than ``MIN_LEFT`` tests in the default run:
 
     python -m pytest tests -q --durations=0 > durations.txt
     python tests/slow.py --add durations.txt
@@ -26,12 +27,14 @@ import re
 import sys
 
 THRESHOLD_S = 4.0
-ADD_THRESHOLD_S = 5.0
+ADD_THRESHOLD_S = 3.0
+MIN_LEFT = 3  # tests a file keeps in the default run at the least, whatever they take
 # Whole-model tests the default run keeps however long they take: a transformers model through every family in fp32
 # and in bf16, a partial-rotary one, and the loss without logits.
 KEEP = {"test_models.py::test_model_matches_eager[fp32-llama]", "test_models.py::test_model_matches_eager[bf16-qwen3]",
         "test_models.py::test_partial_rotary_model_matches_eager[phi]",
         "test_models.py::test_return_logits_false_drops_the_logits[llama]"}
+HEADER = f"# tests that took >= {THRESHOLD_S:g} s on the CPU (tests/slow.py writes this file; --slow runs them)"
 LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow.txt")
 
 
@@ -51,14 +54,20 @@ def _seconds(durations_output: str) -> collections.Counter:
 
 
 def add(durations_output: str) -> int:
-    """Add the default run's tests of at least ADD_THRESHOLD_S, but KEEP's, to the list; how many were added."""
+    """Add the default run's tests of at least ADD_THRESHOLD_S to the list, but KEEP's and, in each file, enough of
+    the fastest to leave it ``MIN_LEFT`` tests in the default run; how many were added."""
     listed = read()
-    new = {n for n, s in _seconds(durations_output).items() if s >= ADD_THRESHOLD_S and n not in KEEP} - listed
-    with open(LIST, encoding="utf-8") as f:
-        header = f.readline()
+    seconds = _seconds(durations_output)
+    left: collections.Counter = collections.Counter(n.split("::")[0] for n in seconds if n not in listed)
+    new = set()
+    for name in sorted((n for n, s in seconds.items() if s >= ADD_THRESHOLD_S and n not in KEEP and n not in listed),
+                       key=lambda n: -seconds[n]):
+        file = name.split("::")[0]
+        if left[file] > MIN_LEFT:
+            new.add(name)
+            left[file] -= 1
     with open(LIST, "w", encoding="utf-8") as f:
-        f.write(header.rstrip("\n").removesuffix(f", and the default run's >= {ADD_THRESHOLD_S:g} s")
-                + f", and the default run's >= {ADD_THRESHOLD_S:g} s\n" if new else header)
+        f.write(f"{HEADER}; and a default run's >= {ADD_THRESHOLD_S:g} s (tests/slow.py --add)\n")
         f.writelines(f"{n}\n" for n in sorted(listed | new))
     return len(new)
 
@@ -67,7 +76,7 @@ def write(durations_output: str) -> int:
     seconds = _seconds(durations_output)
     slow = sorted(n for n, s in seconds.items() if s >= THRESHOLD_S)
     with open(LIST, "w", encoding="utf-8") as f:
-        f.write(f"# tests that took >= {THRESHOLD_S:g} s on the CPU (tests/slow.py writes this file; --slow runs them)\n")
+        f.write(HEADER + "\n")
         f.writelines(f"{n}\n" for n in slow)
     return len(slow)
 
