@@ -409,7 +409,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     # Under --distributed only: one more step (a long-context step is minutes) for what the report undercounts.
     op_calls = sloth_op_calls(step) if sloth is not None and args.distributed != "none" else None
     offload_step = None
-    if sloth is not None and "offload" in json.loads(args.sloth_options):
+    if sloth is not None and sloth.report().offload:  # offload ran (the user's option or the plan)
         from sloth.runtime import offload as offload_runtime
 
         offload_runtime.reset_stats()
@@ -458,7 +458,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         # Calls of graphs reading a mask another graph made, by attention version run, and the masks checked on
         # the device (runtime/proven_masks.py), over the whole run.
         "mask versions": _mask_versions() if sloth is not None else None,
-        # sloth's own share of the warm-up (compile) time, per pass (compiler/pipeline.py run_passes)
+        # sloth's own share of the warm-up (compile) time, per pass: the pre-grad pipeline's (compiler/pipeline.py)
+        # and the post-grad passes' (compiler/late_passes.py)
         "sloth pass s": dict(report.pass_seconds) if report is not None else None,
         "sloth variants": list(args.sloth_variant) if sloth is not None else None,
         "sloth report": str(report) if report is not None else None,

@@ -150,9 +150,10 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     # The memory savers the plan chooses for this step, where the user pinned none (compiler/planner.py). A planner
     # that raises chooses nothing and says why: never a crash of the user's step.
     try:
-        step_plan = plan(opts.memory, step_facts(gm, example_inputs), opts.inner)
+        step_plan = plan(opts.memory, step_facts(gm, example_inputs), opts.inner,
+                         partitioner_taken=inductor_options.get("custom_partitioner_fn") is not None)
     except Exception as error:
-        step_plan = Plan("off", StepFacts(0, False, False),
+        step_plan = Plan(opts.memory, StepFacts(0, False, False, known=False),
                          reason=f"the planner raised ({type(error).__name__}: {error}), so no saver was chosen")
     opts = step_plan.apply(opts)
     if "offload" in opts.disable:

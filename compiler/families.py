@@ -39,8 +39,15 @@ import torch.fx as fx
 GraphPass = Callable[..., fx.GraphModule]
 Anchor = Callable[[fx.Node], bool]
 
-# Names of the pipeline's passes that are not families (keys of report.pass_seconds too).
+# Names of the pipeline's passes that are not families (keys of report.pass_seconds too); the partition and
+# post-grad passes' names (compiler/late_passes.py) are taken as well (``_taken_names``).
 RESERVED = ("canonicalize", "anchors", "recompute")
+
+
+def _taken_names() -> tuple[str, ...]:
+    from .late_passes import LATE_PASS_NAMES  # (imports Inductor's pass machinery: only when a user registers)
+
+    return RESERVED + LATE_PASS_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +123,9 @@ def register_family(name: str, run: GraphPass, *, anchor: Optional[Anchor] = Non
         kind = "a built-in family" if taken[name].builtin else "a family registered earlier"
         raise ValueError(f"sloth.register_family: {name!r} is already {kind}; pick another name "
                          "(sloth.unregister_family removes one you registered)")
-    if name in RESERVED:
+    if name in _taken_names():
         raise ValueError(f"sloth.register_family: {name!r} is the name of one of the pipeline's own passes "
-                         f"{list(RESERVED)}; pick another name")
+                         f"{list(_taken_names())}; pick another name")
     _check_signature(name, run)
     if anchor is not None and not callable(anchor):
         raise TypeError(f"sloth.register_family: anchor for {name!r} must be a predicate on fx nodes, "

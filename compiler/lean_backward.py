@@ -73,7 +73,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .fx_utils import is_attention_backward
 
 
-
 def _overloads(name: str) -> list[Any]:
     """``sloth::name`` and its runtime twin, where it has one."""
     from ..lowering import registration

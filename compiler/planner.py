@@ -19,8 +19,9 @@ The plan does not touch ``return_logits``: returning an empty tensor in place of
 returns, which only the user may decide.
 
 What the plan reads (``StepFacts``, from the graph Dynamo hands over, before any pass): the tokens a step runs (the
-rows of its widest linear layer's input), whether it holds checkpointed layers (``tag_activation_checkpoint``
-bodies), and whether it runs on a GPU.
+most rows any linear layer's input has), whether it holds checkpointed layers (``tag_activation_checkpoint``
+bodies), and whether it runs on a GPU. The plan line lists the savers turned on, whether or not the graph has a site
+for each (``moe_recompute`` under "min" in a model without experts changes nothing).
 """
 from __future__ import annotations
 
@@ -51,8 +52,11 @@ class StepFacts:
     tokens: int
     checkpointed: bool
     cuda: bool
+    known: bool = True  # False: the facts could not be read (the planner raised)
 
     def describe(self) -> str:
+        if not self.known:
+            return "facts unknown"
         return (f"{self.tokens} tokens, {'checkpointed layers' if self.checkpointed else 'no checkpointed layer'}, "
                 f"{'GPU' if self.cuda else 'CPU'}")
 
@@ -101,17 +105,20 @@ class Plan:
             on.append("moe_recompute")
         pinned = sorted(options.given & {"offload", "tiled_mlp", "moe_recompute"})
         return (f"memory={self.memory!r} ({self.facts.describe()}): {', '.join(on) or 'no memory saver'}"
-                + (f"; {self.reason}" if self.reason else "") + (f"; pinned by options: {', '.join(pinned)}"
-                                                                   if pinned else ""))
+                + (f"; {self.reason}" if self.reason else "")
+                + ("; offload switched off by the disable option" if "offload" in options.disable else "")
+                + (f"; pinned by options: {', '.join(pinned)}" if pinned else ""))
 
 
-def plan(memory: str, facts: StepFacts, inner: str = "inductor") -> Plan:
+def plan(memory: str, facts: StepFacts, inner: str = "inductor", partitioner_taken: bool = False) -> Plan:
     """The savers for goal ``memory`` on a step with ``facts`` compiled by ``inner`` (module docstring); offload only
-    where AOTAutograd partitions the graph (not ``inner="eager"``)."""
+    where AOTAutograd partitions the graph (not ``inner="eager"``) and the user gave Inductor no partitioner of their
+    own (``partitioner_taken``: ``custom_partitioner_fn``, which offload would replace)."""
     if memory not in MEMORY_GOALS:
         raise ValueError(f"sloth: memory must be one of {list(MEMORY_GOALS)}, got {memory!r}")
     tiled = TiledMlpOptions(TILE_ROWS, True) if facts.tokens > TILE_ROWS else None
-    offload = OffloadOptions(mid_layer=True) if facts.checkpointed and inner != "eager" else None
+    offload = (OffloadOptions(mid_layer=True) if facts.checkpointed and inner != "eager" and not partitioner_taken
+               else None)
     if memory == "off":
         return Plan(memory, facts, reason="memory='off'")
     if memory == "min":
@@ -120,4 +127,5 @@ def plan(memory: str, facts: StepFacts, inner: str = "inductor") -> Plan:
     if facts.cuda and facts.checkpointed and facts.tokens >= LONG_CONTEXT:
         return Plan(memory, facts, offload=offload, tiled_mlp=tiled,
                     reason=f"checkpointed, at least {LONG_CONTEXT} tokens on a GPU: measured leaner at no cost in time")
-    return Plan(memory, facts, reason=f"none measured to cost no time below {LONG_CONTEXT} checkpointed tokens on a GPU")
+    return Plan(memory, facts,
+                reason=f"none measured to cost no time below {LONG_CONTEXT} checkpointed tokens on a GPU")

@@ -32,8 +32,8 @@ from .options import PassOptions
 from .report import Report
 
 # Ops whose output is cheaper to recompute than to keep: memory-bound, one read of inputs that stay alive.
-# Not norm_rope (q/k norms and RoPE; benchmarks/variants.py adds it for measuring): its inputs (q and k before their norms)
-# are what its own backward keeps and its two outputs what attention's backward reads, so recomputing them saves
+# Not norm_rope (q/k norms and RoPE; benchmarks/variants.py adds it for measuring): its inputs (q and k before their
+# norms) are what its own backward keeps and its two outputs what attention's backward reads, so recomputing them saves
 # two [tokens, heads, D] tensors a layer (0.4 GiB at the Qwen3-MoE row), but on an H100 that step took 55.2 ms
 # with it against 53.1 without (benchmarks/results/2026-12-05_issue20_norm_rope.md): off by default. AOTAutograd
 # tags every node it traces from a tagged one, the getitems of a multi-output op included

@@ -21,7 +21,8 @@ Rows at or past ``offs[-1]`` are not written (``torch._grouped_mm`` leaves them 
 
 Both accumulate in fp32 and round once. fp32 operands multiply in IEEE fp32 (``input_precision="ieee"``), not
 TF32: eager fp32 matmuls do not round their inputs to TF32 either (``torch.backends.cuda.matmul.allow_tf32`` is off
-by default). The op sends fp32 here only in the CPU interpreter (or when lowering/moe.py's GEMM_CHOICE "triton" forces it).
+by default). The op sends fp32 here only in the CPU interpreter (or when lowering/moe.py's GEMM_CHOICE "triton"
+forces it).
 
 Scheduling, with no host sync: the host knows S and E but not the group sizes. The first kernel's grid is an upper
 bound on the row tiles, ``cdiv(S, BLOCK_M) + E`` (each group wastes at most one partial tile), by the column tiles;

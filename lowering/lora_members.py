@@ -107,7 +107,8 @@ def down_members(xs_MK: Sequence[torch.Tensor], ps_KR: Sequence[torch.Tensor], h
     n_rows, rank = xs_MK[0].shape[0], ps_KR[0].shape[1]
     modes = {_down_mode(x, p) for x, p in zip(xs_MK, ps_KR)}
     # One dtype each for the x_i and the p_i too: the kernel selects its member's pointers, and a select needs
-    # one pointer type (tf32x3 takes fp32 and bf16 activations alike, with lowering/lora.py's DOWN_SPLIT_LAUNCH off as well).
+    # one pointer type (tf32x3 takes fp32 and bf16 activations alike, with lowering/lora.py's DOWN_SPLIT_LAUNCH off
+    # as well).
     if len(modes) != 1 or len({x.dtype for x in xs_MK}) != 1 or len({p.dtype for p in ps_KR}) != 1 or \
             any(x.shape[0] != n_rows for x in xs_MK) or any(p.shape[1] != rank for p in ps_KR):
         raise ValueError("sloth.lora_members: the members must share rows, rank, dtypes and product mode, got x "

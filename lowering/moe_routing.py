@@ -25,7 +25,8 @@ H100 (benchmarks/ops/moe_routing.py; benchmarks/results/2026-12-06_issue20_final
 4096 tokens of top-8 over 128 experts 52.0 us of host time a call against 134.7 (about 1 ms a 12-layer step), and
 at 8192 tokens 39.8 us of GPU time against 83.7. The backward forms the inverse and the token of each row again from
 the saved order in one launch (``invert_order``) instead of three: 2.9 against 7.8 us of GPU time.
-``ROUTE_CHOICE = "sort"`` (benchmarks/variants.py's ``moe_route_sort``) keeps the PyTorch ops, which also run wherever Triton does not.
+``ROUTE_CHOICE = "sort"`` (benchmarks/variants.py's ``moe_route_sort``) keeps the PyTorch ops, which also run
+wherever Triton does not.
 """
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ normalised value, the weight product, and RoPE's products and sum, so the fused 
 
 Why one op: the two norms and the RoPE are three op calls and three launches forward and three backward (a third
 of sloth's op calls in a Qwen3-MoE layer, whose step the host bounds); here one each way. With
-``norm_rope`` in compiler/recompute.py's ``RECOMPUTED_OPS`` (benchmarks/variants.py's ``norm_rope_recompute``) the pair is recomputed in the backward instead of saved (compiler/recompute.py):
-the backward keeps the un-normalised q and k for the norms' gradient anyway, so the rotated q and k that
-attention's backward reads cost one more launch there instead of two [tokens, heads, D] tensors a layer (0.37
-GiB at the Qwen3-MoE row), but 2.1 ms of that 53 ms step on an H100 (benchmarks/results/
-2026-12-05_issue20_norm_rope.md), so by default they are kept.
+``norm_rope`` in compiler/recompute.py's ``RECOMPUTED_OPS`` (benchmarks/variants.py's ``norm_rope_recompute``) the
+pair is recomputed in the backward instead of saved: the backward keeps the un-normalised q and k for the norms'
+gradient anyway, so the rotated q and k that attention's backward reads cost one more launch there instead of two
+[tokens, heads, D] tensors a layer (0.37 GiB at the Qwen3-MoE row), but 2.1 ms of that 53 ms step on an H100
+(benchmarks/results/2026-12-05_issue20_norm_rope.md), so by default they are kept.
 
 Memory traffic: forward reads x (N*D), cos and sin, writes y (N*D); backward reads dy, x, cos and sin and writes
 dx, plus fp32 dW partials (one row of D a program) where a weight trains. Nothing is saved but x.

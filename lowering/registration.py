@@ -34,7 +34,7 @@ from .backend_choice import triton_interpreter_on
 # AOTAutograd's compiled forward and backward and redispatches) and its backend wrapper (which checks that no
 # output aliases an input). Each op therefore gets a twin, ``sloth_rt::<name>``: the same schema, tags and
 # function, defined with torch.library's low-level API, the function registered for every device
-# (CompositeExplicitAutograd, as custom_op registers it) and autograd a fallthrough. compiler/runtime_ops.py
+# (CompositeExplicitAutograd, as custom_op registers it) and autograd a fallthrough. compiler/late_passes.py
 # swaps each op for its twin in the graphs Inductor compiles (after AOTAutograd has traced the op's autograd,
 # so nothing there needs it). CPU, torch 2.13, one call with six arguments: 9.3 us through custom_op (no
 # grad), 3.5 us through the twin. H200 host (a slow lease, benchmarks/results/2026-11-30_015139_launch_overhead.*):

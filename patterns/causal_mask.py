@@ -507,16 +507,16 @@ def anchor(node: fx.Node) -> bool:
     return isinstance(params.get("attn_mask"), fx.Node) and params.get("is_causal", False) is False
 
 
-# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
-def compile_reading_masks(gm: fx.GraphModule, compile_once: Any, options: PassOptions) -> Any:
+def compile_with(gm: fx.GraphModule, compile_once: Any, options: PassOptions) -> Any:
     """The family's ``compile_with``: a graph that reads a mask input compiled twice, the version chosen per call,
     and a graph's proven mask outputs marked (patterns/mask_inputs.py, which imports this module)."""
-    from .mask_inputs import compile_reading_masks as compile_twice
+    from .mask_inputs import compile_reading_masks
 
-    return compile_twice(gm, compile_once, check=options.mask_check)
+    return compile_reading_masks(gm, compile_once, check=options.mask_check)
 
 
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
 DECLARATION = Family(FAMILY, fuse_causal_mask_pass, order=110, anchor=anchor, whole_module=True,
                      reads=("mask_check",), records=(MASK_INPUT_SITES, PROVEN_OUTPUTS),
-                     compile_with=compile_reading_masks,
+                     compile_with=compile_with,
                      summary="an SDPA mask proven at compile time to be causal -> `is_causal=True`")

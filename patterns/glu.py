@@ -288,7 +288,6 @@ def anchor(node: fx.Node) -> bool:
     return any((gated := gated_product(u)) is not None and gated.gate.factor is node for u in users)
 
 
-# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
 GLU_CUT = cut_by_graph_boundary("the activation is returned to another graph that multiplies it")
 
 
@@ -301,6 +300,7 @@ def cut_sites(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, str]]:
             yield node, GLU_CUT
 
 
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
 DECLARATION = Family(FAMILY, fuse_glu_pass, order=70, anchor=anchor, cut_sites=cut_sites,
                      emits=("glu",),
                      summary="gated MLPs: SwiGLU, GeGLU, relu, relu^2, sigmoid gates, merged or separate gate and up")

@@ -738,7 +738,6 @@ def anchor(node: fx.Node) -> bool:
     return False
 
 
-# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
 LORA_CUT = cut_by_graph_boundary("the adapter's down-projection A(x) is returned to another graph that applies B and "
                                   "adds it to the base")
 
@@ -776,6 +775,7 @@ def cut_sites(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, str]]:
             yield node, LORA_CUT
 
 
+# The family's declaration (compiler/families.py): the pipeline, the anchor check and the docs' table read it.
 DECLARATION = Family(FAMILY, fuse_lora_pass, order=90, anchor=anchor, cut_sites=cut_sites,
                      emits=("lora_linear", "qlora_linear", "glu_lora_linear", "glu_qlora_linear",
                             "lora_linear_shared", "qlora_linear_shared", "lora_mlp_tiled"),

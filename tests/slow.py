@@ -74,7 +74,7 @@ def add(durations_output: str) -> int:
 
 def write(durations_output: str) -> int:
     seconds = _seconds(durations_output)
-    slow = sorted(n for n, s in seconds.items() if s >= THRESHOLD_S)
+    slow = sorted(n for n, s in seconds.items() if s >= THRESHOLD_S and n not in KEEP)
     with open(LIST, "w", encoding="utf-8") as f:
         f.write(HEADER + "\n")
         f.writelines(f"{n}\n" for n in slow)

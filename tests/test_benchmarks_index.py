@@ -73,8 +73,9 @@ def _steps():
 
 @pytest.mark.parametrize("suite", suites.SUITES, ids=lambda s: s.name)
 def test_suite_steps_exist(suite):
-    """Every module a step runs is a file; every --option it passes is one that module defines; every SLOTH_*
-    switch it sets is still read by the product code (else the step measures nothing)."""
+    """Every module a step runs is a file; every --option it passes is one that module defines; every environment
+    switch it sets is still read by the product code, every measurement variant exists and every sloth option and
+    pass name it gives parses (else the step measures nothing)."""
     product = "\n".join(p.read_text() for d in PRODUCT_DIRS for p in (ROOT / d).rglob("*.py"))
     names = [step.name for call in suite.calls for step in call.steps]
     assert len(names) == len(set(names)), f"{suite.name}: step names share a log file"

@@ -195,6 +195,7 @@ def _noop(gm, example_inputs, *, report, options):
     (dict(name="rms_norm"), ValueError, "already a built-in family"),
     (dict(name="softcap"), ValueError, "already a family registered earlier"),
     (dict(name="canonicalize"), ValueError, "pipeline's own passes"),
+    (dict(name="lean_backward"), ValueError, "pipeline's own passes"),  # a post-grad pass's name (late_passes.py)
     (dict(name="not a name"), ValueError, "identifier"),
     (dict(after="no_such_family"), ValueError, "after='no_such_family' is not a registered family"),
     (dict(before="no_such_family"), ValueError, "before='no_such_family' is not a registered family"),

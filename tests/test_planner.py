@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import sloth
 import sloth.compiler.backend as backend
+from sloth.compiler import planner
 from sloth.compiler.options import OffloadOptions, TiledMlpOptions, parse_options
 from sloth.compiler.planner import LONG_CONTEXT, TILE_ROWS, StepFacts, plan, step_facts
 from test_offload import Checkpointed, _step
@@ -122,5 +123,19 @@ def test_offload_switched_off_by_name_is_off_in_the_plan_line():
     run = torch.compile(model, backend="sloth", options={"memory": "min", "inner": "aot_eager", "disable": "offload"})
     _step(model, run, torch.randn(2, 7, 24))
     [line] = sloth.report().plan
-    assert "offload" not in line and "moe_recompute" in line, line
+    assert "offload (mid_layer)" not in line and "moe_recompute" in line, line
+    assert "offload switched off by the disable option" in line, line
     assert sloth.report().offload == []
+
+
+def test_no_offload_where_the_user_gave_inductor_a_partitioner():
+    # offload replaces Inductor's partitioner: a plan that chose it beside the user's custom_partitioner_fn would
+    # refuse the compile the user asked for (found in review)
+    assert plan("min", LONG_GPU, partitioner_taken=True).offload is None
+    assert plan("auto", LONG_GPU, partitioner_taken=True).tiled_mlp is not None
+
+
+def test_the_line_of_a_planner_that_raised_keeps_the_users_goal():
+    line = planner.Plan("min", StepFacts(0, False, False, known=False), reason="it raised").describe(
+        parse_options({"memory": "min"})[0])
+    assert line.startswith("memory='min' (facts unknown): no memory saver; it raised"), line
