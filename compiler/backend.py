@@ -170,11 +170,16 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     gm.meta = {k: v for k, v in gm.meta.items() if k not in records}
     fallback = subclass_guard.snapshot(gm)  # a copy to fall back to, when the graph holds DTensor values
     late_off = passes_off(inner, opts.disable)
-    graph_report = Report(passes_off=dict(late_off), plan=[step_plan.describe(opts)])
+    plan_line = step_plan.describe(opts)
+
+    def new_report() -> Report:
+        return Report(passes_off=dict(late_off), plan=[plan_line])
+
+    graph_report = new_report()
     rewritten = run_passes(gm, example_inputs, chosen, graph_report, pass_options, opts.dump)
     refused = subclass_guard.sloth_op_on_subclass(rewritten) if fallback is not None else None
     if refused:  # a sloth op would read a DTensor: the graph as it was, every site reported with the reason
-        graph_report = Report(passes_off=dict(late_off), plan=[step_plan.describe(opts)])
+        graph_report = new_report()
         rewritten = run_passes(fallback, example_inputs, chosen, graph_report, pass_options, opts.dump,
                                refuse=refused)
     gm = rewritten

@@ -92,8 +92,8 @@ import torch
 import torch.fx as fx
 
 from .moe_sites import anchor, expert_operand, expert_weight_arg, is_expert_gemm
-from ..compiler.fx_utils import (ancestors, descendants, erase_unused, insert_call, module_path, op_name, replace_and_erase,
-                                 source_location, tensor_of, value_of)
+from ..compiler.fx_utils import (ancestors, descendants, erase_unused, insert_call, module_path, op_name,
+                                 replace_and_erase, source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
 from ..compiler.families import Family
 from ..compiler.report import Report, Site
@@ -158,7 +158,6 @@ class MoeSite:
     def factor_inputs(self) -> tuple[fx.Node, ...]:
         """The graph inputs of the adapters beside the GEMMs (A and B of each), inputs of the region."""
         return tuple(n for a in (self.beside1, self.beside2) if a is not None for n in a.factors())
-
 
 
 def _shape(node: fx.Node) -> Optional[tuple]:

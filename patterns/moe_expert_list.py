@@ -55,8 +55,8 @@ import torch.fx as fx
 
 from .moe_router import is_topk
 from .moe_sites import is_router_weight, list_expert_weight
-from ..compiler.fx_utils import (ancestors, descendants, insert_call, linear_parts, module_path, op_name, replace_and_erase,
-                                 source_location, tensor_of, value_of)
+from ..compiler.fx_utils import (ancestors, descendants, insert_call, linear_parts, module_path, op_name,
+                                 replace_and_erase, source_location, tensor_of, value_of)
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 
@@ -194,7 +194,6 @@ def _interface(experts: list[ListExpert]) -> tuple[Optional[ListSite], Optional[
                                           and n.args[0] not in (x, site.idx, site.w)))
     site.region, why_not = _region(out, {x, site.idx, site.w, *weights, *site.shape_only})
     return (site, None) if why_not is None else (None, why_not)
-
 
 
 def _stacked(site: ListSite, values: dict[fx.Node, torch.Tensor], swapped: bool) -> tuple[torch.Tensor, ...]:

@@ -5,8 +5,9 @@ process, a one-rank gloo group): the adapters' gradients fill more than one buck
 in pieces and sloth sees each piece alone. Checked: the pieces' records stay their own (they share the whole
 graph's meta dict: compiler/backend.py), the causal mask made in the first piece is proven there and used
 ``is_causal`` in the others (runtime/proven_masks.py), every GLU and LoRA site is replaced or, where the split
-cut it, reported as cut (patterns/glu.py and patterns/lora.py, cut_sites), and the loss and every gradient follow the tolerance rule. And the
-same report for a graph break inside a GLU, where a frozen router-like projection returned beside it is no cut.
+cut it, reported as cut (patterns/glu.py and patterns/lora.py, cut_sites), and the loss and every gradient
+follow the tolerance rule. And the same report for a graph break inside a GLU, where a frozen router-like
+projection returned beside it is no cut.
 """
 from __future__ import annotations
 

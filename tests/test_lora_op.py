@@ -148,8 +148,9 @@ def test_small_tiles_every_kernel_loops(monkeypatch, dtype, adapter_dtype, devic
 
 
 def test_down_kernel_in_tf32x3_without_the_split_launch(monkeypatch, device):
-    """DOWN_SPLIT_LAUNCH off (benchmarks/variants.py's lora_down_tf32x3): bf16 activations with an fp32 adapter take the down
-    products in tf32x3 instead of a factor split launch, within the tolerance rule, forward and every gradient."""
+    """DOWN_SPLIT_LAUNCH off (benchmarks/variants.py's lora_down_tf32x3): bf16 activations with an fp32 adapter take
+    the down products in tf32x3 instead of a factor split launch, within the tolerance rule, forward and every
+    gradient."""
     if not lowering.use_triton(torch.empty(0, device=device)):
         pytest.skip("no Triton here")
     monkeypatch.setattr(lowering, "DOWN_SPLIT_LAUNCH", False)

@@ -454,8 +454,8 @@ def test_experts_the_fallback_cannot_hold_stay_with_reason(monkeypatch) -> None:
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
 def test_an_op_that_cannot_run_on_the_fakes_leaves_the_experts_with_reason(model_type, monkeypatch) -> None:
     # Seen when the op was registered as a triton_op (since removed): its value could not be computed on the graph's
-    # fakes, and the pass then failed on it (an AttributeError out of the backend). Now the graph stays as it was (GPT-OSS's transposed
-    # weight views, inserted for the op, removed again) and the report says why.
+    # fakes, and the pass then failed on it (an AttributeError out of the backend). Now the graph stays as it was
+    # (GPT-OSS's transposed weight views, inserted for the op, removed again) and the report says why.
     from sloth.patterns import moe as pattern_moe
 
     real = pattern_moe.insert_call

@@ -39,7 +39,8 @@ def test_counting_sort_equals_the_stable_sort(tokens, top_k, n_experts, dtype, l
     g = torch.Generator().manual_seed(tokens)
     index = torch.randint(0, n_experts, (tokens, top_k), generator=g, dtype=dtype)
     routing = _check_equal(index, n_experts)
-    assert [name for name, _, _ in launches] == ["_route_counts_kernel", "_route_scatter_kernel"]  # the kernels ran, not the fallback
+    # the kernels ran, not the fallback
+    assert [name for name, _, _ in launches] == ["_route_counts_kernel", "_route_scatter_kernel"]
     assert routing.offs[-1] == tokens * top_k
 
 

@@ -34,9 +34,9 @@ def test_defaults():
     assert inductor == {}
     assert options == Options() == parse_options({})[0]
     assert dataclasses.asdict(options) == dict(
-        memory="auto", inner="inductor", patterns=None, report=False, return_logits=True, recompute=True, share_lora_input=True,
-        offload=None, tiled_mlp=None, moe_recompute=False, mask_check=True, dump=None, attention=None,
-        disable=(), given=frozenset())
+        memory="auto", inner="inductor", patterns=None, report=False, return_logits=True, recompute=True,
+        share_lora_input=True, offload=None, tiled_mlp=None, moe_recompute=False, mask_check=True, dump=None,
+        attention=None, disable=(), given=frozenset())
     assert options.pass_options() == PassOptions(tiled_mlp=0, tiled_mlp_recompute=False)
     assert PassOptions() == PassOptions(return_logits=True, recompute=True, share_lora_input=True, tiled_mlp=0,
                                         tiled_mlp_recompute=True, mask_check=True, moe_recompute=False, top_level=True)

@@ -147,7 +147,6 @@ def test_swap_leaves_other_nodes_alone() -> None:
     assert y.target is torch.ops.aten.relu.default
 
 
-
 @pytest.mark.parametrize("inner, disabled, expected", [
     ("aot_eager", (), dict.fromkeys(("runtime_twins", "lean_backward", "attention_chunks"),
                                     "inner='aot_eager': an Inductor post-grad pass")),
