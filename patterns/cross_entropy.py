@@ -45,10 +45,15 @@ Under autocast (``torch.autocast(dtype=d)`` around a float32 model, TRL's and tr
 graph holds no casts: the projection's value is in d from float32 x and w. The op gets x (its selected rows), w
 and b cast to d, as autocast's ``F.linear`` did, and computes the loss in float32 from those d logits, as
 autocast's cross-entropy does (on its fp32 list, or log_softmax's); compiler/autocast.py says how the dtype is
-read ("under autocast: in bfloat16"). Logits returned beside such a loss stay in autograd through the graph's own
-linear (patterns/returned_logits.py's node would multiply their gradient by the float32 w).
+read ("under autocast: in bfloat16").
 
-Logits with another user (returned to the caller, as every transformers ``*ForCausalLM`` does, or logged)
+Logits returned beside the loss of a training graph, as every transformers ``*ForCausalLM`` returns them (directly,
+or through one cast the output alone reads: accelerate's mixed precision returns ``logits.float()``), leave the
+graph: the op computes its own tiles, the graph returns x in their place, and the caller gets logits computed
+only when something reads them, with a gradient only when one arrives (patterns/returned_logits.py; "logits also
+returned, computed only when read"). A step that never reads them never holds them.
+
+Logits with another user in the graph (logged, softcapped before being returned, or in an evaluation graph)
 still fuse: the loss becomes the sloth op and the chain nodes the other user reads stay, in the model's
 dtype, so the outputs are exact ("logits also returned (kept)"). The op then reads the projection the graph
 computes anyway (``logits=``) instead of recomputing it chunk by chunk, so the step pays one lm_head matmul
@@ -613,31 +618,41 @@ def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
     return True
 
 
-def _detach_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
-    """Return the projection detached, with x as one more output, for the backend to put back into autograd on
-    a node that costs nothing when the logits are not differentiated (patterns/returned_logits.py). Only where
-    the projection itself is an output and read by nothing but the output and the loss, and w (and the bias)
-    are graph inputs; False, changing nothing, otherwise."""
+def _lazy_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
+    """Take the returned logits out of a training graph: x returned in their place, for the backend to hand the
+    caller logits computed only when read (patterns/returned_logits.py). Only where the projection is the one
+    chain node other users read, those users are the graph's output (directly, or through one cast that only the
+    output reads: accelerate's ``logits.float()``) at one position, and w (and the bias) are graph inputs; False,
+    changing nothing, otherwise."""
     output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
     outs = output.args[0] if len(output.args) == 1 else None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not isinstance(outs, (tuple, list)) or m.linear not in outs or not isinstance(m.x, fx.Node):
+    if not isinstance(outs, (tuple, list)) or not isinstance(m.x, fx.Node) or m.shared != [m.linear]:
         return False
-    if m.autocast is not None:  # ReturnedLogits' backward multiplies g by w, x as they are, not in autocast's dtype
-        return False
-    if any(user is not output and user not in m.loss_paths for user in m.linear.users):
+    if not tensor_of(m.out).requires_grad:  # evaluation: whoever asked reads the logits; the loss reads them too
         return False
     if m.w not in placeholders or (m.bias is not None and m.bias not in placeholders):
         return False
-    with gm.graph.inserting_after(m.linear):
-        detached = gm.graph.call_method("detach", (m.linear,))
-    set_value(detached, tensor_of(m.linear).detach())
-    position = list(outs).index(m.linear)
-    new_outs = [detached if node is m.linear else node for node in outs] + [m.x]
+    others = [user for user in m.linear.users if user not in m.loss_paths]
+    if len(others) != 1:
+        return False
+    (reader,) = others
+    returned, cast_node = m.linear, None
+    if reader is not output:
+        if not (is_function(reader, cast) and list(reader.users) == [output]):
+            return False
+        returned = cast_node = reader
+    if sum(1 for node in outs if node is returned) != 1:
+        return False
+    position = list(outs).index(returned)
+    new_outs = list(outs)
+    new_outs[position] = m.x
     output.args = (type(outs)(new_outs),)
+    if cast_node is not None:
+        gm.graph.erase_node(cast_node)
     gm.meta.setdefault(returned_logits.META_KEY, []).append(returned_logits.ReturnedLogitsSlot(
-        position, len(new_outs) - 1, placeholders.index(m.w),
-        None if m.bias is None else placeholders.index(m.bias)))
+        position, placeholders.index(m.w), None if m.bias is None else placeholders.index(m.bias),
+        tensor_of(returned).dtype, m.autocast))
     return True
 
 
@@ -729,20 +744,24 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
                   + f", V={found.classes[1] if found.classes else tensor_of(found.w).shape[0]}"
                   + f", {tensor_of(found.x).dtype}".replace("torch.", "")
                   + ("" if found.autocast is None else f", under autocast: in {found.autocast}".replace("torch.", "")))
-        read_logits = False
+        read_logits = lazy = False
         if found.shared:
             dropped = not options.return_logits and _drop_returned_logits(gm, found)
-            read_logits = not dropped
+            lazy = not dropped and options.top_level and _lazy_returned_logits(gm, found)
+            read_logits = not dropped and not lazy
             if dropped:
                 detail += ", return_logits=False: logits not returned"
             elif not options.return_logits:
                 detail += (", logits kept: read by more than the graph's output, so return_logits=False cannot "
                            "apply; the loss reads them")
+            elif lazy:
+                detail += ", logits also returned, computed only when read, their gradient only when one arrives"
             else:
                 detail += ", logits also returned (kept); the loss reads them"
-        if read_logits and options.top_level and _detach_returned_logits(gm, found):
-            detail += "; their gradient only when one arrives"
         erased |= _replace(gm, found, read_logits, replayed)
+        if lazy and not found.linear.users:  # the loss computes its own tiles: nothing reads the projection now
+            gm.graph.erase_node(found.linear)
+            erased.add(found.linear)
         report.replaced(Site(FAMILY, "sloth.linear_cross_entropy", module_path(node), source_location(node), detail))
     gm.graph.lint()
     gm.recompile()

@@ -1,20 +1,32 @@
-"""Returned logits whose gradient costs nothing when nobody differentiates them.
+"""Returned logits computed only when read, with a gradient only when one arrives.
 
-A compiled graph is one autograd node for all its outputs, and AOTAutograd's node materialises a zero gradient
-for every differentiable output the caller did not differentiate. So a model that returns its logits beside a
-loss (every transformers ``*ForCausalLM``) runs, in every backward, the lm_head's input gradient on a zero
-``[N, V]`` tangent: measured on the H200 at Llama-3-8B 2 x 2048, one more N x V x H matmul (4.6 ms of the
-step's 6.3 ms matmul excess, 2.5 vs 5.3 ms nvjet NNT kernels) and a 1 GiB zero fill, with sloth's loss fused or
-not (``benchmarks/results/2026-12-01_1144_profile-*``).
+A transformers ``*ForCausalLM`` returns its logits beside the loss, and most training steps never read them
+(the Trainer keeps the loss alone). Computed in the graph, they cost their memory at the end of the forward,
+``N x V`` in the model's dtype (4 GiB at Llama-3-8B, 16384 tokens), and twice that again in float32 under
+accelerate's mixed precision, whose forward wrapper returns ``logits.float()``; and a compiled graph is one
+autograd node for all its outputs, so AOTAutograd materialises a zero ``[N, V]`` gradient for them and runs the
+lm_head's input gradient on it in every backward (measured on the H200 at Llama-3-8B 2 x 2048: 4.6 ms of the
+step's 6.3 ms matmul excess and a 1 GiB zero fill, ``benchmarks/results/2026-12-01_1144_profile-*``).
 
-The cross-entropy pass (patterns/cross_entropy.py) therefore returns the logits detached from the graph, with
-the lm_head's input x as one more graph output, and records where (``gm.meta[META_KEY]``). ``reattach`` wraps
-the compiled graph: it puts each such output back into autograd through ``ReturnedLogits``, an autograd node of
-its own whose gradient is not materialised, so the caller who differentiates the logits gets
+So, in a training graph, the cross-entropy pass (patterns/cross_entropy.py) takes the returned logits out of the
+graph: the loss computes its own tiles (as with ``return_logits=False``), the graph returns the lm_head's input
+x in their place, and ``reattach`` hands the caller a ``LazyLogits``: a tensor of the logits' shape, dtype and
+device that holds ``x``, ``w`` and ``b`` and computes
 
-    dx = g @ w,   dw = g.T @ x,   db = g.sum(0)        (g the logits' gradient, flattened to [N, V])
+    logits = cast(linear(cast(x, c), cast(w, c), cast(b, c)), out)      (c: autocast's dtype, else none)
 
-and the caller who does not pays nothing. ``x`` is kept for that backward (N x H, 32 MiB at the 8B shape).
+the first time anything reads it (any op, ``.tolist()``, ``.numpy()``, printing), keeping that value for later
+reads; an in-place op writes into it. A caller who reads the logits (TRL's token accuracy) pays one lm_head
+matmul after the forward and holds them as before; one who does not never forms them. The value is that of
+eager's graph: the same linear on the same x, w and b, in the same dtypes.
+
+In autograd the logits are the output of ``ReturnedLogits``, a node of their own whose gradient is not
+materialised, so the caller who differentiates them gets eager's linear backward (``g`` the gradient, cast to
+the projection's dtype as eager's ``.float()`` backward does, flattened to ``[N, V]``):
+
+    dx = cast(g @ cast(w, c), x.dtype),   dw = cast(g.T @ cast(x, c), w.dtype),   db = cast(g.sum(0), b.dtype)
+
+and the caller who does not pays nothing. ``x`` is kept for that (N x H, 128 MiB at 8B and 16384 tokens).
 """
 from __future__ import annotations
 
@@ -22,57 +34,129 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 META_KEY = "sloth_returned_logits"
 
 
 @dataclasses.dataclass(frozen=True)
 class ReturnedLogitsSlot:
-    """Output ``output`` of the graph is the detached ``x @ w.T + b``; ``x`` is output ``x_output`` (an extra one,
-    stripped before the caller sees it); ``w`` and ``b`` are the graph's inputs ``w_input`` and ``b_input``."""
+    """Output ``output`` of the graph is ``x`` and stands for ``cast(linear(x, w, b), out_dtype)``, computed in
+    ``compute_dtype`` (autocast's; None: x's and w's own); ``w`` and ``b`` are the graph's inputs ``w_input`` and
+    ``b_input``."""
     output: int
-    x_output: int
     w_input: int
     b_input: Optional[int]
+    out_dtype: torch.dtype
+    compute_dtype: Optional[torch.dtype] = None
+
+
+def _cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    return t if t is None or dtype is None else t.to(dtype)
+
+
+def compute_logits(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out_dtype: torch.dtype,
+                   compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The logits a slot stands for (module docstring), with no autograd and no ambient autocast: the dtypes are
+    the graph's, whatever context reads them."""
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        return F.linear(_cast(x, compute_dtype), _cast(w, compute_dtype), _cast(b, compute_dtype)).to(out_dtype)
+
+
+# Methods that read a tensor's data without dispatching an op: they get the computed logits.
+_READS_DATA = ("tolist", "numpy", "__array__", "data_ptr", "untyped_storage", "storage", "__reduce_ex__",
+               "__dlpack__", "__dlpack_device__")
+
+
+class LazyLogits(torch.Tensor):
+    """The logits of a slot, computed on first read (module docstring). A wrapper tensor: its metadata is the
+    logits', its data is ``x``, ``w`` and ``b`` until something reads it."""
+
+    @staticmethod
+    def __new__(cls, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out_dtype: torch.dtype,
+                compute_dtype: Optional[torch.dtype] = None, requires_grad: bool = False):
+        shape = (*x.shape[:-1], w.shape[0])
+        made = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=out_dtype, device=x.device,
+                                                   requires_grad=requires_grad)
+        made._parts = (x.detach(), w.detach(), None if b is None else b.detach(), compute_dtype)
+        made._value = None
+        return made
+
+    def computed(self) -> torch.Tensor:
+        """The logits as a plain tensor, computed the first time."""
+        if self._value is None:
+            x, w, b, compute_dtype = self._parts
+            self._value = compute_logits(x, w, b, self.dtype, compute_dtype)
+        return self._value
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return repr(self.computed())
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in _READS_DATA:
+            args = tuple(a.computed() if isinstance(a, LazyLogits) else a for a in args)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def computed(t: Any) -> Any:
+            return t.computed() if isinstance(t, LazyLogits) else t
+
+        out = func(*tree_map(computed, args), **tree_map(computed, kwargs or {}))
+        first = func._schema.arguments[0] if func._schema.arguments else None
+        if first is not None and first.alias_info is not None and first.alias_info.is_write \
+                and isinstance(args[0], LazyLogits):
+            return args[0]  # an in-place op wrote into the computed value; the wrapper is what it returns
+        return out
 
 
 class ReturnedLogits(torch.autograd.Function):
-    """Identity on the logits in the forward; the linear's gradients in the backward, only when one arrives."""
+    """``LazyLogits`` of x, w, b in the forward; eager's linear gradients in the backward, only when one arrives."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]):
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out_dtype: torch.dtype,
+                compute_dtype: Optional[torch.dtype]):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        return logits.view_as(logits)
+        ctx.compute_dtype = compute_dtype
+        ctx.b_dtype = None if b is None else b.dtype
+        return LazyLogits(x, w, b, out_dtype, compute_dtype)
 
     @staticmethod
     def backward(ctx, g: Optional[torch.Tensor]):
         if g is None:
-            return None, None, None, None
+            return None, None, None, None, None
         x, w = ctx.saved_tensors
-        g_NV = g.reshape(-1, g.shape[-1])
-        dx = (g_NV @ w).view(x.shape) if ctx.needs_input_grad[1] else None
-        dw = g_NV.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
-        db = g_NV.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return None, dx, dw, db
+        projection_dtype = ctx.compute_dtype or torch.promote_types(x.dtype, w.dtype)
+        g_NV = g.reshape(-1, g.shape[-1]).to(projection_dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (g_NV @ _cast(w, ctx.compute_dtype)).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = (g_NV.t() @ _cast(x, ctx.compute_dtype).reshape(-1, x.shape[-1])).to(w.dtype)
+        if ctx.needs_input_grad[2]:
+            db = g_NV.sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None
 
 
 def reattach(compiled: Callable, slots: list[ReturnedLogitsSlot]) -> Callable:
-    """``compiled`` with each slot's logits back in autograd and the extra outputs removed."""
-    extra = sorted(slot.x_output for slot in slots)
+    """``compiled`` with each slot's logits put in place of its x (``LazyLogits``, in autograd where their inputs
+    require grad)."""
 
     def run(*args: Any) -> Any:
         returned = compiled(*args)
         outputs = list(returned)
         for slot in slots:
-            logits, x = outputs[slot.output], outputs[slot.x_output]
+            x = outputs[slot.output]
             w = args[slot.w_input]
             b = args[slot.b_input] if slot.b_input is not None else None
             if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-                outputs[slot.output] = ReturnedLogits.apply(logits, x, w, b)
-        for index in reversed(extra):
-            del outputs[index]
+                outputs[slot.output] = ReturnedLogits.apply(x, w, b, slot.out_dtype, slot.compute_dtype)
+            else:
+                outputs[slot.output] = LazyLogits(x, w, b, slot.out_dtype, slot.compute_dtype)
         return type(returned)(outputs) if isinstance(returned, tuple) else outputs
 
     return run
