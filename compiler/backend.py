@@ -28,7 +28,7 @@ from .late_passes import passes_off, with_post_grad_passes
 from .options import INNER_COMPILERS, OFFLOAD_NEEDS_PARTITION, check_attention, parse_options
 from .families import compile_with_families, families, pass_records
 from .pipeline import run_passes
-from .planner import Plan, StepFacts, plan, step_facts
+from .planner import Plan, StepFacts, measured_peak_line, plan, savers_on, step_facts
 from .report import Report
 
 log = logging.getLogger("sloth")
@@ -64,6 +64,23 @@ def _publish(graph_report: Report) -> None:
     global _last_report
     _last_report = graph_report
     _session_report.merge(graph_report)
+
+
+def _measuring_peak(compiled: Callable, estimated: int, graph_report: Report) -> Callable:
+    """``compiled``, which writes the process's peak GPU memory into the plan's lines of the report when it runs a
+    second time (for a whole-step graph: once the first step's forward and backward ran), beside the estimate."""
+    calls = [0]
+
+    def run(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            line = measured_peak_line(estimated, torch.cuda.max_memory_allocated())
+            for target in (graph_report, _session_report):
+                if line not in target.plan:
+                    target.plan.append(line)
+        return compiled(*args)
+
+    return run
 
 
 def _warn_if_interpreter_unused() -> None:
@@ -216,6 +233,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     _publish(graph_report)
     if opts.report:
         print(graph_report)
+    if step_plan.facts.cuda and step_plan.facts.estimate is not None:
+        compiled = _measuring_peak(compiled, step_plan.facts.estimate.peak(savers_on(opts)), graph_report)
     if inner != "eager" or attention is None:
         return compiled
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any, Optional
 
 from .dump import dump_root
@@ -17,8 +18,17 @@ from .families import families
 
 # What compiles the rewritten graph: Inductor, AOTAutograd without codegen, or plain eager (the ``inner`` option).
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
-# The ``memory`` option's goals (compiler/planner.py).
+# The ``memory`` option's goals (compiler/planner.py); a positive number of GiB is a budget.
 MEMORY_GOALS = ("auto", "min", "off")
+
+
+def check_memory(memory: Any) -> Any:
+    """``memory`` if it is a goal or a budget (a finite number of GiB above 0), else a ValueError saying so."""
+    if isinstance(memory, str) and memory in MEMORY_GOALS:
+        return memory
+    if isinstance(memory, (int, float)) and not isinstance(memory, bool) and math.isfinite(memory) and memory > 0:
+        return float(memory)
+    raise ValueError(f"sloth: memory must be one of {list(MEMORY_GOALS)} or a number of GiB above 0, got {memory!r}")
 # Names for the ``attention`` option: PyTorch's SDPA backends.
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 DEFAULT_MIN_BYTES = 64 * 2**20  # below this (8k tokens of a 4096-wide model in bf16) a copy costs more than it frees
@@ -61,8 +71,8 @@ class TiledMlpOptions:
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Every sloth option, as ``parse_options`` reads it from the user's dict; the defaults are the product's."""
-    memory: str = "auto"
-    """The memory goal the plan's savers follow (compiler/planner.py): "auto", "min" or "off"."""
+    memory: Any = "auto"
+    """The memory goal the plan's savers follow (compiler/planner.py): "auto", "min", "off" or a budget in GiB."""
     inner: str = "inductor"
     """What compiles the rewritten graph: "inductor", or "aot_eager" / "eager" for debugging."""
     patterns: Optional[tuple[str, ...]] = None
@@ -166,9 +176,7 @@ def parse_options(user: Optional[dict[str, Any]]) -> tuple[Options, dict[str, An
     inner = user.get("inner", "inductor")
     if inner not in INNER_COMPILERS:
         raise ValueError(f"sloth: inner must be one of {list(INNER_COMPILERS)}, got {inner!r}")
-    memory = user.get("memory", "auto")
-    if memory not in MEMORY_GOALS:
-        raise ValueError(f"sloth: memory must be one of {list(MEMORY_GOALS)}, got {memory!r}")
+    memory = check_memory(user.get("memory", "auto"))
     options = Options(
         memory=memory,
         inner=inner,

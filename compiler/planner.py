@@ -2,9 +2,20 @@
 
 The ``memory`` option (compiler/options.py) sets the goal:
 
-    "auto" (default)  each saver on where it was measured to cost no time at this size (``LONG_CONTEXT`` below)
+    "auto" (default)  each saver on where it was measured to cost no time at this size (``LONG_CONTEXT`` below),
+                      then, on a GPU, more savers while the estimated peak exceeds the device's memory (free
+                      and held by PyTorch's allocator, less ``AUTO_MARGIN`` of the total)
+    a number          the same with that many GiB as the budget, on any device
     "min"             every saver that applies: the leanest plan, whatever it costs in time
     "off"             no saver: the step as sloth ran it before the planner
+
+Over the budget, savers are added in the order of memory saved per millisecond lost, as measured: offload (1.4 GiB
+at no cost in time at 8B, 16k tokens, checkpointed), the tiled MLP with offload's mid_layer (0.9 GiB more, no cost;
+both benchmarks/results/2026-12-06_issue19_issue20_h100_rows.md), then moe_recompute (1.1 GiB for about 5.6 ms a
+step at Qwen3-MoE 2 x 2048: 19.27 to 18.15 GiB, 2026-12-06_h100_163002_e2e-qwen3-moe-b2-s2048.md), until the
+estimated peak (compiler/peak_estimate.py) fits; a saver estimated to free nothing here (no checkpointed layer to
+offload, no gated MLP to tile) is skipped, moe_recompute, whose saving is not estimated, is not. Under a budget
+the tiled MLP's block is ``TILE_ROWS`` rows, or half the tokens of a shorter step.
 
 An option the user gives (``offload``, ``tiled_mlp``, ``moe_recompute``) pins that choice whatever the plan
 (``Options.given``); the plan fills in the rest. The savers:
@@ -20,7 +31,7 @@ returns, which only the user may decide.
 
 What the plan reads (``StepFacts``, from the graph Dynamo hands over, before any pass): the tokens a step runs (the
 most rows any linear layer's input has), whether it holds checkpointed layers (``tag_activation_checkpoint``
-bodies), and whether it runs on a GPU. The plan line lists the savers turned on, whether or not the graph has a site
+bodies), whether it runs on a GPU, the estimated peak, and on a GPU the memory the step may use. The plan line lists the savers turned on, whether or not the graph has a site
 for each (``moe_recompute`` under "min" in a model without experts changes nothing).
 """
 from __future__ import annotations
@@ -33,7 +44,8 @@ import torch
 import torch.fx as fx
 
 from .fx_utils import linear_parts, subgraphs, tensor_of
-from .options import MEMORY_GOALS, OffloadOptions, Options, TiledMlpOptions
+from .options import OffloadOptions, Options, TiledMlpOptions, check_memory
+from .peak_estimate import GiB, PeakEstimate, estimate_peak
 
 # Rows per block of the tiled MLP when the plan turns it on: the block measured at 16k tokens (below).
 TILE_ROWS = 2048
@@ -44,6 +56,9 @@ TILE_ROWS = 2048
 # 2026-12-06_issue19_issue20_h100_morning2.md): leaner at no cost in time. Below it (2 x 2048) nothing was measured
 # to be free: the savers stay off.
 LONG_CONTEXT = 16384
+# "auto" on a GPU leaves this share of the device's total memory unplanned: fragmentation, the optimiser's state
+# (which the graph does not show), and what other processes take.
+AUTO_MARGIN = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +68,23 @@ class StepFacts:
     checkpointed: bool
     cuda: bool
     known: bool = True  # False: the facts could not be read (the planner raised)
+    estimate: Optional[PeakEstimate] = None
+    device_budget: Optional[int] = None  # bytes "auto" plans for on a GPU (module docstring); None elsewhere
 
     def describe(self) -> str:
         if not self.known:
             return "facts unknown"
         return (f"{self.tokens} tokens, {'checkpointed layers' if self.checkpointed else 'no checkpointed layer'}, "
                 f"{'GPU' if self.cuda else 'CPU'}")
+
+
+def _device_budget(example_inputs: Any) -> Optional[int]:
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"),
+                  None)
+    if device is None:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - AUTO_MARGIN * total)
 
 
 def _rows(x: Any) -> int:
@@ -77,13 +103,18 @@ def step_facts(gm: fx.GraphModule, example_inputs: Any) -> StepFacts:
     checkpointed = any(n.op == "call_function" and getattr(n.target, "__name__", "") == "tag_activation_checkpoint"
                        for m in modules for n in m.graph.nodes)
     cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-    return StepFacts(tokens=tokens, checkpointed=checkpointed, cuda=cuda)
+    try:
+        estimate = estimate_peak(gm, example_inputs, tokens)
+    except Exception:  # a graph the estimate cannot read: planned without one, and the plan line says so
+        estimate = None
+    return StepFacts(tokens=tokens, checkpointed=checkpointed, cuda=cuda, estimate=estimate,
+                     device_budget=_device_budget(example_inputs))
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The savers chosen, and why; ``apply`` writes them into the options the user did not give."""
-    memory: str
+    memory: Any  # a goal or a budget in GiB
     facts: StepFacts
     offload: Optional[OffloadOptions] = None
     tiled_mlp: Optional[TiledMlpOptions] = None
@@ -104,28 +135,74 @@ class Plan:
         if options.moe_recompute:
             on.append("moe_recompute")
         pinned = sorted(options.given & {"offload", "tiled_mlp", "moe_recompute"})
+        estimate = self.facts.estimate
         return (f"memory={self.memory!r} ({self.facts.describe()}): {', '.join(on) or 'no memory saver'}"
                 + (f"; {self.reason}" if self.reason else "")
+                + (f"; {estimate.describe(savers_on(options))}" if estimate is not None else
+                   "; peak not estimated" if self.facts.known else "")
                 + ("; offload switched off by the disable option" if "offload" in options.disable else "")
                 + (f"; pinned by options: {', '.join(pinned)}" if pinned else ""))
 
 
-def plan(memory: str, facts: StepFacts, inner: str = "inductor", partitioner_taken: bool = False) -> Plan:
+def savers_on(options: Options) -> list[tuple[str, int]]:
+    """The savers ``options`` turn on that the estimate weighs, as (name, rows) pairs."""
+    return ([("offload", 0)] if options.offload is not None else []) + \
+        ([("tiled_mlp", options.tiled_mlp.rows)] if options.tiled_mlp is not None else [])
+
+
+def _tile_rows(tokens: int) -> int:
+    return TILE_ROWS if tokens > TILE_ROWS else max(1, tokens // 2)
+
+
+def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_taken: bool = False) -> Plan:
     """The savers for goal ``memory`` on a step with ``facts`` compiled by ``inner`` (module docstring); offload only
     where AOTAutograd partitions the graph (not ``inner="eager"``) and the user gave Inductor no partitioner of their
     own (``partitioner_taken``: ``custom_partitioner_fn``, which offload would replace)."""
-    if memory not in MEMORY_GOALS:
-        raise ValueError(f"sloth: memory must be one of {list(MEMORY_GOALS)}, got {memory!r}")
+    check_memory(memory)
     tiled = TiledMlpOptions(TILE_ROWS, True) if facts.tokens > TILE_ROWS else None
-    offload = (OffloadOptions(mid_layer=True) if facts.checkpointed and inner != "eager" and not partitioner_taken
-               else None)
+    can_offload = facts.checkpointed and inner != "eager" and not partitioner_taken
+    offload = OffloadOptions(mid_layer=True) if can_offload else None
     if memory == "off":
         return Plan(memory, facts, reason="memory='off'")
     if memory == "min":
         return Plan(memory, facts, offload=offload, tiled_mlp=tiled, moe_recompute=True,
                     reason="every saver that applies")
+    chosen: dict[str, Any] = {}
     if facts.cuda and facts.checkpointed and facts.tokens >= LONG_CONTEXT:
-        return Plan(memory, facts, offload=offload, tiled_mlp=tiled,
-                    reason=f"checkpointed, at least {LONG_CONTEXT} tokens on a GPU: measured leaner at no cost in time")
-    return Plan(memory, facts,
-                reason=f"none measured to cost no time below {LONG_CONTEXT} checkpointed tokens on a GPU")
+        chosen = {"offload": offload, "tiled_mlp": tiled}
+        reason = f"checkpointed, at least {LONG_CONTEXT} tokens on a GPU: measured leaner at no cost in time"
+    else:
+        reason = f"none measured to cost no time below {LONG_CONTEXT} checkpointed tokens on a GPU"
+    budget = facts.device_budget if memory == "auto" else int(memory * GiB)
+    estimate = facts.estimate
+    if budget is None or estimate is None:
+        return Plan(memory, facts, reason=reason, **chosen)
+
+    def peak() -> int:
+        return estimate.peak([(name, 0 if name == "offload" else value.rows) for name, value in chosen.items()
+                              if name in ("offload", "tiled_mlp") and value is not None])
+
+    added = []
+    candidates = [("offload", offload), ("tiled_mlp", TiledMlpOptions(_tile_rows(facts.tokens), True)),
+                  ("moe_recompute", True)]
+    for name, value in candidates:
+        if peak() <= budget:
+            break
+        if chosen.get(name) is None and value is not None and (name == "moe_recompute" or estimate.saving(
+                name, 0 if name == "offload" else value.rows) > 0):
+            chosen[name] = value
+            added.append(name)
+    where = "the device's memory" if memory == "auto" else "the budget"
+    if added:
+        reason += f"; over {where} ({budget / GiB:.2f} GiB) without them: added {', '.join(added)}"
+    if peak() > budget:
+        reason += f"; still over {where} ({budget / GiB:.2f} GiB) with every saver"
+    return Plan(memory, facts, reason=reason, **chosen)
+
+
+def measured_peak_line(estimated: int, measured: int) -> str:
+    """The report's line for the peak measured once the first step ran, against the estimate."""
+    off = (estimated - measured) / measured if measured else 0.0
+    return (f"measured peak {measured / GiB:.2f} GiB when the graph ran a second time (torch.cuda."
+            f"max_memory_allocated), estimated {estimated / GiB:.2f} GiB: "
+            + ("within 10%" if abs(off) <= 0.10 else f"the estimate is off by {100 * off:+.0f}%"))
