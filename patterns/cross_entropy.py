@@ -618,42 +618,55 @@ def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
     return True
 
 
-def _lazy_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
-    """Take the returned logits out of a training graph: x returned in their place, for the backend to hand the
-    caller logits computed only when read (patterns/returned_logits.py). Only where the projection is the one
-    chain node other users read, those users are the graph's output (directly, or through one cast that only the
-    output reads: accelerate's ``logits.float()``) at one position, and w (and the bias) are graph inputs; False,
-    changing nothing, otherwise."""
+def _returned_logits_slot(gm: fx.GraphModule, m: CrossEntropyMatch) -> Optional[str]:
+    """Return the logits through a slot the backend fills (patterns/returned_logits.py): "lazy" in a training graph
+    whose head is frozen (w and the bias need no gradient: a LoRA or QLoRA step): x is returned in their place and
+    they are computed only when read; "computed" otherwise: the graph still computes them, returned detached with x
+    as one more output, put back into autograd on a node of their own. Only where the projection is the one chain
+    node other users read, those users are the graph's output (directly, or through one cast only the output reads:
+    accelerate's ``logits.float()``) at one position, and w (and the bias) are graph inputs; None, changing nothing,
+    otherwise."""
     output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
     outs = output.args[0] if len(output.args) == 1 else None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not isinstance(outs, (tuple, list)) or not isinstance(m.x, fx.Node) or m.shared != [m.linear]:
-        return False
-    if not tensor_of(m.out).requires_grad:  # evaluation: whoever asked reads the logits; the loss reads them too
-        return False
+        return None
     if m.w not in placeholders or (m.bias is not None and m.bias not in placeholders):
-        return False
+        return None
     others = [user for user in m.linear.users if user not in m.loss_paths]
     if len(others) != 1:
-        return False
+        return None
     (reader,) = others
     returned, cast_node = m.linear, None
     if reader is not output:
         if not (is_function(reader, cast) and list(reader.users) == [output]):
-            return False
+            return None
         returned = cast_node = reader
     if sum(1 for node in outs if node is returned) != 1:
-        return False
+        return None
+    # Lazy only where nothing can change w before the logits are read (a trainable head changes at the optimizer's
+    # step, and logits read after it would be the new head's) and where a backward follows (an evaluation reads them).
+    frozen = not any(getattr(tensor_of(n), "requires_grad", False) for n in (m.w, m.bias) if n is not None)
+    lazy = frozen and bool(tensor_of(m.out).requires_grad)
     position = list(outs).index(returned)
     new_outs = list(outs)
-    new_outs[position] = m.x
+    if lazy:
+        new_outs[position] = m.x
+        x_output = None
+    else:
+        with gm.graph.inserting_after(returned):
+            detached = gm.graph.call_method("detach", (returned,))
+        set_value(detached, tensor_of(returned).detach())
+        new_outs[position] = detached
+        new_outs.append(m.x)
+        x_output = len(new_outs) - 1
     output.args = (type(outs)(new_outs),)
-    if cast_node is not None:
+    if lazy and cast_node is not None:
         gm.graph.erase_node(cast_node)
     gm.meta.setdefault(returned_logits.META_KEY, []).append(returned_logits.ReturnedLogitsSlot(
         position, placeholders.index(m.w), None if m.bias is None else placeholders.index(m.bias),
-        tensor_of(returned).dtype, m.autocast))
-    return True
+        tensor_of(returned).dtype, m.autocast, x_output))
+    return "lazy" if lazy else "computed"
 
 
 def _replace(gm: fx.GraphModule, m: CrossEntropyMatch, read_logits: bool,
@@ -747,7 +760,8 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
         read_logits = lazy = False
         if found.shared:
             dropped = not options.return_logits and _drop_returned_logits(gm, found)
-            lazy = not dropped and options.top_level and _lazy_returned_logits(gm, found)
+            slot = None if dropped or not options.top_level else _returned_logits_slot(gm, found)
+            lazy = slot == "lazy"
             read_logits = not dropped and not lazy
             if dropped:
                 detail += ", return_logits=False: logits not returned"
@@ -757,7 +771,8 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
             elif lazy:
                 detail += ", logits also returned, computed only when read, their gradient only when one arrives"
             else:
-                detail += ", logits also returned (kept); the loss reads them"
+                detail += (", logits also returned (kept); the loss reads them"
+                           + ("; their gradient only when one arrives" if slot == "computed" else ""))
         erased |= _replace(gm, found, read_logits, replayed)
         if lazy and not found.linear.users:  # the loss computes its own tiles: nothing reads the projection now
             gm.graph.erase_node(found.linear)

@@ -399,13 +399,10 @@ def test_returned_logits_fuse(fn, dtype, return_logits):
     got, got_logits, got_grads = loss_and_grads(compiled, xs, ws, bs, return_logits)
     report = sloth.last_report()
     assert report.counts == {"cross_entropy": 1}, str(report)
-    # Returned whole, the logits leave the training graph (patterns/returned_logits.py); softcapped, the graph
-    # computes them for the caller and the loss reads them.
-    lazy = fn is not softcapped_logits_returned
-    detail = ("return_logits=False: logits not returned" if not return_logits else
-              "logits also returned, computed only when read" if lazy else "logits also returned (kept)")
+    # The head trains here: the graph computes the logits (patterns/returned_logits.py's "computed" slot)
+    detail = "logits also returned (kept)" if return_logits else "return_logits=False: logits not returned"
     assert detail in report.sites[0].detail, str(report)
-    assert (kinds[0] == "LazyLogits") == (lazy and return_logits), kinds
+    assert kinds[0] == "Tensor", kinds
     want, want_logits, want_grads = loss_and_grads(fn, x, w, b, return_logits)
     with StayFloat64():
         ref, _, ref_grads = loss_and_grads(fn, xr, wr, br, return_logits)
@@ -743,8 +740,7 @@ def test_causal_lm_under_autocast():
     report = sloth.report()
     assert report.counts.get("cross_entropy", 0) == 1, str(report)
     (site,) = [s for s in report.sites if s.family == "cross_entropy"]
-    assert "under autocast: in bfloat16" in site.detail, str(report)
-    assert "logits also returned, computed only when read" in site.detail, str(report)
+    assert "under autocast: in bfloat16" in site.detail and "logits also returned (kept)" in site.detail, str(report)
     assert not [r for r in report.rejections if r.family == "cross_entropy"], str(report)
     assert actual[1].keys() == eager[1].keys()
     assert_model_close(actual, eager, reference, torch.bfloat16)

@@ -1,6 +1,7 @@
-"""Returned logits computed only when read (patterns/returned_logits.py): a training step that never reads them
-never forms them; one that reads them, in any way, gets eager's values, and eager's gradient through them; under
-accelerate's mixed precision (``logits.float()`` returned) and autocast too.
+"""Returned logits computed only when read (patterns/returned_logits.py): a training step with a frozen head (LoRA)
+that never reads them never forms them; one that reads them, in any way, gets eager's values, and eager's gradient
+through them; under accelerate's mixed precision (``logits.float()`` returned) and autocast too. A trainable head's
+logits are computed in the graph (an optimizer step would change the head before a late read).
 """
 from __future__ import annotations
 
@@ -50,6 +51,27 @@ def test_lazy_logits_read_in_every_way_equal_the_linear():
     assert torch.equal(lazy.float(), want / 2.0)
 
 
+def test_a_dtype_conversion_stays_lazy():
+    """accelerate's forward wrapper calls ``.float()`` on every bf16 output: lazy float32 logits, not formed."""
+    x, w, b = _inputs(torch.bfloat16)
+    lazy = LazyLogits(x, w, b, torch.bfloat16)
+    wide = lazy.float()
+    assert isinstance(wide, LazyLogits) and wide.dtype == torch.float32 and wide._value is None
+    assert lazy._value is None
+    assert torch.equal(wide + 0, F.linear(x, w, b).detach().float())
+
+
+def test_logits_read_after_the_head_changed_raise():
+    """A head changed in place (an optimizer step) before the first read would give the new head's logits: a
+    clear error instead."""
+    x, w, b = _inputs()
+    lazy = LazyLogits(x, w, b, torch.float32)
+    with torch.no_grad():
+        w.add_(1.0)
+    with pytest.raises(RuntimeError, match="read after the lm_head's weight changed in place"):
+        lazy.sum()
+
+
 def test_lazy_logits_ignore_an_ambient_autocast():
     """Read inside an autocast region, the logits keep the graph's dtypes (float32 here), not autocast's."""
     x, w, b = _inputs()
@@ -80,13 +102,20 @@ def test_returned_logits_gradient_is_eagers(compute_dtype, out_dtype):
             return F.linear(x, w, b).to(out_dtype)
 
     want = torch.autograd.grad(eager(x, w, b), (x, w, b), g)
-    logits = ReturnedLogits.apply(x, w, b, out_dtype, compute_dtype)
+    logits = ReturnedLogits.apply(x, w, b, out_dtype, compute_dtype, None)
     assert isinstance(logits, LazyLogits) and logits.dtype == out_dtype and logits.requires_grad
     torch.testing.assert_close(logits.detach(), eager(x, w, b).detach(), rtol=0, atol=0)
     got = torch.autograd.grad(logits, (x, w, b), g)
     for name, a, e in zip("xwb", got, want):
         assert a.dtype == e.dtype, name
         torch.testing.assert_close(a, e, msg=name)
+
+
+def _frozen_head_model(dtype):
+    """The test Llama with its lm_head frozen, as in a LoRA step."""
+    model = build("llama", dtype)
+    model.lm_head.weight.requires_grad_(False)
+    return model
 
 
 def _loss_grads(model, ids, run=None, autocast=False, read_logits=False):
@@ -103,7 +132,7 @@ def test_model_step_that_never_reads_the_logits_never_forms_them(autocast):
     """A transformers causal LM's training step reading the loss alone: the returned logits are never
     computed, and the loss and gradients are eager's."""
     dtype = torch.float32 if autocast else torch.bfloat16
-    model = build("llama", dtype)
+    model = _frozen_head_model(dtype)
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     reference = _loss_grads(copy.deepcopy(model).double(), ids)
     eager = _loss_grads(model, ids, autocast=autocast)
@@ -124,7 +153,7 @@ def test_model_step_that_reads_and_differentiates_the_logits(autocast):
     """A step whose loss also reads the logits (a z-loss on them): their values and the gradients through
     them and the fused loss together equal eager's."""
     dtype = torch.float32 if autocast else torch.bfloat16
-    model = build("llama", dtype)
+    model = _frozen_head_model(dtype)
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     reference = _loss_grads(copy.deepcopy(model).double(), ids, read_logits=True)
     eager = _loss_grads(model, ids, autocast=autocast, read_logits=True)
@@ -144,7 +173,7 @@ def test_trainer_in_bf16_mixed_precision_returns_lazy_float32_logits(tmp_path):
     data = [{"input_ids": row, "labels": row} for row in ids]
     losses = []
     for compile_backend in (None, "sloth"):
-        model = build("llama", torch.bfloat16)
+        model = _frozen_head_model(torch.bfloat16)
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[], use_cpu=True,
             save_strategy="no", seed=0, data_seed=0, bf16=True, torch_compile=compile_backend is not None,
@@ -153,3 +182,15 @@ def test_trainer_in_bf16_mixed_precision_returns_lazy_float32_logits(tmp_path):
     (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
     assert "computed only when read" in site.detail, str(sloth.report())
     assert losses[1] == pytest.approx(losses[0], rel=2e-2), losses
+
+
+def test_a_trainable_heads_logits_are_computed_in_the_graph():
+    """Full fine-tuning: the head changes at each optimizer step, so its logits are formed in the graph and
+    returned as a plain tensor, still with a gradient only when one arrives."""
+    model = build("llama", torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    out = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})(input_ids=ids, labels=ids)
+    assert type(out.logits) is torch.Tensor
+    (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
+    assert "logits also returned (kept); the loss reads them; their gradient only when one arrives" in site.detail
+    torch.testing.assert_close(out.logits.detach(), model(input_ids=ids).logits.detach())
