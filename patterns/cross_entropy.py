@@ -47,9 +47,9 @@ and b cast to d, as autocast's ``F.linear`` did, and computes the loss in float3
 autocast's cross-entropy does (on its fp32 list, or log_softmax's); compiler/autocast.py says how the dtype is
 read ("under autocast: in bfloat16").
 
-Logits returned beside the loss of a training graph, as every transformers ``*ForCausalLM`` returns them (directly,
-or through one cast the output alone reads: accelerate's mixed precision returns ``logits.float()``), leave the
-graph: the op computes its own tiles, the graph returns x in their place, and the caller gets logits computed
+Logits returned beside the loss of a training graph whose head is frozen (LoRA, QLoRA), as every transformers
+``*ForCausalLM`` returns them (directly, or through one cast the output alone reads: accelerate's mixed precision
+returns ``logits.float()``), leave the graph: the op computes its own tiles, the graph returns x in their place, and the caller gets logits computed
 only when something reads them, with a gradient only when one arrives (patterns/returned_logits.py; "logits also
 returned, computed only when read"). A step that never reads them never holds them.
 
