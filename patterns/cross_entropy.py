@@ -49,9 +49,11 @@ read ("under autocast: in bfloat16").
 
 Logits returned beside the loss of a training graph whose head is frozen (LoRA, QLoRA), as every transformers
 ``*ForCausalLM`` returns them (directly, or through one cast the output alone reads: accelerate's mixed precision
-returns ``logits.float()``), leave the graph: the op computes its own tiles, the graph returns x in their place, and the caller gets logits computed
-only when something reads them, with a gradient only when one arrives (patterns/returned_logits.py; "logits also
-returned, computed only when read"). A step that never reads them never holds them.
+returns ``logits.float()``), leave the graph: the op computes its own tiles, the graph returns x in their place,
+and the caller gets logits computed only when something reads them, with a gradient only when one arrives
+(patterns/returned_logits.py; "logits also returned, computed only when read"). A step that never reads them never
+holds them. A trainable head's logits are computed in the graph and returned detached, with x, on a node of their
+own ("their gradient only when one arrives").
 
 Logits with another user in the graph (logged, softcapped before being returned, or in an evaluation graph)
 still fuse: the loss becomes the sloth op and the chain nodes the other user reads stay, in the model's
