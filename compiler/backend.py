@@ -66,7 +66,7 @@ def _publish(graph_report: Report) -> None:
     _session_report.merge(graph_report)
 
 
-def _measuring_peak(compiled: Callable, estimated: int, graph_report: Report) -> Callable:
+def _measuring_peak(compiled: Callable, estimated: int, graph_report: Report, device: Any = None) -> Callable:
     """``compiled``, which writes the process's peak GPU memory into the plan's lines of the report when it runs a
     second time (for a whole-step graph: once the first step's forward and backward ran), beside the estimate."""
     calls = [0]
@@ -74,7 +74,7 @@ def _measuring_peak(compiled: Callable, estimated: int, graph_report: Report) ->
     def run(*args: Any) -> Any:
         calls[0] += 1
         if calls[0] == 2:
-            line = measured_peak_line(estimated, torch.cuda.max_memory_allocated())
+            line = measured_peak_line(estimated, torch.cuda.max_memory_allocated(device))
             for target in (graph_report, _session_report):
                 if line not in target.plan:
                     target.plan.append(line)
@@ -167,8 +167,12 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     # The memory savers the plan chooses for this step, where the user pinned none (compiler/planner.py). A planner
     # that raises chooses nothing and says why: never a crash of the user's step.
     try:
+        pinned = {name: getattr(opts, name) for name in ("offload", "tiled_mlp", "moe_recompute")
+                  if name in opts.given}
+        if "offload" in opts.disable:
+            pinned["offload"] = None
         step_plan = plan(opts.memory, step_facts(gm, example_inputs), opts.inner,
-                         partitioner_taken=inductor_options.get("custom_partitioner_fn") is not None)
+                         partitioner_taken=inductor_options.get("custom_partitioner_fn") is not None, pinned=pinned)
     except Exception as error:
         step_plan = Plan(opts.memory, StepFacts(0, False, False, known=False),
                          reason=f"the planner raised ({type(error).__name__}: {error}), so no saver was chosen")
@@ -233,8 +237,9 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     _publish(graph_report)
     if opts.report:
         print(graph_report)
-    if step_plan.facts.cuda and step_plan.facts.estimate is not None:
-        compiled = _measuring_peak(compiled, step_plan.facts.estimate.peak(savers_on(opts)), graph_report)
+    cuda = next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
+    if cuda is not None and step_plan.facts.estimate is not None and step_plan.facts.estimate.training:
+        compiled = _measuring_peak(compiled, step_plan.facts.estimate.peak(savers_on(opts)), graph_report, cuda)
     if inner != "eager" or attention is None:
         return compiled
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 from typing import Any, Optional
 
 from .dump import dump_root
@@ -26,7 +27,7 @@ def check_memory(memory: Any) -> Any:
     """``memory`` if it is a goal or a budget (a finite number of GiB above 0), else a ValueError saying so."""
     if isinstance(memory, str) and memory in MEMORY_GOALS:
         return memory
-    if isinstance(memory, (int, float)) and not isinstance(memory, bool) and math.isfinite(memory) and memory > 0:
+    if isinstance(memory, numbers.Real) and not isinstance(memory, bool) and math.isfinite(memory) and memory > 0:
         return float(memory)
     raise ValueError(f"sloth: memory must be one of {list(MEMORY_GOALS)} or a number of GiB above 0, got {memory!r}")
 # Names for the ``attention`` option: PyTorch's SDPA backends.

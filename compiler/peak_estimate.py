@@ -5,7 +5,7 @@ memory savers with (compiler/planner.py).
 
 ``weights``: the bytes of the parameters and buffers the graph reads (each storage once: tied weights count
 once). ``gradients``: the bytes of those that require grad (the gradients a backward leaves). ``activations``:
-the bytes a backward reads, by a rule over the forward graph that follows what sloth's fused ops and Inductor's
+the bytes a backward reads (none, nor gradients, in a graph whose outputs need no gradient), by a rule over the forward graph that follows what sloth's fused ops and Inductor's
 partitioner keep, not what eager autograd keeps (eager also keeps every pointwise step of a norm, a RoPE or a
 LoRA scale, which sloth's ops recompute or never form): the activation inputs of every matrix product whose output
 requires grad (``linear``, ``matmul``, ``bmm``, attention: its q, k and v, and its output, which the output
@@ -65,7 +65,8 @@ def _viewed(node: Any) -> Any:
     """The node whose tensor ``node`` views or casts (itself when it is neither)."""
     while isinstance(node, fx.Node) and node.args and (
             node.op == "call_method" and node.target in _VIEW_METHODS
-            or node.op == "call_function" and node.target in _VIEW_FUNCTIONS):
+            or node.op == "call_function" and node.target in _VIEW_FUNCTIONS) \
+            and tensor_of(node.args[0]) is not None:  # not into split's or chunk's tuple: its pieces are the tensors
         node = node.args[0]
     return node
 
@@ -131,7 +132,7 @@ def _graph_memory(gm: fx.GraphModule, weights: frozenset = frozenset()) -> Graph
             saved = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
             if node.target is F.scaled_dot_product_attention:
                 saved.append(node)  # its output, which its backward reads
-        glu_parts = _glu_parts(node)
+        glu_parts = _glu_parts(node) if out is not None and out.requires_grad else ()
         if glu_parts:
             gate, act, up = glu_parts
             saved += [gate, up]
@@ -153,6 +154,7 @@ class PeakEstimate:
     offload_frees: int
     glu_bytes: int  # of the gated MLPs the tiled MLP would run in blocks (before the ``1 - rows / tokens``)
     tokens: int
+    training: bool = True  # False: no output requires grad, so no backward follows and no saver applies
 
     def saving(self, saver: str, rows: int = 0) -> int:
         """The bytes ``saver`` is estimated to free (``rows``: the tiled MLP's block)."""
@@ -190,6 +192,14 @@ def _parameter_bytes(example_inputs: Sequence[Any], trainable: bool) -> int:
     return total
 
 
+def _flat(args: Any) -> list:
+    if isinstance(args, (tuple, list)):
+        return [leaf for a in args for leaf in _flat(a)]
+    if isinstance(args, dict):
+        return [leaf for a in args.values() for leaf in _flat(a)]
+    return [args] if isinstance(args, fx.Node) else []
+
+
 def estimate_peak(gm: fx.GraphModule, example_inputs: Sequence[Any], tokens: int) -> PeakEstimate:
     """The peak of the step ``gm`` computes, before any pass (module docstring)."""
     # buffers are graph inputs too, not Parameters: known by their placeholders' names
@@ -198,6 +208,10 @@ def estimate_peak(gm: fx.GraphModule, example_inputs: Sequence[Any], tokens: int
                and isinstance(x, torch.Tensor)]
     weights = frozenset(n for n, x in zip(placeholders, example_inputs) if isinstance(x, torch.nn.Parameter)) | \
         frozenset(n for n, _ in buffers)
+    outputs = [tensor_of(n) for n in gm.graph.nodes if n.op == "output" for n in _flat(n.args)]
+    if not any(getattr(t, "requires_grad", False) for t in outputs):  # no backward follows: the weights alone
+        return PeakEstimate(weights=_parameter_bytes(example_inputs, False) + sum(_bytes(x) for _, x in buffers),
+                            gradients=0, activations=0, offload_frees=0, glu_bytes=0, tokens=tokens, training=False)
     memory = _graph_memory(gm, weights)
     checkpointed = sum(memory.checkpoint_inputs)
     offload_frees = checkpointed - (memory.checkpoint_inputs[-1] if memory.checkpoint_inputs else 0)

@@ -3,9 +3,10 @@
 The ``memory`` option (compiler/options.py) sets the goal:
 
     "auto" (default)  each saver on where it was measured to cost no time at this size (``LONG_CONTEXT`` below),
-                      then, on a GPU, more savers while the estimated peak exceeds the device's memory (free
-                      and held by PyTorch's allocator, less ``AUTO_MARGIN`` of the total)
-    a number          the same with that many GiB as the budget, on any device
+                      then, on one GPU, offload and the tiled MLP while the estimated peak of a training step
+                      exceeds the device's memory (free and held by PyTorch's allocator, less ``AUTO_MARGIN`` of
+                      the total)
+    a number          the same with that many GiB as the budget, on any device, moe_recompute too
     "min"             every saver that applies: the leanest plan, whatever it costs in time
     "off"             no saver: the step as sloth ran it before the planner
 
@@ -79,10 +80,10 @@ class StepFacts:
 
 
 def _device_budget(example_inputs: Any) -> Optional[int]:
-    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"),
-                  None)
-    if device is None:
+    devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"}
+    if len(devices) != 1:  # the CPU, or a model spread over GPUs (device_map): the estimate is not per device
         return None
+    (device,) = devices
     free, total = torch.cuda.mem_get_info(device)
     return int(free + torch.cuda.memory_reserved(device) - AUTO_MARGIN * total)
 
@@ -154,11 +155,15 @@ def _tile_rows(tokens: int) -> int:
     return TILE_ROWS if tokens > TILE_ROWS else max(1, tokens // 2)
 
 
-def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_taken: bool = False) -> Plan:
+def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_taken: bool = False,
+         pinned: Optional[dict[str, Any]] = None) -> Plan:
     """The savers for goal ``memory`` on a step with ``facts`` compiled by ``inner`` (module docstring); offload only
     where AOTAutograd partitions the graph (not ``inner="eager"``) and the user gave Inductor no partitioner of their
-    own (``partitioner_taken``: ``custom_partitioner_fn``, which offload would replace)."""
+    own (``partitioner_taken``: ``custom_partitioner_fn``, which offload would replace). ``pinned``: the savers the
+    user set (or the disable option switched off), by name, with their values (None or False: off); the budget
+    counts them as they are and adds none of them."""
     check_memory(memory)
+    pinned = pinned or {}
     tiled = TiledMlpOptions(TILE_ROWS, True) if facts.tokens > TILE_ROWS else None
     can_offload = facts.checkpointed and inner != "eager" and not partitioner_taken
     offload = OffloadOptions(mid_layer=True) if can_offload else None
@@ -173,36 +178,42 @@ def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_tak
         reason = f"checkpointed, at least {LONG_CONTEXT} tokens on a GPU: measured leaner at no cost in time"
     else:
         reason = f"none measured to cost no time below {LONG_CONTEXT} checkpointed tokens on a GPU"
+    chosen = {name: value for name, value in chosen.items() if name not in pinned}
     budget = facts.device_budget if memory == "auto" else int(memory * GiB)
     estimate = facts.estimate
-    if budget is None or estimate is None:
+    if budget is None or estimate is None or not estimate.training:
         return Plan(memory, facts, reason=reason, **chosen)
 
     def peak() -> int:
-        return estimate.peak([(name, 0 if name == "offload" else value.rows) for name, value in chosen.items()
-                              if name in ("offload", "tiled_mlp") and value is not None])
+        on = {**chosen, **pinned}
+        return estimate.peak([(name, 0 if name == "offload" else value.rows) for name, value in on.items()
+                              if name in ("offload", "tiled_mlp") and value])
 
     added = []
-    candidates = [("offload", offload), ("tiled_mlp", TiledMlpOptions(_tile_rows(facts.tokens), True)),
-                  ("moe_recompute", True)]
+    candidates = [("offload", offload), ("tiled_mlp", TiledMlpOptions(_tile_rows(facts.tokens), True))]
+    if memory != "auto":  # its time was measured (5.6 ms a step at Qwen3-MoE): a budget's choice, not the default's
+        candidates.append(("moe_recompute", True))
     for name, value in candidates:
         if peak() <= budget:
             break
-        if chosen.get(name) is None and value is not None and (name == "moe_recompute" or estimate.saving(
-                name, 0 if name == "offload" else value.rows) > 0):
+        if name in pinned or chosen.get(name) is not None or value is None:
+            continue
+        if name == "moe_recompute" or estimate.saving(name, 0 if name == "offload" else value.rows) > 0:
             chosen[name] = value
             added.append(name)
     where = "the device's memory" if memory == "auto" else "the budget"
     if added:
         reason += f"; over {where} ({budget / GiB:.2f} GiB) without them: added {', '.join(added)}"
     if peak() > budget:
-        reason += f"; still over {where} ({budget / GiB:.2f} GiB) with every saver"
+        reason += f"; still over {where} ({budget / GiB:.2f} GiB) with every saver it may add"
     return Plan(memory, facts, reason=reason, **chosen)
 
 
 def measured_peak_line(estimated: int, measured: int) -> str:
-    """The report's line for the peak measured once the first step ran, against the estimate."""
+    """The report's line for the peak measured once the first step ran, against the estimate. The measure is the
+    process's peak on the graph's device (``torch.cuda.max_memory_allocated``, not reset by sloth: a user's own
+    reset counts), so a graph that is one piece of a step compares its own estimate with the whole step's peak."""
     off = (estimated - measured) / measured if measured else 0.0
-    return (f"measured peak {measured / GiB:.2f} GiB when the graph ran a second time (torch.cuda."
+    return (f"measured peak {measured / GiB:.2f} GiB when the graph ran a second time (the process's "
             f"max_memory_allocated), estimated {estimated / GiB:.2f} GiB: "
             + ("within 10%" if abs(off) <= 0.10 else f"the estimate is off by {100 * off:+.0f}%"))

@@ -648,8 +648,10 @@ def _returned_logits_slot(gm: fx.GraphModule, m: CrossEntropyMatch) -> Optional[
         return None
     # Lazy only where nothing can change w before the logits are read (a trainable head changes at the optimizer's
     # step, and logits read after it would be the new head's) and where a backward follows (an evaluation reads them).
+    # Nor under torch.distributed: FSDP (and DeepSpeed's ZeRO-3) free the gathered head after the forward.
     frozen = not any(getattr(tensor_of(n), "requires_grad", False) for n in (m.w, m.bias) if n is not None)
-    lazy = frozen and bool(tensor_of(m.out).requires_grad)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    lazy = frozen and bool(tensor_of(m.out).requires_grad) and not distributed
     position = list(outs).index(returned)
     new_outs = list(outs)
     if lazy:

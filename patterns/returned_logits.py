@@ -19,7 +19,8 @@ caller a ``LazyLogits``: a tensor of the logits' shape, dtype and device that ho
   (``.float()``) gives lazy logits of that dtype. A step that never reads them never forms them; one that reads
   them (TRL's token accuracy) pays one lm_head matmul after the forward. The value is eager's: the same linear on
   the same x, w and b in the same dtypes. A head changed in place before the first read (the version counter
-  says so) raises instead of giving the new head's logits.
+  says so) or freed raises instead of giving the new head's logits; a write through ``.data`` bumps no version
+  and is not seen. Not in a distributed process: FSDP frees the gathered head after the forward.
 - "computed", where the head trains (an optimiser step would change w before a late read) or in no training
   graph: the graph computes them, detached, with x as one more output, and they are returned as they are.
 
@@ -93,12 +94,13 @@ class LazyLogits(torch.Tensor):
         """The logits as a plain tensor, computed the first time."""
         if self._value is None:
             x, w, b, compute_dtype = self._parts
-            if (w._version, None if b is None else b._version) != self._versions:
+            if (w._version, None if b is None else b._version) != self._versions or w.untyped_storage().size() == 0:
                 raise RuntimeError(
-                    "sloth: these logits are read after the lm_head's weight changed in place (an optimizer step?); "
-                    "sloth computes returned logits when they are first read (patterns/returned_logits.py), so read "
-                    f"them before the weight changes")
+                    "sloth: these logits are read after the lm_head's weight changed in place (an optimizer step?) "
+                    "or was freed; sloth computes returned logits when they are first read "
+                    "(patterns/returned_logits.py), so read them before the weight changes")
             self._value = compute_logits(x, w, b, self.dtype, compute_dtype)
+            self._parts = (None, None, None, compute_dtype)  # x and the head are no longer needed here
         return self._value
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -127,6 +129,8 @@ class LazyLogits(torch.Tensor):
             return t.computed() if isinstance(t, LazyLogits) else t
 
         out = func(*tree_map(computed, args), **tree_map(computed, kwargs))
+        if isinstance(kwargs.get("out"), LazyLogits):
+            return kwargs["out"]  # written into the computed value: the wrapper is what the op returns
         first = func._schema.arguments[0] if func._schema.arguments else None
         if first is not None and first.alias_info is not None and first.alias_info.is_write \
                 and isinstance(args[0], LazyLogits):
@@ -135,17 +139,19 @@ class LazyLogits(torch.Tensor):
 
 
 class ReturnedLogits(torch.autograd.Function):
-    """The logits in the forward (``LazyLogits`` of x, w, b, or the ``value`` the graph computed); eager's linear
+    """The logits in the forward (``LazyLogits`` of x, w, b, or ``value[0]``, the graph's); eager's linear
     gradients in the backward, only when one arrives."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out_dtype: torch.dtype,
-                compute_dtype: Optional[torch.dtype], value: Optional[torch.Tensor]):
+                compute_dtype: Optional[torch.dtype], value: list):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w)
         ctx.compute_dtype = compute_dtype
         ctx.b_dtype = None if b is None else b.dtype
-        return LazyLogits(x, w, b, out_dtype, compute_dtype) if value is None else value.view_as(value)
+        # ``value`` comes in a list, not as an input: an input returned as a view could not be written in place
+        # (logits.div_(temperature)), as eager's logits can
+        return LazyLogits(x, w, b, out_dtype, compute_dtype) if value[0] is None else value[0]
 
     @staticmethod
     def backward(ctx, g: Optional[torch.Tensor]):
@@ -179,7 +185,7 @@ def reattach(compiled: Callable, slots: list[ReturnedLogitsSlot]) -> Callable:
             w = args[slot.w_input]
             b = args[slot.b_input] if slot.b_input is not None else None
             if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-                outputs[slot.output] = ReturnedLogits.apply(x, w, b, slot.out_dtype, slot.compute_dtype, value)
+                outputs[slot.output] = ReturnedLogits.apply(x, w, b, slot.out_dtype, slot.compute_dtype, [value])
             elif lazy:
                 outputs[slot.output] = LazyLogits(x, w, b, slot.out_dtype, slot.compute_dtype)
         for index in reversed(extra):

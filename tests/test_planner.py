@@ -105,6 +105,10 @@ def test_auto_plans_for_the_devices_memory_on_a_gpu_only():
                                     device_budget=14 * GiB))
     assert on_gpu.offload is not None and on_gpu.tiled_mlp is None, on_gpu.reason
     assert "over the device's memory (14.00 GiB) without them: added offload" in on_gpu.reason
+    # under "auto" moe_recompute, which costs time, is never added: a budget's choice
+    tight = plan("auto", StepFacts(tokens=8192, checkpointed=True, cuda=True, estimate=ESTIMATE,
+                                   device_budget=11 * GiB))
+    assert tight.offload is not None and tight.tiled_mlp is not None and not tight.moe_recompute
     on_cpu = plan("auto", StepFacts(tokens=8192, checkpointed=True, cuda=False, estimate=ESTIMATE))
     assert (on_cpu.offload, on_cpu.tiled_mlp, on_cpu.moe_recompute) == (None, None, False)
 
@@ -245,8 +249,34 @@ def test_the_measured_peak_joins_the_plan_lines_when_the_graph_runs_again(monkey
     run = backend._measuring_peak(lambda *args: sum(args), int(2.5 * GiB), graph_report)
     assert run(1, 2) == 3 and graph_report.plan == []
     assert run(3, 4) == 7
-    want = ("measured peak 2.00 GiB when the graph ran a second time (torch.cuda.max_memory_allocated), estimated "
-            "2.50 GiB: the estimate is off by +25%")
+    want = ("measured peak 2.00 GiB when the graph ran a second time (the process's max_memory_allocated), "
+            "estimated 2.50 GiB: the estimate is off by +25%")
     assert graph_report.plan == [want] and sloth.report().plan == [want]
     run(5, 6)
     assert graph_report.plan == [want]
+
+
+def test_a_budget_counts_what_the_user_pinned_and_adds_none_of_it():
+    # offload pinned off (given False, or switched off by disable): the budget does not count on it, nor add it
+    chosen = plan(15, StepFacts(tokens=8192, checkpointed=True, cuda=False, estimate=ESTIMATE),
+                  pinned={"offload": None})
+    assert chosen.offload is None and chosen.tiled_mlp is not None and not chosen.moe_recompute, chosen.reason
+    # offload pinned on by the user: counted, so the budget of 15 GiB is met without more
+    chosen = plan(15, StepFacts(tokens=8192, checkpointed=True, cuda=False, estimate=ESTIMATE),
+                  pinned={"offload": OffloadOptions()})
+    assert (chosen.offload, chosen.tiled_mlp, chosen.moe_recompute) == (None, None, False), chosen.reason
+
+
+def test_a_step_without_a_backward_gets_no_saver_under_a_budget():
+    """Evaluation or generation: no gradients, nothing saved, so only the weights count and no saver applies."""
+    layers = GatedLayers()
+    with torch.no_grad():
+        [facts] = _facts_of(layers, torch.randn(2, 5, 16))
+    assert not facts.estimate.training and facts.estimate.gradients == 0 and facts.estimate.activations == 0
+    chosen = plan(1e-9, facts)
+    assert (chosen.offload, chosen.tiled_mlp, chosen.moe_recompute) == (None, None, False), chosen.reason
+
+
+def test_numpy_numbers_are_budgets():
+    np = pytest.importorskip("numpy")
+    assert parse_options({"memory": np.int64(40)})[0].memory == 40.0

@@ -102,7 +102,7 @@ def test_returned_logits_gradient_is_eagers(compute_dtype, out_dtype):
             return F.linear(x, w, b).to(out_dtype)
 
     want = torch.autograd.grad(eager(x, w, b), (x, w, b), g)
-    logits = ReturnedLogits.apply(x, w, b, out_dtype, compute_dtype, None)
+    logits = ReturnedLogits.apply(x, w, b, out_dtype, compute_dtype, [None])
     assert isinstance(logits, LazyLogits) and logits.dtype == out_dtype and logits.requires_grad
     torch.testing.assert_close(logits.detach(), eager(x, w, b).detach(), rtol=0, atol=0)
     got = torch.autograd.grad(logits, (x, w, b), g)
@@ -193,4 +193,25 @@ def test_a_trainable_heads_logits_are_computed_in_the_graph():
     assert type(out.logits) is torch.Tensor
     (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
     assert "logits also returned (kept); the loss reads them; their gradient only when one arrives" in site.detail
-    torch.testing.assert_close(out.logits.detach(), model(input_ids=ids).logits.detach())
+    want = model(input_ids=ids).logits.detach()
+    torch.testing.assert_close(out.logits.detach(), want)
+    # written in place as eager's logits can be (a temperature, a mask), found in review
+    out.logits.div_(2.0)
+    out.logits[..., 0] = 0.0
+    torch.testing.assert_close(out.logits[..., 1:].detach(), want[..., 1:] / 2.0)
+
+
+def test_lazy_logits_written_through_out_and_freed_after_the_read():
+    x, w, b = _inputs()
+    lazy = LazyLogits(x, w, b, torch.float32)
+    got = torch.add(torch.zeros(2, 7, V), 1.0, out=lazy)
+    assert got is lazy and torch.equal(lazy + 0, torch.ones(2, 7, V))
+    assert lazy._parts[:3] == (None, None, None)  # x and the head are dropped once the value exists
+
+
+def test_logits_of_a_freed_head_raise():
+    x, w, b = _inputs()
+    lazy = LazyLogits(x, w, b, torch.float32)
+    w.detach().untyped_storage().resize_(0)  # as FSDP frees a gathered parameter
+    with pytest.raises(RuntimeError, match="or was freed"):
+        lazy.sum()
