@@ -80,8 +80,9 @@ class Options:
     """The families to run, by name (``[]``: none of sloth's passes); None: every registered family."""
     report: bool = False
     """Print each graph's report as it is compiled."""
-    return_logits: bool = True
-    """False: the fused loss returns an empty tensor in place of logits only it needs (``PassOptions``)."""
+    return_logits: Any = True
+    """True: logits returned beside a fused loss are computed in the graph; "lazy": computed only when read (a frozen
+    head's, in a training graph); False: an empty tensor in their place (``PassOptions``)."""
     recompute: bool = True
     """Recompute RMSNorm outputs in the backward instead of keeping them; False leaves it to Inductor."""
     share_lora_input: bool = True
@@ -119,7 +120,8 @@ class PassOptions:
 
     ``return_logits``: False lets the cross-entropy pass return an empty tensor in place of the logits
     when a loss is fused and the logits' only other use is being returned, so they are never computed
-    (top-level graph only: a subgraph's outputs feed its caller).
+    (top-level graph only: a subgraph's outputs feed its caller); "lazy" returns them computed only when read
+    (patterns/returned_logits.py), where the head is frozen and a backward follows.
 
     ``recompute``: True lets cheap sloth ops (RMSNorm) be recomputed in the backward instead of keeping
     their outputs from the forward (compiler/recompute.py); False keeps them, as Inductor would decide.
@@ -145,7 +147,7 @@ class PassOptions:
     sync per new mask tensor) and run ``is_causal`` attention when it is causal (patterns/mask_inputs.py,
     runtime/proven_masks.py); False runs such masks as written, with no sync.
     """
-    return_logits: bool = True
+    return_logits: Any = True
     recompute: bool = True
     share_lora_input: bool = True
     tiled_mlp: int = 0
@@ -183,7 +185,7 @@ def parse_options(user: Optional[dict[str, Any]]) -> tuple[Options, dict[str, An
         inner=inner,
         patterns=_patterns(user.get("patterns")),
         report=bool(user.get("report", False)),
-        return_logits=_bool(user, "return_logits", True),
+        return_logits=_return_logits(user.get("return_logits", True)),
         recompute=_bool(user, "recompute", True),
         share_lora_input=_bool(user, "share_lora_input", True),
         offload=_offload(user.get("offload", False)),
@@ -206,6 +208,12 @@ def parse_options(user: Optional[dict[str, Any]]) -> tuple[Options, dict[str, An
 def _did_you_mean(key: Any, names: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(str(key), names, n=3)
     return f" ({key!r}: did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _return_logits(value: Any) -> Any:
+    if value is True or value is False or value == "lazy":
+        return value
+    raise ValueError(f"sloth: return_logits must be True, False or 'lazy', got {value!r}")
 
 
 def _bool(user: dict[str, Any], name: str, default: bool) -> bool:

@@ -23,6 +23,8 @@ What each saver is estimated to free:
     tiled_mlp      a gated MLP's gate, up, activation and product (``act(gate) * up``) exist one block of
                    ``rows`` at a time: their bytes times ``1 - rows / tokens``, for every such MLP outside
                    checkpointed layers, and the largest one inside them
+    return_logits  "lazy": the logits a fused loss's graph returns (the output of a matrix product a cross-entropy
+                   reads, and a float32 copy of it the graph returns), alive at the forward's end, not formed
     moe_recompute  not estimated (0): the plan adds it last, when nothing else brings the peak under the budget
 """
 from __future__ import annotations
@@ -155,11 +157,14 @@ class PeakEstimate:
     glu_bytes: int  # of the gated MLPs the tiled MLP would run in blocks (before the ``1 - rows / tokens``)
     tokens: int
     training: bool = True  # False: no output requires grad, so no backward follows and no saver applies
+    logits: int = 0  # the returned logits a fused loss reads (module docstring), in the peak until made lazy
 
     def saving(self, saver: str, rows: int = 0) -> int:
         """The bytes ``saver`` is estimated to free (``rows``: the tiled MLP's block)."""
         if saver == "offload":
             return self.offload_frees
+        if saver == "return_logits":
+            return self.logits
         if saver == "tiled_mlp" and 0 < rows < self.tokens:
             return int(self.glu_bytes * (1 - rows / self.tokens))
         return 0
@@ -167,13 +172,13 @@ class PeakEstimate:
     def peak(self, savers: Iterable[tuple[str, int]] = ()) -> int:
         """The estimated peak with ``savers`` ((name, rows) pairs) on."""
         freed = sum(self.saving(name, rows) for name, rows in savers)
-        return self.weights + self.gradients + max(0, self.activations - freed)
+        return self.weights + self.gradients + max(0, self.activations + self.logits - freed)
 
     def describe(self, savers: Iterable[tuple[str, int]] = ()) -> str:
         savers = list(savers)
         return (f"estimated peak {self.peak(savers) / GiB:.2f} GiB (weights {self.weights / GiB:.2f}, gradients "
-                f"{self.gradients / GiB:.2f}, activations at most "
-                f"{max(0, self.activations - sum(self.saving(n, r) for n, r in savers)) / GiB:.2f})")
+                f"{self.gradients / GiB:.2f}, activations and logits at most "
+                f"{max(0, self.activations + self.logits - sum(self.saving(n, r) for n, r in savers)) / GiB:.2f})")
 
 
 def _parameter_bytes(example_inputs: Sequence[Any], trainable: bool) -> int:
@@ -189,6 +194,27 @@ def _parameter_bytes(example_inputs: Sequence[Any], trainable: bool) -> int:
             continue
         seen.add(key)
         total += _bytes(x)
+    return total
+
+
+_LOSSES = {F.cross_entropy, F.nll_loss, F.log_softmax, torch.log_softmax}
+
+
+def _returned_logits_bytes(gm: fx.GraphModule, returned: set) -> int:
+    """The bytes of returned logits a loss reads: each matrix product whose value (through views and casts) a
+    cross-entropy or log-softmax reads and the graph returns, with a returned cast of it."""
+    total, seen = 0, set()
+    for node in gm.graph.nodes:
+        if not (node.op == "call_function" and node.target in _LOSSES and node.args):
+            continue
+        source = _viewed(node.args[0])
+        if not (isinstance(source, fx.Node) and _is_matmul(source)) or source in seen:
+            continue
+        seen.add(source)
+        copies = [source] + [u for u in source.users if u in returned and u.op == "call_method"
+                             and u.target in ("float", "to")]
+        if source in returned or len(copies) > 1:
+            total += sum(_bytes(tensor_of(n)) for n in copies if n in returned or n is source)
     return total
 
 
@@ -213,9 +239,11 @@ def estimate_peak(gm: fx.GraphModule, example_inputs: Sequence[Any], tokens: int
         return PeakEstimate(weights=_parameter_bytes(example_inputs, False) + sum(_bytes(x) for _, x in buffers),
                             gradients=0, activations=0, offload_frees=0, glu_bytes=0, tokens=tokens, training=False)
     memory = _graph_memory(gm, weights)
+    returned = set(_flat([n.args for n in gm.graph.nodes if n.op == "output"]))
     checkpointed = sum(memory.checkpoint_inputs)
     offload_frees = checkpointed - (memory.checkpoint_inputs[-1] if memory.checkpoint_inputs else 0)
     return PeakEstimate(weights=_parameter_bytes(example_inputs, False) + sum(_bytes(x) for _, x in buffers),
                         gradients=_parameter_bytes(example_inputs, True),
                         activations=memory.activations + checkpointed + memory.layer_peak,
-                        offload_frees=offload_frees, glu_bytes=sum(memory.glu) + memory.layer_glu, tokens=tokens)
+                        offload_frees=offload_frees, glu_bytes=sum(memory.glu) + memory.layer_glu, tokens=tokens,
+                        logits=_returned_logits_bytes(gm, returned))

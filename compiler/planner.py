@@ -27,8 +27,9 @@ An option the user gives (``offload``, ``tiled_mlp``, ``moe_recompute``) pins th
     tiled_mlp      a LoRA MLP of more rows than ``TILE_ROWS`` run a block of rows at a time (patterns/tiled_mlp.py)
     moe_recompute  the MoE experts op forms its first grouped GEMM again in the backward (patterns/moe.py)
 
-The plan does not touch ``return_logits``: returning an empty tensor in place of the logits changes what the model
-returns, which only the user may decide.
+    return_logits  "lazy": logits returned beside a fused loss computed only when read, where the head is frozen
+                   (patterns/returned_logits.py); the plan never chooses False (an empty tensor changes what the
+                   model returns: the user's call)
 
 What the plan reads (``StepFacts``, from the graph Dynamo hands over, before any pass): the tokens a step runs (the
 most rows any linear layer's input has), whether it holds checkpointed layers (``tag_activation_checkpoint``
@@ -120,10 +121,12 @@ class Plan:
     offload: Optional[OffloadOptions] = None
     tiled_mlp: Optional[TiledMlpOptions] = None
     moe_recompute: bool = False
+    return_logits: Any = True
     reason: str = ""
 
     def apply(self, options: Options) -> Options:
-        chosen = {"offload": self.offload, "tiled_mlp": self.tiled_mlp, "moe_recompute": self.moe_recompute}
+        chosen = {"offload": self.offload, "tiled_mlp": self.tiled_mlp, "moe_recompute": self.moe_recompute,
+                  "return_logits": self.return_logits}
         return dataclasses.replace(options, **{k: v for k, v in chosen.items() if k not in options.given})
 
     def describe(self, options: Options) -> str:
@@ -135,7 +138,9 @@ class Plan:
             on.append(f"tiled_mlp ({options.tiled_mlp.rows}-row blocks)")
         if options.moe_recompute:
             on.append("moe_recompute")
-        pinned = sorted(options.given & {"offload", "tiled_mlp", "moe_recompute"})
+        if options.return_logits == "lazy":
+            on.append("lazy logits")
+        pinned = sorted(options.given & {"offload", "tiled_mlp", "moe_recompute", "return_logits"})
         estimate = self.facts.estimate
         return (f"memory={self.memory!r} ({self.facts.describe()}): {', '.join(on) or 'no memory saver'}"
                 + (f"; {self.reason}" if self.reason else "")
@@ -148,7 +153,8 @@ class Plan:
 def savers_on(options: Options) -> list[tuple[str, int]]:
     """The savers ``options`` turn on that the estimate weighs, as (name, rows) pairs."""
     return ([("offload", 0)] if options.offload is not None else []) + \
-        ([("tiled_mlp", options.tiled_mlp.rows)] if options.tiled_mlp is not None else [])
+        ([("tiled_mlp", options.tiled_mlp.rows)] if options.tiled_mlp is not None else []) + \
+        ([("return_logits", 0)] if options.return_logits in ("lazy", False) else [])
 
 
 def _tile_rows(tokens: int) -> int:
@@ -170,11 +176,11 @@ def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_tak
     if memory == "off":
         return Plan(memory, facts, reason="memory='off'")
     if memory == "min":
-        return Plan(memory, facts, offload=offload, tiled_mlp=tiled, moe_recompute=True,
+        return Plan(memory, facts, offload=offload, tiled_mlp=tiled, moe_recompute=True, return_logits="lazy",
                     reason="every saver that applies")
     chosen: dict[str, Any] = {}
     if facts.cuda and facts.checkpointed and facts.tokens >= LONG_CONTEXT:
-        chosen = {"offload": offload, "tiled_mlp": tiled}
+        chosen = {"offload": offload, "tiled_mlp": tiled, "return_logits": "lazy"}
         reason = f"checkpointed, at least {LONG_CONTEXT} tokens on a GPU: measured leaner at no cost in time"
     else:
         reason = f"none measured to cost no time below {LONG_CONTEXT} checkpointed tokens on a GPU"
@@ -186,11 +192,13 @@ def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_tak
 
     def peak() -> int:
         on = {**chosen, **pinned}
-        return estimate.peak([(name, 0 if name == "offload" else value.rows) for name, value in on.items()
-                              if name in ("offload", "tiled_mlp") and value])
+        return estimate.peak([(name, value.rows if name == "tiled_mlp" else 0) for name, value in on.items()
+                              if name in ("offload", "tiled_mlp") and value
+                              or name == "return_logits" and value in ("lazy", False)])
 
     added = []
-    candidates = [("offload", offload), ("tiled_mlp", TiledMlpOptions(_tile_rows(facts.tokens), True))]
+    candidates = [("offload", offload), ("tiled_mlp", TiledMlpOptions(_tile_rows(facts.tokens), True)),
+                  ("return_logits", "lazy")]
     if memory != "auto":  # its time was measured (5.6 ms a step at Qwen3-MoE): a budget's choice, not the default's
         candidates.append(("moe_recompute", True))
     for name, value in candidates:
@@ -198,7 +206,7 @@ def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_tak
             break
         if name in pinned or chosen.get(name) is not None or value is None:
             continue
-        if name == "moe_recompute" or estimate.saving(name, 0 if name == "offload" else value.rows) > 0:
+        if name == "moe_recompute" or estimate.saving(name, value.rows if name == "tiled_mlp" else 0) > 0:
             chosen[name] = value
             added.append(name)
     where = "the device's memory" if memory == "auto" else "the budget"

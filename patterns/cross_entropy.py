@@ -47,7 +47,8 @@ and b cast to d, as autocast's ``F.linear`` did, and computes the loss in float3
 autocast's cross-entropy does (on its fp32 list, or log_softmax's); compiler/autocast.py says how the dtype is
 read ("under autocast: in bfloat16").
 
-Logits returned beside the loss of a training graph whose head is frozen (LoRA, QLoRA), as every transformers
+With ``return_logits="lazy"`` (which the plan chooses for long context, compiler/planner.py), logits returned beside
+the loss of a training graph whose head is frozen (LoRA, QLoRA), as every transformers
 ``*ForCausalLM`` returns them (directly, or through one cast the output alone reads: accelerate's mixed precision
 returns ``logits.float()``), leave the graph: the op computes its own tiles, the graph returns x in their place,
 and the caller gets logits computed only when something reads them, with a gradient only when one arrives
@@ -620,9 +621,10 @@ def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
     return True
 
 
-def _returned_logits_slot(gm: fx.GraphModule, m: CrossEntropyMatch) -> Optional[str]:
-    """Return the logits through a slot the backend fills (patterns/returned_logits.py): "lazy" in a training graph
-    whose head is frozen (w and the bias need no gradient: a LoRA or QLoRA step): x is returned in their place and
+def _returned_logits_slot(gm: fx.GraphModule, m: CrossEntropyMatch, may_be_lazy: bool) -> Optional[str]:
+    """Return the logits through a slot the backend fills (patterns/returned_logits.py): "lazy" (``may_be_lazy``:
+    ``return_logits="lazy"``, which the plan chooses) in a training graph whose head is frozen (w and the bias need
+    no gradient: a LoRA or QLoRA step): x is returned in their place and
     they are computed only when read; "computed" otherwise: the graph still computes them, returned detached with x
     as one more output, put back into autograd on a node of their own. Only where the projection is the one chain
     node other users read, those users are the graph's output (directly, or through one cast only the output reads:
@@ -651,7 +653,7 @@ def _returned_logits_slot(gm: fx.GraphModule, m: CrossEntropyMatch) -> Optional[
     # Nor under torch.distributed: FSDP (and DeepSpeed's ZeRO-3) free the gathered head after the forward.
     frozen = not any(getattr(tensor_of(n), "requires_grad", False) for n in (m.w, m.bias) if n is not None)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    lazy = frozen and bool(tensor_of(m.out).requires_grad) and not distributed
+    lazy = may_be_lazy and frozen and bool(tensor_of(m.out).requires_grad) and not distributed
     position = list(outs).index(returned)
     new_outs = list(outs)
     if lazy:
@@ -764,7 +766,8 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *
         read_logits = lazy = False
         if found.shared:
             dropped = not options.return_logits and _drop_returned_logits(gm, found)
-            slot = None if dropped or not options.top_level else _returned_logits_slot(gm, found)
+            slot = None if dropped or not options.top_level else _returned_logits_slot(
+                gm, found, may_be_lazy=options.return_logits == "lazy")
             lazy = slot == "lazy"
             read_logits = not dropped and not lazy
             if dropped:

@@ -91,12 +91,13 @@ def test_dump(tmp_path, monkeypatch):
     assert parse_options({"dump": False})[0].dump is None  # off even when the variable is set
 
 
-BOOLS = ("return_logits", "recompute", "share_lora_input", "moe_recompute", "mask_check")
+BOOLS = ("recompute", "share_lora_input", "moe_recompute", "mask_check")
 TILED = r"tiled_mlp must be True, False, a positive number of rows per block or \{'rows': N, 'recompute'"
 
 
 BAD = [
     *[({name: "yes"}, f"sloth: {name} must be True or False, got 'yes'") for name in BOOLS],
+    ({"return_logits": "yes"}, "sloth: return_logits must be True, False or 'lazy', got 'yes'"),
     ({"inner": "nvcc"}, r"inner must be one of \['inductor', 'aot_eager', 'eager'\], got 'nvcc'"),
     ({"patterns": ["rms_norm", "nope"]}, r"unknown pattern family \['nope'\]; known: \["),
     ({"disable": ["lean_backwards"]}, r"disable: unknown pass\(es\) \['lean_backwards'\] \('lean_backwards': did you "

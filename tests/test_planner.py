@@ -29,6 +29,7 @@ LONG_GPU = StepFacts(tokens=LONG_CONTEXT, checkpointed=True, cuda=True)
 def test_auto_turns_on_what_was_measured_free_and_nothing_else(facts, expect):
     chosen = plan("auto", facts)
     assert (chosen.offload, chosen.tiled_mlp, chosen.moe_recompute) == (*expect, False)
+    assert chosen.return_logits == ("lazy" if expect[0] is not None else True)
 
 
 @pytest.mark.parametrize("facts", [LONG_GPU, StepFacts(4096, True, False), StepFacts(100, False, False)])
@@ -280,3 +281,35 @@ def test_a_step_without_a_backward_gets_no_saver_under_a_budget():
 def test_numpy_numbers_are_budgets():
     np = pytest.importorskip("numpy")
     assert parse_options({"memory": np.int64(40)})[0].memory == 40.0
+
+
+def test_a_budget_makes_the_logits_lazy_after_the_layer_savers():
+    estimate = PeakEstimate(weights=10 * GiB, gradients=0, activations=6 * GiB, offload_frees=3 * GiB,
+                            glu_bytes=2 * GiB, tokens=8192, logits=2 * GiB)
+    facts = StepFacts(tokens=8192, checkpointed=True, cuda=False, estimate=estimate)
+    # 18 GiB: offload 15, the tiled MLP 13.5, lazy logits 11.5
+    assert plan(14, facts).return_logits is True and plan(14, facts).tiled_mlp is not None
+    lean = plan(12, facts)
+    assert lean.return_logits == "lazy" and not lean.moe_recompute, lean.reason
+    line = lean.describe(lean.apply(parse_options({"memory": 12})[0]))
+    assert "lazy logits" in line and "estimated peak 11.50 GiB" in line, line
+    # the user's return_logits stands: False counts as the logits gone, True keeps them formed
+    assert plan(12, facts, pinned={"return_logits": False}).moe_recompute is False
+    assert plan(12, facts, pinned={"return_logits": True}).moe_recompute is True
+
+
+def test_the_estimate_counts_the_returned_logits():
+    model = nn.Linear(8, 32, bias=False)
+
+    def loss_and_logits(x, y):
+        logits = model(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 32), y.view(-1)), logits
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(step_facts(gm, example_inputs))
+        return gm.forward
+
+    torch.compile(loss_and_logits, backend=capture)(torch.randn(2, 5, 8), torch.randint(0, 32, (2, 5)))
+    assert seen[0].estimate.logits == 2 * 5 * 32 * 4

@@ -1,5 +1,5 @@
-"""Returned logits computed only when read (patterns/returned_logits.py): a training step with a frozen head (LoRA)
-that never reads them never forms them; one that reads them, in any way, gets eager's values, and eager's gradient
+"""Returned logits computed only when read (patterns/returned_logits.py; ``return_logits="lazy"``, which the plan
+chooses at long context): a training step with a frozen head (LoRA) that never reads them never forms them; one that reads them, in any way, gets eager's values, and eager's gradient
 through them; under accelerate's mixed precision (``logits.float()`` returned) and autocast too. A trainable head's
 logits are computed in the graph (an optimizer step would change the head before a late read).
 """
@@ -19,6 +19,7 @@ from sloth.patterns.returned_logits import LazyLogits, ReturnedLogits
 from test_models import VOCAB, assert_model_close, build
 
 H, V = 12, 40
+LAZY = {"inner": "aot_eager", "return_logits": "lazy"}  # the plan's choice at long context (compiler/planner.py)
 
 
 def _inputs(dtype=torch.float32):
@@ -136,7 +137,7 @@ def test_model_step_that_never_reads_the_logits_never_forms_them(autocast):
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     reference = _loss_grads(copy.deepcopy(model).double(), ids)
     eager = _loss_grads(model, ids, autocast=autocast)
-    compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
+    compiled = torch.compile(model, backend="sloth", options=LAZY)
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = compiled(input_ids=ids, labels=ids)
@@ -157,27 +158,47 @@ def test_model_step_that_reads_and_differentiates_the_logits(autocast):
     ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
     reference = _loss_grads(copy.deepcopy(model).double(), ids, read_logits=True)
     eager = _loss_grads(model, ids, autocast=autocast, read_logits=True)
-    actual = _loss_grads(model, ids, torch.compile(model, backend="sloth", options={"inner": "aot_eager"}),
+    actual = _loss_grads(model, ids, torch.compile(model, backend="sloth", options=LAZY),
                          autocast=autocast, read_logits=True)
     (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
     assert "computed only when read" in site.detail, str(sloth.report())
     assert_model_close(actual, eager, reference, torch.bfloat16)
 
 
-def test_trainer_in_bf16_mixed_precision_returns_lazy_float32_logits(tmp_path):
-    """transformers' Trainer with ``bf16=True`` (accelerate's mixed precision returns ``logits.float()`` from
-    the forward, inside the compiled graph): the float32 copy leaves the graph too, the loss is eager's."""
+def test_a_returned_float32_copy_of_the_logits_stays_lazy():
+    """accelerate's mixed precision returns ``logits.float()`` from the forward; compiled with it (as the Trainer's
+    torch_compile does), the float32 copy leaves the graph too: lazy float32 logits, eager's loss and values."""
+    model = _frozen_head_model(torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+
+    def forward(ids):
+        out = model(input_ids=ids, labels=ids)
+        return out.loss, out.logits.float()
+
+    loss, logits = torch.compile(forward, backend="sloth", options=LAZY)(ids)
+    (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
+    assert "computed only when read" in site.detail, str(sloth.report())
+    assert isinstance(logits, LazyLogits) and logits.dtype == torch.float32 and logits._value is None
+    want_loss, want_logits = forward(ids)
+    torch.testing.assert_close(loss, want_loss, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(logits + 0, want_logits.detach(), rtol=2e-2, atol=1e-2)  # x is sloth's, in bf16
+
+
+def test_trainer_in_bf16_mixed_precision_with_lazy_logits(tmp_path):
+    """transformers' Trainer, ``bf16=True``, the forward compiled by hand with lazy logits: accelerate's
+    ``.float()`` of the returned logits keeps them lazy, and the loss is eager's."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     ids = torch.randint(3, VOCAB, (8, 11), generator=torch.Generator().manual_seed(4))
     data = [{"input_ids": row, "labels": row} for row in ids]
     losses = []
-    for compile_backend in (None, "sloth"):
+    for compiled in (False, True):
         model = _frozen_head_model(torch.bfloat16)
+        if compiled:
+            model.forward = torch.compile(model.forward, backend="sloth", options=LAZY)
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[], use_cpu=True,
-            save_strategy="no", seed=0, data_seed=0, bf16=True, torch_compile=compile_backend is not None,
-            torch_compile_backend=compile_backend)
+            save_strategy="no", seed=0, data_seed=0, bf16=True)
         losses.append(transformers.Trainer(model=model, args=args, train_dataset=data).train().training_loss)
     (site,) = [s for s in sloth.report().sites if s.family == "cross_entropy"]
     assert "computed only when read" in site.detail, str(sloth.report())
