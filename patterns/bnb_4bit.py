@@ -10,8 +10,18 @@ Dynamo captures as a higher-order op (seen with torch 2.13 and bitsandbytes 0.50
               bias=bias, absmax_8bit=absmax, absmax_code=state2.code, absmax_offset=offset)
 
 ``gemm_4bit`` is ``x @ dequantize_4bit(packed, ...).T + bias`` (bitsandbytes dequantises, then a dense
-matmul, for more than one row). This module finds that shape and maps the body's operands back to the
-nodes of the calling graph; nothing here imports bitsandbytes.
+matmul, for more than one row). bitsandbytes 0.49 (the release Unsloth's wheel set pins) writes that in the body
+itself (seen with torch 2.13 and bitsandbytes 0.49.2 on the CPU; the op's operands are the quant state's tensors,
+then ``packed.t()``, then x)::
+
+    fwd_body: absmax = dequantize_blockwise(absmax_8bit, state2.absmax, state2.code, 256, float32)
+              absmax += offset                                   (double-quantised; else absmax is an operand)
+              w = dequantize_4bit(packed_t, absmax, blocksize, quant_type, (N, K), dtype)
+              out = linear(x, w.t().to(x.dtype).t(), bias)
+
+Unmatched, that form left each layer's dequantised weight saved for the backward (43.6 GiB at Llama-3-8B QLoRA 2 x
+2048 on one H100, benchmarks/results/2026-12-07_issue56_h100_rows.md). This module finds either shape and maps the
+body's operands back to the nodes of the calling graph; nothing here imports bitsandbytes.
 """
 from __future__ import annotations
 
@@ -22,10 +32,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.fx as fx
 
+from ..compiler.canonicalize import cast
 from ..compiler.fx_utils import tensor_of
 
 _GEMM_4BIT = "bitsandbytes.gemm_4bit.default"  # compared by name: bitsandbytes need not be imported
-_VIEWS = ("view", "reshape")
+_DEQUANTIZE_4BIT = "bitsandbytes.dequantize_4bit.default"
+_DEQUANTIZE_BLOCKWISE = "bitsandbytes.dequantize_blockwise.default"
+_VIEWS = ("view", "reshape", "t")
 
 
 @dataclasses.dataclass
@@ -114,9 +127,12 @@ def bnb_4bit_base(gm: fx.GraphModule, node: Any) -> Union[Bnb4bitBase, str, None
     if not isinstance(body, fx.GraphModule):
         return None
     gemms = [n for n in body.graph.nodes if _is_gemm_4bit(n)]
-    if len(gemms) != 1:
+    dequantized = [n for n in body.graph.nodes if _is_call(n, _DEQUANTIZE_4BIT)]
+    if len(gemms) + len(dequantized) != 1:
         return None
-    gemm = gemms[0]
+    gemm = gemms[0] if gemms else _linear_of(dequantized[0])
+    if gemm is None:
+        return None
     output = next(n for n in body.graph.nodes if n.op == "output")
     returned = output.args[0]
     if not (isinstance(returned, (tuple, list)) and returned and isinstance(returned[0], (tuple, list))
@@ -129,7 +145,95 @@ def bnb_4bit_base(gm: fx.GraphModule, node: Any) -> Union[Bnb4bitBase, str, None
     if len(placeholders) != len(hop.args) - 2:  # the body's inputs are the op's operands, one for one
         return "the 4-bit autograd function's body takes other inputs than the op passes"
     operands = dict(zip(placeholders, hop.args[2:]))
-    return _from_gemm(gemm, node, hop, bodies, lambda v: _outer(v, operands))
+    if gemms:
+        return _from_gemm(gemm, node, hop, bodies, lambda v: _outer(v, operands))
+    return _from_dequantize(gemm, dequantized[0], node, hop, bodies, lambda v: _outer(v, operands))
+
+
+def _is_call(node: Any, name: str) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and str(node.target) == name
+
+
+def _step(node: fx.Node) -> Optional[str]:
+    """"t" or "to" for a transpose or a cast (a method, or compiler/canonicalize.py's cast), else None."""
+    if node.op == "call_method" and node.target in ("t", "to"):
+        return node.target
+    return "to" if node.op == "call_function" and node.target is cast else None
+
+
+def _linear_of(dequantized: fx.Node) -> Optional[fx.Node]:
+    """The ``linear(x, w.t().to(dtype).t(), bias)`` that reads a dequantised weight (bitsandbytes 0.49), or None."""
+    node, steps = dequantized, []
+    while len(node.users) == 1:
+        (user,) = node.users
+        if _step(user) is not None:
+            steps.append(_step(user))
+            node = user
+            continue
+        if user.op == "call_function" and user.target in (torch._C._nn.linear, torch.nn.functional.linear) \
+                and len(user.args) >= 2 and user.args[1] is node and steps.count("t") % 2 == 0:
+            return user
+        return None
+    return None
+
+
+def _from_dequantize(linear: fx.Node, dequantized: fx.Node, out: fx.Node, hop: fx.Node, bodies: tuple[fx.Node, ...],
+                     outer: Callable[[Any], Any]) -> Union[Bnb4bitBase, str]:
+    """The match for bitsandbytes 0.49's body (module docstring); ``outer`` maps body values to the calling graph."""
+    args = dict(zip(("A", "absmax", "blocksize", "quant_type", "shape", "dtype"), dequantized.args),
+                **dequantized.kwargs)
+    shape, blocksize, quant_type = args.get("shape"), args.get("blocksize"), args.get("quant_type")
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(d, int) for d in shape)
+            and isinstance(blocksize, int) and isinstance(quant_type, str)):
+        return "the 4-bit weight's shape, block size or quant type is not a constant"
+    x_body = linear.args[0]
+    bias_body = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    x, packed = outer(x_body), outer(args.get("A"))
+    if isinstance(packed, fx.Node):  # the op is passed ``packed.t()``: the stored weight is its root
+        packed = _view_root(packed)
+    bias = outer(bias_body) if bias_body is not None else None
+    xt = tensor_of(x_body)
+    casts = [u for u in _chain(dequantized) if _step(u) == "to"]
+    if xt is None or any(c.args[1:] != (xt.dtype,) for c in casts):
+        return "the dequantised 4-bit weight is cast to another dtype than the input's"
+    absmax_body = args.get("absmax")
+    nested = None
+    if isinstance(absmax_body, fx.Node) and absmax_body.op == "call_function" and absmax_body.target is operator.iadd:
+        blockwise, offset = absmax_body.args
+        if not (_is_call(blockwise, _DEQUANTIZE_BLOCKWISE) and len(blockwise.args) >= 4
+                and blockwise.args[3] == 256):
+            return "the 4-bit weight's absmax is double-quantised other than in blocks of 256"
+        code = blockwise.args[2]
+        while isinstance(code, fx.Node) and code.op == "call_method" and code.target == "to":  # .to(device)
+            code = code.args[0]
+        nested = (outer(blockwise.args[0]), outer(code), outer(blockwise.args[1]), outer(offset))
+        absmax = nested[0]
+    else:
+        absmax = outer(absmax_body)
+    if any(v is None for v in (x, packed, absmax)) or (bias_body is not None and bias is None) \
+            or (nested is not None and any(v is None for v in nested)):
+        return "an operand of the 4-bit linear is computed inside the autograd function, not passed in"
+    pt = tensor_of(packed)
+    if pt is None or pt.dtype != torch.uint8:
+        return f"the packed 4-bit weight is stored as {pt.dtype if pt is not None else 'unknown'}, not uint8"
+    if nested is not None:
+        codes, code, scale, offset = nested
+        return Bnb4bitBase(out, hop, bodies, x, packed, codes, code, scale, offset, bias, shape[0], shape[1],
+                           blocksize, quant_type)
+    return Bnb4bitBase(out, hop, bodies, x, packed, absmax, None, None, None, bias, shape[0], shape[1], blocksize,
+                       quant_type)
+
+
+def _chain(dequantized: fx.Node) -> list[fx.Node]:
+    """The single-user ``t`` / ``to`` steps after the dequantised weight."""
+    steps, node = [], dequantized
+    while len(node.users) == 1:
+        (user,) = node.users
+        if _step(user) is None:
+            break
+        steps.append(user)
+        node = user
+    return steps
 
 
 def _view_root(node: fx.Node) -> fx.Node:

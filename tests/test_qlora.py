@@ -291,6 +291,55 @@ def test_four_bit_sites_with_the_adapter_first_and_a_shared_cast():
         assert_close(name, ours, theirs, ref)
 
 
+class _MatMul4BitOf049(torch.autograd.Function):
+    """bitsandbytes 0.49's MatMul4Bit (the release Unsloth's wheel set pins), written with the functional API
+    0.50 keeps: the body dequantises, then a dense linear, where 0.50 calls gemm_4bit (patterns/bnb_4bit.py)."""
+
+    @staticmethod
+    def forward(ctx, A, B, out=None, bias=None, quant_state=None):
+        ctx.state = quant_state
+        ctx.save_for_backward(B)
+        return F.linear(A, dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (B,) = ctx.saved_tensors
+        grad_A = torch.matmul(grad_output, dequantize_4bit(B, ctx.state).to(grad_output.dtype).t())
+        return grad_A, None, None, None, None
+
+
+class _Linear4bitOf049(bnb.nn.Linear4bit):
+    """Linear4bit.forward as bitsandbytes 0.49 runs it on more than one row: ``matmul_4bit(x, weight.t(), ...)``."""
+
+    def forward(self, x):
+        state = self.weight.quant_state
+        return _MatMul4BitOf049.apply(x.to(self.compute_dtype), self.weight.t(), None, self.bias, state).to(x.dtype)
+
+
+def test_four_bit_sites_as_bitsandbytes_049_writes_them():
+    """bitsandbytes 0.49's 4-bit linear (dequantise, then linear, inside its autograd function) is matched as
+    0.50's gemm_4bit is: both sites become one sloth.qlora_linear_shared, within the tolerance rule. Unmatched it
+    ran as written and kept each dequantised weight for the backward (43.6 GiB at 8B QLoRA on one H100)."""
+    module = _FourBitSites()
+    for name in "qk":
+        old = getattr(module, f"base_{name}")
+        new = _Linear4bitOf049(64, 64, bias=False, quant_type="nf4", compute_dtype=torch.bfloat16)
+        new.weight = old.weight
+        setattr(module, f"base_{name}", new)
+    x = torch.randn(2, 5, 64, generator=seeded(4)).bfloat16()
+    dense = dense_fp64_copy(module)
+    reference = forward_backward(dense, [x.double()], [dense.a_q, dense.b_q, dense.a_k, dense.b_k],
+                                 dy_dtype=torch.bfloat16)
+    params = [module.a_q, module.b_q, module.a_k, module.b_k]
+    eager = forward_backward(module, [x], params)
+    actual = forward_backward(torch.compile(module, backend="sloth", options={"inner": "aot_eager"}), [x], params)
+    report = sloth.report()
+    assert [site.op for site in report.sites if site.family == "lora"] == ["sloth.qlora_linear_shared"] * 2, \
+        str(report)
+    for name, ours, theirs, ref in zip(("y", "dx", "da_q", "db_q", "da_k", "db_k"), actual, eager, reference):
+        assert_close(name, ours, theirs, ref)
+
+
 # ---------------------------------------------------------------------------------------------------
 # QLoRA on an MoE model
 # ---------------------------------------------------------------------------------------------------
