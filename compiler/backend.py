@@ -167,7 +167,7 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     # The memory savers the plan chooses for this step, where the user pinned none (compiler/planner.py). A planner
     # that raises chooses nothing and says why: never a crash of the user's step.
     try:
-        pinned = {name: getattr(opts, name) for name in ("offload", "tiled_mlp", "moe_recompute")
+        pinned = {name: getattr(opts, name) for name in ("offload", "tiled_mlp", "moe_recompute", "return_logits")
                   if name in opts.given}
         if "offload" in opts.disable:
             pinned["offload"] = None

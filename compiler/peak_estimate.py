@@ -1,21 +1,21 @@
 """The step's peak memory, estimated from the graph Dynamo hands over, before any pass: what the plan weighs its
 memory savers with (compiler/planner.py).
 
-    peak = weights + gradients + activations - (what the chosen savers move or free)
+    peak = weights + gradients + activations + returned logits - (what the chosen savers move or free)
 
-``weights``: the bytes of the parameters and buffers the graph reads (each storage once: tied weights count
-once). ``gradients``: the bytes of those that require grad (the gradients a backward leaves). ``activations``:
-the bytes a backward reads (none, nor gradients, in a graph whose outputs need no gradient), by a rule over the forward graph that follows what sloth's fused ops and Inductor's
-partitioner keep, not what eager autograd keeps (eager also keeps every pointwise step of a norm, a RoPE or a
-LoRA scale, which sloth's ops recompute or never form): the activation inputs of every matrix product whose output
-requires grad (``linear``, ``matmul``, ``bmm``, attention: its q, k and v, and its output, which the output
-projection reads) and the gate and up of each gated MLP (``act(gate) * up``), each tensor once (a view counts as
-the tensor it views or casts). Inside a checkpointed layer (a ``tag_activation_checkpoint`` body) only the layer's inputs
-are kept, and the largest layer's own activations exist once, while it is recomputed in the backward. Measured
-against it: Llama-3-8B LoRA 2 x 2048 holds about 54k bf16 values a token a layer (28.3 GiB on one H100,
-benchmarks/results/2026-12-07_issue55_lora8b_before_after_h100.md), the rule counts 10 x 4096 + 3 x 14336 =
-84k (hidden size 4096, MLP 14336): an upper bound. The report sets the estimate beside the peak measured after
-the first step.
+``weights``: the bytes of the parameters and buffers the graph reads (each storage once: tied weights count once).
+``gradients``: the bytes of those that require grad (the gradients a backward leaves). ``activations``: the bytes a
+backward reads (none, nor gradients, in a graph whose outputs need no gradient), by a rule over the forward graph
+that follows what sloth's fused ops and Inductor's partitioner keep, not what eager autograd keeps (eager also keeps
+every pointwise step of a norm, a RoPE or a LoRA scale, which sloth's ops recompute or never form): the activation
+inputs of every matrix product whose output requires grad (``linear``, ``matmul``, ``bmm``, attention: its q, k and
+v, and its output, which the output projection reads) and the gate and up of each gated MLP (``act(gate) * up``),
+each tensor once (a view counts as the tensor it views or casts). Inside a checkpointed layer (a
+``tag_activation_checkpoint`` body) only the layer's inputs are kept, and the largest layer's own activations exist
+once, while it is recomputed in the backward. Measured against it: Llama-3-8B LoRA 2 x 2048 holds about 54k bf16
+values a token a layer (28.3 GiB on one H100, benchmarks/results/2026-12-07_issue55_lora8b_before_after_h100.md),
+the rule counts 10 x 4096 + 3 x 14336 = 84k (hidden size 4096, MLP 14336): an upper bound. The report sets the
+estimate beside the peak measured after the first step.
 
 What each saver is estimated to free:
 

@@ -3,23 +3,25 @@
 The ``memory`` option (compiler/options.py) sets the goal:
 
     "auto" (default)  each saver on where it was measured to cost no time at this size (``LONG_CONTEXT`` below),
-                      then, on one GPU, offload and the tiled MLP while the estimated peak of a training step
-                      exceeds the device's memory (free and held by PyTorch's allocator, less ``AUTO_MARGIN`` of
-                      the total)
+                      then, on one GPU, offload, the tiled MLP and lazy logits while the estimated peak of a
+                      training step exceeds the device's memory (free and held by PyTorch's allocator, less
+                      ``AUTO_MARGIN`` of the total)
     a number          the same with that many GiB as the budget, on any device, moe_recompute too
     "min"             every saver that applies: the leanest plan, whatever it costs in time
     "off"             no saver: the step as sloth ran it before the planner
 
 Over the budget, savers are added in the order of memory saved per millisecond lost, as measured: offload (1.4 GiB
 at no cost in time at 8B, 16k tokens, checkpointed), the tiled MLP with offload's mid_layer (0.9 GiB more, no cost;
-both benchmarks/results/2026-12-06_issue19_issue20_h100_rows.md), then moe_recompute (1.1 GiB for about 5.6 ms a
-step at Qwen3-MoE 2 x 2048: 19.27 to 18.15 GiB, 2026-12-06_h100_163002_e2e-qwen3-moe-b2-s2048.md), until the
+both benchmarks/results/2026-12-06_issue19_issue20_h100_rows.md), then lazy logits (the logits' bytes: free at 8B
+2 x 2048, 10-16 ms at the host-bound Qwen3-MoE step, 2026-12-07_issue56_h100_rows.md), then, under a number only,
+moe_recompute (1.1 GiB for about 5.6 ms a step at Qwen3-MoE 2 x 2048: 19.27 to 18.15 GiB,
+2026-12-06_h100_163002_e2e-qwen3-moe-b2-s2048.md), until the
 estimated peak (compiler/peak_estimate.py) fits; a saver estimated to free nothing here (no checkpointed layer to
 offload, no gated MLP to tile) is skipped, moe_recompute, whose saving is not estimated, is not. Under a budget
 the tiled MLP's block is ``TILE_ROWS`` rows, or half the tokens of a shorter step.
 
-An option the user gives (``offload``, ``tiled_mlp``, ``moe_recompute``) pins that choice whatever the plan
-(``Options.given``); the plan fills in the rest. The savers:
+An option the user gives (``offload``, ``tiled_mlp``, ``moe_recompute``, ``return_logits``) pins that choice
+whatever the plan (``Options.given``); the plan fills in the rest. The savers:
 
     offload        each checkpointed layer's saved input (and, ``mid_layer``, its residual between attention and
                    MLP) to pinned host memory and back (compiler/offload_partition.py); only where layers are
@@ -33,8 +35,9 @@ An option the user gives (``offload``, ``tiled_mlp``, ``moe_recompute``) pins th
 
 What the plan reads (``StepFacts``, from the graph Dynamo hands over, before any pass): the tokens a step runs (the
 most rows any linear layer's input has), whether it holds checkpointed layers (``tag_activation_checkpoint``
-bodies), whether it runs on a GPU, the estimated peak, and on a GPU the memory the step may use. The plan line lists the savers turned on, whether or not the graph has a site
-for each (``moe_recompute`` under "min" in a model without experts changes nothing).
+bodies), whether it runs on a GPU, the estimated peak, and on a GPU the memory the step may use. The plan line
+lists the savers turned on, whether or not the graph has a site for each (``moe_recompute`` under "min" in a model
+without experts changes nothing).
 """
 from __future__ import annotations
 

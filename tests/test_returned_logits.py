@@ -1,7 +1,8 @@
 """Returned logits computed only when read (patterns/returned_logits.py; ``return_logits="lazy"``, which the plan
-chooses at long context): a training step with a frozen head (LoRA) that never reads them never forms them; one that reads them, in any way, gets eager's values, and eager's gradient
-through them; under accelerate's mixed precision (``logits.float()`` returned) and autocast too. A trainable head's
-logits are computed in the graph (an optimizer step would change the head before a late read).
+chooses at long context): a training step with a frozen head (LoRA) that never reads them never forms them; one that
+reads them, in any way, gets eager's values, and eager's gradient through them; under accelerate's mixed precision
+(``logits.float()`` returned) and autocast too. A trainable head's logits are computed in the graph (an optimizer
+step would change the head before a late read).
 """
 from __future__ import annotations
 
