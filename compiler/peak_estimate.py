@@ -39,6 +39,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .fx_utils import tensor_of
+from .writes import flat_nodes
 
 GiB = 1024 ** 3
 
@@ -78,7 +79,8 @@ def _is_matmul(node: fx.Node) -> bool:
             or node.op == "call_method" and node.target in _MATMUL_METHODS)
 
 
-def _is_checkpoint(node: fx.Node) -> bool:
+def is_checkpoint(node: fx.Node) -> bool:
+    """A checkpointed layer's call (``tag_activation_checkpoint``)."""
     return node.op == "call_function" and getattr(node.target, "__name__", "") == "tag_activation_checkpoint"
 
 
@@ -115,7 +117,7 @@ def _graph_memory(gm: fx.GraphModule, weights: frozenset = frozenset()) -> Graph
     activations, inputs, layer_peak, glu, layer_glu = 0, [], 0, [], 0
     counted: set = set()
     for node in gm.graph.nodes:
-        if _is_checkpoint(node):
+        if is_checkpoint(node):
             body = getattr(gm, node.args[0].target, None) if isinstance(node.args[0], fx.Node) else None
             inputs.append(sum(_bytes(tensor_of(a)) for a in node.args[1:]
                               if isinstance(a, fx.Node) and a not in weights))
@@ -211,19 +213,10 @@ def _returned_logits_bytes(gm: fx.GraphModule, returned: set) -> int:
         if not (isinstance(source, fx.Node) and _is_matmul(source)) or source in seen:
             continue
         seen.add(source)
-        copies = [source] + [u for u in source.users if u in returned and u.op == "call_method"
-                             and u.target in ("float", "to")]
-        if source in returned or len(copies) > 1:
-            total += sum(_bytes(tensor_of(n)) for n in copies if n in returned or n is source)
+        casts = [u for u in source.users if u in returned and u.op == "call_method" and u.target in ("float", "to")]
+        if source in returned or casts:
+            total += _bytes(tensor_of(source)) + sum(_bytes(tensor_of(c)) for c in casts)
     return total
-
-
-def _flat(args: Any) -> list:
-    if isinstance(args, (tuple, list)):
-        return [leaf for a in args for leaf in _flat(a)]
-    if isinstance(args, dict):
-        return [leaf for a in args.values() for leaf in _flat(a)]
-    return [args] if isinstance(args, fx.Node) else []
 
 
 def estimate_peak(gm: fx.GraphModule, example_inputs: Sequence[Any], tokens: int) -> PeakEstimate:
@@ -234,16 +227,15 @@ def estimate_peak(gm: fx.GraphModule, example_inputs: Sequence[Any], tokens: int
                and isinstance(x, torch.Tensor)]
     weights = frozenset(n for n, x in zip(placeholders, example_inputs) if isinstance(x, torch.nn.Parameter)) | \
         frozenset(n for n, _ in buffers)
-    outputs = [tensor_of(n) for n in gm.graph.nodes if n.op == "output" for n in _flat(n.args)]
-    if not any(getattr(t, "requires_grad", False) for t in outputs):  # no backward follows: the weights alone
-        return PeakEstimate(weights=_parameter_bytes(example_inputs, False) + sum(_bytes(x) for _, x in buffers),
-                            gradients=0, activations=0, offload_frees=0, glu_bytes=0, tokens=tokens, training=False)
+    returned = set(flat_nodes([n.args for n in gm.graph.nodes if n.op == "output"]))
+    weight_bytes = _parameter_bytes(example_inputs, False) + sum(_bytes(x) for _, x in buffers)
+    if not any(getattr(tensor_of(n), "requires_grad", False) for n in returned):  # no backward: the weights alone
+        return PeakEstimate(weights=weight_bytes, gradients=0, activations=0, offload_frees=0, glu_bytes=0,
+                            tokens=tokens, training=False)
     memory = _graph_memory(gm, weights)
-    returned = set(_flat([n.args for n in gm.graph.nodes if n.op == "output"]))
     checkpointed = sum(memory.checkpoint_inputs)
     offload_frees = checkpointed - (memory.checkpoint_inputs[-1] if memory.checkpoint_inputs else 0)
-    return PeakEstimate(weights=_parameter_bytes(example_inputs, False) + sum(_bytes(x) for _, x in buffers),
-                        gradients=_parameter_bytes(example_inputs, True),
+    return PeakEstimate(weights=weight_bytes, gradients=_parameter_bytes(example_inputs, True),
                         activations=memory.activations + checkpointed + memory.layer_peak,
                         offload_frees=offload_frees, glu_bytes=sum(memory.glu) + memory.layer_glu, tokens=tokens,
                         logits=_returned_logits_bytes(gm, returned))

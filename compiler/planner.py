@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from .fx_utils import linear_parts, subgraphs, tensor_of
 from .options import OffloadOptions, Options, TiledMlpOptions, check_memory
-from .peak_estimate import GiB, PeakEstimate, estimate_peak
+from .peak_estimate import GiB, PeakEstimate, estimate_peak, is_checkpoint
 
 # Rows per block of the tiled MLP when the plan turns it on: the block measured at 16k tokens (below).
 TILE_ROWS = 2048
@@ -105,8 +105,7 @@ def step_facts(gm: fx.GraphModule, example_inputs: Any) -> StepFacts:
     modules = [gm, *subgraphs(gm)]
     tokens = max((_rows(parts[0]) for m in modules for n in m.graph.nodes
                   if (parts := linear_parts(n)) is not None), default=0)
-    checkpointed = any(n.op == "call_function" and getattr(n.target, "__name__", "") == "tag_activation_checkpoint"
-                       for m in modules for n in m.graph.nodes)
+    checkpointed = any(is_checkpoint(n) for m in modules for n in m.graph.nodes)
     cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
     try:
         estimate = estimate_peak(gm, example_inputs, tokens)
@@ -153,11 +152,17 @@ class Plan:
                 + (f"; pinned by options: {', '.join(pinned)}" if pinned else ""))
 
 
+def _weighed(on: dict[str, Any]) -> list[tuple[str, int]]:
+    """The savers set in ``on`` (name: value, as the options hold them) that the estimate weighs, as (name, rows)."""
+    return ([("offload", 0)] if on.get("offload") else []) + \
+        ([("tiled_mlp", on["tiled_mlp"].rows)] if on.get("tiled_mlp") else []) + \
+        ([("return_logits", 0)] if on.get("return_logits", True) in ("lazy", False) else [])
+
+
 def savers_on(options: Options) -> list[tuple[str, int]]:
     """The savers ``options`` turn on that the estimate weighs, as (name, rows) pairs."""
-    return ([("offload", 0)] if options.offload is not None else []) + \
-        ([("tiled_mlp", options.tiled_mlp.rows)] if options.tiled_mlp is not None else []) + \
-        ([("return_logits", 0)] if options.return_logits in ("lazy", False) else [])
+    return _weighed({"offload": options.offload, "tiled_mlp": options.tiled_mlp,
+                     "return_logits": options.return_logits})
 
 
 def _tile_rows(tokens: int) -> int:
@@ -194,10 +199,7 @@ def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_tak
         return Plan(memory, facts, reason=reason, **chosen)
 
     def peak() -> int:
-        on = {**chosen, **pinned}
-        return estimate.peak([(name, value.rows if name == "tiled_mlp" else 0) for name, value in on.items()
-                              if name in ("offload", "tiled_mlp") and value
-                              or name == "return_logits" and value in ("lazy", False)])
+        return estimate.peak(_weighed({**chosen, **pinned}))
 
     added = []
     candidates = [("offload", offload), ("tiled_mlp", TiledMlpOptions(_tile_rows(facts.tokens), True)),

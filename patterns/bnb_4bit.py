@@ -163,17 +163,14 @@ def _step(node: fx.Node) -> Optional[str]:
 
 def _linear_of(dequantized: fx.Node) -> Optional[fx.Node]:
     """The ``linear(x, w.t().to(dtype).t(), bias)`` that reads a dequantised weight (bitsandbytes 0.49), or None."""
-    node, steps = dequantized, []
-    while len(node.users) == 1:
-        (user,) = node.users
-        if _step(user) is not None:
-            steps.append(_step(user))
-            node = user
-            continue
-        if user.op == "call_function" and user.target in (torch._C._nn.linear, torch.nn.functional.linear) \
-                and len(user.args) >= 2 and user.args[1] is node and steps.count("t") % 2 == 0:
-            return user
+    steps = _chain(dequantized)
+    weight = steps[-1] if steps else dequantized
+    if len(weight.users) != 1 or sum(_step(n) == "t" for n in steps) % 2:
         return None
+    (user,) = weight.users
+    if user.op == "call_function" and user.target in (torch._C._nn.linear, torch.nn.functional.linear) \
+            and len(user.args) >= 2 and user.args[1] is weight:
+        return user
     return None
 
 

@@ -48,9 +48,9 @@ autocast's cross-entropy does (on its fp32 list, or log_softmax's); compiler/aut
 read ("under autocast: in bfloat16").
 
 With ``return_logits="lazy"`` (which the plan chooses for long context, compiler/planner.py), logits returned beside
-the loss of a training graph whose head is frozen (LoRA, QLoRA), as every transformers
-``*ForCausalLM`` returns them (directly, or through one cast the output alone reads: accelerate's mixed precision
-returns ``logits.float()``), leave the graph: the op computes its own tiles, the graph returns x in their place,
+the loss of a training graph whose head is frozen (LoRA, QLoRA), as every transformers ``*ForCausalLM`` returns them
+(directly, or through one cast the output alone reads: accelerate's mixed precision returns ``logits.float()``),
+leave the graph: the op computes its own tiles, the graph returns x in their place,
 and the caller gets logits computed only when something reads them, with a gradient only when one arrives
 (patterns/returned_logits.py; "logits also returned, computed only when read"). A step that never reads them never
 holds them. A trainable head's logits are computed in the graph and returned detached, with x, on a node of their
@@ -624,8 +624,8 @@ def _drop_returned_logits(gm: fx.GraphModule, m: CrossEntropyMatch) -> bool:
 def _returned_logits_slot(gm: fx.GraphModule, m: CrossEntropyMatch, may_be_lazy: bool) -> Optional[str]:
     """Return the logits through a slot the backend fills (patterns/returned_logits.py): "lazy" (``may_be_lazy``:
     ``return_logits="lazy"``, which the plan chooses) in a training graph whose head is frozen (w and the bias need
-    no gradient: a LoRA or QLoRA step): x is returned in their place and
-    they are computed only when read; "computed" otherwise: the graph still computes them, returned detached with x
+    no gradient: a LoRA or QLoRA step): x is returned in their place and they are computed only when read;
+    "computed" otherwise: the graph still computes them, returned detached with x
     as one more output, put back into autograd on a node of their own. Only where the projection is the one chain
     node other users read, those users are the graph's output (directly, or through one cast only the output reads:
     accelerate's ``logits.float()``) at one position, and w (and the bias) are graph inputs; None, changing nothing,
@@ -667,7 +667,7 @@ def _returned_logits_slot(gm: fx.GraphModule, m: CrossEntropyMatch, may_be_lazy:
         new_outs.append(m.x)
         x_output = len(new_outs) - 1
     output.args = (type(outs)(new_outs),)
-    if lazy and cast_node is not None:
+    if lazy and cast_node is not None:  # the returned float32 copy is formed on read, by the caller's LazyLogits
         gm.graph.erase_node(cast_node)
     gm.meta.setdefault(returned_logits.META_KEY, []).append(returned_logits.ReturnedLogitsSlot(
         position, placeholders.index(m.w), None if m.bias is None else placeholders.index(m.bias),

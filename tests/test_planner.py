@@ -305,11 +305,5 @@ def test_the_estimate_counts_the_returned_logits():
         logits = model(x)
         return torch.nn.functional.cross_entropy(logits.view(-1, 32), y.view(-1)), logits
 
-    seen = []
-
-    def capture(gm, example_inputs):
-        seen.append(step_facts(gm, example_inputs))
-        return gm.forward
-
-    torch.compile(loss_and_logits, backend=capture)(torch.randn(2, 5, 8), torch.randint(0, 32, (2, 5)))
-    assert seen[0].estimate.logits == 2 * 5 * 32 * 4
+    [facts] = _facts_of(loss_and_logits, torch.randn(2, 5, 8), torch.randint(0, 32, (2, 5)))
+    assert facts.estimate.logits == 2 * 5 * 32 * 4
