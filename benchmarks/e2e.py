@@ -346,10 +346,15 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))
 
+    # A row that asks for CUDA graphs (Inductor's triton.cudagraphs) marks each step's start, as their docs ask;
+    # the others run as a user's loop does, unmarked, whether or not sloth's plan captures CUDA graphs itself.
+    mark_steps = any(json.loads(o).get("triton.cudagraphs") for o in (args.sloth_options, args.inductor_options))
+
     def step() -> torch.Tensor:
-        # A new step for CUDA graphs (Inductor's triton.cudagraphs): the previous replay's outputs may be
-        # overwritten from here on, which is why the loss kept is a clone. A no-op without CUDA graphs.
-        torch.compiler.cudagraph_mark_step_begin()
+        # The previous replay's outputs may be overwritten once the next step starts, which is why the loss kept
+        # is a clone.
+        if mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = compiled(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

@@ -28,6 +28,7 @@ from .late_passes import passes_off, with_post_grad_passes
 from .options import INNER_COMPILERS, OFFLOAD_NEEDS_PARTITION, check_attention, parse_options
 from .families import compile_with_families, families, pass_records
 from .pipeline import run_passes
+from ..runtime.graph_grads import own_gradients
 from .planner import Plan, StepFacts, measured_peak_line, plan, savers_on, step_facts
 from .report import Report
 
@@ -171,12 +172,16 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
                   if name in opts.given}
         if "offload" in opts.disable:
             pinned["offload"] = None
+        graphs_pinned = "triton.cudagraphs" in inductor_options or "triton.cudagraphs" in _inductor_config(mode, {})
         step_plan = plan(opts.memory, step_facts(gm, example_inputs), opts.inner,
-                         partitioner_taken=inductor_options.get("custom_partitioner_fn") is not None, pinned=pinned)
+                         partitioner_taken=inductor_options.get("custom_partitioner_fn") is not None, pinned=pinned,
+                         graphs_pinned=graphs_pinned)
     except Exception as error:
         step_plan = Plan(opts.memory, StepFacts(0, False, False, known=False),
                          reason=f"the planner raised ({type(error).__name__}: {error}), so no saver was chosen")
     opts = step_plan.apply(opts)
+    if step_plan.cuda_graphs:
+        inductor_options = {**inductor_options, "triton.cudagraphs": True}
     if "offload" in opts.disable:
         opts = dataclasses.replace(opts, offload=None)
     inner, attention, offload = opts.inner, opts.attention, opts.offload
@@ -235,6 +240,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         _publish(graph_report)
         raise
     _publish(graph_report)
+    if step_plan.cuda_graphs:  # each gradient out of the graphs' pool after it accumulates (runtime/graph_grads.py)
+        own_gradients(example_inputs)
     if opts.report:
         print(graph_report)
     cuda = next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)

@@ -64,11 +64,15 @@ def _bytes(value: Any) -> int:
     return count * value.element_size() if isinstance(count, int) else 0  # a symbolic size: not counted
 
 
+def is_view_or_cast(node: fx.Node) -> bool:
+    """A view or cast of another value (``_VIEW_METHODS``, ``_VIEW_FUNCTIONS``): no memory of its own here."""
+    return (node.op == "call_method" and node.target in _VIEW_METHODS
+            or node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+
+
 def _viewed(node: Any) -> Any:
     """The node whose tensor ``node`` views or casts (itself when it is neither)."""
-    while isinstance(node, fx.Node) and node.args and (
-            node.op == "call_method" and node.target in _VIEW_METHODS
-            or node.op == "call_function" and node.target in _VIEW_FUNCTIONS) \
+    while isinstance(node, fx.Node) and node.args and is_view_or_cast(node) \
             and tensor_of(node.args[0]) is not None:  # not into split's or chunk's tuple: its pieces are the tensors
         node = node.args[0]
     return node

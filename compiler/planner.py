@@ -33,6 +33,20 @@ whatever the plan (``Options.given``); the plan fills in the rest. The savers:
                    (patterns/returned_logits.py); the plan never chooses False (an empty tensor changes what the
                    model returns: the user's call)
 
+Beside the savers, "auto" and a budget capture a training step in CUDA graphs (Inductor's cudagraph trees, its
+``triton.cudagraphs``) where the step is bound by the host: where its matrix products are too small to keep the GPU
+busy while Python launches the next kernel, so that replaying the recorded kernels removes the host's share of the
+step. Measured on one H100 at Qwen3-MoE 2 x 2048 (LoRA on attention): 50.5 ms a step under CUDA graphs against
+68.7-89.1 ms without, on one machine (benchmarks/results/2026-12-06_issue20_grouped_gemm_h100.md). The measure
+is the linear layers' FLOPs per operation of the graph Dynamo hands over: about 4.7e9 there (its experts not
+counted), about 3.1e10 at Llama-3-8B 2 x 2048 (bound by its GPU: 261 ms a step); ``HOST_BOUND_FLOPS_PER_OP`` lies
+between. The graphs are captured only where that is safe (``cuda_graphs_choice``): a training graph on one GPU, in
+one process, with static shapes, no offload (its copies run on a side stream into pinned buffers), no lazy logits
+(they hold the graph's output x, which the next replay overwrites), and trainable parameters that are adapters
+(``ADAPTER_SHARE``): each one's gradient is moved out of the graphs' memory pool once a step
+(runtime/graph_grads.py), so that gradient accumulation adds into it and the next replay cannot overwrite it. The
+user's ``triton.cudagraphs`` or ``mode`` pins the choice.
+
 What the plan reads (``StepFacts``, from the graph Dynamo hands over, before any pass): the tokens a step runs (the
 most rows any linear layer's input has), whether it holds checkpointed layers (``tag_activation_checkpoint``
 bodies), whether it runs on a GPU, the estimated peak, and on a GPU the memory the step may use. The plan line
@@ -50,7 +64,7 @@ import torch.fx as fx
 
 from .fx_utils import linear_parts, subgraphs, tensor_of
 from .options import OffloadOptions, Options, TiledMlpOptions, check_memory
-from .peak_estimate import GiB, PeakEstimate, estimate_peak, is_checkpoint
+from .peak_estimate import GiB, PeakEstimate, estimate_peak, is_checkpoint, is_view_or_cast
 
 # Rows per block of the tiled MLP when the plan turns it on: the block measured at 16k tokens (below).
 TILE_ROWS = 2048
@@ -61,6 +75,12 @@ TILE_ROWS = 2048
 # 2026-12-06_issue19_issue20_h100_morning2.md): leaner at no cost in time. Below it (2 x 2048) nothing was measured
 # to be free: the savers stay off.
 LONG_CONTEXT = 16384
+# "auto" captures a step in CUDA graphs where its linear layers' FLOPs per graph operation are below this (module
+# docstring: about 4.7e9 at Qwen3-MoE 2 x 2048, host-bound; about 3.1e10 at Llama-3-8B 2 x 2048, GPU-bound).
+HOST_BOUND_FLOPS_PER_OP = 1.2e10
+# ... and only where the trainable parameters hold at most this share of the parameters' bytes (adapters: 8B LoRA
+# r=16 on every linear holds about 1%), whose gradients are cheap to move out of the graphs' pool each step.
+ADAPTER_SHARE = 1 / 16
 # "auto" on a GPU leaves this share of the device's total memory unplanned: fragmentation, the optimiser's state
 # (which the graph does not show), and what other processes take.
 AUTO_MARGIN = 0.10
@@ -75,6 +95,10 @@ class StepFacts:
     known: bool = True  # False: the facts could not be read (the planner raised)
     estimate: Optional[PeakEstimate] = None
     device_budget: Optional[int] = None  # bytes "auto" plans for on a GPU (module docstring); None elsewhere
+    flops_per_op: float = math.inf  # the linear layers' FLOPs per graph operation (inf: none counted)
+    static_shapes: bool = False  # no symbolic size among the graph's inputs
+    adapters_only: bool = False  # trainable parameters among the inputs, holding at most ADAPTER_SHARE of the bytes
+    distributed: bool = False  # a torch.distributed process group of more than one process
 
     def describe(self) -> str:
         if not self.known:
@@ -100,6 +124,45 @@ def _rows(x: Any) -> int:
     return rows if isinstance(rows, int) else 0  # a symbolic size: no known count
 
 
+def _linear_flops(node: fx.Node) -> int:
+    parts = linear_parts(node)
+    x, w = (tensor_of(parts[0]), tensor_of(parts[1])) if parts is not None else (None, None)
+    if x is None or w is None or w.dim() != 2:
+        return 0
+    flops = 2 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1]
+    return flops if isinstance(flops, int) else 0  # a symbolic size: not counted
+
+
+def _flops_per_op(modules: list[fx.GraphModule]) -> float:
+    """The linear layers' FLOPs per operation that launches work (views, casts and ``getitem`` not counted)."""
+    ops = flops = 0
+    for m in modules:
+        for n in m.graph.nodes:
+            if n.op in ("call_function", "call_method", "call_module") and not is_view_or_cast(n) \
+                    and n.target not in ("size", "dim", "stride"):
+                ops += 1
+                flops += _linear_flops(n)
+    return flops / ops if flops else math.inf
+
+
+def _static(x: Any) -> bool:
+    if isinstance(x, torch.SymInt):
+        return False
+    return not isinstance(x, torch.Tensor) or all(isinstance(d, int) for d in x.shape)
+
+
+def _adapters_only(example_inputs: Any) -> bool:
+    params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
+    trainable = sum(p.nbytes for p in params if p.requires_grad)
+    return 0 < trainable <= ADAPTER_SHARE * sum(p.nbytes for p in params)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def step_facts(gm: fx.GraphModule, example_inputs: Any) -> StepFacts:
     """The facts of the step ``gm`` computes (module docstring)."""
     modules = [gm, *subgraphs(gm)]
@@ -112,7 +175,9 @@ def step_facts(gm: fx.GraphModule, example_inputs: Any) -> StepFacts:
     except Exception:  # a graph the estimate cannot read: planned without one, and the plan line says so
         estimate = None
     return StepFacts(tokens=tokens, checkpointed=checkpointed, cuda=cuda, estimate=estimate,
-                     device_budget=_device_budget(example_inputs))
+                     device_budget=_device_budget(example_inputs), flops_per_op=_flops_per_op(modules),
+                     static_shapes=all(_static(x) for x in example_inputs),
+                     adapters_only=_adapters_only(example_inputs), distributed=_distributed())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +190,8 @@ class Plan:
     moe_recompute: bool = False
     return_logits: Any = True
     reason: str = ""
+    cuda_graphs: bool = False  # the step captured in CUDA graphs (Inductor's triton.cudagraphs)
+    graphs_reason: str = ""  # why or why not, for the plan line; empty where there is nothing to say (no GPU)
 
     def apply(self, options: Options) -> Options:
         chosen = {"offload": self.offload, "tiled_mlp": self.tiled_mlp, "moe_recompute": self.moe_recompute,
@@ -148,6 +215,7 @@ class Plan:
                 + (f"; {self.reason}" if self.reason else "")
                 + (f"; {estimate.describe(savers_on(options))}" if estimate is not None else
                    "; peak not estimated" if self.facts.known else "")
+                + (f"; CUDA graphs {self.graphs_reason}" if self.graphs_reason else "")
                 + ("; offload switched off by the disable option" if "offload" in options.disable else "")
                 + (f"; pinned by options: {', '.join(pinned)}" if pinned else ""))
 
@@ -170,14 +238,46 @@ def _tile_rows(tokens: int) -> int:
 
 
 def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_taken: bool = False,
-         pinned: Optional[dict[str, Any]] = None) -> Plan:
+         pinned: Optional[dict[str, Any]] = None, graphs_pinned: bool = False) -> Plan:
     """The savers for goal ``memory`` on a step with ``facts`` compiled by ``inner`` (module docstring); offload only
     where AOTAutograd partitions the graph (not ``inner="eager"``) and the user gave Inductor no partitioner of their
     own (``partitioner_taken``: ``custom_partitioner_fn``, which offload would replace). ``pinned``: the savers the
     user set (or the disable option switched off), by name, with their values (None or False: off); the budget
-    counts them as they are and adds none of them."""
+    counts them as they are and adds none of them. Then whether CUDA graphs capture the step
+    (``cuda_graphs_choice``; ``graphs_pinned``: the user set ``triton.cudagraphs`` or a ``mode``)."""
+    chosen = _savers(memory, facts, inner, partitioner_taken, pinned or {})
+    on = {"offload": chosen.offload, "return_logits": chosen.return_logits, **(pinned or {})}
+    graphs, why = cuda_graphs_choice(memory, facts, inner, graphs_pinned, bool(on["offload"]),
+                                     on["return_logits"] == "lazy")
+    return dataclasses.replace(chosen, cuda_graphs=graphs, graphs_reason=why)
+
+
+def cuda_graphs_choice(memory: Any, facts: StepFacts, inner: str, pinned: bool, offload: bool,
+                       lazy_logits: bool) -> tuple[bool, str]:
+    """Whether the plan captures the step in CUDA graphs, and the plan line's words for why (module docstring);
+    ("", no words) off a GPU, where there is no choice to report."""
+    if not facts.cuda or not facts.known:
+        return False, ""
+    refusal = ("pinned by the user's triton.cudagraphs or mode" if pinned else
+               f"off under memory={memory!r}" if memory in ("off", "min") else
+               f"off: inner={inner!r}, not Inductor" if inner != "inductor" else
+               "off: not a training graph" if facts.estimate is None or not facts.estimate.training else
+               "off: symbolic shapes" if not facts.static_shapes else
+               "off: more than one process" if facts.distributed else
+               "off: a model on more than one device" if facts.device_budget is None else
+               "off: offload's copies" if offload else
+               "off: lazy logits hold the graph's output" if lazy_logits else
+               "off: trainable parameters beyond adapters" if not facts.adapters_only else None)
+    if refusal is not None:
+        return False, refusal
+    if facts.flops_per_op >= HOST_BOUND_FLOPS_PER_OP:
+        return False, f"off: bound by the GPU ({facts.flops_per_op:.2g} linear FLOPs a graph op)"
+    return True, f"on: bound by the host ({facts.flops_per_op:.2g} linear FLOPs a graph op)"
+
+
+def _savers(memory: Any, facts: StepFacts, inner: str, partitioner_taken: bool, pinned: dict[str, Any]) -> Plan:
+    """``plan``'s memory savers."""
     check_memory(memory)
-    pinned = pinned or {}
     tiled = TiledMlpOptions(TILE_ROWS, True) if facts.tokens > TILE_ROWS else None
     can_offload = facts.checkpointed and inner != "eager" and not partitioner_taken
     offload = OffloadOptions(mid_layer=True) if can_offload else None
