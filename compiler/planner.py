@@ -41,7 +41,8 @@ step. Measured on one H100 at Qwen3-MoE 2 x 2048 (LoRA on attention): 50.5 ms a 
 is the linear layers' FLOPs per operation of the graph Dynamo hands over: about 4.7e9 there (its experts not
 counted), about 3.1e10 at Llama-3-8B 2 x 2048 (bound by its GPU: 261 ms a step); ``HOST_BOUND_FLOPS_PER_OP`` lies
 between. The graphs are captured only where that is safe (``cuda_graphs_choice``): a training graph on one GPU, in
-one process, with static shapes, no offload (its copies run on a side stream into pinned buffers), no lazy logits
+one process, with static shapes, unquantised weights (a 4-bit base's product is not a linear the count sees), no
+offload (its copies run on a side stream into pinned buffers), no lazy logits
 (they hold the graph's output x, which the next replay overwrites), and trainable parameters that are adapters
 (``ADAPTER_SHARE``): each one's gradient is moved out of the graphs' memory pool once a step
 (runtime/graph_grads.py), so that gradient accumulation adds into it and the next replay cannot overwrite it. The
@@ -99,6 +100,7 @@ class StepFacts:
     static_shapes: bool = False  # no symbolic size among the graph's inputs
     adapters_only: bool = False  # trainable parameters among the inputs, holding at most ADAPTER_SHARE of the bytes
     distributed: bool = False  # a torch.distributed process group of more than one process
+    quantized: bool = False  # a parameter among the inputs stored quantised (bitsandbytes' 4-bit packing)
 
     def describe(self) -> str:
         if not self.known:
@@ -157,6 +159,11 @@ def _adapters_only(example_inputs: Any) -> bool:
     return 0 < trainable <= ADAPTER_SHARE * sum(p.nbytes for p in params)
 
 
+def _quantized(example_inputs: Any) -> bool:
+    return any(isinstance(x, torch.nn.Parameter) and (not x.dtype.is_floating_point or hasattr(x, "quant_state"))
+               for x in example_inputs)
+
+
 def _distributed() -> bool:
     import torch.distributed as dist
 
@@ -177,7 +184,8 @@ def step_facts(gm: fx.GraphModule, example_inputs: Any) -> StepFacts:
     return StepFacts(tokens=tokens, checkpointed=checkpointed, cuda=cuda, estimate=estimate,
                      device_budget=_device_budget(example_inputs), flops_per_op=_flops_per_op(modules),
                      static_shapes=all(_static(x) for x in example_inputs),
-                     adapters_only=_adapters_only(example_inputs), distributed=_distributed())
+                     adapters_only=_adapters_only(example_inputs), distributed=_distributed(),
+                     quantized=_quantized(example_inputs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +275,8 @@ def cuda_graphs_choice(memory: Any, facts: StepFacts, inner: str, pinned: bool, 
                "off: a model on more than one device" if facts.device_budget is None else
                "off: offload's copies" if offload else
                "off: lazy logits hold the graph's output" if lazy_logits else
-               "off: trainable parameters beyond adapters" if not facts.adapters_only else None)
+               "off: trainable parameters beyond adapters" if not facts.adapters_only else
+               "off: quantised weights, whose products the FLOPs do not count" if facts.quantized else None)
     if refusal is not None:
         return False, refusal
     if facts.flops_per_op >= HOST_BOUND_FLOPS_PER_OP:

@@ -48,6 +48,7 @@ def test_a_host_bound_adapter_step_on_one_gpu_is_captured():
     (dict(distributed=True), "off: more than one process"),
     (dict(device_budget=None), "off: a model on more than one device"),
     (dict(adapters_only=False), "off: trainable parameters beyond adapters"),
+    (dict(quantized=True), "off: quantised weights"),
 ])
 def test_each_unsafe_or_gpu_bound_step_is_not_captured_and_the_line_says_why(change, words):
     chosen = plan("auto", dataclasses.replace(HOST_BOUND, **change))
@@ -94,7 +95,7 @@ class Adapted(nn.Module):
 def test_the_facts_of_a_small_adapter_step():
     torch.manual_seed(0)
     [facts] = _facts_of(Adapted(), torch.randn(3, 5, 64))
-    assert facts.static_shapes and facts.adapters_only and not facts.distributed
+    assert facts.static_shapes and facts.adapters_only and not facts.distributed and not facts.quantized
     # four linears on 15 rows (2 * 15 * (64*64 + 64*2 + 2*64 + 64*512) FLOPs) over the graph's operations
     assert 0 < facts.flops_per_op < HOST_BOUND_FLOPS_PER_OP
     full = Adapted().requires_grad_(True)
@@ -190,3 +191,13 @@ def test_a_dead_parameters_entry_goes():
     key = id(w)
     del w
     assert key not in graph_grads._owned
+
+
+def test_a_qlora_step_is_seen_as_quantised():
+    pytest.importorskip("bitsandbytes")
+    from test_qlora import qlora_model
+
+    model = qlora_model(torch.float32)
+    ids = torch.randint(0, 128, (2, 16))
+    facts = _facts_of(lambda ids: model(input_ids=ids, labels=ids).loss, ids)
+    assert facts and any(f.quantized for f in facts)
