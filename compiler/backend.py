@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch._dynamo.exc  # RestartAnalysis: a compile Dynamo discards
 import torch._functorch.config  # enable_autograd_cache, patched per compile
+import torch._inductor.config  # triton.cudagraphs: a global setting pins the plan's CUDA graphs
 import torch.fx as fx
 
 from . import subclass_guard
@@ -172,7 +173,12 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
                   if name in opts.given}
         if "offload" in opts.disable:
             pinned["offload"] = None
-        graphs_pinned = "triton.cudagraphs" in inductor_options or "triton.cudagraphs" in _inductor_config(mode, {})
+        # CUDA graphs are the user's choice where they name them, give a mode (max-autotune-no-cudagraphs says no),
+        # or set Inductor's global config
+        # (Inductor's global config counts where it is on: whether it was set to False cannot be told from its
+        # default, as every config.patch of the key leaves it "set" on the way out)
+        graphs_pinned = "triton.cudagraphs" in inductor_options or mode is not None or \
+            bool(torch._inductor.config.triton.cudagraphs)
         step_plan = plan(opts.memory, step_facts(gm, example_inputs), opts.inner,
                          partitioner_taken=inductor_options.get("custom_partitioner_fn") is not None, pinned=pinned,
                          graphs_pinned=graphs_pinned)

@@ -38,13 +38,13 @@ Beside the savers, "auto" and a budget capture a training step in CUDA graphs (I
 busy while Python launches the next kernel, so that replaying the recorded kernels removes the host's share of the
 step. Measured on one H100 at Qwen3-MoE 2 x 2048 (LoRA on attention): 50.5 ms a step under CUDA graphs against
 68.7-89.1 ms without, on one machine (benchmarks/results/2026-12-06_issue20_grouped_gemm_h100.md). The measure
-is the linear layers' FLOPs per operation of the graph Dynamo hands over: about 4.7e9 there (its experts not
-counted), about 3.1e10 at Llama-3-8B 2 x 2048 (bound by its GPU: 261 ms a step); ``HOST_BOUND_FLOPS_PER_OP`` lies
+is the matrix products' FLOPs (linear layers, matmuls, attention) per operation of the graph Dynamo hands over:
+about 6.4e9 there (its experts' grouped GEMMs not counted), about 3.3e10 at Llama-3-8B 2 x 2048 (bound by its GPU: 261 ms a step); ``HOST_BOUND_FLOPS_PER_OP`` lies
 between. The graphs are captured only where that is safe (``cuda_graphs_choice``): a training graph on one GPU, in
 one process, with static shapes, unquantised weights (a 4-bit base's product is not a linear the count sees), no
 offload (its copies run on a side stream into pinned buffers), no lazy logits
 (they hold the graph's output x, which the next replay overwrites), and trainable parameters that are adapters
-(``ADAPTER_SHARE``): each one's gradient is moved out of the graphs' memory pool once a step
+(``ADAPTER_SHARE``), with room in the budget (``GRAPHS_ROOM``); each adapter's gradient is moved out of the graphs' memory pool once a step
 (runtime/graph_grads.py), so that gradient accumulation adds into it and the next replay cannot overwrite it. The
 user's ``triton.cudagraphs`` or ``mode`` pins the choice.
 
@@ -58,10 +58,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .fx_utils import linear_parts, subgraphs, tensor_of
 from .options import OffloadOptions, Options, TiledMlpOptions, check_memory
@@ -76,12 +78,15 @@ TILE_ROWS = 2048
 # 2026-12-06_issue19_issue20_h100_morning2.md): leaner at no cost in time. Below it (2 x 2048) nothing was measured
 # to be free: the savers stay off.
 LONG_CONTEXT = 16384
-# "auto" captures a step in CUDA graphs where its linear layers' FLOPs per graph operation are below this (module
-# docstring: about 4.7e9 at Qwen3-MoE 2 x 2048, host-bound; about 3.1e10 at Llama-3-8B 2 x 2048, GPU-bound).
+# "auto" captures a step in CUDA graphs where its matrix products' FLOPs per graph operation are below this (module
+# docstring: about 6.4e9 at Qwen3-MoE 2 x 2048, host-bound; about 3.3e10 at Llama-3-8B 2 x 2048, GPU-bound).
 HOST_BOUND_FLOPS_PER_OP = 1.2e10
 # ... and only where the trainable parameters hold at most this share of the parameters' bytes (adapters: 8B LoRA
 # r=16 on every linear holds about 1%), whose gradients are cheap to move out of the graphs' pool each step.
 ADAPTER_SHARE = 1 / 16
+# ... and only where the estimated peak is at most this share of the budget: the graphs' memory pool serves only
+# the graphs, and their inputs are copied into it.
+GRAPHS_ROOM = 0.8
 # "auto" on a GPU leaves this share of the device's total memory unplanned: fragmentation, the optimiser's state
 # (which the graph does not show), and what other processes take.
 AUTO_MARGIN = 0.10
@@ -96,7 +101,7 @@ class StepFacts:
     known: bool = True  # False: the facts could not be read (the planner raised)
     estimate: Optional[PeakEstimate] = None
     device_budget: Optional[int] = None  # bytes "auto" plans for on a GPU (module docstring); None elsewhere
-    flops_per_op: float = math.inf  # the linear layers' FLOPs per graph operation (inf: none counted)
+    flops_per_op: float = math.inf  # matrix products' FLOPs per graph operation (inf: none counted)
     static_shapes: bool = False  # no symbolic size among the graph's inputs
     adapters_only: bool = False  # trainable parameters among the inputs, holding at most ADAPTER_SHARE of the bytes
     distributed: bool = False  # a torch.distributed process group of more than one process
@@ -126,24 +131,40 @@ def _rows(x: Any) -> int:
     return rows if isinstance(rows, int) else 0  # a symbolic size: no known count
 
 
-def _linear_flops(node: fx.Node) -> int:
+_PRODUCTS = {torch.matmul, operator.matmul, torch.bmm, torch.mm, torch.baddbmm, torch.addmm}
+
+
+def _product_flops(node: fx.Node) -> int:
+    """The FLOPs of a linear layer (``2 rows K N``), a matrix product (``2 |out| K``) or attention
+    (``4 B H S L D``); 0 for anything else, or a symbolic size."""
     parts = linear_parts(node)
-    x, w = (tensor_of(parts[0]), tensor_of(parts[1])) if parts is not None else (None, None)
-    if x is None or w is None or w.dim() != 2:
-        return 0
-    flops = 2 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1]
-    return flops if isinstance(flops, int) else 0  # a symbolic size: not counted
+    if parts is not None:
+        x, w = tensor_of(parts[0]), tensor_of(parts[1])
+        flops = 2 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1] if x is not None and w is not None \
+            and w.dim() == 2 else 0
+    elif node.op == "call_function" and node.target is F.scaled_dot_product_attention and len(node.args) >= 2:
+        q, k = tensor_of(node.args[0]), tensor_of(node.args[1])
+        flops = 4 * math.prod(q.shape) * k.shape[-2] if q is not None and k is not None else 0
+    elif node.op == "call_function" and node.target in _PRODUCTS or node.op == "call_method" and node.target in (
+            "matmul", "bmm", "mm", "__matmul__"):
+        a = tensor_of(node.args[1] if node.target in (torch.baddbmm, torch.addmm) else node.args[0])  # [.., K]
+        out = tensor_of(node)
+        flops = 2 * math.prod(out.shape) * a.shape[-1] if a is not None and out is not None and a.dim() else 0
+    else:
+        flops = 0
+    return flops if isinstance(flops, int) else 0
 
 
 def _flops_per_op(modules: list[fx.GraphModule]) -> float:
-    """The linear layers' FLOPs per operation that launches work (views, casts and ``getitem`` not counted)."""
+    """The matrix products' FLOPs (linear layers, matmuls, attention; not the ops of other libraries, such as a
+    grouped GEMM) per operation that launches work (views, casts and ``getitem`` not counted)."""
     ops = flops = 0
     for m in modules:
         for n in m.graph.nodes:
             if n.op in ("call_function", "call_method", "call_module") and not is_view_or_cast(n) \
                     and n.target not in ("size", "dim", "stride"):
                 ops += 1
-                flops += _linear_flops(n)
+                flops += _product_flops(n)
     return flops / ops if flops else math.inf
 
 
@@ -154,6 +175,11 @@ def _static(x: Any) -> bool:
 
 
 def _adapters_only(example_inputs: Any) -> bool:
+    """Trainable parameters holding at most ``ADAPTER_SHARE`` of the parameters' bytes, and no other leaf that
+    gathers a gradient (a plain tensor with requires_grad: runtime/graph_grads.py hooks parameters only)."""
+    if any(isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) and x.requires_grad and x.is_leaf
+           for x in example_inputs):
+        return False
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     trainable = sum(p.nbytes for p in params if p.requires_grad)
     return 0 < trainable <= ADAPTER_SHARE * sum(p.nbytes for p in params)
@@ -183,7 +209,10 @@ def step_facts(gm: fx.GraphModule, example_inputs: Any) -> StepFacts:
         estimate = None
     return StepFacts(tokens=tokens, checkpointed=checkpointed, cuda=cuda, estimate=estimate,
                      device_budget=_device_budget(example_inputs), flops_per_op=_flops_per_op(modules),
-                     static_shapes=all(_static(x) for x in example_inputs),
+                     # where Dynamo would not turn a second length into a symbolic one (dynamic=False), each
+                     # length would be captured anew: counted as not static
+                     static_shapes=all(_static(x) for x in example_inputs)
+                     and torch._dynamo.config.automatic_dynamic_shapes,
                      adapters_only=_adapters_only(example_inputs), distributed=_distributed(),
                      quantized=_quantized(example_inputs))
 
@@ -254,16 +283,21 @@ def plan(memory: Any, facts: StepFacts, inner: str = "inductor", partitioner_tak
     counts them as they are and adds none of them. Then whether CUDA graphs capture the step
     (``cuda_graphs_choice``; ``graphs_pinned``: the user set ``triton.cudagraphs`` or a ``mode``)."""
     chosen = _savers(memory, facts, inner, partitioner_taken, pinned or {})
-    on = {"offload": chosen.offload, "return_logits": chosen.return_logits, **(pinned or {})}
+    on = {"offload": chosen.offload, "tiled_mlp": chosen.tiled_mlp, "return_logits": chosen.return_logits,
+          **(pinned or {})}
+    budget = facts.device_budget if memory == "auto" else int(memory * GiB) if memory not in ("off", "min") else None
+    crowded = budget is not None and facts.estimate is not None and \
+        facts.estimate.peak(_weighed(on)) > GRAPHS_ROOM * budget
     graphs, why = cuda_graphs_choice(memory, facts, inner, graphs_pinned, bool(on["offload"]),
-                                     on["return_logits"] == "lazy")
+                                     on["return_logits"] == "lazy", crowded)
     return dataclasses.replace(chosen, cuda_graphs=graphs, graphs_reason=why)
 
 
 def cuda_graphs_choice(memory: Any, facts: StepFacts, inner: str, pinned: bool, offload: bool,
-                       lazy_logits: bool) -> tuple[bool, str]:
+                       lazy_logits: bool, crowded: bool = False) -> tuple[bool, str]:
     """Whether the plan captures the step in CUDA graphs, and the plan line's words for why (module docstring);
-    ("", no words) off a GPU, where there is no choice to report."""
+    ("", no words) off a GPU, where there is no choice to report. ``crowded``: the estimated peak is above
+    ``GRAPHS_ROOM`` of the budget."""
     if not facts.cuda or not facts.known:
         return False, ""
     refusal = ("pinned by the user's triton.cudagraphs or mode" if pinned else
@@ -276,12 +310,13 @@ def cuda_graphs_choice(memory: Any, facts: StepFacts, inner: str, pinned: bool, 
                "off: offload's copies" if offload else
                "off: lazy logits hold the graph's output" if lazy_logits else
                "off: trainable parameters beyond adapters" if not facts.adapters_only else
-               "off: quantised weights, whose products the FLOPs do not count" if facts.quantized else None)
+               "off: quantised weights, whose products the FLOPs do not count" if facts.quantized else
+               f"off: the estimated peak is above {GRAPHS_ROOM:.0%} of the budget" if crowded else None)
     if refusal is not None:
         return False, refusal
     if facts.flops_per_op >= HOST_BOUND_FLOPS_PER_OP:
-        return False, f"off: bound by the GPU ({facts.flops_per_op:.2g} linear FLOPs a graph op)"
-    return True, f"on: bound by the host ({facts.flops_per_op:.2g} linear FLOPs a graph op)"
+        return False, f"off: bound by the GPU ({facts.flops_per_op:.2g} matrix-product FLOPs a graph op)"
+    return True, f"on: bound by the host ({facts.flops_per_op:.2g} matrix-product FLOPs a graph op)"
 
 
 def _savers(memory: Any, facts: StepFacts, inner: str, partitioner_taken: bool, pinned: dict[str, Any]) -> Plan:

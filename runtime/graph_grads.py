@@ -11,7 +11,8 @@ output of CUDAGraphs that has been overwritten"). A hook run after each accumula
     backward 2:  .grad += g2            hook: .grad is its own copy: nothing to do
 
 Each step costs one copy of each trainable parameter's gradient, which is why the plan captures only steps whose
-trainable parameters are adapters (compiler/planner.py, ``ADAPTER_SHARE``).
+trainable parameters are adapters (compiler/planner.py, ``ADAPTER_SHARE``). The hooks stay for the parameter's life:
+a later step without CUDA graphs pays the same copy.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _own(param: torch.Tensor) -> None:
     _, made = _owned.get(id(param), (None, None))
     if made is not None and made() is grad:  # accumulated in place into the copy made earlier
         return
-    param.grad = grad.clone()
+    with torch.no_grad():  # under create_graph the copy is no step of the graph
+        param.grad = grad.clone()
     _owned[id(param)] = (_owned[id(param)][0], weakref.ref(param.grad))
 
 

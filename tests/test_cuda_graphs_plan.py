@@ -7,6 +7,7 @@ checked with a backward whose output is kept, as a graph's pool keeps it: the pa
 a second backward must add into that copy, with eager's sums."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -32,7 +33,7 @@ HOST_BOUND = StepFacts(tokens=4096, checkpointed=False, cuda=True, estimate=TRAI
 
 def test_a_host_bound_adapter_step_on_one_gpu_is_captured():
     chosen = plan("auto", HOST_BOUND)
-    assert chosen.cuda_graphs and chosen.graphs_reason.startswith("on: bound by the host (4e+09 linear FLOPs"), \
+    assert chosen.cuda_graphs and chosen.graphs_reason.startswith("on: bound by the host (4e+09 matrix-product FLOPs"), \
         chosen.graphs_reason
     assert plan(40, HOST_BOUND).cuda_graphs  # a budget in GiB plans the same way
     line = chosen.describe(sloth.compiler.options.parse_options(None)[0])
@@ -40,7 +41,7 @@ def test_a_host_bound_adapter_step_on_one_gpu_is_captured():
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(flops_per_op=HOST_BOUND_FLOPS_PER_OP), "off: bound by the GPU (1.2e+10 linear FLOPs a graph op)"),
+    (dict(flops_per_op=HOST_BOUND_FLOPS_PER_OP), "off: bound by the GPU (1.2e+10 matrix-product FLOPs a graph op)"),
     (dict(flops_per_op=math.inf), "off: bound by the GPU"),  # no linear layer counted
     (dict(estimate=dataclasses.replace(TRAINING, training=False)), "off: not a training graph"),
     (dict(estimate=None), "off: not a training graph"),  # no estimate: nothing known of the backward
@@ -64,6 +65,10 @@ def test_what_the_plan_or_the_user_turned_on_keeps_the_graphs_off():
     assert offload.graphs_reason == "off: offload's copies"
     lazy = plan("auto", HOST_BOUND, pinned={"return_logits": "lazy"})
     assert lazy.graphs_reason == "off: lazy logits hold the graph's output"
+    # a peak near the budget: the graphs' pool serves the graphs alone
+    crowded = plan("auto", dataclasses.replace(HOST_BOUND, device_budget=int(2.2 * GiB)))
+    assert crowded.graphs_reason == "off: the estimated peak is above 80% of the budget", crowded.graphs_reason
+    assert plan("auto", dataclasses.replace(HOST_BOUND, device_budget=int(2.6 * GiB))).cuda_graphs
     # a tight budget adds offload and lazy logits: the graphs go with them
     tight = plan(1.5, dataclasses.replace(HOST_BOUND, checkpointed=True,
                                           estimate=dataclasses.replace(TRAINING, offload_frees=GiB // 2)))
@@ -92,6 +97,34 @@ class Adapted(nn.Module):
         return self.big(h).square().mean()
 
 
+def test_a_plain_leaf_with_a_gradient_is_no_adapter_step():
+    # its .grad would come from the pool with no hook to copy it out (runtime/graph_grads.py hooks parameters)
+    w = torch.randn(64, 64, requires_grad=True)
+    [facts] = _facts_of(lambda x: (Adapted()(x) + (x @ w).sum()), torch.randn(3, 5, 64))
+    assert not facts.adapters_only
+
+
+@pytest.mark.parametrize("how", [dict(mode="max-autotune-no-cudagraphs"), dict(options={"triton.cudagraphs": False}),
+                                  "global"])
+def test_the_users_word_on_cuda_graphs_pins_them(monkeypatch, how):
+    seen = {}
+
+    def spy(gm, inputs, inner, mode=None, inductor_options=None, **kwargs):
+        seen["cudagraphs"] = (inductor_options or {}).get("triton.cudagraphs")
+        return gm.forward
+
+    monkeypatch.setattr(backend, "step_facts", lambda gm, inputs: dataclasses.replace(
+        step_facts(gm, inputs), cuda=True, device_budget=60 * GiB))
+    monkeypatch.setattr(backend, "compile_inner", spy)
+    model = Adapted()
+    torch._dynamo.reset()
+    sloth.reset_report()
+    with torch._inductor.config.patch({"triton.cudagraphs": True}) if how == "global" else contextlib.nullcontext():
+        torch.compile(model, backend="sloth", **({} if how == "global" else how))(torch.randn(3, 5, 64)).backward()
+    assert seen["cudagraphs"] in (None, False)
+    assert "CUDA graphs pinned by the user's" in sloth.report().plan[0], sloth.report().plan
+
+
 def test_the_facts_of_a_small_adapter_step():
     torch.manual_seed(0)
     [facts] = _facts_of(Adapted(), torch.randn(3, 5, 64))
@@ -116,8 +149,9 @@ def _facts_of(model, *args):
 
 
 def test_the_backend_compiles_a_captured_plan_with_cudagraphs_and_owns_the_gradients(monkeypatch):
-    # The GPU's facts on the CPU: the backend asks Inductor for triton.cudagraphs (which Inductor skips for a CPU
-    # graph) and hooks the adapters; gradient accumulation then gives eager's sums.
+    # The wiring, with the GPU's facts on the CPU: the backend asks Inductor for triton.cudagraphs (which Inductor
+    # skips for a CPU graph, so no pool is involved: the hook itself is tested below) and hooks the adapters;
+    # gradient accumulation then gives eager's sums.
     seen = {}
     real = backend.compile_inner
 
@@ -163,7 +197,7 @@ class KeptOutput(torch.autograd.Function):
         if KeptOutput.kept:
             KeptOutput.kept[-1].fill_(float("nan"))  # the next replay writes over the previous output
         dw = (grad * x).sum(0)
-        KeptOutput.kept.append(dw)
+        KeptOutput.kept.append(dw.detach())  # the same memory, as the pool's, without a second reference to dw
         return None, dw
 
 
