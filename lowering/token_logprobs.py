@@ -1,0 +1,327 @@
+"""Per-token log-probabilities and entropy of a linear head: ``torch.ops.sloth.linear_token_logprobs``, never
+materialising the [N, V] logits.
+
+The op equals, in PyTorch (``x_NH`` N tokens by hidden H, ``w_VH`` vocabulary V, ``b_V`` optional, ``labels_N``
+int64, ``cap`` and ``s`` as in lowering/linear_cross_entropy.py, ``T`` the temperature)::
+
+    z = cap(F.linear(x, w, b).float() * s) / T
+    logp_i = log_softmax(z_i)[y_i]                  = z_iy - lse_i
+    H_i    = -sum_j p_ij log p_ij                   = lse_i - sum_j p_ij z_ij         (p = softmax(z))
+
+both 0, and without gradient, where ``labels_i == ignore_index``: the rows a loss masks out (a prompt, padding),
+selected on the device without a host sync. The entropy is computed only when asked (``entropy=True``). These
+are the per-token values DPO, KTO, GRPO and RLOO losses are written from (TRL's ``selective_log_softmax`` and its
+entropy), where the mean cross-entropy of lowering/linear_cross_entropy.py is not enough.
+
+Forward: the tokens in chunks of C rows (``chunk_rows``); per chunk one matmul forms the logits tile in the inputs'
+dtype (as eager's ``F.linear`` rounds it), then one Triton program per row reads the row once with an online
+log-sum-exp that also carries ``q = sum_j exp(z_j - m) z_j`` (so ``sum_j p_j z_j = q / d``), and reads z_y.
+Each row keeps ``lse_i`` and ``E_i = sum_j p_ij z_ij`` (``stats``, [2, N] fp32) for the backward.
+
+Backward derivation, with upstream gradients ``a_i`` (of logp_i) and ``e_i`` (of H_i), ``t = tanh(s l / c)``::
+
+    dlogp_i/dz_j = [j == y_i] - p_ij
+    dH_i/dz_j    = p_ij (E_i - z_ij)        (d lse/dz_j = p_j; d sum_k p_k z_k / dz_j = p_j + p_j z_j - p_j E)
+    dz_j/dl_j    = s (1 - t_j^2) / T  with the softcap,   s / T without it
+    g_ij = (a_i dlogp_i/dz_j + e_i dH_i/dz_j) dz_j/dl_j        (0 on ignored rows)
+    dx = g @ w,   dw = g.T @ x,   db = g.sum(0)
+
+The upstream gradients are per row and known only in the backward, so the backward forms each logits tile again
+(one more N x V x H matmul, as Cut Cross-Entropy does) and writes g over it. A label outside [0, V) that is not
+``ignore_index`` makes the row's log-probability, entropy and gradient NaN (as the cross-entropy op does: no host
+sync); the PyTorch reference raises ``IndexError`` for CPU labels, as eager's gather does.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend_choice import use_triton
+from .devices import check_one_device
+from .host_math import next_power_of_2
+from .linear_cross_entropy import _accumulate_mm_fp32, _raise_if_out_of_range, _tanh, chunk_rows
+from .registration import define, fake
+from .rounding import round_to
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _capped(b_l, softcap, logit_scale, inv_temperature, HAS_SOFTCAP: tl.constexpr):
+    """z = cap(l s) / T in fp32 (the module docstring)."""
+    b_z = b_l.to(tl.float32) * logit_scale
+    if HAS_SOFTCAP:
+        b_z = softcap * _tanh(b_z / softcap)
+    return b_z * inv_temperature
+
+
+@triton.jit
+def _token_stats_kernel(
+    p_logits, p_labels, p_logp, p_entropy, p_stats,
+    n_rows, n_cols, stride_l, ignore_index, softcap, logit_scale, inv_temperature,
+    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # One program per row of the chunk: one pass over the row for the online log-sum-exp (m, d) and
+    # q = sum_j exp(z_j - m) z_j, then z_y.
+    i_m = tl.program_id(0).to(tl.int64)
+    p_row = p_logits + i_m * stride_l
+    b_y = tl.load(p_labels + i_m)
+    b_valid = b_y != ignore_index
+    b_m = tl.full([], float("-inf"), tl.float32)
+    b_d = tl.zeros([], dtype=tl.float32)
+    b_q = tl.zeros([], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(n_cols, BLOCK_V)):
+        o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        m_v = o_v < n_cols
+        b_z = _capped(tl.load(p_row + o_v, mask=m_v, other=0.0), softcap, logit_scale, inv_temperature,
+                      HAS_SOFTCAP)
+        b_m_new = tl.maximum(b_m, tl.max(tl.where(m_v, b_z, float("-inf")), axis=0))
+        b_e = tl.where(m_v, tl.exp(b_z - b_m_new), 0.0)
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_d = b_d * b_alpha + tl.sum(b_e, axis=0)
+        b_q = b_q * b_alpha + tl.sum(b_e * b_z, axis=0)
+        b_m = b_m_new
+    b_lse = b_m + tl.log(b_d)
+    b_ez = b_q / b_d
+    b_in_range = (b_y >= 0) & (b_y < n_cols)
+    b_safe_y = tl.where(b_valid & b_in_range, b_y, 0)
+    b_zy = _capped(tl.load(p_row + b_safe_y), softcap, logit_scale, inv_temperature, HAS_SOFTCAP)
+    b_bad = tl.where(b_in_range, 0.0, float("nan"))  # NaN for a label outside [0, V) (module docstring)
+    tl.store(p_logp + i_m, tl.where(b_valid, b_zy - b_lse + b_bad, 0.0))
+    if ENTROPY:
+        tl.store(p_entropy + i_m, tl.where(b_valid, b_lse - b_ez + b_bad, 0.0))
+    tl.store(p_stats + i_m, b_lse)
+    tl.store(p_stats + n_rows + i_m, b_ez)
+
+
+@triton.jit
+def _token_grad_kernel(
+    p_logits, p_labels, p_stats, p_grad_logp, p_grad_entropy,
+    n_rows, n_cols, stride_l, ignore_index, softcap, logit_scale, inv_temperature,
+    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # g over the tile, in place: g_j = (a ([j == y] - p_j) + e p_j (E - z_j)) dz_j/dl_j.
+    i_m = tl.program_id(0).to(tl.int64)
+    p_row = p_logits + i_m * stride_l
+    b_y = tl.load(p_labels + i_m)
+    b_valid = b_y != ignore_index
+    b_in_range = (b_y >= 0) & (b_y < n_cols)
+    b_lse = tl.load(p_stats + i_m)
+    b_ez = tl.load(p_stats + n_rows + i_m)
+    b_a = tl.where(b_valid, tl.load(p_grad_logp + i_m).to(tl.float32), 0.0)
+    b_a = tl.where(b_in_range | ~b_valid, b_a, float("nan"))
+    if ENTROPY:
+        b_e = tl.where(b_valid, tl.load(p_grad_entropy + i_m).to(tl.float32), 0.0)
+    else:
+        b_e = 0.0
+    for i_v in range(0, tl.cdiv(n_cols, BLOCK_V)):
+        o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        m_v = o_v < n_cols
+        b_u = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32) * logit_scale
+        if HAS_SOFTCAP:
+            b_t = _tanh(b_u / softcap)
+            b_z = softcap * b_t * inv_temperature
+        else:
+            b_z = b_u * inv_temperature
+        b_p = tl.exp(b_z - b_lse)
+        b_dz = b_a * (tl.where(o_v == b_y, 1.0, 0.0) - b_p) + b_e * b_p * (b_ez - b_z)
+        b_g = b_dz * (logit_scale * inv_temperature)
+        if HAS_SOFTCAP:
+            b_g = b_g * (1.0 - b_t * b_t)
+        tl.store(p_row + o_v, round_to(b_g, p_logits.dtype.element_ty), mask=m_v)
+
+
+def _z_reference(l: torch.Tensor, softcap: float, logit_scale: float, temperature: float) -> torch.Tensor:
+    u = l.float() * logit_scale
+    return (softcap * torch.tanh(u / softcap) if softcap else u) / temperature
+
+
+def _stats_reference(l: torch.Tensor, y: torch.Tensor, ignore_index: int, softcap: float, logit_scale: float,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel's math on one tile in PyTorch (fp32): logp, entropy, lse, E."""
+    z = _z_reference(l, softcap, logit_scale, temperature)
+    valid = y != ignore_index
+    in_range = (y >= 0) & (y < z.shape[1])
+    lse = torch.logsumexp(z, -1)
+    ez = (torch.softmax(z, -1) * z).sum(-1)
+    zy = z.gather(1, torch.where(valid & in_range, y, 0)[:, None]).squeeze(1)
+    bad = torch.where(in_range, 0.0, float("nan"))
+    return (torch.where(valid, zy - lse + bad, 0.0), torch.where(valid, lse - ez + bad, 0.0), lse, ez)
+
+
+def _grad_reference(l: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, ez: torch.Tensor, a: torch.Tensor,
+                    e: Optional[torch.Tensor], ignore_index: int, softcap: float, logit_scale: float,
+                    temperature: float) -> torch.Tensor:
+    """The backward kernel's math on one tile in PyTorch (fp32): g in the tile's dtype."""
+    u = l.float() * logit_scale
+    t = torch.tanh(u / softcap) if softcap else None
+    z = (softcap * t if softcap else u) / temperature
+    valid = y != ignore_index
+    in_range = (y >= 0) & (y < z.shape[1])
+    a = torch.where(valid, torch.where(in_range, a.float(), float("nan")), 0.0)
+    p = torch.exp(z - lse[:, None])
+    onehot = torch.zeros_like(z).scatter_(1, torch.where(valid & in_range, y, 0)[:, None], 1.0)
+    dz = a[:, None] * (onehot - p)
+    if e is not None:
+        dz = dz + torch.where(valid, e.float(), 0.0)[:, None] * p * (ez[:, None] - z)
+    g = dz * (logit_scale / temperature)
+    if softcap:
+        g = g * (1.0 - t * t)
+    return g.to(l.dtype)
+
+
+def _check_inputs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                  temperature: float) -> None:
+    name = "sloth.linear_token_logprobs"
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x must be [N, H] and w [V, H], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in _FLOAT_DTYPES or w.dtype != x.dtype:
+        raise TypeError(f"{name}: x and w must share one of float32, bfloat16, float16, got {x.dtype} and {w.dtype}")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"{name}: bias must be [{w.shape[0]}] of {x.dtype}")
+    if labels.dtype != torch.int64 or labels.shape != (x.shape[0],):
+        raise ValueError(f"{name}: labels must be int64 of shape [{x.shape[0]}], got {labels.dtype} "
+                         f"{tuple(labels.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"{name}: temperature must be positive, got {temperature}")
+    check_one_device(name, ("x", x), ("w", w), ("bias", bias), ("labels", labels))
+
+
+def _tile(x_c: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return (torch.addmm(bias, x_c, w.t()) if bias is not None else x_c @ w.t()).contiguous()
+
+
+def _ltl_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+             ignore_index: int, softcap: float, logit_scale: float, temperature: float, entropy: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_inputs(x, w, bias, labels, temperature)
+    n_rows, vocab = x.shape[0], w.shape[0]
+    x = x.contiguous()
+    logp = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    ent = torch.empty(n_rows if entropy else 0, dtype=torch.float32, device=x.device)
+    stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)
+    triton_ok = use_triton(x)
+    if not triton_ok and labels.device.type == "cpu":
+        _raise_if_out_of_range(labels, vocab, ignore_index)
+    block_v = min(next_power_of_2(max(vocab, 1)), 4096)
+    rows = chunk_rows(n_rows, vocab, x.shape[1])
+    for start in range(0, n_rows, rows):
+        stop = min(start + rows, n_rows)
+        l_CV, y_c = _tile(x[start:stop], w, bias), labels[start:stop].contiguous()
+        if triton_ok:
+            _token_stats_kernel[(stop - start,)](
+                l_CV, y_c, logp[start:], ent[start:] if entropy else logp, stats[:, start:],
+                n_rows, vocab, l_CV.stride(0), int(ignore_index), float(softcap), float(logit_scale),
+                1.0 / float(temperature), HAS_SOFTCAP=bool(softcap), ENTROPY=entropy, BLOCK_V=block_v,
+                num_warps=8 if block_v >= 2048 else 4)
+        else:
+            lp, h, lse, ez = _stats_reference(l_CV, y_c, ignore_index, softcap, logit_scale, temperature)
+            logp[start:stop], stats[0, start:stop], stats[1, start:stop] = lp, lse, ez
+            if entropy:
+                ent[start:stop] = h
+        del l_CV
+    return logp, ent, stats
+
+
+def _ltl_bwd(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+             bias: Optional[torch.Tensor], labels: torch.Tensor, stats: torch.Tensor, ignore_index: int,
+             softcap: float, logit_scale: float, temperature: float, compute_dx: bool, compute_dw: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dw, db from the upstream gradients, each logits tile formed again (module docstring)."""
+    _check_inputs(x, w, bias, labels, temperature)
+    n_rows, vocab = x.shape[0], w.shape[0]
+    x = x.contiguous()
+    grad_logp = grad_logp.float().contiguous()  # autograd may hand a stride-0 expand
+    grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+    dx = torch.empty_like(x) if compute_dx else x.new_empty(0)
+    dw_acc = torch.zeros((vocab, x.shape[1]), dtype=torch.float32, device=x.device) if compute_dw else None
+    db_acc = torch.zeros(vocab, dtype=torch.float32, device=x.device) if compute_dw and bias is not None else None
+    triton_ok = use_triton(x)
+    block_v = min(next_power_of_2(max(vocab, 1)), 4096)
+    rows = chunk_rows(n_rows, vocab, x.shape[1], compute_dw)
+    for start in range(0, n_rows, rows):
+        stop = min(start + rows, n_rows)
+        x_c, y_c = x[start:stop], labels[start:stop].contiguous()
+        g_CV = _tile(x_c, w, bias)
+        if triton_ok:
+            _token_grad_kernel[(stop - start,)](
+                g_CV, y_c, stats[:, start:], grad_logp[start:],
+                grad_entropy[start:] if grad_entropy is not None else grad_logp,
+                n_rows, vocab, g_CV.stride(0), int(ignore_index), float(softcap), float(logit_scale),
+                1.0 / float(temperature), HAS_SOFTCAP=bool(softcap), ENTROPY=grad_entropy is not None,
+                BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
+        else:
+            g_CV = _grad_reference(g_CV, y_c, stats[0, start:stop], stats[1, start:stop], grad_logp[start:stop],
+                                   grad_entropy[start:stop] if grad_entropy is not None else None, ignore_index,
+                                   softcap, logit_scale, temperature)
+        if compute_dx:
+            torch.mm(g_CV, w, out=dx[start:stop])
+        if compute_dw:
+            _accumulate_mm_fp32(dw_acc, g_CV.t(), x_c)
+        if db_acc is not None:
+            db_acc += g_CV.sum(0, dtype=torch.float32)
+        del g_CV
+    dw = dw_acc.to(w.dtype) if compute_dw else x.new_empty(0)
+    db = db_acc.to(bias.dtype) if db_acc is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy = inputs
+    _, _, stats = output
+    ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+    ctx.save_for_backward(x, w, bias, labels, stats)
+    ctx.args = (ignore_index, softcap, logit_scale, temperature, entropy)
+    ctx.mark_non_differentiable(stats)
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
+    need_dx, need_dw, need_db = ctx.needs
+    x, w, bias, labels, stats = ctx.saved_tensors
+    ignore_index, softcap, logit_scale, temperature, entropy = ctx.args
+    if grad_logp is None:
+        grad_logp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    dx, dw, db = torch.ops.sloth.linear_token_logprobs_backward(
+        grad_logp, grad_entropy if entropy else None, x, w, bias, labels, stats, ignore_index, softcap, logit_scale,
+        temperature, need_dx, need_dw or need_db)
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 6)
+
+
+@functools.cache
+def register() -> None:
+    """Define ``sloth::linear_token_logprobs`` and its backward (idempotent)."""
+    fwd = define("sloth::linear_token_logprobs", _ltl_fwd)
+    bwd = define("sloth::linear_token_logprobs_backward", _ltl_bwd)
+
+    def fwd_fake(x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy):
+        check_one_device("sloth.linear_token_logprobs", ("x", x), ("w", w), ("bias", bias), ("labels", labels))
+        n = x.shape[0]
+        return (x.new_empty(n, dtype=torch.float32), x.new_empty(n if entropy else 0, dtype=torch.float32),
+                x.new_empty((2, n), dtype=torch.float32))
+
+    def bwd_fake(grad_logp, grad_entropy, x, w, bias, labels, stats, ignore_index, softcap, logit_scale,
+                 temperature, compute_dx, compute_dw):
+        dx = x.new_empty(x.shape) if compute_dx else x.new_empty(0)
+        dw = w.new_empty(w.shape) if compute_dw else x.new_empty(0)
+        db = bias.new_empty(bias.shape) if compute_dw and bias is not None else x.new_empty(0)
+        return dx, dw, db
+
+    for op, impl in ((fwd, fwd_fake), (bwd, bwd_fake)):
+        fake(op)(impl)
+    fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_token_logprobs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                          ignore_index: int = -100, softcap: float = 0.0, logit_scale: float = 1.0,
+                          temperature: float = 1.0, entropy: bool = False
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token ``log_softmax(z)[labels]`` and, with ``entropy``, the entropy of ``softmax(z)``, for
+    ``z = cap(x @ w.T + bias) * s / T`` (module docstring), both fp32 [N], without the [N, V] logits."""
+    register()
+    logp, ent, _ = torch.ops.sloth.linear_token_logprobs(
+        x, w, bias, labels, int(ignore_index), float(softcap), float(logit_scale), float(temperature), bool(entropy))
+    return logp, (ent if entropy else None)

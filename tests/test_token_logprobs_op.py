@@ -1,0 +1,185 @@
+"""The fused op ``sloth.lowering.token_logprobs``: per-token log-probabilities and entropy, and dx, dw, dbias, against
+eager PyTorch's ``log_softmax`` of the logits.
+
+Oracle (STYLE.md, habit 5): ``eager_token_logprobs`` below at the tested dtype is "eager"; the same function in
+float64 end to end is the reference, and the tolerance rule (tests/tolerance.py) compares the two errors. Both
+outputs get a seeded cotangent at once, so every gradient carries both terms of the backward.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sloth.lowering.token_logprobs as lowering
+from sloth.lowering.token_logprobs import linear_token_logprobs
+from op_checks import force_fallback
+from tolerance import assert_close
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def eager_token_logprobs(x, w, b, labels, ignore_index=-100, softcap=0.0, logit_scale=1.0, temperature=1.0,
+                         entropy=False):
+    """The op's meaning, as a DPO or GRPO loss writes it: log_softmax of the (capped, scaled) fp32 logits divided
+    by the temperature, gathered at the labels; the entropy from the same log-softmax; ignored rows 0."""
+    z = F.linear(x, w, b)
+    z = z.float() if z.dtype != torch.float64 else z
+    z = z * logit_scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    logp_all = (z / temperature).log_softmax(-1)
+    valid = labels != ignore_index
+    logp = torch.where(valid, logp_all.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1), 0.0)
+    ent = torch.where(valid, -(logp_all.exp() * logp_all).sum(-1), 0.0) if entropy else None
+    return logp, ent
+
+
+def make_inputs(n, h, v, *, bias=False, ignored=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) / math.sqrt(h) * 2.0  # logits of std ~2: a peaked softmax
+    b = torch.randn(v, generator=g) if bias else None
+    labels = torch.randint(0, v, (n,), generator=g)
+    if ignored:
+        labels[::3] = -100
+    return x, w, b, labels
+
+
+def forward_backward(fn, x, w, b, entropy, weight_grad=True):
+    x = x.detach().requires_grad_(True)
+    w = w.detach().requires_grad_(weight_grad)
+    b = b.detach().requires_grad_(weight_grad) if b is not None else None
+    logp, ent = fn(x, w, b)
+    g = torch.Generator().manual_seed(1)
+    outs = [logp] + ([ent] if entropy else [])
+    cots = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    wrt = [x] + ([w] if weight_grad else []) + ([b] if b is not None and weight_grad else [])
+    grads = list(torch.autograd.grad(outs, wrt, cots))
+    dx = grads.pop(0)
+    dw = grads.pop(0) if weight_grad else None
+    db = grads.pop(0) if b is not None and weight_grad else None
+    return logp.detach(), (ent.detach() if entropy else None), dx, dw, db
+
+
+def check(x32, w32, b32, labels, dtype, weight_grad=True, **opts):
+    x, w = x32.to(dtype), w32.to(dtype)
+    b = b32.to(dtype) if b32 is not None else None
+    entropy = opts.get("entropy", False)
+    actual = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, **opts), x, w, b, entropy,
+                              weight_grad)
+    eager = forward_backward(lambda a, c, d: eager_token_logprobs(a, c, d, labels, **opts), x, w, b, entropy,
+                             weight_grad)
+    reference = forward_backward(lambda a, c, d: eager_token_logprobs(a, c, d, labels, **opts), x.double(),
+                                 w.double(), None if b is None else b.double(), entropy, weight_grad)
+    for name, a, e, r in zip(("logp", "entropy", "dx", "dw", "db"), actual, eager, reference):
+        if e is None:
+            assert a is None, f"{name}: the op gave what eager does not"
+            continue
+        assert_close(name, a, e, r)
+    return actual
+
+
+SHAPES = [(1, 1), (3, 7), (37, 100), (5, 1000)]
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "logp+entropy"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,v", SHAPES, ids=[f"N{n}-V{v}" for n, v in SHAPES])
+def test_values_and_gradients_match_eager(n, v, dtype, entropy):
+    x, w, b, labels = make_inputs(n, 24, v)
+    logp, ent, dx, dw, _ = check(x, w, b, labels, dtype, entropy=entropy)
+    assert logp.dtype == torch.float32 and logp.shape == (n,) and dx.dtype == dtype and dw.shape == (v, 24)
+
+
+OPTIONS = {
+    "bias": dict(bias=True),
+    "ignored": dict(ignored=True),
+    "other-ignore-index": dict(ignored=True, ignore_index=-1),
+    "softcap": dict(softcap=3.0),
+    "logit-scale": dict(logit_scale=0.25),
+    "temperature": dict(temperature=0.7),
+    "everything": dict(bias=True, ignored=True, softcap=5.0, logit_scale=1.7, temperature=1.3),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_options_match_eager(option, dtype):
+    spec = dict(OPTIONS[option])
+    bias, ignored = spec.pop("bias", False), spec.pop("ignored", False)
+    x, w, b, labels = make_inputs(37, 24, 100, bias=bias, ignored=ignored)
+    if spec.get("ignore_index") == -1:
+        labels[labels == -100] = -1
+    logp, ent, dx, _, _ = check(x, w, b, labels, dtype, entropy=True, **spec)
+    ignored_rows = labels == spec.get("ignore_index", -100)
+    if ignored:
+        assert (logp[ignored_rows] == 0).all() and (ent[ignored_rows] == 0).all() and (dx[ignored_rows] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_frozen_head_gets_no_weight_gradient(dtype):
+    x, w, b, labels = make_inputs(9, 16, 50, bias=True)
+    check(x, w, b, labels, dtype, weight_grad=False, entropy=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_large_vocabulary_over_several_blocks_and_chunks(dtype, monkeypatch):
+    # two rows per chunk, and a vocabulary of several 4096-wide blocks
+    monkeypatch.setattr(lowering, "chunk_rows", lambda n, v, h, dw=False: 2)
+    x, w, b, labels = make_inputs(5, 16, 9001, ignored=True)
+    check(x, w, b, labels, dtype, entropy=True, softcap=30.0)
+
+
+def test_the_reference_path_gives_the_same(monkeypatch):
+    # the PyTorch reference (a CPU without the interpreter) against the kernels, on one input
+    x, w, b, labels = make_inputs(11, 16, 70, bias=True, ignored=True)
+    kernels = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, entropy=True, softcap=4.0),
+                               x, w, b, True)
+    force_fallback(monkeypatch, lowering, "_token_stats_kernel", "_token_grad_kernel")
+    reference = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, entropy=True, softcap=4.0),
+                                 x, w, b, True)
+    for a, r in zip(kernels, reference):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+def test_only_one_output_differentiated():
+    # the entropy asked for but unused in the loss, and the other way round
+    x, w, b, labels = make_inputs(6, 16, 30)
+    xs = x.requires_grad_(True)
+    logp, ent = linear_token_logprobs(xs, w, None, labels, entropy=True)
+    (dx,) = torch.autograd.grad(logp.sum(), xs)
+    ref_logp, _ = eager_token_logprobs(xs, w, None, labels, entropy=True)
+    (want,) = torch.autograd.grad(ref_logp.sum(), xs)
+    torch.testing.assert_close(dx, want, rtol=1e-4, atol=1e-5)
+    logp, ent = linear_token_logprobs(xs, w, None, labels, entropy=True)
+    (dx,) = torch.autograd.grad(ent.sum(), xs)
+    _, ref_ent = eager_token_logprobs(xs, w, None, labels, entropy=True)
+    (want,) = torch.autograd.grad(ref_ent.sum(), xs)
+    torch.testing.assert_close(dx, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_label_out_of_range_is_nan_or_an_error():
+    x, w, b, labels = make_inputs(4, 8, 10)
+    labels[1] = 10
+    if lowering.use_triton(x):
+        logp, ent = linear_token_logprobs(x, w, None, labels, entropy=True)
+        assert torch.isnan(logp[1]) and torch.isnan(ent[1]) and not torch.isnan(logp[[0, 2, 3]]).any()
+    else:
+        with pytest.raises(IndexError, match="out of bounds"):
+            linear_token_logprobs(x, w, None, labels)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(x=torch.randn(3, 4, 8)), "x must be \\[N, H\\]"),
+    (dict(labels=torch.zeros(3, dtype=torch.int32)), "labels must be int64"),
+    (dict(temperature=0.0), "temperature must be positive"),
+    (dict(w=torch.randn(10, 8, dtype=torch.float64)), "x and w must share"),
+])
+def test_bad_inputs_get_a_clear_error(bad, error):
+    args = dict(x=torch.randn(3, 8), w=torch.randn(10, 8), labels=torch.zeros(3, dtype=torch.long), temperature=1.0)
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=error):
+        linear_token_logprobs(args["x"], args["w"], None, args["labels"], temperature=args["temperature"])
