@@ -47,6 +47,7 @@ import sloth.lowering.linear_cross_entropy as lce_lowering
 from sloth.lowering.glu import glu
 from sloth.lowering.glu_lora import glu_lora_linear, register_4bit as register_glu_qlora
 from sloth.lowering.linear_cross_entropy import linear_cross_entropy
+from sloth.lowering.token_logprobs import linear_token_logprobs
 from sloth.lowering.lora import lora_linear
 from sloth.lowering.lora_shared import lora_linear_shared, register as register_lora_shared
 from sloth.lowering.nf4 import dequantize_4bit, dequantize_4bit_reference
@@ -61,6 +62,7 @@ from sloth.lowering.moe_router_biased import moe_router_biased, moe_router_biase
 from sloth.lowering.sink_attention import sink_attention, window_bounds
 from sloth.lowering.tiled_mlp import lora_mlp_tiled
 from sloth.patterns.cross_entropy import linear_cross_entropy_pattern
+from sloth.patterns.token_logprobs import token_logprobs_pattern
 from sloth.patterns.glu import swiglu_pattern
 from sloth.patterns.lora import lora_pattern
 from sloth.patterns.l2_norm import normalize_pattern
@@ -310,6 +312,9 @@ NORM_ROPE = Op("norm_rope", _norm_rope_inputs,
 GLU = Op("glu", _glu_inputs, lambda gate, up: glu(gate, up, "silu"), swiglu_pattern, grads=("gate", "up"))
 LCE = Op("linear_cross_entropy", _lce_inputs, lambda x, w, labels: linear_cross_entropy(x, w, None, labels),
          lambda x, w, labels: linear_cross_entropy_pattern(x, w, None, labels), grads=("x", "w"))
+TOKEN_LOGPROBS = Op("linear_token_logprobs", _lce_inputs,
+                    lambda x, w, labels: linear_token_logprobs(x, w, None, labels, entropy=True),
+                    lambda x, w, labels: token_logprobs_pattern(x, w, None, labels, entropy=True), grads=("x", "w"))
 LORA = Op("lora_linear", _lora_inputs, lambda x, w, bias, a, b: lora_linear(x, w, bias, a, b, 2.0),
           lambda x, w, bias, a, b: lora_pattern(x, w, bias, a, b, 2.0), grads=("x", "a", "b"))
 LORA_SHARED = Op(
@@ -529,6 +534,19 @@ CASES = [
     case(LCE, "two-devices", Raises(ValueError, "sloth.linear_cross_entropy: " + _device("w", "x")), "w"),
     case(LCE, "labels-int32", Raises(ValueError, r"sloth.linear_cross_entropy: labels must be int64 .*torch\.int32")),
 
+    case(TOKEN_LOGPROBS, "float64", Raises(TypeError, "sloth.linear_token_logprobs: x and w " + F64_SHARED)),
+    case(TOKEN_LOGPROBS, "fp16", EAGER),
+    case(TOKEN_LOGPROBS, "non-contiguous", EAGER),
+    case(TOKEN_LOGPROBS, "transposed", EAGER),
+    case(TOKEN_LOGPROBS, "zero-stride", EAGER),
+    case(TOKEN_LOGPROBS, "empty", EAGER),
+    case(TOKEN_LOGPROBS, "vocab-1", EAGER),
+    # Eager's gather raises; the kernel makes the offending rows NaN (lowering/token_logprobs.py's docstring).
+    case(TOKEN_LOGPROBS, "labels-out-of-range", NAN),
+    case(TOKEN_LOGPROBS, "two-devices", Raises(ValueError, "sloth.linear_token_logprobs: " + _device("w", "x")), "w"),
+    case(TOKEN_LOGPROBS, "labels-int32",
+         Raises(ValueError, r"sloth.linear_token_logprobs: labels must be int64 .*torch\.int32")),
+
     case(LORA, "float64", Raises(TypeError, r"sloth.lora_linear: x, w \(and bias\) " + F64_SHARED)),
     case(LORA, "fp16", EAGER),
     case(LORA, "non-contiguous", EAGER),
@@ -685,7 +703,7 @@ def test_bad_input(op: Op, kind: str, args: tuple, expect):
         return
     ours = run(op.fused, inputs)
     if expect == NAN:
-        with pytest.raises(IndexError, match="out of bounds"):
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds"):  # cross_entropy's, gather's
             op.eager(**inputs)  # eager refuses the input: it is bad, not merely unusual
         for name, t in ours.items():
             assert t.isnan().any(), f"{name}: no NaN"

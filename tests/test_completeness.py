@@ -27,7 +27,7 @@ from pattern_checks import seeded
 class EveryFamily(nn.Module):
     """One site of each family, written by hand: RMSNorm, rotate-half RoPE on q and k, a causal mask given to
     SDPA, a LoRA linear, an nn.LayerNorm-style norm before SwiGLU, an L2-norm of the final hidden state, the
-    lm_head + cross-entropy, a second attention under a packed-document mask built from position ids
+    lm_head + cross-entropy and the same head's log-softmax read at the labels, a second attention under a packed-document mask built from position ids
     (documents start where the position is 0), a third attention with a sink logit per head under the same causal
     mask (``masked_fill``), a fourth with one key / value head repeated to both query heads, and an MoE block
     (top-2 of 3 experts, one gathered expert weight per assignment through ``bmm``, ``index_add_`` back to the
@@ -82,7 +82,10 @@ class EveryFamily(nn.Module):
         y = torch.bmm(self.experts_out[expert], (F.silu(g_e) * u_e).unsqueeze(-1)).squeeze(-1)
         x = x + torch.zeros_like(flat).index_add_(0, token, y * weights.flatten()[:, None]).view(b, t, d)
         x = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-        return F.cross_entropy(F.linear(x, self.head).float().view(-1, self.head.shape[0]), labels.view(-1))
+        # a DPO-style term: the head's log-softmax read at the labels
+        logp = torch.gather(F.log_softmax(F.linear(x, self.head), dim=-1), -1, labels.unsqueeze(-1)).squeeze(-1)
+        return F.cross_entropy(F.linear(x, self.head).float().view(-1, self.head.shape[0]), labels.view(-1)) \
+            - 0.1 * logp.mean()
 
 
 def every_family_inputs():

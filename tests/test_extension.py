@@ -243,7 +243,8 @@ def test_dumps_show_each_pass_that_changed_the_graph(tmp_path):
     assert os.path.dirname(folder) == str(tmp_path) and re.fullmatch(r"graph_\d+_\d+", os.path.basename(folder))
     assert f"graphs dumped to: {folder}" in str(report)
     changed = ["canonicalize", "layer_norm", "rms_norm", "l2_norm", "rope", "moe_route", "moe_router", "glu",
-               "cross_entropy", "lora", "packed_attention", "causal_mask", "sink_attention", "gqa_attention"]  # not softcap
+               "cross_entropy", "token_logprobs", "lora", "packed_attention", "causal_mask", "sink_attention",
+               "gqa_attention"]  # not softcap
     expected = ["00_before.py"] + [f"{i:02d}_{stage}.{ext}" for i, stage in enumerate(changed, 1)
                                    for ext in ("diff", "py")]
     assert _stages(folder) == sorted(expected)
@@ -252,7 +253,8 @@ def test_dumps_show_each_pass_that_changed_the_graph(tmp_path):
     ops = {"layer_norm": "sloth.layer_norm", "rms_norm": "sloth.rms_norm", "l2_norm": "sloth.l2_norm",
            "rope": "sloth.rope", "moe_route": "sloth.moe_experts",
            "moe_router": "sloth.moe_router", "glu": "sloth.glu",
-           "cross_entropy": "sloth.linear_cross_entropy", "lora": "sloth.lora_linear",
+           "cross_entropy": "sloth.linear_cross_entropy", "token_logprobs": "sloth.linear_token_logprobs",
+           "lora": "sloth.lora_linear",
            "packed_attention": "sloth.document_attention", "causal_mask": "is_causal = True",
            "sink_attention": "sloth.sink_attention", "gqa_attention": "enable_gqa = True"}
     for i, stage in enumerate(changed[1:], 2):

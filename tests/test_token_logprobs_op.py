@@ -55,7 +55,7 @@ def forward_backward(fn, x, w, b, entropy, weight_grad=True):
     logp, ent = fn(x, w, b)
     g = torch.Generator().manual_seed(1)
     outs = [logp] + ([ent] if entropy else [])
-    cots = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    cots = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
     wrt = [x] + ([w] if weight_grad else []) + ([b] if b is not None and weight_grad else [])
     grads = list(torch.autograd.grad(outs, wrt, cots))
     dx = grads.pop(0)
@@ -64,9 +64,9 @@ def forward_backward(fn, x, w, b, entropy, weight_grad=True):
     return logp.detach(), (ent.detach() if entropy else None), dx, dw, db
 
 
-def check(x32, w32, b32, labels, dtype, weight_grad=True, **opts):
-    x, w = x32.to(dtype), w32.to(dtype)
-    b = b32.to(dtype) if b32 is not None else None
+def check(x32, w32, b32, labels, dtype, weight_grad=True, device="cpu", **opts):
+    x, w, labels = x32.to(device, dtype), w32.to(device, dtype), labels.to(device)
+    b = b32.to(device, dtype) if b32 is not None else None
     entropy = opts.get("entropy", False)
     actual = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, **opts), x, w, b, entropy,
                               weight_grad)
@@ -88,9 +88,9 @@ SHAPES = [(1, 1), (3, 7), (37, 100), (5, 1000)]
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "logp+entropy"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,v", SHAPES, ids=[f"N{n}-V{v}" for n, v in SHAPES])
-def test_values_and_gradients_match_eager(n, v, dtype, entropy):
+def test_values_and_gradients_match_eager(n, v, dtype, entropy, device):
     x, w, b, labels = make_inputs(n, 24, v)
-    logp, ent, dx, dw, _ = check(x, w, b, labels, dtype, entropy=entropy)
+    logp, ent, dx, dw, _ = check(x, w, b, labels, dtype, device=device, entropy=entropy)
     assert logp.dtype == torch.float32 and logp.shape == (n,) and dx.dtype == dtype and dw.shape == (v, 24)
 
 
@@ -107,14 +107,14 @@ OPTIONS = {
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_options_match_eager(option, dtype):
+def test_options_match_eager(option, dtype, device):
     spec = dict(OPTIONS[option])
     bias, ignored = spec.pop("bias", False), spec.pop("ignored", False)
     x, w, b, labels = make_inputs(37, 24, 100, bias=bias, ignored=ignored)
     if spec.get("ignore_index") == -1:
         labels[labels == -100] = -1
-    logp, ent, dx, _, _ = check(x, w, b, labels, dtype, entropy=True, **spec)
-    ignored_rows = labels == spec.get("ignore_index", -100)
+    logp, ent, dx, _, _ = check(x, w, b, labels, dtype, device=device, entropy=True, **spec)
+    ignored_rows = (labels == spec.get("ignore_index", -100)).to(device)
     if ignored:
         assert (logp[ignored_rows] == 0).all() and (ent[ignored_rows] == 0).all() and (dx[ignored_rows] == 0).all()
 
@@ -126,11 +126,11 @@ def test_a_frozen_head_gets_no_weight_gradient(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_large_vocabulary_over_several_blocks_and_chunks(dtype, monkeypatch):
+def test_a_large_vocabulary_over_several_blocks_and_chunks(dtype, monkeypatch, device):
     # two rows per chunk, and a vocabulary of several 4096-wide blocks
     monkeypatch.setattr(lowering, "chunk_rows", lambda n, v, h, dw=False: 2)
     x, w, b, labels = make_inputs(5, 16, 9001, ignored=True)
-    check(x, w, b, labels, dtype, entropy=True, softcap=30.0)
+    check(x, w, b, labels, dtype, device=device, entropy=True, softcap=30.0)
 
 
 def test_the_reference_path_gives_the_same(monkeypatch):
@@ -183,3 +183,16 @@ def test_bad_inputs_get_a_clear_error(bad, error):
     args.update(bad)
     with pytest.raises((ValueError, TypeError), match=error):
         linear_token_logprobs(args["x"], args["w"], None, args["labels"], temperature=args["temperature"])
+
+
+def test_opcheck_forward_and_backward():
+    lowering.register()
+    x, w, b, labels = make_inputs(5, 8, 13, bias=True, ignored=True)
+    torch.library.opcheck(torch.ops.sloth.linear_token_logprobs.default,
+                          (x.requires_grad_(True), w.requires_grad_(True), b.requires_grad_(True), labels, -100, 2.0,
+                           0.5, 1.3, True))
+    stats = torch.ops.sloth.linear_token_logprobs.default(x.detach(), w.detach(), b.detach(), labels, -100, 2.0, 0.5,
+                                                          1.3, True)[2]
+    torch.library.opcheck(torch.ops.sloth.linear_token_logprobs_backward.default,
+                          (torch.randn(5), torch.randn(5), x.detach(), w.detach(), b.detach(), labels, stats, -100, 2.0,
+                           0.5, 1.3, True, True))

@@ -1,0 +1,253 @@
+"""Per-token log-probabilities family (``"token_logprobs"`` in the report): a linear head's log-softmax read at
+labels, and its entropy, as preference and RL losses (DPO, KTO, GRPO, RLOO) write them.
+
+The meaning, as plain PyTorch (the test oracle)::
+
+    token_logprobs_pattern(x, w, b, labels)
+        lsm = F.log_softmax(F.linear(x, w, b).float(), dim=-1)
+        logp = torch.gather(lsm, -1, labels.unsqueeze(-1)).squeeze(-1)     # TRL's selective_log_softmax
+        entropy = -(lsm.exp() * lsm).sum(-1)                                 # the entropy term of a GRPO loss
+
+Matched on the canonical graph: ``log_softmax(z, -1)`` (any spelling) of logits ``z`` that come from a linear
+through casts, views, scalar multiplies and divides (a logit scale, a temperature) and a softcap's tanh, whose
+users are one ``gather`` along the last dim (the log-probabilities at the labels, with or without the squeeze)
+and, optionally, the entropy's ``sum(exp(lsm) * lsm, -1)``. Both become one
+``torch.ops.sloth.linear_token_logprobs`` (lowering/token_logprobs.py) on the linear's x, w and bias: no [N, V]
+logits, log-softmax or probabilities in the forward or the backward. The logits' chain stays where something else
+reads it (a model that returns its logits). Refused, with the reason: a log-softmax read by anything else (the
+cross-entropy family takes ``nll_loss``), two gathers of one log-softmax, classes sliced before it, a dtype the kernel
+does not take. Rows of the logits selected before it (``logits[:, :-1]``, a split) are the same rows of x, as in the
+cross-entropy family.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..compiler.canonicalize import cast
+from ..compiler.families import Family
+from ..compiler.fx_utils import insert_call, inherit_requires_grad, is_call, module_path, \
+    source_location, tensor_of
+from ..compiler.options import PassOptions
+from ..compiler.report import Report, Site
+from .cross_entropy import _chain_to_linear, _class_selection, _row_selection, _scale_and_softcap, _select_rows
+
+FAMILY = "token_logprobs"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, "log_softmax")
+# The op's ignore_index where the graph selects no rows: an index no gather can take (eager's gather raises on a
+# negative index), so every row is computed.
+NO_IGNORED_ROWS = -(2 ** 63)
+
+
+def _lowering():
+    """The kernel module, imported on first use (see patterns/rms_norm.py)."""
+    from ..lowering import token_logprobs
+
+    return token_logprobs
+
+
+def token_logprobs_pattern(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], labels: torch.Tensor,
+                           entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The family's meaning (module docstring)."""
+    lsm = F.log_softmax(F.linear(x, w, b).float(), dim=-1)
+    logp = torch.gather(lsm, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return logp, (-(lsm.exp() * lsm).sum(-1) if entropy else None)
+
+
+@dataclasses.dataclass
+class TokenLogprobsMatch:
+    """A site: ``gather`` reads ``log_softmax`` of ``linear``'s logits at ``index``; ``entropy_sum``, when found,
+    is ``sum(exp(lsm) * lsm, -1)`` (the negative entropy)."""
+    log_softmax: fx.Node
+    linear: fx.Node
+    parts: tuple[Any, Any, Any]
+    gather: fx.Node
+    index: fx.Node
+    entropy_sum: Optional[fx.Node]
+    softcap: float
+    logit_scale: float
+    selection: list[fx.Node]  # the steps that select rows of the logits (``_row_selection``), replayed on x
+
+
+def _args(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
+    return dict(zip(names, node.args), **node.kwargs)
+
+
+def _is_log_softmax(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.target in _LOG_SOFTMAX
+
+
+def _gather_index(node: fx.Node, lsm: fx.Node) -> Union[fx.Node, str, None]:
+    """The index of ``torch.gather(lsm, -1, index)`` (any spelling), or why it is not one the op takes."""
+    if not (node.op in ("call_function", "call_method") and node.target in (torch.gather, "gather")):
+        return None
+    params = _args(node, ("input", "dim", "index", "sparse_grad"))
+    index, it, lt = params.get("index"), tensor_of(params.get("index")), tensor_of(lsm)
+    if params.get("input") is not lsm or it is None or lt is None:
+        return None
+    if params.get("dim") not in (-1, lt.dim() - 1):
+        return f"the log-probabilities are gathered along dim {params.get('dim')}, not the vocabulary (last) dim"
+    if it.dtype != torch.int64 or it.dim() != lt.dim() or it.shape[-1] != 1 or tuple(it.shape[:-1]) != tuple(
+            lt.shape[:-1]):
+        return "the gather reads more or other than one label per row"
+    return index
+
+
+def _entropy_sum(node: fx.Node, lsm: fx.Node) -> Optional[fx.Node]:
+    """``sum(exp(lsm) * lsm, (-1,), keepdim)`` from ``node``, the ``exp(lsm)`` user of ``lsm``, else None."""
+    if not is_call(node, torch.exp) or len(node.users) != 1:
+        return None
+    mul = next(iter(node.users))
+    if not is_call(mul, torch.mul) or set(mul.args) != {node, lsm} or len(mul.users) != 1:
+        return None
+    total = next(iter(mul.users))
+    lt = tensor_of(lsm)
+    if not is_call(total, torch.sum) or len(total.args) != 3 or tuple(total.args[1]) not in ((-1,), (lt.dim() - 1,)):
+        return None
+    return total
+
+
+def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
+    params = _args(lsm, ("input", "dim", "_stacklevel" if lsm.target is F.log_softmax else "dtype"))
+    z, zt = params.get("input"), tensor_of(params.get("input"))
+    chain = _chain_to_linear(z) if zt is not None else None
+    if chain is None:
+        return None  # not the log-probabilities of a linear's logits
+    linear, parts, steps = chain
+    users = list(lsm.users)
+    gathers = [(u, _gather_index(u, lsm)) for u in users]
+    gathers = [(u, i) for u, i in gathers if i is not None]
+    if not gathers:
+        return None  # no labels read: not this family (a cross-entropy's nll_loss is that family's)
+    reason = next((i for _, i in gathers if isinstance(i, str)), None)
+    if reason:
+        return reason
+    if len(gathers) > 1:
+        return "one log-softmax gathered at two sets of labels"
+    (gather, index), = gathers
+    entropy = next((e for u in users if (e := _entropy_sum(u, lsm)) is not None), None)
+    read = {gather}
+    if entropy is not None:  # exp(lsm) and exp(lsm) * lsm both read lsm
+        mul = entropy.args[0]
+        read |= {mul, *(a for a in mul.args if a is not lsm)}
+    others = [u for u in users if u not in read]
+    if others:
+        return "the log-probabilities have other users than the gather at the labels and the entropy"
+    if params.get("dim") not in (-1, zt.dim() - 1):
+        return f"log_softmax is over dim {params.get('dim')}, not the vocabulary (last) dim"
+    if params.get("dtype") not in (None, torch.float32) or zt.dtype not in _KERNEL_DTYPES:
+        return f"log_softmax computes in {params.get('dtype') or zt.dtype}, not float32/bfloat16/float16"
+    selection = _row_selection(steps)  # logits[:, :-1] and the like: the same rows of x (patterns/cross_entropy.py)
+    if isinstance(selection, str):
+        return selection
+    xt, wt = tensor_of(parts[0]), tensor_of(parts[1])
+    if xt is None or wt is None or wt.dim() != 2 or xt.dtype not in _KERNEL_DTYPES or wt.dtype != xt.dtype:
+        return "the head's input and weight are not one float32/bfloat16/float16 dtype"
+    scale = _scale_and_softcap(linear, steps)
+    if isinstance(scale, str):
+        return scale
+    if _class_selection(steps, wt.shape[0]) is not None:
+        return "the logits' classes are sliced before the log-softmax"
+    softcap, logit_scale = scale
+    return TokenLogprobsMatch(lsm, linear, parts, gather, index, entropy, softcap, logit_scale, selection)
+
+
+def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
+    g = gm.graph
+    x, w, b = m.parts
+    xt, it = tensor_of(x), tensor_of(m.index)
+    rows = it.numel() if isinstance(it.numel(), int) else None
+    before = m.gather
+    rows_of_x = _select_rows(g, before, x, m.selection, {}) if m.selection else x
+    x2 = insert_call(g, before, torch.reshape, (rows_of_x, (-1, xt.shape[-1])), meta_from=m.linear)
+    y2 = insert_call(g, before, torch.reshape, (m.index, (-1,)), meta_from=m.gather)
+    entropy = m.entropy_sum is not None
+    n = tensor_of(y2).shape[0] if rows is None else rows
+    value = (xt.new_empty(n, dtype=torch.float32), xt.new_empty(n if entropy else 0, dtype=torch.float32),
+             xt.new_empty((2, n), dtype=torch.float32))
+    if m.entropy_sum is not None and list(g.nodes).index(m.entropy_sum) < list(g.nodes).index(before):
+        before = m.entropy_sum
+    fused = insert_call(g, before, torch.ops.sloth.linear_token_logprobs.default,
+                        (x2, w, b, y2, NO_IGNORED_ROWS, m.softcap, m.logit_scale, 1.0, entropy),
+                        meta_from=m.log_softmax, value=value)
+    out_dtype = tensor_of(m.gather).dtype
+    logp = insert_call(g, before, operator.getitem, (fused, 0), value=value[0])
+    logp = insert_call(g, before, torch.reshape, (logp, tuple(tensor_of(m.gather).shape)), meta_from=m.gather)
+    if out_dtype != torch.float32:
+        logp = insert_call(g, before, cast, (logp, out_dtype), meta_from=m.gather)
+    inherit_requires_grad(m.gather, logp)
+    m.gather.replace_all_uses_with(logp)
+    if m.entropy_sum is not None:
+        st = tensor_of(m.entropy_sum)
+        ent = insert_call(g, before, operator.getitem, (fused, 1), value=value[1])
+        neg = insert_call(g, before, torch.neg, (ent,), meta_from=m.entropy_sum)
+        neg = insert_call(g, before, torch.reshape, (neg, tuple(st.shape)), meta_from=m.entropy_sum)
+        if st.dtype != torch.float32:
+            neg = insert_call(g, before, cast, (neg, st.dtype), meta_from=m.entropy_sum)
+        inherit_requires_grad(m.entropy_sum, neg)
+        m.entropy_sum.replace_all_uses_with(neg)
+    return _erase_dead([m.gather, m.entropy_sum], keep=(x, w, b, m.index))
+
+
+def _erase_dead(nodes: list[Optional[fx.Node]], keep: tuple[Any, ...]) -> set[fx.Node]:
+    """Erase ``nodes`` that nothing reads, then what fed only them, walking back: as compiler/fx_utils.py's
+    ``erase_unused``, and method calls too (``lsm.gather``, ``logits.log_softmax``), but not an in-place one."""
+    graph, erased, stack = nodes[0].graph, set(), [n for n in nodes if n is not None]
+    while stack:
+        node = stack.pop()
+        if node in erased or node in keep or node.users or node.is_impure() or not (
+                node.op == "call_function" or node.op == "call_method" and not str(node.target).endswith("_")):
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        stack += inputs
+    return erased
+
+
+def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
+                             options: PassOptions = PassOptions()) -> fx.GraphModule:
+    """Replace each linear head's log-softmax gathered at labels (and its entropy) with
+    ``torch.ops.sloth.linear_token_logprobs``.
+
+    before:  lsm = log_softmax(linear(x, w, b), -1); lp = gather(lsm, -1, i).squeeze(-1); s = sum(exp(lsm) * lsm, -1)
+    after:   logp, ent, _ = sloth.linear_token_logprobs(x.reshape(-1, H), w, b, i.reshape(-1), ...);
+             lp = logp.reshape(...); s = -ent.reshape(...)
+    """
+    _lowering().register()
+    erased: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node in erased or not _is_log_softmax(node):
+            continue
+        found = _match(node)
+        if found is None:
+            continue
+        if isinstance(found, str):
+            report.reject(FAMILY, node, found)
+            continue
+        detail = ("log-probabilities" + (" and entropy" if found.entropy_sum is not None else "")
+                  + (f", softcap {found.softcap:g}" if found.softcap else "")
+                  + (f", logit scale {found.logit_scale:g}" if found.logit_scale != 1.0 else ""))
+        erased |= _replace(gm, found)
+        report.replaced(Site(FAMILY, "sloth.linear_token_logprobs", module_path(node), source_location(node), detail))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def anchor(node: fx.Node) -> bool:
+    """The ``token_logprobs`` family's anchor: a log_softmax of a linear's logits, read by a gather."""
+    return _is_log_softmax(node) and bool(node.args) and _chain_to_linear(node.args[0]) is not None and any(
+        u.op in ("call_function", "call_method") and u.target in (torch.gather, "gather") for u in node.users)
+
+
+DECLARATION = Family(FAMILY, fuse_token_logprobs_pass, order=85, anchor=anchor,
+                     emits=("linear_token_logprobs",),
+                     summary=("a linear head's log-softmax gathered at labels, with or without its entropy "
+                              "(DPO, GRPO and RLOO losses): per-token values without the [N, V] logits"))
