@@ -11,7 +11,8 @@ The meaning, as plain PyTorch (the test oracle)::
 Matched on the canonical graph: ``log_softmax(z, -1)`` (any spelling) of logits ``z`` that come from a linear
 through casts, views, scalar multiplies and divides (a logit scale, a temperature) and a softcap's tanh, whose
 users are one ``gather`` along the last dim (the log-probabilities at the labels, with or without the squeeze)
-and, optionally, the entropy's ``sum(exp(lsm) * lsm, -1)``. Both become one
+and, optionally, the entropy's ``sum(exp(lsm) * lsm, -1)`` (or the entropy alone: TRL's ``entropy_from_logits``).
+Both become one
 ``torch.ops.sloth.linear_token_logprobs`` (lowering/token_logprobs.py) on the linear's x, w and bias: no [N, V]
 logits, log-softmax or probabilities in the forward or the backward. The logits' chain stays where something else
 reads it (a model that returns its logits). Refused, with the reason: a log-softmax read by anything else (the
@@ -63,12 +64,12 @@ def token_logprobs_pattern(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.T
 @dataclasses.dataclass
 class TokenLogprobsMatch:
     """A site: ``gather`` reads ``log_softmax`` of ``linear``'s logits at ``index``; ``entropy_sum``, when found,
-    is ``sum(exp(lsm) * lsm, -1)`` (the negative entropy)."""
+    is ``sum(exp(lsm) * lsm, -1)`` (the negative entropy). One of the two at least."""
     log_softmax: fx.Node
     linear: fx.Node
     parts: tuple[Any, Any, Any]
-    gather: fx.Node
-    index: fx.Node
+    gather: Optional[fx.Node]  # None: the entropy alone
+    index: Optional[fx.Node]
     entropy_sum: Optional[fx.Node]
     softcap: float
     logit_scale: float
@@ -123,21 +124,20 @@ def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
     users = list(lsm.users)
     gathers = [(u, _gather_index(u, lsm)) for u in users]
     gathers = [(u, i) for u, i in gathers if i is not None]
-    if not gathers:
-        return None  # no labels read: not this family (a cross-entropy's nll_loss is that family's)
+    entropy = next((e for u in users if (e := _entropy_sum(u, lsm)) is not None), None)
+    if not gathers and entropy is None:
+        return None  # neither labels read nor the entropy: not this family (nll_loss is cross_entropy's)
     reason = next((i for _, i in gathers if isinstance(i, str)), None)
     if reason:
         return reason
     if len(gathers) > 1:
         return "one log-softmax gathered at two sets of labels"
-    (gather, index), = gathers
-    entropy = next((e for u in users if (e := _entropy_sum(u, lsm)) is not None), None)
+    gather, index = gathers[0] if gathers else (None, None)  # the entropy alone (TRL's entropy_from_logits)
     read = {gather}
     if entropy is not None:  # exp(lsm) and exp(lsm) * lsm both read lsm
         mul = entropy.args[0]
         read |= {mul, *(a for a in mul.args if a is not lsm)}
-    others = [u for u in users if u not in read]
-    if others:
+    if any(u not in read for u in users):
         return "the log-probabilities have other users than the gather at the labels and the entropy"
     if params.get("dim") not in (-1, zt.dim() - 1):
         return f"log_softmax is over dim {params.get('dim')}, not the vocabulary (last) dim"
@@ -147,7 +147,9 @@ def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
     if isinstance(selection, str):
         return selection
     xt, wt = tensor_of(parts[0]), tensor_of(parts[1])
-    if xt is None or wt is None or wt.dim() != 2 or xt.dtype not in _KERNEL_DTYPES or wt.dtype != xt.dtype:
+    if xt is None or wt is None or wt.dim() != 2 or xt.dim() < 2:
+        return "the head's input is not rows of hidden states, or its weight not a [V, H] matrix"
+    if xt.dtype not in _KERNEL_DTYPES or wt.dtype != xt.dtype:
         return "the head's input and weight are not one float32/bfloat16/float16 dtype"
     scale = _scale_and_softcap(linear, steps)
     if isinstance(scale, str):
@@ -159,46 +161,52 @@ def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
 
 
 def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
+    """The op on x's rows (the logits' row selection replayed on x, then flattened) and the labels flattened; its
+    log-probabilities in the gather's shape and its negative entropy in the sum's, each cast to the dtype the graph
+    had there. Shapes come from views of the graph's own tensors (``view_as``), so symbolic sizes stay symbolic."""
     g = gm.graph
     x, w, b = m.parts
-    xt, it = tensor_of(x), tensor_of(m.index)
-    rows = it.numel() if isinstance(it.numel(), int) else None
-    before = m.gather
-    rows_of_x = _select_rows(g, before, x, m.selection, {}) if m.selection else x
-    x2 = insert_call(g, before, torch.reshape, (rows_of_x, (-1, xt.shape[-1])), meta_from=m.linear)
-    y2 = insert_call(g, before, torch.reshape, (m.index, (-1,)), meta_from=m.gather)
+    first = min((n for n in (m.gather, m.entropy_sum) if n is not None), key=list(g.nodes).index)
+    rows_of_x = _select_rows(g, first, x, m.selection, {}) if m.selection else x
+    x2 = insert_call(g, first, torch.flatten, (rows_of_x, 0, -2), meta_from=m.linear)  # [N, H]
+    if m.index is not None:
+        labels = insert_call(g, first, torch.reshape, (m.index, (-1,)), meta_from=m.gather)
+    else:  # the entropy alone: any label in range, its log-probability unused
+        labels = insert_call(g, first, torch.zeros_like, (insert_call(g, first, torch.select, (x2, 1, 0)),),
+                             {"dtype": torch.long}, meta_from=m.entropy_sum)
     entropy = m.entropy_sum is not None
-    n = tensor_of(y2).shape[0] if rows is None else rows
-    value = (xt.new_empty(n, dtype=torch.float32), xt.new_empty(n if entropy else 0, dtype=torch.float32),
-             xt.new_empty((2, n), dtype=torch.float32))
-    if m.entropy_sum is not None and list(g.nodes).index(m.entropy_sum) < list(g.nodes).index(before):
-        before = m.entropy_sum
-    fused = insert_call(g, before, torch.ops.sloth.linear_token_logprobs.default,
-                        (x2, w, b, y2, NO_IGNORED_ROWS, m.softcap, m.logit_scale, 1.0, entropy),
-                        meta_from=m.log_softmax, value=value)
-    out_dtype = tensor_of(m.gather).dtype
-    logp = insert_call(g, before, operator.getitem, (fused, 0), value=value[0])
-    logp = insert_call(g, before, torch.reshape, (logp, tuple(tensor_of(m.gather).shape)), meta_from=m.gather)
-    if out_dtype != torch.float32:
-        logp = insert_call(g, before, cast, (logp, out_dtype), meta_from=m.gather)
-    inherit_requires_grad(m.gather, logp)
-    m.gather.replace_all_uses_with(logp)
-    if m.entropy_sum is not None:
-        st = tensor_of(m.entropy_sum)
-        ent = insert_call(g, before, operator.getitem, (fused, 1), value=value[1])
-        neg = insert_call(g, before, torch.neg, (ent,), meta_from=m.entropy_sum)
-        neg = insert_call(g, before, torch.reshape, (neg, tuple(st.shape)), meta_from=m.entropy_sum)
-        if st.dtype != torch.float32:
-            neg = insert_call(g, before, cast, (neg, st.dtype), meta_from=m.entropy_sum)
-        inherit_requires_grad(m.entropy_sum, neg)
+    fused = insert_call(g, first, torch.ops.sloth.linear_token_logprobs.default,
+                        (x2, w, b, labels, NO_IGNORED_ROWS, m.softcap, m.logit_scale, 1.0, entropy),
+                        meta_from=m.log_softmax)
+    if m.gather is not None:
+        logp = insert_call(g, first, operator.getitem, (fused, 0), meta_from=m.gather)
+        logp = _in_place_of(g, first, logp, m.gather, like=m.index)
+        m.gather.replace_all_uses_with(logp)
+    if entropy:
+        ent = insert_call(g, first, operator.getitem, (fused, 1), meta_from=m.entropy_sum)
+        neg = insert_call(g, first, torch.neg, (ent,), meta_from=m.entropy_sum)
+        rows_shape = insert_call(g, first, torch.select, (rows_of_x, -1, 0), meta_from=m.entropy_sum)
+        if m.entropy_sum.args[2]:  # keepdim
+            rows_shape = insert_call(g, first, torch.unsqueeze, (rows_shape, -1), meta_from=m.entropy_sum)
+        neg = _in_place_of(g, first, neg, m.entropy_sum, like=rows_shape)
         m.entropy_sum.replace_all_uses_with(neg)
     return _erase_dead([m.gather, m.entropy_sum], keep=(x, w, b, m.index))
+
+
+def _in_place_of(g: fx.Graph, before: fx.Node, value: fx.Node, old: fx.Node, like: fx.Node) -> fx.Node:
+    """``value`` (fp32, flat) viewed as ``like`` and cast to ``old``'s dtype, to stand in for ``old``."""
+    node = insert_call(g, before, torch.Tensor.view_as, (value, like), meta_from=old)
+    if tensor_of(old).dtype != torch.float32:
+        node = insert_call(g, before, cast, (node, tensor_of(old).dtype), meta_from=old)
+    inherit_requires_grad(old, node)
+    return node
 
 
 def _erase_dead(nodes: list[Optional[fx.Node]], keep: tuple[Any, ...]) -> set[fx.Node]:
     """Erase ``nodes`` that nothing reads, then what fed only them, walking back: as compiler/fx_utils.py's
     ``erase_unused``, and method calls too (``lsm.gather``, ``logits.log_softmax``), but not an in-place one."""
-    graph, erased, stack = nodes[0].graph, set(), [n for n in nodes if n is not None]
+    stack = [n for n in nodes if n is not None]
+    graph, erased = stack[0].graph, set()
     while stack:
         node = stack.pop()
         if node in erased or node in keep or node.users or node.is_impure() or not (
@@ -242,9 +250,10 @@ def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], 
 
 
 def anchor(node: fx.Node) -> bool:
-    """The ``token_logprobs`` family's anchor: a log_softmax of a linear's logits, read by a gather."""
+    """The ``token_logprobs`` family's anchor: a log_softmax of a linear's logits, read by a gather or an exp."""
     return _is_log_softmax(node) and bool(node.args) and _chain_to_linear(node.args[0]) is not None and any(
-        u.op in ("call_function", "call_method") and u.target in (torch.gather, "gather") for u in node.users)
+        u.op in ("call_function", "call_method") and u.target in (torch.gather, "gather", torch.exp, "exp")
+        for u in node.users)
 
 
 DECLARATION = Family(FAMILY, fuse_token_logprobs_pass, order=85, anchor=anchor,

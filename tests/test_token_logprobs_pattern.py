@@ -126,3 +126,56 @@ def test_logits_that_are_not_a_linears_are_left_alone():
     z, ids = torch.randn(2, 3, 9), torch.randint(0, 9, (2, 3))
     torch.testing.assert_close(torch.compile(plain, backend="sloth")(z, ids), plain(z, ids))
     assert sloth.report().counts.get("token_logprobs") is None and _reasons() == []
+
+
+def trl_rows_loop(head, h, ids):
+    # TRL's selective_log_softmax for bf16 logits: a log_softmax per batch row, gathered at that row's labels
+    logits = head.lm_head(h)
+    rows = [F.log_softmax(row, dim=-1).gather(dim=-1, index=labels.unsqueeze(-1)) for row, labels in zip(logits, ids)]
+    return torch.stack(rows).squeeze(-1).sum()
+
+
+def trl_entropy_chunks(head, h, ids):
+    # TRL's entropy_from_logits: the logits flattened, the entropy over chunks of rows (4 here, 128 in TRL)
+    logits = head.lm_head(h)
+    flat = logits.reshape(-1, logits.shape[-1])
+    entropies = []
+    for chunk in flat.split(4, dim=0):
+        logps = F.log_softmax(chunk, dim=-1)
+        entropies.append(-(torch.exp(logps) * logps).sum(-1))
+    return torch.cat(entropies).reshape(logits.shape[:-1]).mean()
+
+
+@pytest.mark.parametrize("form, sites", [(trl_rows_loop, 2), (trl_entropy_chunks, 3)],
+                         ids=["trl-rows-loop", "trl-entropy-chunks"])
+def test_trls_loops_are_fused_site_by_site(form, sites):
+    head = Head()
+    h, ids = torch.randn(2, 5, 16), torch.randint(0, 50, (2, 5))
+    want = run(form, head, h, ids)
+    torch._dynamo.reset()
+    sloth.reset_report()
+    got = run(torch.compile(form, backend="sloth"), head, h, ids)
+    assert sloth.report().counts.get("token_logprobs") == sites, sloth.report()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def shifted(head, h, ids):
+    # the last position dropped, log-probabilities and entropy (no float: under dynamic=True Dynamo makes a Python
+    # float such as a temperature a symbolic input, which no family reads as a constant scale)
+    lsm = F.log_softmax(head.lm_head(h)[:, :-1].float(), dim=-1)
+    return (selective(lsm, ids[:, 1:]) + (lsm.exp() * lsm).sum(-1, keepdim=True).squeeze(-1)).sum()
+
+
+def test_symbolic_lengths_stay_symbolic():
+    head = Head()
+    torch._dynamo.reset()
+    sloth.reset_report()
+    compiled = torch.compile(shifted, backend="sloth", dynamic=True)
+    for t in (7, 9, 12):
+        h, ids = torch.randn(2, t, 16), torch.randint(0, 50, (2, t))
+        want = run(shifted, head, h, ids)
+        got = run(compiled, head, h, ids)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert sloth.report().counts == {"token_logprobs": 1}, sloth.report()  # one graph, symbolic in the length
