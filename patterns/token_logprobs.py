@@ -12,8 +12,9 @@ Matched on the canonical graph: ``log_softmax(z, -1)`` (any spelling) of logits 
 through casts, views, scalar multiplies and divides (a logit scale, a temperature) and a softcap's tanh, whose
 users are one ``gather`` along the last dim (the log-probabilities at the labels, with or without the squeeze)
 and, optionally, the entropy's ``sum(exp(lsm) * lsm, -1)`` (or the entropy alone: TRL's ``entropy_from_logits``).
-Both become one
-``torch.ops.sloth.linear_token_logprobs`` (lowering/token_logprobs.py) on the linear's x, w and bias: no [N, V]
+Also ``gather(z, -1, i) - logsumexp(z, -1, keepdim=True)`` (the log-softmax
+written out; TRL's ``selective_log_softmax`` for float32 logits, its logsumexp a loop over batch rows). Each becomes
+one ``torch.ops.sloth.linear_token_logprobs`` (lowering/token_logprobs.py) on the linear's x, w and bias: no [N, V]
 logits, log-softmax or probabilities in the forward or the backward. The logits' chain stays where something else
 reads it (a model that returns its logits). Refused, with the reason: a log-softmax read by anything else (the
 cross-entropy family takes ``nll_loss``), two gathers of one log-softmax, classes sliced before it, a dtype the kernel
@@ -68,7 +69,7 @@ class TokenLogprobsMatch:
     log_softmax: fx.Node
     linear: fx.Node
     parts: tuple[Any, Any, Any]
-    gather: Optional[fx.Node]  # None: the entropy alone
+    gather: Optional[fx.Node]  # None: the entropy alone; the subtraction in the logsumexp form
     index: Optional[fx.Node]
     entropy_sum: Optional[fx.Node]
     softcap: float
@@ -143,6 +144,15 @@ def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
         return f"log_softmax is over dim {params.get('dim')}, not the vocabulary (last) dim"
     if params.get("dtype") not in (None, torch.float32) or zt.dtype not in _KERNEL_DTYPES:
         return f"log_softmax computes in {params.get('dtype') or zt.dtype}, not float32/bfloat16/float16"
+    head = _head(linear, parts, steps)
+    if isinstance(head, str):
+        return head
+    return TokenLogprobsMatch(lsm, linear, parts, gather, index, entropy, *head)
+
+
+def _head(linear: fx.Node, parts: tuple[Any, Any, Any], steps: list[fx.Node]
+          ) -> Union[tuple[float, float, list[fx.Node]], str]:
+    """(softcap, logit scale, row selection) of the logits' chain from ``linear``, or why the op cannot take it."""
     selection = _row_selection(steps)  # logits[:, :-1] and the like: the same rows of x (patterns/cross_entropy.py)
     if isinstance(selection, str):
         return selection
@@ -156,8 +166,68 @@ def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
         return scale
     if _class_selection(steps, wt.shape[0]) is not None:
         return "the logits' classes are sliced before the log-softmax"
-    softcap, logit_scale = scale
-    return TokenLogprobsMatch(lsm, linear, parts, gather, index, entropy, softcap, logit_scale, selection)
+    return scale[0], scale[1], selection
+
+
+def _logsumexp_of(node: Any, z: fx.Node) -> bool:
+    """``node`` is ``logsumexp(z, -1)`` over the last dim, the dim kept (``keep``) or not."""
+    if not (isinstance(node, fx.Node) and node.op in ("call_function", "call_method")
+            and node.target in (torch.logsumexp, "logsumexp")):
+        return False
+    params = _args(node, ("input", "dim", "keepdim"))
+    dim = params.get("dim")
+    dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+    return params.get("input") is z and dim in (-1, tensor_of(z).dim() - 1)
+
+
+def _row_logsumexps(node: Any, z: fx.Node) -> bool:
+    """``node`` is ``stack([logsumexp(z[0], -1), ..., logsumexp(z[B-1], -1)])``: TRL's loop over batch rows."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is torch.stack):
+        return False
+    params = _args(node, ("tensors", "dim"))
+    rows, zt = params.get("tensors"), tensor_of(z)
+    if params.get("dim", 0) != 0 or not isinstance(rows, (list, tuple)) or len(rows) != zt.shape[0]:
+        return False
+    for i, lse in enumerate(rows):
+        row = lse.args[0] if isinstance(lse, fx.Node) and lse.args else None
+        if not (is_call(row, operator.getitem) and row.args == (z, i)) or not _logsumexp_of(lse, row):
+            return False
+        if _args(lse, ("input", "dim", "keepdim")).get("keepdim"):
+            return False
+    return True
+
+
+def _match_logsumexp(sub: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
+    """``gather(z, -1, i) - logsumexp(z, -1, keepdim=True)`` (or its row loop, TRL's selective_log_softmax for
+    float32 logits: ``stack([logsumexp(row, -1) for row in z]).unsqueeze(-1)``) for a linear's logits z."""
+    if len(sub.args) != 2 or sub.kwargs:
+        return None
+    gather, lse = sub.args
+    if not (isinstance(gather, fx.Node) and gather.op in ("call_function", "call_method")
+            and gather.target in (torch.gather, "gather")):
+        return None
+    z = _args(gather, ("input",)).get("input")
+    zt = tensor_of(z)
+    chain = _chain_to_linear(z) if zt is not None else None
+    index = _gather_index(gather, z) if chain is not None else None
+    if index is None:
+        return None
+    kept = _logsumexp_of(lse, z) and _args(lse, ("input", "dim", "keepdim")).get("keepdim")
+    unsqueezed = isinstance(lse, fx.Node) and lse.op in ("call_function", "call_method") and lse.target in (
+        torch.unsqueeze, "unsqueeze") and len(lse.args) == 2 and lse.args[1] in (-1, zt.dim() - 1)
+    inner = lse.args[0] if unsqueezed else None
+    if not (kept or unsqueezed and (_logsumexp_of(inner, z) and not _args(inner, ("input", "dim", "keepdim")).get(
+            "keepdim") or _row_logsumexps(inner, z))):
+        return None  # a gather of logits minus something else
+    if isinstance(index, str):
+        return index
+    if zt.dtype not in _KERNEL_DTYPES:
+        return f"the logits are {zt.dtype}, not float32/bfloat16/float16"
+    linear, parts, steps = chain
+    head = _head(linear, parts, steps)
+    if isinstance(head, str):
+        return head
+    return TokenLogprobsMatch(sub, linear, parts, sub, index, None, *head)
 
 
 def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
@@ -231,9 +301,10 @@ def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], 
     _lowering().register()
     erased: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
-        if node in erased or not _is_log_softmax(node):
+        if node in erased:
             continue
-        found = _match(node)
+        found = _match(node) if _is_log_softmax(node) else _match_logsumexp(node) if is_call(node, torch.sub) \
+            else None
         if found is None:
             continue
         if isinstance(found, str):

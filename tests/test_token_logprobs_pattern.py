@@ -179,3 +179,30 @@ def test_symbolic_lengths_stay_symbolic():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert sloth.report().counts == {"token_logprobs": 1}, sloth.report()  # one graph, symbolic in the length
+
+
+def trl_fp32_logsumexp(head, h, ids):
+    # TRL's selective_log_softmax for float32 logits: the label's logit minus a logsumexp per batch row
+    logits = head.lm_head(h)
+    index = ids.unsqueeze(-1)
+    selected = torch.gather(logits, dim=-1, index=index)
+    lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+    return (selected - lse.unsqueeze(-1)).squeeze(-1).sum()
+
+
+def logsumexp_kept(head, h, ids):
+    z = head.lm_head(h)[:, :-1] / 0.9
+    return (z.gather(-1, ids[:, 1:, None]) - z.logsumexp(-1, keepdim=True)).mean()
+
+
+@pytest.mark.parametrize("form", [trl_fp32_logsumexp, logsumexp_kept], ids=["trl-fp32-rows", "keepdim"])
+def test_the_log_softmax_written_out_with_logsumexp(form):
+    head = Head(bias=True)
+    h, ids = torch.randn(3, 6, 16), torch.randint(0, 50, (3, 6))
+    want = run(form, head, h, ids)
+    torch._dynamo.reset()
+    sloth.reset_report()
+    got = run(torch.compile(form, backend="sloth"), head, h, ids)
+    assert sloth.report().counts.get("token_logprobs") == 1, sloth.report()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
