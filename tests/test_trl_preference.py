@@ -13,10 +13,9 @@ Why no ``token_logprobs`` site: TRL 1.16's DPO, GRPO, RLOO and KTO trainers neve
 through ``trl.kernels.ChunkedLogProbFunction.apply`` (trl/trainer/utils.py:1644; trl/kernels/chunked_logprob.py:299),
 an autograd.Function that computes the log-probabilities as ``target_logit - (running_max + log(sum_exp))`` over
 vocabulary tiles (chunked_logprob.py:378-379): the graphs hold no ``log_softmax`` (nor even the [N, V] logits as one
-tensor) for the family to anchor on, so there is nothing to replace and nothing to refuse. Even the unfused helper
-would not match on fp32 logits: ``selective_log_softmax`` spells it ``gather(logits) - stack([logsumexp(row) for row
-in logits])`` (utils.py:582-586), never ``log_softmax``; only its bf16/fp16 branch loops ``F.log_softmax(row)`` per
-batch row then ``.gather`` (utils.py:587-594).
+tensor) for the family to anchor on, so there is nothing to replace and nothing to refuse. The unfused helper's
+spellings (``selective_log_softmax``'s float32 ``gather - stack([logsumexp(row)])`` and its bf16 per-row
+``log_softmax``, utils.py:582-594; ``entropy_from_logits``) are matched (tests/test_token_logprobs_pattern.py).
 
 GRPO needs completions from generation (transformers' ``generate`` or vLLM); here ``_generate_and_score_completions``
 is replaced by one that returns fixed prompts, completions and advantages, so the trainer runs only its loss step
@@ -131,7 +130,7 @@ def _train_dpo(data, compiled: bool, output_dir) -> list[dict]:
 def test_dpo_trainer_matches_eager_without_token_logprobs_sites(tmp_path) -> None:
     """Two DPO steps (sigmoid loss, beta 0.5, a learning rate large enough that the second step's rewards are not
     zero): loss, gradient norm, rewards, margins, accuracies, log-probabilities, mean logits, entropy and token
-    accuracy as eager's. The policy's and the reference's forwards are compiled; TRL's fused LM head leaves the
+    accuracy as eager's (the first step's accuracies aside: ``_assert_like_eager``). TRL's fused LM head leaves the
     token_logprobs family nothing to match (module docstring)."""
     g = torch.Generator().manual_seed(5)
     data = datasets.Dataset.from_list([{"prompt": _text(g, 3), "chosen": _text(g, 4), "rejected": _text(g, 6)}
@@ -139,7 +138,6 @@ def test_dpo_trainer_matches_eager_without_token_logprobs_sites(tmp_path) -> Non
     eager = _train_dpo(data, False, tmp_path / "eager")
     sloth.reset_report()
     compiled = _train_dpo(data, True, tmp_path / "sloth")
-    print("EAGER", eager, "\nSLOTH", compiled, "\nREPORT", sloth.report())
     _assert_like_eager(eager, compiled, DPO_METRICS)
     assert any(abs(h["rewards/chosen"]) > 1e-4 for h in eager), eager  # the policy moved from the reference
     _assert_report()
@@ -214,7 +212,6 @@ def test_grpo_loss_step_matches_eager_without_token_logprobs_sites(tmp_path) -> 
     eager = _train_grpo(data, False, tmp_path / "eager")
     sloth.reset_report()
     compiled = _train_grpo(data, True, tmp_path / "sloth")
-    print("EAGER", eager, "\nSLOTH", compiled, "\nREPORT", sloth.report())
     _assert_like_eager(eager, compiled, GRPO_METRICS)
     assert any(h["kl"] > 0 for h in eager), eager  # the second step's policy differs from the reference
     _assert_report()
