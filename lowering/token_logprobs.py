@@ -15,13 +15,20 @@ entropy), where the mean cross-entropy of lowering/linear_cross_entropy.py is no
 
 Forward: the tokens in chunks of C rows (``chunk_rows``); per chunk one matmul forms the logits tile in the inputs'
 dtype (as eager's ``F.linear`` rounds it), then one Triton program per row reads the row once with an online
-log-sum-exp that also carries ``q = sum_j exp(z_j - m) z_j`` (so ``sum_j p_j z_j = q / d``), and reads z_y.
-Each row keeps ``lse_i`` and ``E_i = sum_j p_ij z_ij`` (``stats``, [2, N] fp32) for the backward.
+log-sum-exp relative to the running max ``m``: ``d = sum_j exp(z_j - m)`` and ``q = sum_j exp(z_j - m) (z_j - m)``,
+both rescaled when ``m`` grows (``q <- alpha (q + (m_old - m_new) d)``, ``alpha = exp(m_old - m_new)``), then z_y.
+Every result is formed from differences to ``m``, never from ``lse = m + log d`` itself, whose rounding at the
+logits' size (a bias of 3000: 2.4e-4 an ulp) would otherwise land in ``logp = z_y - lse``::
+
+    logp = (z_y - m) - log d,      H = log d - q / d,      p_j = exp((z_j - m) - log d),      E - m = q / d
+
+Each row keeps ``m``, ``log d`` and ``q / d`` (``stats``, [3, N] fp32) for the backward.
 
 Backward derivation, with upstream gradients ``a_i`` (of logp_i) and ``e_i`` (of H_i), ``t = tanh(s l / c)``::
 
     dlogp_i/dz_j = [j == y_i] - p_ij
-    dH_i/dz_j    = p_ij (E_i - z_ij)        (d lse/dz_j = p_j; d sum_k p_k z_k / dz_j = p_j + p_j z_j - p_j E)
+    dH_i/dz_j    = p_ij (E_i - z_ij)        (d lse/dz_j = p_j; d sum_k p_k z_k / dz_j = p_j + p_j z_j - p_j E),
+                                            computed as p_ij ((E_i - m_i) - (z_ij - m_i))
     dz_j/dl_j    = s (1 - t_j^2) / T  with the softcap,   s / T without it
     g_ij = (a_i dlogp_i/dz_j + e_i dH_i/dz_j) dz_j/dl_j        (0 on ignored rows)
     dx = g @ w,   dw = g.T @ x,   db = g.sum(0)
@@ -66,7 +73,7 @@ def _token_stats_kernel(
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # One program per row of the chunk: one pass over the row for the online log-sum-exp (m, d) and
-    # q = sum_j exp(z_j - m) z_j, then z_y.
+    # q = sum_j exp(z_j - m) (z_j - m), every value relative to the running max m (module docstring), then z_y.
     i_m = tl.program_id(0).to(tl.int64)
     p_row = p_logits + i_m * stride_l
     b_y = tl.load(p_labels + i_m)
@@ -80,22 +87,26 @@ def _token_stats_kernel(
         b_z = _capped(tl.load(p_row + o_v, mask=m_v, other=0.0), softcap, logit_scale, inv_temperature,
                       HAS_SOFTCAP)
         b_m_new = tl.maximum(b_m, tl.max(tl.where(m_v, b_z, float("-inf")), axis=0))
-        b_e = tl.where(m_v, tl.exp(b_z - b_m_new), 0.0)
+        b_s = tl.where(m_v, b_z - b_m_new, 0.0)
+        b_e = tl.where(m_v, tl.exp(b_s), 0.0)
         b_alpha = tl.exp(b_m - b_m_new)
+        # the terms so far move from m to m_new: sum e (z - m_new) = alpha (q + (m - m_new) d); none yet: 0
+        b_shift = tl.where(b_d > 0, (b_m - b_m_new) * b_d, 0.0)
+        b_q = b_alpha * (b_q + b_shift) + tl.sum(b_e * b_s, axis=0)
         b_d = b_d * b_alpha + tl.sum(b_e, axis=0)
-        b_q = b_q * b_alpha + tl.sum(b_e * b_z, axis=0)
         b_m = b_m_new
-    b_lse = b_m + tl.log(b_d)
-    b_ez = b_q / b_d
+    b_log_d = tl.log(b_d)
+    b_mean = b_q / b_d  # E - m, with E = sum_j p_j z_j
     b_in_range = (b_y >= 0) & (b_y < n_cols)
     b_safe_y = tl.where(b_valid & b_in_range, b_y, 0)
     b_zy = _capped(tl.load(p_row + b_safe_y), softcap, logit_scale, inv_temperature, HAS_SOFTCAP)
     b_bad = tl.where(b_in_range, 0.0, float("nan"))  # NaN for a label outside [0, V) (module docstring)
-    tl.store(p_logp + i_m, tl.where(b_valid, b_zy - b_lse + b_bad, 0.0))
+    tl.store(p_logp + i_m, tl.where(b_valid, (b_zy - b_m) - b_log_d + b_bad, 0.0))
     if ENTROPY:
-        tl.store(p_entropy + i_m, tl.where(b_valid, b_lse - b_ez + b_bad, 0.0))
-    tl.store(p_stats + i_m, b_lse)
-    tl.store(p_stats + n_rows + i_m, b_ez)
+        tl.store(p_entropy + i_m, tl.where(b_valid, b_log_d - b_mean + b_bad, 0.0))
+    tl.store(p_stats + i_m, b_m)
+    tl.store(p_stats + n_rows + i_m, b_log_d)
+    tl.store(p_stats + 2 * n_rows + i_m, b_mean)
 
 
 @triton.jit
@@ -110,8 +121,9 @@ def _token_grad_kernel(
     b_y = tl.load(p_labels + i_m)
     b_valid = b_y != ignore_index
     b_in_range = (b_y >= 0) & (b_y < n_cols)
-    b_lse = tl.load(p_stats + i_m)
-    b_ez = tl.load(p_stats + n_rows + i_m)
+    b_m = tl.load(p_stats + i_m)
+    b_log_d = tl.load(p_stats + n_rows + i_m)
+    b_mean = tl.load(p_stats + 2 * n_rows + i_m)
     b_a = tl.where(b_valid, tl.load(p_grad_logp + i_m).to(tl.float32), 0.0)
     b_a = tl.where(b_in_range | ~b_valid, b_a, float("nan"))
     if ENTROPY:
@@ -127,8 +139,9 @@ def _token_grad_kernel(
             b_z = softcap * b_t * inv_temperature
         else:
             b_z = b_u * inv_temperature
-        b_p = tl.exp(b_z - b_lse)
-        b_dz = b_a * (tl.where(o_v == b_y, 1.0, 0.0) - b_p) + b_e * b_p * (b_ez - b_z)
+        b_s = b_z - b_m
+        b_p = tl.exp(b_s - b_log_d)
+        b_dz = b_a * (tl.where(o_v == b_y, 1.0, 0.0) - b_p) + b_e * b_p * (b_mean - b_s)
         b_g = b_dz * (logit_scale * inv_temperature)
         if HAS_SOFTCAP:
             b_g = b_g * (1.0 - b_t * b_t)
@@ -142,18 +155,21 @@ def _z_reference(l: torch.Tensor, softcap: float, logit_scale: float, temperatur
 
 def _stats_reference(l: torch.Tensor, y: torch.Tensor, ignore_index: int, softcap: float, logit_scale: float,
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel's math on one tile in PyTorch (fp32): logp, entropy, lse, E."""
+    """The forward kernel's math on one tile in PyTorch (fp32): logp, entropy, and the stats m, log d, E - m."""
     z = _z_reference(l, softcap, logit_scale, temperature)
     valid = y != ignore_index
     in_range = (y >= 0) & (y < z.shape[1])
-    lse = torch.logsumexp(z, -1)
-    ez = (torch.softmax(z, -1) * z).sum(-1)
-    zy = z.gather(1, torch.where(valid & in_range, y, 0)[:, None]).squeeze(1)
+    m = z.max(-1).values
+    s = z - m[:, None]
+    log_d = torch.logsumexp(s, -1)
+    mean = (torch.softmax(s, -1) * s).sum(-1)
+    sy = s.gather(1, torch.where(valid & in_range, y, 0)[:, None]).squeeze(1)
     bad = torch.where(in_range, 0.0, float("nan"))
-    return (torch.where(valid, zy - lse + bad, 0.0), torch.where(valid, lse - ez + bad, 0.0), lse, ez)
+    return (torch.where(valid, sy - log_d + bad, 0.0), torch.where(valid, log_d - mean + bad, 0.0),
+            torch.stack([m, log_d, mean]))
 
 
-def _grad_reference(l: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, ez: torch.Tensor, a: torch.Tensor,
+def _grad_reference(l: torch.Tensor, y: torch.Tensor, stats: torch.Tensor, a: torch.Tensor,
                     e: Optional[torch.Tensor], ignore_index: int, softcap: float, logit_scale: float,
                     temperature: float) -> torch.Tensor:
     """The backward kernel's math on one tile in PyTorch (fp32): g in the tile's dtype."""
@@ -163,11 +179,13 @@ def _grad_reference(l: torch.Tensor, y: torch.Tensor, lse: torch.Tensor, ez: tor
     valid = y != ignore_index
     in_range = (y >= 0) & (y < z.shape[1])
     a = torch.where(valid, torch.where(in_range, a.float(), float("nan")), 0.0)
-    p = torch.exp(z - lse[:, None])
+    m, log_d, mean = stats
+    s = z - m[:, None]
+    p = torch.exp(s - log_d[:, None])
     onehot = torch.zeros_like(z).scatter_(1, torch.where(valid & in_range, y, 0)[:, None], 1.0)
     dz = a[:, None] * (onehot - p)
     if e is not None:
-        dz = dz + torch.where(valid, e.float(), 0.0)[:, None] * p * (ez[:, None] - z)
+        dz = dz + torch.where(valid, e.float(), 0.0)[:, None] * p * (mean[:, None] - s)
     g = dz * (logit_scale / temperature)
     if softcap:
         g = g * (1.0 - t * t)
@@ -203,7 +221,7 @@ def _ltl_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     x = x.contiguous()
     logp = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     ent = torch.empty(n_rows if entropy else 0, dtype=torch.float32, device=x.device)
-    stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)
+    stats = torch.empty((3, n_rows), dtype=torch.float32, device=x.device)
     triton_ok = use_triton(x)
     if not triton_ok and labels.device.type == "cpu":
         _raise_if_out_of_range(labels, vocab, ignore_index)
@@ -219,8 +237,8 @@ def _ltl_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
                 1.0 / float(temperature), HAS_SOFTCAP=bool(softcap), ENTROPY=entropy, BLOCK_V=block_v,
                 num_warps=8 if block_v >= 2048 else 4)
         else:
-            lp, h, lse, ez = _stats_reference(l_CV, y_c, ignore_index, softcap, logit_scale, temperature)
-            logp[start:stop], stats[0, start:stop], stats[1, start:stop] = lp, lse, ez
+            lp, h, stats[:, start:stop] = _stats_reference(l_CV, y_c, ignore_index, softcap, logit_scale, temperature)
+            logp[start:stop] = lp
             if entropy:
                 ent[start:stop] = h
         del l_CV
@@ -255,7 +273,7 @@ def _ltl_bwd(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], x: t
                 1.0 / float(temperature), HAS_SOFTCAP=bool(softcap), ENTROPY=grad_entropy is not None,
                 BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
         else:
-            g_CV = _grad_reference(g_CV, y_c, stats[0, start:stop], stats[1, start:stop], grad_logp[start:stop],
+            g_CV = _grad_reference(g_CV, y_c, stats[:, start:stop], grad_logp[start:stop],
                                    grad_entropy[start:stop] if grad_entropy is not None else None, ignore_index,
                                    softcap, logit_scale, temperature)
         if compute_dx:
@@ -301,7 +319,7 @@ def register() -> None:
         check_one_device("sloth.linear_token_logprobs", ("x", x), ("w", w), ("bias", bias), ("labels", labels))
         n = x.shape[0]
         return (x.new_empty(n, dtype=torch.float32), x.new_empty(n if entropy else 0, dtype=torch.float32),
-                x.new_empty((2, n), dtype=torch.float32))
+                x.new_empty((3, n), dtype=torch.float32))
 
     def bwd_fake(grad_logp, grad_entropy, x, w, bias, labels, stats, ignore_index, softcap, logit_scale,
                  temperature, compute_dx, compute_dw):

@@ -37,7 +37,8 @@ from ..compiler.fx_utils import insert_call, inherit_requires_grad, is_call, mod
     source_location, tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
-from .cross_entropy import _chain_to_linear, _class_selection, _row_selection, _scale_and_softcap, _select_rows
+from .cross_entropy import (_chain_to_linear, _class_selection, _is_row_step, _is_view, _row_selection,
+                            _scale_and_softcap, _select_rows)
 
 FAMILY = "token_logprobs"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -147,7 +148,24 @@ def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
     head = _head(linear, parts, steps)
     if isinstance(head, str):
         return head
+    if gather is None and _reshaped_after_selection(steps):
+        return ("the log-softmax of reshaped logits, read for its entropy alone: no labels give the entropy's shape "
+                "(not fused yet)")
+    if gather is not None and entropy is not None and _position(index) > _position(entropy) and any(
+            _position(u) < _position(gather) for u in entropy.users):
+        return "the entropy is read before the labels are computed"
     return TokenLogprobsMatch(lsm, linear, parts, gather, index, entropy, *head)
+
+
+def _position(node: fx.Node) -> int:
+    return list(node.graph.nodes).index(node)
+
+
+def _reshaped_after_selection(steps: list[fx.Node]) -> bool:
+    """A view of the logits after their last row selection (or with none): x's rows, which the op's outputs are
+    shaped from, no longer have the logits' leading shape (a selection after a view is replayed as a flatten)."""
+    last_selection = max((i for i, step in enumerate(steps) if _is_row_step(step)), default=-1)
+    return any(_is_view(step) for step in steps[last_selection + 1:])
 
 
 def _head(linear: fx.Node, parts: tuple[Any, Any, Any], steps: list[fx.Node]
@@ -236,7 +254,9 @@ def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
     had there. Shapes come from views of the graph's own tensors (``view_as``), so symbolic sizes stay symbolic."""
     g = gm.graph
     x, w, b = m.parts
-    first = min((n for n in (m.gather, m.entropy_sum) if n is not None), key=list(g.nodes).index)
+    # before the first of the two readers, but after the labels (``_match`` checked the entropy's readers then)
+    first = min((n for n in (m.gather, m.entropy_sum) if n is not None and (
+        m.index is None or _position(m.index) < _position(n))), key=_position)
     rows_of_x = _select_rows(g, first, x, m.selection, {}) if m.selection else x
     x2 = insert_call(g, first, torch.flatten, (rows_of_x, 0, -2), meta_from=m.linear)  # [N, H]
     if m.index is not None:
@@ -255,7 +275,10 @@ def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
     if entropy:
         ent = insert_call(g, first, operator.getitem, (fused, 1), meta_from=m.entropy_sum)
         neg = insert_call(g, first, torch.neg, (ent,), meta_from=m.entropy_sum)
-        rows_shape = insert_call(g, first, torch.select, (rows_of_x, -1, 0), meta_from=m.entropy_sum)
+        # the entropy's shape: the labels' rows where there are labels (any view of the logits keeps them in
+        # step), else x's selected rows (``_match`` refused a view after the selection)
+        rows_shape = insert_call(g, first, torch.select, (rows_of_x if m.index is None else m.index, -1, 0),
+                                 meta_from=m.entropy_sum)
         if m.entropy_sum.args[2]:  # keepdim
             rows_shape = insert_call(g, first, torch.unsqueeze, (rows_shape, -1), meta_from=m.entropy_sum)
         neg = _in_place_of(g, first, neg, m.entropy_sum, like=rows_shape)

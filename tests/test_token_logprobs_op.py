@@ -196,3 +196,11 @@ def test_opcheck_forward_and_backward():
     torch.library.opcheck(torch.ops.sloth.linear_token_logprobs_backward.default,
                           (torch.randn(5), torch.randn(5), x.detach(), w.detach(), b.detach(), labels, stats, -100, 2.0,
                            0.5, 1.3, True, True))
+
+
+@pytest.mark.parametrize("offset", [3000.0, -3000.0])
+def test_logits_far_from_zero_keep_their_precision(offset):
+    # a bias of +-3000 on every logit: the values come from differences to the row's max, as eager's log_softmax
+    # forms them, not from lse itself (an ulp of 2.4e-4 there)
+    x, w, b, labels = make_inputs(9, 16, 70, bias=True)
+    check(x, w, b + offset, labels, torch.float32, entropy=True)

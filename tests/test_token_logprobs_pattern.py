@@ -206,3 +206,43 @@ def test_the_log_softmax_written_out_with_logsumexp(form):
     assert sloth.report().counts.get("token_logprobs") == 1, sloth.report()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def flat_view_entropy(head, h, ids):
+    # the logits viewed as [N, V] with no row selection after the view, log-probabilities and entropy
+    lsm = F.log_softmax(head.lm_head(h).view(-1, 50), dim=-1)
+    return (lsm.gather(-1, ids.view(-1, 1)).squeeze(-1) - (lsm.exp() * lsm).sum(-1)).sum()
+
+
+def flat_view_entropy_alone(head, h, ids):
+    lsm = F.log_softmax(head.lm_head(h).view(-1, 50), dim=-1)
+    return (lsm.exp() * lsm).sum(-1) @ torch.arange(lsm.shape[0], dtype=lsm.dtype)
+
+
+def labels_after_the_entropy(head, h, ids):
+    lsm = F.log_softmax(head.lm_head(h), dim=-1)
+    ent = -(lsm.exp() * lsm).sum(-1)
+    labels = (ids + 1) % 50
+    return (lsm.gather(-1, labels[..., None]).squeeze(-1) + ent).sum()
+
+
+@pytest.mark.parametrize("form, fused", [(flat_view_entropy, 1), (flat_view_entropy_alone, 0),
+                                         (labels_after_the_entropy, 0)],
+                         ids=["flat-view", "flat-view-entropy-alone", "labels-after-entropy"])
+def test_views_and_orders_give_eagers_shapes(form, fused):
+    # found in review: the entropy took x's shape where a view had flattened the logits, and the op was placed
+    # before labels computed after the entropy (now refused: the entropy's readers come before the labels)
+    head = Head()
+    h, ids = torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7))
+    want = run(form, head, h, ids)
+    torch._dynamo.reset()
+    sloth.reset_report()
+    got = run(torch.compile(form, backend="sloth"), head, h, ids)
+    report = sloth.report()
+    assert report.counts.get("token_logprobs", 0) == fused and not report.failed, report
+    if not fused:  # refused with the reason, the graph as it was
+        why = "no labels give the entropy's shape" if form is flat_view_entropy_alone else \
+            "the entropy is read before the labels are computed"
+        assert any(why in r.reason for r in report.rejections), report
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
