@@ -91,7 +91,7 @@ def _token_stats_kernel(
         b_e = tl.where(m_v, tl.exp(b_s), 0.0)
         b_alpha = tl.exp(b_m - b_m_new)
         # the terms so far move from m to m_new: sum e (z - m_new) = alpha (q + (m - m_new) d); none yet: 0
-        b_shift = tl.where(b_d > 0, (b_m - b_m_new) * b_d, 0.0)
+        b_shift = tl.where(b_d > 0, b_m - b_m_new, 0.0) * b_d  # (m is -inf before the first block)
         b_q = b_alpha * (b_q + b_shift) + tl.sum(b_e * b_s, axis=0)
         b_d = b_d * b_alpha + tl.sum(b_e, axis=0)
         b_m = b_m_new
@@ -139,8 +139,8 @@ def _token_grad_kernel(
             b_z = softcap * b_t * inv_temperature
         else:
             b_z = b_u * inv_temperature
-        b_s = b_z - b_m
-        b_p = tl.exp(b_s - b_log_d)
+        b_s = tl.where(m_v, b_z - b_m, 0.0)
+        b_p = tl.where(m_v, tl.exp(tl.where(m_v, b_s - b_log_d, 0.0)), 0.0)  # lanes past V: no exp of junk
         b_dz = b_a * (tl.where(o_v == b_y, 1.0, 0.0) - b_p) + b_e * b_p * (b_mean - b_s)
         b_g = b_dz * (logit_scale * inv_temperature)
         if HAS_SOFTCAP:
