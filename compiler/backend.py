@@ -174,9 +174,8 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
         if "offload" in opts.disable:
             pinned["offload"] = None
         # CUDA graphs are the user's choice where they name them, give a mode (max-autotune-no-cudagraphs says no),
-        # or set Inductor's global config
-        # (Inductor's global config counts where it is on: whether it was set to False cannot be told from its
-        # default, as every config.patch of the key leaves it "set" on the way out)
+        # or turn Inductor's global config on (a global False cannot be told from the default: every config.patch
+        # of the key leaves it "set" on the way out)
         graphs_pinned = "triton.cudagraphs" in inductor_options or mode is not None or \
             bool(torch._inductor.config.triton.cudagraphs)
         step_plan = plan(opts.memory, step_facts(gm, example_inputs), opts.inner,
