@@ -37,16 +37,16 @@ Beside the savers, "auto" and a budget capture a training step in CUDA graphs (I
 ``triton.cudagraphs``) where the step is bound by the host: where its matrix products are too small to keep the GPU
 busy while Python launches the next kernel, so that replaying the recorded kernels removes the host's share of the
 step. Measured on one H100 at Qwen3-MoE 2 x 2048 (LoRA on attention): 50.5 ms a step under CUDA graphs against
-68.7-89.1 ms without, on one machine (benchmarks/results/2026-12-06_issue20_grouped_gemm_h100.md). The measure
-is the matrix products' FLOPs (linear layers, matmuls, attention) per operation of the graph Dynamo hands over:
-about 6.4e9 there (its experts' grouped GEMMs not counted), about 3.3e10 at Llama-3-8B 2 x 2048 (bound by its GPU: 261 ms a step); ``HOST_BOUND_FLOPS_PER_OP`` lies
-between. The graphs are captured only where that is safe (``cuda_graphs_choice``): a training graph on one GPU, in
-one process, with static shapes, unquantised weights (a 4-bit base's product is not a linear the count sees), no
-offload (its copies run on a side stream into pinned buffers), no lazy logits
-(they hold the graph's output x, which the next replay overwrites), and trainable parameters that are adapters
-(``ADAPTER_SHARE``), with room in the budget (``GRAPHS_ROOM``); each adapter's gradient is moved out of the graphs' memory pool once a step
-(runtime/graph_grads.py), so that gradient accumulation adds into it and the next replay cannot overwrite it. The
-user's ``triton.cudagraphs`` or ``mode`` pins the choice.
+68.7-89.1 ms without, on one machine (benchmarks/results/2026-12-06_issue20_grouped_gemm_h100.md). The measure is the
+matrix products' FLOPs (linear layers, matmuls, attention) per operation of the graph Dynamo hands over: about 6.4e9
+there (its experts' grouped GEMMs not counted), about 3.3e10 at Llama-3-8B 2 x 2048 (bound by its GPU: 261 ms a step);
+``HOST_BOUND_FLOPS_PER_OP`` lies between. The graphs are captured only where that is safe (``cuda_graphs_choice``): a
+training graph on one GPU, in one process, with static shapes, unquantised weights (a 4-bit base's product is not a
+linear the count sees), no offload (its copies run on a side stream into pinned buffers), no lazy logits (they hold
+the graph's output x, which the next replay overwrites), and trainable parameters that are adapters
+(``ADAPTER_SHARE``), with room in the budget (``GRAPHS_ROOM``); each adapter's gradient is moved out of the graphs'
+memory pool once a step (runtime/graph_grads.py), so that gradient accumulation adds into it and the next replay
+cannot overwrite it. The user's ``triton.cudagraphs`` or ``mode`` pins the choice.
 
 What the plan reads (``StepFacts``, from the graph Dynamo hands over, before any pass): the tokens a step runs (the
 most rows any linear layer's input has), whether it holds checkpointed layers (``tag_activation_checkpoint``
@@ -304,7 +304,8 @@ def cuda_graphs_choice(memory: Any, facts: StepFacts, inner: str, pinned: bool, 
                f"off under memory={memory!r}" if memory in ("off", "min") else
                f"off: inner={inner!r}, not Inductor" if inner != "inductor" else
                "off: not a training graph" if facts.estimate is None or not facts.estimate.training else
-               "off: symbolic shapes" if not facts.static_shapes else
+               "off: symbolic shapes, or each length compiled on its own (dynamic=False)"
+               if not facts.static_shapes else
                "off: more than one process" if facts.distributed else
                "off: a model on more than one device" if facts.device_budget is None else
                "off: offload's copies" if offload else

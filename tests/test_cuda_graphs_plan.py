@@ -33,8 +33,8 @@ HOST_BOUND = StepFacts(tokens=4096, checkpointed=False, cuda=True, estimate=TRAI
 
 def test_a_host_bound_adapter_step_on_one_gpu_is_captured():
     chosen = plan("auto", HOST_BOUND)
-    assert chosen.cuda_graphs and chosen.graphs_reason.startswith("on: bound by the host (4e+09 matrix-product FLOPs"), \
-        chosen.graphs_reason
+    assert chosen.cuda_graphs, chosen.graphs_reason
+    assert chosen.graphs_reason.startswith("on: bound by the host (4e+09 matrix-product FLOPs"), chosen.graphs_reason
     assert plan(40, HOST_BOUND).cuda_graphs  # a budget in GiB plans the same way
     line = chosen.describe(sloth.compiler.options.parse_options(None)[0])
     assert "; CUDA graphs on: bound by the host" in line, line
