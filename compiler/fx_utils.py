@@ -132,15 +132,18 @@ def replace_and_erase(old: fx.Node, new: fx.Node, keep: Iterable[Any]) -> set[fx
     return erase_unused(old, keep)
 
 
-def erase_unused(node: fx.Node, keep: Iterable[Any]) -> set[fx.Node]:
+def erase_unused(node: fx.Node, keep: Iterable[Any], methods: bool = False) -> set[fx.Node]:
     """Erase ``node`` if nothing reads it, and then what fed only it, walking back (``keep``, placeholders and
-    anything impure stay); the erased nodes."""
+    anything impure stay); the erased nodes. ``methods``: tensor method calls too (``lsm.gather(...)``), but not an
+    in-place one (a name ending in ``_``)."""
     graph, keep = node.graph, set(keep)
     erased: set[fx.Node] = set()
     stack = [node]
     while stack:
         node = stack.pop()
-        if node in erased or node in keep or node.users or node.op != "call_function" or node.is_impure():
+        erasable = node.op == "call_function" or methods and node.op == "call_method" and not str(
+            node.target).endswith("_")
+        if node in erased or node in keep or node.users or not erasable or node.is_impure():
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
 from ..compiler.families import Family
-from ..compiler.fx_utils import insert_call, inherit_requires_grad, is_call, module_path, \
+from ..compiler.fx_utils import erase_unused, insert_call, inherit_requires_grad, is_call, module_path, \
     source_location, tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
@@ -283,7 +283,11 @@ def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
             rows_shape = insert_call(g, first, torch.unsqueeze, (rows_shape, -1), meta_from=m.entropy_sum)
         neg = _in_place_of(g, first, neg, m.entropy_sum, like=rows_shape)
         m.entropy_sum.replace_all_uses_with(neg)
-    return _erase_dead([m.gather, m.entropy_sum], keep=(x, w, b, m.index))
+    erased: set[fx.Node] = set()
+    for read in (m.gather, m.entropy_sum):  # and the log-softmax and the logits' chain, once neither reads them
+        if read is not None and read not in erased:
+            erased |= erase_unused(read, keep=(x, w, b, m.index), methods=True)
+    return erased
 
 
 def _in_place_of(g: fx.Graph, before: fx.Node, value: fx.Node, old: fx.Node, like: fx.Node) -> fx.Node:
@@ -293,23 +297,6 @@ def _in_place_of(g: fx.Graph, before: fx.Node, value: fx.Node, old: fx.Node, lik
         node = insert_call(g, before, cast, (node, tensor_of(old).dtype), meta_from=old)
     inherit_requires_grad(old, node)
     return node
-
-
-def _erase_dead(nodes: list[Optional[fx.Node]], keep: tuple[Any, ...]) -> set[fx.Node]:
-    """Erase ``nodes`` that nothing reads, then what fed only them, walking back: as compiler/fx_utils.py's
-    ``erase_unused``, and method calls too (``lsm.gather``, ``logits.log_softmax``), but not an in-place one."""
-    stack = [n for n in nodes if n is not None]
-    graph, erased = stack[0].graph, set()
-    while stack:
-        node = stack.pop()
-        if node in erased or node in keep or node.users or node.is_impure() or not (
-                node.op == "call_function" or node.op == "call_method" and not str(node.target).endswith("_")):
-            continue
-        inputs = list(node.all_input_nodes)
-        graph.erase_node(node)
-        erased.add(node)
-        stack += inputs
-    return erased
 
 
 def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,

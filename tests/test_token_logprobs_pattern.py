@@ -54,32 +54,29 @@ def run(fn, head, h, ids):
     return out.detach(), h.grad, *(p.grad for p in head.parameters())
 
 
+def fused_against_eager(form, head, h, ids, rtol=1e-4, atol=1e-5):
+    """``form`` compiled with sloth against eager (conftest.py starts each test with Dynamo and the report fresh):
+    the value and every gradient within ``rtol``/``atol``; sloth's report."""
+    want = run(form, head, h, ids)
+    got = run(torch.compile(form, backend="sloth"), head, h, ids)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
+    return sloth.report()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("form", list(FORMS))
 def test_each_form_is_fused_with_eagers_values_and_gradients(form, bias):
-    head = Head(bias=bias)
-    h, ids = torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7))
-    want = run(FORMS[form], head, h, ids)
-    torch._dynamo.reset()
-    sloth.reset_report()
-    got = run(torch.compile(FORMS[form], backend="sloth"), head, h, ids)
-    report = sloth.report()
+    report = fused_against_eager(FORMS[form], Head(bias=bias), torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
     assert report.counts.get("token_logprobs") == 1, report
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     site = next(s for s in report.sites if s.family == "token_logprobs")
     assert ("entropy" in site.detail) == (form == "grpo"), site.detail
 
 
 def test_a_bf16_head_under_the_tolerance_rule():
-    head = Head(dtype=torch.bfloat16)
-    h, ids = torch.randn(3, 5, 16, dtype=torch.bfloat16), torch.randint(0, 50, (3, 5))
-    want = run(dpo_style, head, h, ids)
-    torch._dynamo.reset()
-    got = run(torch.compile(dpo_style, backend="sloth"), head, h, ids)
     # the fused op computes in fp32 from the bf16 tile, as eager does after .float(): within bf16 rounding
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    fused_against_eager(dpo_style, Head(dtype=torch.bfloat16), torch.randn(3, 5, 16, dtype=torch.bfloat16),
+                        torch.randint(0, 50, (3, 5)), rtol=2e-2, atol=2e-2)
 
 
 def _reasons():
@@ -93,8 +90,6 @@ def test_two_gathers_of_one_log_softmax_are_reported():
         lsm = F.log_softmax(head.lm_head(h), dim=-1)
         return (selective(lsm, a) - selective(lsm, b)).sum()
 
-    torch._dynamo.reset()
-    sloth.reset_report()
     h = torch.randn(2, 3, 16)
     a, b = torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 3))
     torch.testing.assert_close(torch.compile(two, backend="sloth")(h, a, b), two(h, a, b))
@@ -108,8 +103,6 @@ def test_a_log_softmax_read_elsewhere_is_reported_and_kept():
         lsm = F.log_softmax(head.lm_head(h), dim=-1)
         return selective(lsm, ids).sum(), lsm
 
-    torch._dynamo.reset()
-    sloth.reset_report()
     h, ids = torch.randn(2, 3, 16), torch.randint(0, 50, (2, 3))
     got, want = torch.compile(returned, backend="sloth")(h, ids), returned(h, ids)
     torch.testing.assert_close(got, want)
@@ -121,8 +114,6 @@ def test_logits_that_are_not_a_linears_are_left_alone():
     def plain(z, ids):
         return selective(F.log_softmax(z, dim=-1), ids).sum()
 
-    torch._dynamo.reset()
-    sloth.reset_report()
     z, ids = torch.randn(2, 3, 9), torch.randint(0, 9, (2, 3))
     torch.testing.assert_close(torch.compile(plain, backend="sloth")(z, ids), plain(z, ids))
     assert sloth.report().counts.get("token_logprobs") is None and _reasons() == []
@@ -149,15 +140,8 @@ def trl_entropy_chunks(head, h, ids):
 @pytest.mark.parametrize("form, sites", [(trl_rows_loop, 2), (trl_entropy_chunks, 3)],
                          ids=["trl-rows-loop", "trl-entropy-chunks"])
 def test_trls_loops_are_fused_site_by_site(form, sites):
-    head = Head()
-    h, ids = torch.randn(2, 5, 16), torch.randint(0, 50, (2, 5))
-    want = run(form, head, h, ids)
-    torch._dynamo.reset()
-    sloth.reset_report()
-    got = run(torch.compile(form, backend="sloth"), head, h, ids)
-    assert sloth.report().counts.get("token_logprobs") == sites, sloth.report()
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    report = fused_against_eager(form, Head(), torch.randn(2, 5, 16), torch.randint(0, 50, (2, 5)))
+    assert report.counts.get("token_logprobs") == sites, report
 
 
 def shifted(head, h, ids):
@@ -169,8 +153,6 @@ def shifted(head, h, ids):
 
 def test_symbolic_lengths_stay_symbolic():
     head = Head()
-    torch._dynamo.reset()
-    sloth.reset_report()
     compiled = torch.compile(shifted, backend="sloth", dynamic=True)
     for t in (7, 9, 12):
         h, ids = torch.randn(2, t, 16), torch.randint(0, 50, (2, t))
@@ -197,15 +179,8 @@ def logsumexp_kept(head, h, ids):
 
 @pytest.mark.parametrize("form", [trl_fp32_logsumexp, logsumexp_kept], ids=["trl-fp32-rows", "keepdim"])
 def test_the_log_softmax_written_out_with_logsumexp(form):
-    head = Head(bias=True)
-    h, ids = torch.randn(3, 6, 16), torch.randint(0, 50, (3, 6))
-    want = run(form, head, h, ids)
-    torch._dynamo.reset()
-    sloth.reset_report()
-    got = run(torch.compile(form, backend="sloth"), head, h, ids)
-    assert sloth.report().counts.get("token_logprobs") == 1, sloth.report()
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    report = fused_against_eager(form, Head(bias=True), torch.randn(3, 6, 16), torch.randint(0, 50, (3, 6)))
+    assert report.counts.get("token_logprobs") == 1, report
 
 
 def flat_view_entropy(head, h, ids):
@@ -232,17 +207,9 @@ def labels_after_the_entropy(head, h, ids):
 def test_views_and_orders_give_eagers_shapes(form, fused):
     # found in review: the entropy took x's shape where a view had flattened the logits, and the op was placed
     # before labels computed after the entropy (now refused: the entropy's readers come before the labels)
-    head = Head()
-    h, ids = torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7))
-    want = run(form, head, h, ids)
-    torch._dynamo.reset()
-    sloth.reset_report()
-    got = run(torch.compile(form, backend="sloth"), head, h, ids)
-    report = sloth.report()
+    report = fused_against_eager(form, Head(), torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
     assert report.counts.get("token_logprobs", 0) == fused and not report.failed, report
     if not fused:  # refused with the reason, the graph as it was
         why = "no labels give the entropy's shape" if form is flat_view_entropy_alone else \
             "the entropy is read before the labels are computed"
         assert any(why in r.reason for r in report.rejections), report
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

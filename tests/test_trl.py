@@ -27,18 +27,19 @@ METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 DPO_METRICS = METRICS + ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 
 
-def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
+def word_tokenizer(words: list[str] = WORDS) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of ``words`` (ids from 4) and four special tokens (0-3)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
                                                 eos_token="</s>", unk_token="<unk>")
 
 
-def _text(g: torch.Generator, n: int) -> str:
-    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+def _text(g: torch.Generator, n: int, words: list[str] = WORDS) -> str:
+    return " ".join(words[i] for i in torch.randint(0, len(words), (n,), generator=g).tolist())
 
 
 def _train(trainer_cls, config_cls, data, compiled: bool, output_dir, **config) -> list[dict]:

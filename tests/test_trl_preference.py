@@ -36,6 +36,8 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 peft = pytest.importorskip("peft")
 
+from test_trl import _text as words_text, word_tokenizer  # noqa: E402  (after the skips: it imports trl)
+
 VOCAB = 128
 WORDS = [f"w{i}" for i in range(VOCAB - 4)]
 RTOL, ATOL = 1e-4, 1e-5
@@ -53,18 +55,8 @@ def tiny_llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
-
-
 def _text(g: torch.Generator, n: int) -> str:
-    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+    return words_text(g, n, WORDS)
 
 
 def _lora() -> "peft.LoraConfig":
@@ -120,7 +112,7 @@ DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewar
 
 def _train_dpo(data, compiled: bool, output_dir) -> list[dict]:
     args = trl.DPOConfig(max_length=24, beta=0.5, **_common(output_dir, compiled))
-    trainer = trl.DPOTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=word_tokenizer(),
+    trainer = trl.DPOTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=word_tokenizer(WORDS),
                              peft_config=_lora())
     assert trainer.ref_model is None  # the reference is the adapter-disabled policy
     trainer.train()
@@ -197,7 +189,7 @@ def _train_grpo(data, compiled: bool, output_dir) -> list[dict]:
     args = trl.GRPOConfig(num_generations=2, beta=0.1, max_completion_length=COMPLETION_LEN,
                           **_common(output_dir, compiled))
     trainer = _grpo_trainer_class()(model=tiny_llama(), reward_funcs=lambda completions, **kw: [0.0] * len(
-        completions), args=args, train_dataset=data, processing_class=word_tokenizer(), peft_config=_lora())
+        completions), args=args, train_dataset=data, processing_class=word_tokenizer(WORDS), peft_config=_lora())
     assert trainer.ref_model is None
     trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h]
