@@ -47,8 +47,8 @@ def _liger_provider() -> Callable | str:
     return lambda x, w, labels: loss_fn(w, x, labels)
 
 
-def _trl_provider(outputs: tuple[str, ...]) -> Callable | str:
-    """TRL's fused LM head as ``fn(x, w, labels)`` -> the SFT loss, or why it is not available."""
+def trl_head() -> type | str:
+    """TRL's ``ChunkedLogProbFunction``, or why it is not available (its version noted in ``TRL_NOTES``)."""
     try:
         from trl.kernels import ChunkedLogProbFunction
     except Exception as exc:  # not installed: the row says so
@@ -64,10 +64,18 @@ def _trl_provider(outputs: tuple[str, ...]) -> Callable | str:
         sys.modules["trl.trainer.utils"] = stub
         TRL_NOTES.append(f"trl.trainer.utils did not import ({type(exc).__name__}: {exc}); its "
                          "maybe_gather_lm_head_ctx, a no-op without DeepSpeed ZeRO-3, was stubbed as one")
+    return ChunkedLogProbFunction
+
+
+def _trl_provider(outputs: tuple[str, ...]) -> Callable | str:
+    """TRL's fused LM head as ``fn(x, w, labels)`` -> the SFT loss, or why it is not available."""
+    head = trl_head()
+    if isinstance(head, str):
+        return head
 
     def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         mask = labels != -100
-        per_token = ChunkedLogProbFunction.apply(x[mask], w, None, labels[mask], 1.0, 32768, None, 1.0, outputs)
+        per_token = head.apply(x[mask], w, None, labels[mask], 1.0, 32768, None, 1.0, outputs)
         return -per_token[0].sum() / mask.sum().clamp(min=1)
     return loss
 

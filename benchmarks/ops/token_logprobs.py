@@ -1,0 +1,122 @@
+"""Per-token log-probabilities (and entropy) of a linear head: sloth's token_logprobs op against TRL's fused head.
+
+    python -m benchmarks.ops.token_logprobs [--smoke]
+
+The shape of the RL-heads issue: 4096 tokens x hidden 4096 x vocab 128256, bf16, a frozen head (LoRA: only dx
+is wanted), -100 on a tenth of the labels. Two cases, each reduced to the scalar a preference or RL loss ends in,
+so every provider computes the same number and the same gradient:
+
+- ``logp``: ``-sum_i logp_i / n_valid`` (a DPO loss's per-sequence log-probability sums, up to the sign and the
+  grouping). sloth's mean cross-entropy (lowering/linear_cross_entropy.py) computes the same value and is the
+  yardstick the issue names (the token op at most 1.1x its time);
+- ``logp+ent``: ``-(sum_i logp_i + 0.01 sum_i H_i) / n_valid`` (GRPO's entropy bonus: both outputs get gradients).
+
+Providers: eager (the logits, ``log_softmax``, ``gather``), Inductor on the same code, sloth's
+``linear_token_logprobs``, and TRL 1.16's ``ChunkedLogProbFunction`` called as its trainers call it (the
+non-ignored rows gathered first), with the outputs its trainers ask for: the log-probabilities (DPO), with the
+entropy (GRPO with an entropy term), and with the entropy and is-top-1 (SFT's metrics). The issue's targets: the
+token op at most 0.8x TRL's time for log-probs + entropy, and at most 1.1x sloth's mean loss; memory at most TRL's.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+
+from benchmarks import common
+from benchmarks.ops import harness
+from benchmarks.ops.cross_entropy import TRL_NOTES, _add_rates, _inputs, trl_head
+
+ENTROPY_WEIGHT = 0.01
+
+
+def _eager(entropy: bool) -> Callable:
+    def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = (x @ w.t()).float()
+        logp_all = torch.log_softmax(logits, -1)
+        valid = labels != -100
+        logp = logp_all.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * valid
+        total = logp.sum()
+        if entropy:
+            total = total + ENTROPY_WEIGHT * (-(logp_all.exp() * logp_all).sum(-1) * valid).sum()
+        return -total / valid.sum().clamp(min=1)
+    return loss
+
+
+def _sloth(entropy: bool) -> Callable:
+    from sloth.lowering.token_logprobs import linear_token_logprobs
+
+    def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logp, ent = linear_token_logprobs(x, w, None, labels, entropy=entropy)
+        total = logp.sum() + (ENTROPY_WEIGHT * ent.sum() if entropy else 0.0)
+        return -total / (labels != -100).sum().clamp(min=1)
+    return loss
+
+
+def _sloth_mean_loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from sloth.lowering.linear_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(x, w, None, labels)
+
+
+def _trl(outputs: tuple[str, ...]) -> Callable | str:
+    head = trl_head()
+    if isinstance(head, str):
+        return head
+
+    def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mask = labels != -100
+        logp, ent, *_ = head.apply(x[mask], w, None, labels[mask], 1.0, 32768, None, 1.0, outputs)
+        total = logp.sum() + (ENTROPY_WEIGHT * ent.sum() if "entropy" in outputs else 0.0)
+        return -total / mask.sum().clamp(min=1)
+    return loss
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, device = harness.start(__doc__, argv)
+    n, hidden, vocab = (37, 16, 1000) if args.smoke else (4096, 4096, 128256)
+    copy_gbps = common.copy_bandwidth_gbps()
+    peak_tflops = common.matmul_tflops() if device == "cuda" else 1.0
+    inputs = _inputs(n, hidden, vocab, device, train_head=False)
+    e = inputs[0].element_size()
+    weight_bytes = vocab * hidden * e
+    nbytes = {"fwd": n * hidden * e + weight_bytes, "bwd": 2 * n * hidden * e + weight_bytes,
+              "fwd+bwd": 2 * n * hidden * e + weight_bytes}
+    rows: list[dict[str, Any]] = []
+    missing: dict[str, str] = {}
+    for case, entropy in (("logp", False), ("logp+ent", True)):
+        torch._dynamo.reset()
+        eager = _eager(entropy)
+        providers: dict[str, Callable] = {"eager": eager, "inductor": torch.compile(eager, dynamic=False),
+                                          "sloth": _sloth(entropy)}
+        if not entropy:
+            providers["sloth mean loss"] = _sloth_mean_loss
+        trl_rows = {"trl logp": ("log_probs",)} if not entropy else {
+            "trl logp+ent": ("log_probs", "entropy"), "trl logp+ent+top1": ("log_probs", "entropy", "is_top1")}
+        for name, outputs in trl_rows.items():
+            trl = _trl(outputs)
+            if callable(trl):
+                providers[name] = trl
+            else:
+                missing[name] = trl
+        shape = f"{case} {n}x{hidden}x{vocab}"
+        case_rows = harness.run(shape, providers, inputs, nbytes, copy_gbps)
+        case_rows += [{"shape": shape, "mode": "fwd+bwd", "provider": name, "error": why[:120]}
+                      for name, why in missing.items() if name in trl_rows]
+        _add_rates(case_rows, n, hidden, vocab, False, peak_tflops)
+        rows += case_rows
+    columns = harness.COLUMNS[:-1] + ["TFLOP/s", "% peak", "error"]
+    print(common.render_text(columns, rows))
+    if not args.smoke:
+        config = {"dtype": "bfloat16", "tokens": n, "hidden": hidden, "vocab": vocab, "head": "frozen",
+                  "ignored": "10% of labels", "entropy weight": ENTROPY_WEIGHT, "copy_gbps": copy_gbps,
+                  "matmul_tflops": peak_tflops, "trl": TRL_NOTES}
+        record = common.result_record("token_logprobs", config, columns, rows)
+        for path in common.write_result(record):
+            print(f"wrote {path}")
+    return 1 if any("error" in r and not r["provider"].startswith("trl") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
