@@ -106,6 +106,24 @@ def insert_call(graph: fx.Graph, before: fx.Node, target: Callable, args: tuple,
     return node
 
 
+def is_grad_switch(node: fx.Node) -> bool:
+    """``torch._C._set_grad_enabled(mode)``: what Dynamo writes where a ``no_grad`` or ``enable_grad`` block starts
+    or ends."""
+    return node.op == "call_function" and node.target is torch._C._set_grad_enabled
+
+
+def grad_enabled_at(node: fx.Node) -> bool:
+    """Whether autograd records the op at ``node``: the mode the nearest grad switch before it sets, else the mode
+    the graph is entered in, which is the mode the backend runs in (Dynamo compiles a frame in its caller's mode,
+    and guards on it)."""
+    prev = node.prev
+    while prev.op != "root":
+        if is_grad_switch(prev):
+            return bool(prev.args[0])
+        prev = prev.prev
+    return torch.is_grad_enabled()
+
+
 def inherit_requires_grad(old: fx.Node, new: fx.Node) -> None:
     """Give ``new``'s fake value the ``requires_grad`` of ``old``'s, whose value it replaces.
 

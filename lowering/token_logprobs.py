@@ -34,7 +34,15 @@ Backward derivation, with upstream gradients ``a_i`` (of logp_i) and ``e_i`` (of
     dx = g @ w,   dw = g.T @ x,   db = g.sum(0)
 
 The upstream gradients are per row and known only in the backward, so the backward forms each logits tile again
-(one more N x V x H matmul, as Cut Cross-Entropy does) and writes g over it. A label outside [0, V) that is not
+(one more N x V x H matmul, as Cut Cross-Entropy does) and writes g over it. Unless ``dx_in_forward`` says which
+row gradients of x the forward computes, while the tile is there (a frozen head, LoRA's case: only dx is wanted)::
+
+    D1_i = sum_j (dlogp_i/dz_j) (dz_j/dl_j) w_j        (bit 1)      D2_i = sum_j (dH_i/dz_j) (dz_j/dl_j) w_j   (bit 2)
+
+(fp32, [N, H] each), and the backward is ``dx_i = a_i D1_i + e_i D2_i``: no second pass over the vocabulary. The
+logits' matmul and one matmul per part: two matmuls for the log-probabilities (as the mean cross-entropy) where
+recomputing takes three; a part not computed in the forward (an entropy asked for its value, then differentiated
+anyway), or dw, is recomputed in the backward as above, so the result never depends on the choice. A label outside [0, V) that is not
 ``ignore_index`` makes the row's log-probability, entropy and gradient NaN (as the cross-entropy op does: no host
 sync); the PyTorch reference raises ``IndexError`` for CPU labels, as eager's gather does.
 """
@@ -70,7 +78,9 @@ def _capped(b_l, softcap, logit_scale, inv_temperature, HAS_SOFTCAP: tl.constexp
 def _token_stats_kernel(
     p_logits, p_labels, p_logp, p_entropy, p_stats,
     n_rows, n_cols, stride_l, ignore_index, softcap, logit_scale, inv_temperature,
-    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    p_entropy_grad, stride_g,
+    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, LOGP_GRAD: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
 ):
     # One program per row of the chunk: one pass over the row for the online log-sum-exp (m, d) and
     # q = sum_j exp(z_j - m) (z_j - m), every value relative to the running max m (module docstring), then z_y.
@@ -107,6 +117,45 @@ def _token_stats_kernel(
     tl.store(p_stats + i_m, b_m)
     tl.store(p_stats + n_rows + i_m, b_log_d)
     tl.store(p_stats + 2 * n_rows + i_m, b_mean)
+    if LOGP_GRAD or ENTROPY_GRAD:
+        # dx_in_forward: dlogp/dl over the tile in place (a = 1, e = 0), dH/dl into the second tile (a = 0,
+        # e = 1); a second read of the row, mostly from L2
+        b_a = tl.where(b_valid, tl.where(b_in_range, 1.0, float("nan")), 0.0)
+        b_e = tl.where(b_valid, 1.0, 0.0)
+        p_grow = p_entropy_grad + i_m * stride_g
+        for i_v in range(0, tl.cdiv(n_cols, BLOCK_V)):
+            o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+            m_v = o_v < n_cols
+            b_l = tl.load(p_row + o_v, mask=m_v, other=0.0)
+            if ENTROPY_GRAD:
+                b_g2 = _tile_gradient(b_l, o_v, m_v, b_y, b_m, b_log_d, b_mean, 0.0, b_e, softcap, logit_scale,
+                                      inv_temperature, HAS_SOFTCAP, True)
+                tl.store(p_grow + o_v, round_to(b_g2, p_entropy_grad.dtype.element_ty), mask=m_v)
+            if LOGP_GRAD:
+                b_g1 = _tile_gradient(b_l, o_v, m_v, b_y, b_m, b_log_d, b_mean, b_a, 0.0, softcap, logit_scale,
+                                      inv_temperature, HAS_SOFTCAP, False)
+                tl.store(p_row + o_v, round_to(b_g1, p_logits.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _tile_gradient(b_l, o_v, m_v, b_y, b_m, b_log_d, b_mean, b_a, b_e, softcap, logit_scale, inv_temperature,
+                   HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr):
+    """g_j = (a ([j == y] - p_j) + e p_j (E - z_j)) dz_j/dl_j (fp32) on one block of a row's raw logits l."""
+    b_u = b_l.to(tl.float32) * logit_scale
+    if HAS_SOFTCAP:
+        b_t = _tanh(b_u / softcap)
+        b_z = softcap * b_t * inv_temperature
+    else:
+        b_z = b_u * inv_temperature
+    b_s = tl.where(m_v, b_z - b_m, 0.0)
+    b_p = tl.where(m_v, tl.exp(tl.where(m_v, b_s - b_log_d, 0.0)), 0.0)  # lanes past V: no exp of junk
+    b_dz = b_a * (tl.where(o_v == b_y, 1.0, 0.0) - b_p)
+    if ENTROPY:
+        b_dz += b_e * b_p * (b_mean - b_s)
+    b_g = b_dz * (logit_scale * inv_temperature)
+    if HAS_SOFTCAP:
+        b_g = b_g * (1.0 - b_t * b_t)
+    return b_g
 
 
 @triton.jit
@@ -133,18 +182,8 @@ def _token_grad_kernel(
     for i_v in range(0, tl.cdiv(n_cols, BLOCK_V)):
         o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
         m_v = o_v < n_cols
-        b_u = tl.load(p_row + o_v, mask=m_v, other=0.0).to(tl.float32) * logit_scale
-        if HAS_SOFTCAP:
-            b_t = _tanh(b_u / softcap)
-            b_z = softcap * b_t * inv_temperature
-        else:
-            b_z = b_u * inv_temperature
-        b_s = tl.where(m_v, b_z - b_m, 0.0)
-        b_p = tl.where(m_v, tl.exp(tl.where(m_v, b_s - b_log_d, 0.0)), 0.0)  # lanes past V: no exp of junk
-        b_dz = b_a * (tl.where(o_v == b_y, 1.0, 0.0) - b_p) + b_e * b_p * (b_mean - b_s)
-        b_g = b_dz * (logit_scale * inv_temperature)
-        if HAS_SOFTCAP:
-            b_g = b_g * (1.0 - b_t * b_t)
+        b_g = _tile_gradient(tl.load(p_row + o_v, mask=m_v, other=0.0), o_v, m_v, b_y, b_m, b_log_d, b_mean, b_a,
+                             b_e, softcap, logit_scale, inv_temperature, HAS_SOFTCAP, ENTROPY)
         tl.store(p_row + o_v, round_to(b_g, p_logits.dtype.element_ty), mask=m_v)
 
 
@@ -213,49 +252,104 @@ def _tile(x_c: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> t
     return (torch.addmm(bias, x_c, w.t()) if bias is not None else x_c @ w.t()).contiguous()
 
 
+LOGP_GRAD, ENTROPY_GRAD = 1, 2  # the bits of ``dx_in_forward``: which row gradients of x the forward computes
+
+
+def _forward_parts(dx_in_forward: int, entropy: bool) -> tuple[bool, bool]:
+    if dx_in_forward not in (0, 1, 2, 3) or dx_in_forward & ENTROPY_GRAD and not entropy:
+        raise ValueError(f"sloth.linear_token_logprobs: dx_in_forward must be 0, 1, 2 or 3 (2 and 3 with the "
+                         f"entropy), got {dx_in_forward} with entropy={entropy}")
+    return bool(dx_in_forward & LOGP_GRAD), bool(dx_in_forward & ENTROPY_GRAD)
+
+
 def _ltl_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-             ignore_index: int, softcap: float, logit_scale: float, temperature: float, entropy: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ignore_index: int, softcap: float, logit_scale: float, temperature: float, entropy: bool,
+             dx_in_forward: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(x, w, bias, labels, temperature)
+    logp_grad, entropy_grad = _forward_parts(dx_in_forward, entropy)
     n_rows, vocab = x.shape[0], w.shape[0]
     x = x.contiguous()
     logp = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     ent = torch.empty(n_rows if entropy else 0, dtype=torch.float32, device=x.device)
     stats = torch.empty((3, n_rows), dtype=torch.float32, device=x.device)
+    # D1 then D2 (module docstring), fp32, accumulated into zeros by _accumulate_mm_fp32
+    dx_parts = torch.zeros((logp_grad + entropy_grad, n_rows, x.shape[1]), dtype=torch.float32, device=x.device)
     triton_ok = use_triton(x)
     if not triton_ok and labels.device.type == "cpu":
         _raise_if_out_of_range(labels, vocab, ignore_index)
     block_v = min(next_power_of_2(max(vocab, 1)), 4096)
     rows = chunk_rows(n_rows, vocab, x.shape[1])
+    rows = max(1, rows // 2) if entropy_grad else rows  # two tiles at once: each half the size
     for start in range(0, n_rows, rows):
         stop = min(start + rows, n_rows)
         l_CV, y_c = _tile(x[start:stop], w, bias), labels[start:stop].contiguous()
+        g2_CV = torch.empty_like(l_CV) if entropy_grad else l_CV
         if triton_ok:
             _token_stats_kernel[(stop - start,)](
                 l_CV, y_c, logp[start:], ent[start:] if entropy else logp, stats[:, start:],
                 n_rows, vocab, l_CV.stride(0), int(ignore_index), float(softcap), float(logit_scale),
-                1.0 / float(temperature), HAS_SOFTCAP=bool(softcap), ENTROPY=entropy, BLOCK_V=block_v,
+                1.0 / float(temperature), g2_CV, g2_CV.stride(0), HAS_SOFTCAP=bool(softcap), ENTROPY=entropy,
+                BLOCK_V=block_v, LOGP_GRAD=logp_grad, ENTROPY_GRAD=entropy_grad,
                 num_warps=8 if block_v >= 2048 else 4)
         else:
             lp, h, stats[:, start:stop] = _stats_reference(l_CV, y_c, ignore_index, softcap, logit_scale, temperature)
             logp[start:stop] = lp
             if entropy:
                 ent[start:stop] = h
-        del l_CV
-    return logp, ent, stats
+            ones = torch.ones(stop - start, device=x.device)
+            args = (ignore_index, softcap, logit_scale, temperature)
+            if entropy_grad:
+                g2_CV = _grad_reference(l_CV, y_c, stats[:, start:stop], torch.zeros_like(ones), ones, *args)
+            if logp_grad:
+                l_CV = _grad_reference(l_CV, y_c, stats[:, start:stop], ones, None, *args)
+        if logp_grad:
+            _accumulate_mm_fp32(dx_parts[0, start:stop], l_CV, w)
+        if entropy_grad:
+            _accumulate_mm_fp32(dx_parts[int(logp_grad), start:stop], g2_CV, w)
+        del l_CV, g2_CV
+    return logp, ent, stats, dx_parts
 
 
-def _ltl_bwd(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], x: torch.Tensor, w: torch.Tensor,
-             bias: Optional[torch.Tensor], labels: torch.Tensor, stats: torch.Tensor, ignore_index: int,
-             softcap: float, logit_scale: float, temperature: float, compute_dx: bool, compute_dw: bool
+def _ltl_bwd(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], x: torch.Tensor,
+             w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor, stats: torch.Tensor,
+             dx_parts: torch.Tensor, ignore_index: int, softcap: float, logit_scale: float, temperature: float,
+             dx_in_forward: int, compute_dx: bool, compute_dw: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, dw, db from the upstream gradients, each logits tile formed again (module docstring)."""
+    """dx, dw, db from the upstream gradients: dx from the forward's parts where it computed them, the rest with
+    each logits tile formed again (module docstring)."""
     _check_inputs(x, w, bias, labels, temperature)
-    n_rows, vocab = x.shape[0], w.shape[0]
     x = x.contiguous()
-    grad_logp = grad_logp.float().contiguous()  # autograd may hand a stride-0 expand
+    # autograd may hand a stride-0 expand; no gradient of an output is a zero one
+    grad_logp = grad_logp.float().contiguous() if grad_logp is not None else None
     grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-    dx = torch.empty_like(x) if compute_dx else x.new_empty(0)
+    logp_part, entropy_part = bool(dx_in_forward & LOGP_GRAD), bool(dx_in_forward & ENTROPY_GRAD)
+    if not (compute_dx and not compute_dw and (logp_part or entropy_part)):
+        return _recompute_grads(grad_logp, grad_entropy, x, w, bias, labels, stats, ignore_index, softcap,
+                                logit_scale, temperature, compute_dx, compute_dw)
+    valid = (labels != ignore_index)[:, None]
+    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if logp_part and grad_logp is not None:
+        dx += torch.where(valid, grad_logp[:, None], 0.0) * dx_parts[0]
+    if entropy_part and grad_entropy is not None:
+        dx += torch.where(valid, grad_entropy[:, None], 0.0) * dx_parts[int(logp_part)]
+    rest_logp = None if logp_part else grad_logp
+    rest_entropy = None if entropy_part else grad_entropy
+    if rest_logp is not None or rest_entropy is not None:  # a part the forward did not compute, recomputed
+        _recompute_grads(rest_logp, rest_entropy, x, w, bias, labels, stats, ignore_index, softcap, logit_scale,
+                         temperature, True, False, dx_fp32=dx)
+    return dx.to(x.dtype), x.new_empty(0), x.new_empty(0)
+
+
+def _recompute_grads(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], x: torch.Tensor,
+                     w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor, stats: torch.Tensor,
+                     ignore_index: int, softcap: float, logit_scale: float, temperature: float, compute_dx: bool,
+                     compute_dw: bool, dx_fp32: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dw, db with each logits tile formed again; with ``dx_fp32``, dx is added into it instead."""
+    n_rows, vocab = x.shape[0], w.shape[0]
+    if grad_logp is None:
+        grad_logp = torch.zeros(n_rows, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x) if compute_dx and dx_fp32 is None else x.new_empty(0)
     dw_acc = torch.zeros((vocab, x.shape[1]), dtype=torch.float32, device=x.device) if compute_dw else None
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=x.device) if compute_dw and bias is not None else None
     triton_ok = use_triton(x)
@@ -276,7 +370,9 @@ def _ltl_bwd(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], x: t
             g_CV = _grad_reference(g_CV, y_c, stats[:, start:stop], grad_logp[start:stop],
                                    grad_entropy[start:stop] if grad_entropy is not None else None, ignore_index,
                                    softcap, logit_scale, temperature)
-        if compute_dx:
+        if dx_fp32 is not None:
+            _accumulate_mm_fp32(dx_fp32[start:stop], g_CV, w)
+        elif compute_dx:
             torch.mm(g_CV, w, out=dx[start:stop])
         if compute_dw:
             _accumulate_mm_fp32(dw_acc, g_CV.t(), x_c)
@@ -289,24 +385,22 @@ def _ltl_bwd(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], x: t
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy = inputs
-    _, _, stats = output
+    x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward = inputs
+    _, _, stats, dx_parts = output
     ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-    ctx.save_for_backward(x, w, bias, labels, stats)
-    ctx.args = (ignore_index, softcap, logit_scale, temperature, entropy)
-    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(x, w, bias, labels, stats, dx_parts)
+    ctx.args = (ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward)
+    ctx.mark_non_differentiable(stats, dx_parts)
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_stats):
+def _backward(ctx, grad_logp, grad_entropy, _grad_stats, _grad_dx_parts):
     need_dx, need_dw, need_db = ctx.needs
-    x, w, bias, labels, stats = ctx.saved_tensors
-    ignore_index, softcap, logit_scale, temperature, entropy = ctx.args
-    if grad_logp is None:
-        grad_logp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    x, w, bias, labels, stats, dx_parts = ctx.saved_tensors
+    ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward = ctx.args
     dx, dw, db = torch.ops.sloth.linear_token_logprobs_backward(
-        grad_logp, grad_entropy if entropy else None, x, w, bias, labels, stats, ignore_index, softcap, logit_scale,
-        temperature, need_dx, need_dw or need_db)
-    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 6)
+        grad_logp, grad_entropy if entropy else None, x, w, bias, labels, stats, dx_parts, ignore_index, softcap,
+        logit_scale, temperature, dx_in_forward, need_dx, need_dw or need_db)
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 7)
 
 
 @functools.cache
@@ -315,14 +409,16 @@ def register() -> None:
     fwd = define("sloth::linear_token_logprobs", _ltl_fwd)
     bwd = define("sloth::linear_token_logprobs_backward", _ltl_bwd)
 
-    def fwd_fake(x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy):
+    def fwd_fake(x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward=0):
         check_one_device("sloth.linear_token_logprobs", ("x", x), ("w", w), ("bias", bias), ("labels", labels))
+        logp_grad, entropy_grad = _forward_parts(dx_in_forward, entropy)
         n = x.shape[0]
         return (x.new_empty(n, dtype=torch.float32), x.new_empty(n if entropy else 0, dtype=torch.float32),
-                x.new_empty((3, n), dtype=torch.float32))
+                x.new_empty((3, n), dtype=torch.float32),
+                x.new_empty((logp_grad + entropy_grad, n, x.shape[1]), dtype=torch.float32))
 
-    def bwd_fake(grad_logp, grad_entropy, x, w, bias, labels, stats, ignore_index, softcap, logit_scale,
-                 temperature, compute_dx, compute_dw):
+    def bwd_fake(grad_logp, grad_entropy, x, w, bias, labels, stats, dx_parts, ignore_index, softcap, logit_scale,
+                 temperature, dx_in_forward, compute_dx, compute_dw):
         dx = x.new_empty(x.shape) if compute_dx else x.new_empty(0)
         dw = w.new_empty(w.shape) if compute_dw else x.new_empty(0)
         db = bias.new_empty(bias.shape) if compute_dw and bias is not None else x.new_empty(0)
@@ -335,11 +431,20 @@ def register() -> None:
 
 def linear_token_logprobs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                           ignore_index: int = -100, softcap: float = 0.0, logit_scale: float = 1.0,
-                          temperature: float = 1.0, entropy: bool = False
+                          temperature: float = 1.0, entropy: bool = False, dx_in_forward: Optional[int] = None
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token ``log_softmax(z)[labels]`` and, with ``entropy``, the entropy of ``softmax(z)``, for
-    ``z = cap(x @ w.T + bias) * s / T`` (module docstring), both fp32 [N], without the [N, V] logits."""
+    ``z = cap(x @ w.T + bias) * s / T`` (module docstring), both fp32 [N], without the [N, V] logits.
+
+    ``dx_in_forward``: which row gradients of x the forward computes (module docstring; bit 1 the
+    log-probabilities', bit 2 the entropy's). By default every output's when only x gets a gradient (a frozen
+    head), else none. Any choice gives the same gradients; it decides where the work is done."""
     register()
-    logp, ent, _ = torch.ops.sloth.linear_token_logprobs(
-        x, w, bias, labels, int(ignore_index), float(softcap), float(logit_scale), float(temperature), bool(entropy))
+    if dx_in_forward is None:
+        frozen_head = not w.requires_grad and not (bias is not None and bias.requires_grad)
+        dx_in_forward = (LOGP_GRAD | (ENTROPY_GRAD if entropy else 0)) if (
+            torch.is_grad_enabled() and x.requires_grad and frozen_head) else 0
+    logp, ent, _, _ = torch.ops.sloth.linear_token_logprobs(
+        x, w, bias, labels, int(ignore_index), float(softcap), float(logit_scale), float(temperature), bool(entropy),
+        int(dx_in_forward))
     return logp, (ent if entropy else None)

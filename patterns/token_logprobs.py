@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from ..compiler.canonicalize import cast
 from ..compiler.families import Family
-from ..compiler.fx_utils import erase_unused, insert_call, inherit_requires_grad, is_call, module_path, \
-    source_location, tensor_of
+from ..compiler.fx_utils import erase_unused, grad_enabled_at, insert_call, inherit_requires_grad, is_call, \
+    is_grad_switch, module_path, source_location, tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
 from .cross_entropy import (_chain_to_linear, _class_selection, _is_row_step, _is_view, _row_selection,
@@ -248,15 +248,49 @@ def _match_logsumexp(sub: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
     return TokenLogprobsMatch(sub, linear, parts, sub, index, None, *head)
 
 
-def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
-    """The op on x's rows (the logits' row selection replayed on x, then flattened) and the labels flattened; its
-    log-probabilities in the gather's shape and its negative entropy in the sum's, each cast to the dtype the graph
-    had there. Shapes come from views of the graph's own tensors (``view_as``), so symbolic sizes stay symbolic."""
+def _placement(m: TokenLogprobsMatch) -> Union[fx.Node, str]:
+    """The node the op goes before: the first of the two readers, after the labels (``_match`` checked the
+    entropy's readers then). Where that reader is under ``no_grad`` (an entropy logged) and the other one records
+    a gradient, autograd must record the op: it goes before the ``no_grad`` block, if its inputs are made there."""
+    readers = [n for n in (m.gather, m.entropy_sum) if n is not None]
+    first = min((n for n in readers if m.index is None or _position(m.index) < _position(n)), key=_position)
+    if grad_enabled_at(first) or not any(grad_enabled_at(n) for n in readers):
+        return first
+    inputs = [n for n in (*m.parts, m.index, *m.selection) if isinstance(n, fx.Node)]
+    last_input = max(inputs, key=_position)
+    node = first.prev
+    while node is not last_input and node.op != "root":
+        if is_grad_switch(node) and grad_enabled_at(node):
+            return node
+        node = node.prev
+    return "the log-probabilities record a gradient, but their first reader is under no_grad with the labels"
+
+
+def _dx_in_forward(m: TokenLogprobsMatch, place: fx.Node) -> int:
+    """The op's ``dx_in_forward`` (lowering/token_logprobs.py): the row gradients of x of each output that records
+    one, computed in the forward, when x gets a gradient and the head none (LoRA's frozen head); else 0. An output
+    read under ``no_grad`` (an entropy logged) gets none: its gradient would cost one more matmul for nothing."""
+    lowering = _lowering()
+    x, w, b = (tensor_of(p) for p in m.parts)
+    if not (grad_enabled_at(place) and x is not None and x.requires_grad) or any(
+            t is not None and t.requires_grad for t in (w, b)):
+        return 0
+    bits = 0
+    if m.gather is not None and grad_enabled_at(m.gather) and getattr(tensor_of(m.gather), "requires_grad", False):
+        bits |= lowering.LOGP_GRAD
+    if m.entropy_sum is not None and grad_enabled_at(m.entropy_sum) and getattr(
+            tensor_of(m.entropy_sum), "requires_grad", False):
+        bits |= lowering.ENTROPY_GRAD
+    return bits
+
+
+def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch, first: fx.Node) -> set[fx.Node]:
+    """The op on x's rows (the logits' row selection replayed on x, then flattened) and the labels flattened,
+    before ``first`` (``_placement``); its log-probabilities in the gather's shape and its negative entropy in the
+    sum's, each cast to the dtype the graph had there, and detached where the graph read it under ``no_grad``.
+    Shapes come from views of the graph's own tensors (``view_as``), so symbolic sizes stay symbolic."""
     g = gm.graph
     x, w, b = m.parts
-    # before the first of the two readers, but after the labels (``_match`` checked the entropy's readers then)
-    first = min((n for n in (m.gather, m.entropy_sum) if n is not None and (
-        m.index is None or _position(m.index) < _position(n))), key=_position)
     rows_of_x = _select_rows(g, first, x, m.selection, {}) if m.selection else x
     x2 = insert_call(g, first, torch.flatten, (rows_of_x, 0, -2), meta_from=m.linear)  # [N, H]
     if m.index is not None:
@@ -266,14 +300,19 @@ def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch) -> set[fx.Node]:
                              {"dtype": torch.long}, meta_from=m.entropy_sum)
     entropy = m.entropy_sum is not None
     fused = insert_call(g, first, torch.ops.sloth.linear_token_logprobs.default,
-                        (x2, w, b, labels, NO_IGNORED_ROWS, m.softcap, m.logit_scale, 1.0, entropy),
-                        meta_from=m.log_softmax)
+                        (x2, w, b, labels, NO_IGNORED_ROWS, m.softcap, m.logit_scale, 1.0, entropy,
+                         _dx_in_forward(m, first)), meta_from=m.log_softmax)
+    recording = grad_enabled_at(first)
     if m.gather is not None:
         logp = insert_call(g, first, operator.getitem, (fused, 0), meta_from=m.gather)
+        if recording and not grad_enabled_at(m.gather):
+            logp = insert_call(g, first, torch.detach, (logp,), meta_from=m.gather)
         logp = _in_place_of(g, first, logp, m.gather, like=m.index)
         m.gather.replace_all_uses_with(logp)
     if entropy:
         ent = insert_call(g, first, operator.getitem, (fused, 1), meta_from=m.entropy_sum)
+        if recording and not grad_enabled_at(m.entropy_sum):
+            ent = insert_call(g, first, torch.detach, (ent,), meta_from=m.entropy_sum)
         neg = insert_call(g, first, torch.neg, (ent,), meta_from=m.entropy_sum)
         # the entropy's shape: the labels' rows where there are labels (any view of the logits keeps them in
         # step), else x's selected rows (``_match`` refused a view after the selection)
@@ -299,6 +338,25 @@ def _in_place_of(g: fx.Graph, before: fx.Node, value: fx.Node, old: fx.Node, lik
     return node
 
 
+def _merge_repeated_log_softmax(g: fx.Graph) -> None:
+    """A log-softmax written again on the same logits (``z.log_softmax(-1).exp() * z.log_softmax(-1)``, or once
+    for the log-probabilities and again under ``no_grad`` for a logged entropy) becomes the first one: the same
+    value (under ``no_grad``, ops on it record nothing either way), so the entropy's product reads one node. Not
+    where the first is under ``no_grad`` and the second records a gradient: the first has none to give."""
+    first: dict[tuple, fx.Node] = {}
+    for node in list(g.nodes):
+        if not _is_log_softmax(node):
+            continue
+        key = (node.op, node.target, node.args, tuple(sorted(node.kwargs.items())))
+        try:
+            earlier = first.setdefault(key, node)
+        except TypeError:  # an argument that does not hash: left as written
+            continue
+        if earlier is not node and (grad_enabled_at(earlier) or not grad_enabled_at(node)):
+            node.replace_all_uses_with(earlier)
+            g.erase_node(node)
+
+
 def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                              options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace each linear head's log-softmax gathered at labels (and its entropy) with
@@ -309,6 +367,7 @@ def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], 
              lp = logp.reshape(...); s = -ent.reshape(...)
     """
     _lowering().register()
+    _merge_repeated_log_softmax(gm.graph)
     erased: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node in erased:
@@ -317,13 +376,15 @@ def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], 
             else None
         if found is None:
             continue
-        if isinstance(found, str):
-            report.reject(FAMILY, node, found)
+        place = _placement(found) if not isinstance(found, str) else found
+        if isinstance(place, str):
+            report.reject(FAMILY, node, place)
             continue
-        detail = ("log-probabilities" + (" and entropy" if found.entropy_sum is not None else "")
+        detail = ({(True, False): "log-probabilities", (True, True): "log-probabilities and entropy",
+                   (False, True): "entropy"}[found.gather is not None, found.entropy_sum is not None]
                   + (f", softcap {found.softcap:g}" if found.softcap else "")
                   + (f", logit scale {found.logit_scale:g}" if found.logit_scale != 1.0 else ""))
-        erased |= _replace(gm, found)
+        erased |= _replace(gm, found, place)
         report.replaced(Site(FAMILY, "sloth.linear_token_logprobs", module_path(node), source_location(node), detail))
     gm.graph.lint()
     gm.recompile()

@@ -85,13 +85,40 @@ def check(x32, w32, b32, labels, dtype, weight_grad=True, device="cpu", **opts):
 SHAPES = [(1, 1), (3, 7), (37, 100), (5, 1000)]
 
 
+@pytest.mark.parametrize("head", ["trained", "frozen"])
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "logp+entropy"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,v", SHAPES, ids=[f"N{n}-V{v}" for n, v in SHAPES])
-def test_values_and_gradients_match_eager(n, v, dtype, entropy, device):
+def test_values_and_gradients_match_eager(n, v, dtype, entropy, head, device):
+    # a frozen head: dx from the forward's parts by default; a trained one: every gradient recomputed
     x, w, b, labels = make_inputs(n, 24, v)
-    logp, ent, dx, dw, _ = check(x, w, b, labels, dtype, device=device, entropy=entropy)
-    assert logp.dtype == torch.float32 and logp.shape == (n,) and dx.dtype == dtype and dw.shape == (v, 24)
+    logp, ent, dx, dw, _ = check(x, w, b, labels, dtype, weight_grad=head == "trained", device=device,
+                                 entropy=entropy)
+    assert logp.dtype == torch.float32 and logp.shape == (n,) and dx.dtype == dtype
+    assert dw is None if head == "frozen" else dw.shape == (v, 24)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("differentiated", ["both", "logp", "entropy"])
+@pytest.mark.parametrize("dx_in_forward", [0, 1, 2, 3])
+def test_each_split_of_dx_between_forward_and_backward_gives_eager(dx_in_forward, differentiated, dtype, device):
+    # the parts the forward computed, the rest recomputed: every mix, with either output's gradient absent
+    x, w, b, labels = make_inputs(29, 24, 300, bias=True, ignored=True)
+    x, w, b, labels = x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), labels.to(device)
+    outs = {}
+    for name, fn in (("op", lambda a: linear_token_logprobs(a, w, b, labels, entropy=True, softcap=7.0,
+                                                              dx_in_forward=dx_in_forward)),
+                     ("eager", lambda a: eager_token_logprobs(a, w, b, labels, entropy=True, softcap=7.0)),
+                     ("fp64", lambda a: eager_token_logprobs(a, w.double(), b.double(), labels, entropy=True,
+                                                             softcap=7.0))):
+        xs = (x.double() if name == "fp64" else x).detach().requires_grad_(True)
+        logp, ent = fn(xs)
+        g = torch.Generator().manual_seed(1)
+        cot_logp, cot_ent = (torch.randn(logp.shape, generator=g).to(device, logp.dtype) for _ in range(2))
+        loss = {"both": (logp * cot_logp).sum() + (ent * cot_ent).sum(), "logp": (logp * cot_logp).sum(),
+                "entropy": (ent * cot_ent).sum()}[differentiated]
+        outs[name] = torch.autograd.grad(loss, xs)[0]
+    assert_close("dx", outs["op"], outs["eager"], outs["fp64"])
 
 
 OPTIONS = {
@@ -133,16 +160,18 @@ def test_a_large_vocabulary_over_several_blocks_and_chunks(dtype, monkeypatch, d
     check(x, w, b, labels, dtype, device=device, entropy=True, softcap=30.0)
 
 
-def test_the_reference_path_gives_the_same(monkeypatch):
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_the_reference_path_gives_the_same(monkeypatch, head):
     # the PyTorch reference (a CPU without the interpreter) against the kernels, on one input
     x, w, b, labels = make_inputs(11, 16, 70, bias=True, ignored=True)
     kernels = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, entropy=True, softcap=4.0),
-                               x, w, b, True)
+                               x, w, b, True, weight_grad=head == "trained")
     force_fallback(monkeypatch, lowering, "_token_stats_kernel", "_token_grad_kernel")
     reference = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, entropy=True, softcap=4.0),
-                                 x, w, b, True)
+                                 x, w, b, True, weight_grad=head == "trained")
     for a, r in zip(kernels, reference):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+        if a is not None or r is not None:
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
 
 
 def test_only_one_output_differentiated():
@@ -185,17 +214,25 @@ def test_bad_inputs_get_a_clear_error(bad, error):
         linear_token_logprobs(args["x"], args["w"], None, args["labels"], temperature=args["temperature"])
 
 
-def test_opcheck_forward_and_backward():
+@pytest.mark.parametrize("dx_in_forward", [0, 3])
+def test_opcheck_forward_and_backward(dx_in_forward):
     lowering.register()
     x, w, b, labels = make_inputs(5, 8, 13, bias=True, ignored=True)
+    trained = not dx_in_forward
     torch.library.opcheck(torch.ops.sloth.linear_token_logprobs.default,
-                          (x.requires_grad_(True), w.requires_grad_(True), b.requires_grad_(True), labels, -100, 2.0,
-                           0.5, 1.3, True))
-    stats = torch.ops.sloth.linear_token_logprobs.default(x.detach(), w.detach(), b.detach(), labels, -100, 2.0, 0.5,
-                                                          1.3, True)[2]
+                          (x.requires_grad_(True), w.requires_grad_(trained), b.requires_grad_(trained), labels, -100,
+                           2.0, 0.5, 1.3, True, dx_in_forward))
+    _, _, stats, parts = torch.ops.sloth.linear_token_logprobs.default(x.detach(), w.detach(), b.detach(), labels,
+                                                                       -100, 2.0, 0.5, 1.3, True, dx_in_forward)
     torch.library.opcheck(torch.ops.sloth.linear_token_logprobs_backward.default,
-                          (torch.randn(5), torch.randn(5), x.detach(), w.detach(), b.detach(), labels, stats, -100, 2.0,
-                           0.5, 1.3, True, True))
+                          (torch.randn(5), torch.randn(5), x.detach(), w.detach(), b.detach(), labels, stats, parts,
+                           -100, 2.0, 0.5, 1.3, dx_in_forward, True, trained))
+
+
+def test_the_entropy_s_part_needs_the_entropy():
+    x, w, _, labels = make_inputs(3, 8, 10)
+    with pytest.raises(ValueError, match="dx_in_forward must be 0, 1, 2 or 3"):
+        linear_token_logprobs(x.requires_grad_(True), w, None, labels, dx_in_forward=2)
 
 
 @pytest.mark.parametrize("offset", [3000.0, -3000.0])

@@ -51,7 +51,7 @@ def run(fn, head, h, ids):
     head.zero_grad(set_to_none=True)
     out = fn(head, h, ids)
     out.float().sum().backward()
-    return out.detach(), h.grad, *(p.grad for p in head.parameters())
+    return out.detach(), h.grad, *(p.grad for p in head.parameters() if p.requires_grad)
 
 
 def fused_against_eager(form, head, h, ids, rtol=1e-4, atol=1e-5):
@@ -71,6 +71,62 @@ def test_each_form_is_fused_with_eagers_values_and_gradients(form, bias):
     assert report.counts.get("token_logprobs") == 1, report
     site = next(s for s in report.sites if s.family == "token_logprobs")
     assert ("entropy" in site.detail) == (form == "grpo"), site.detail
+
+
+def _dx_in_forward_seen(monkeypatch) -> set[int]:
+    """The ``dx_in_forward`` each call of the op (on fakes and for real) is given."""
+    import sloth.lowering.token_logprobs as lowering
+    seen, parts = set(), lowering._forward_parts
+
+    def spy(dx_in_forward, entropy):
+        seen.add(dx_in_forward)
+        return parts(dx_in_forward, entropy)
+    monkeypatch.setattr(lowering, "_forward_parts", spy)
+    return seen
+
+
+@pytest.mark.parametrize("form, frozen, bits", [("dpo", True, {1}), ("grpo", True, {3}), ("grpo", False, {0})])
+def test_a_frozen_head_takes_dx_from_the_forward(form, frozen, bits, monkeypatch):
+    # LoRA's frozen head: the row gradients of x of each output that records one, in the forward; a trained
+    # head: all recomputed in the backward (dw needs the tiles again anyway)
+    head = Head().requires_grad_(not frozen)
+    seen = _dx_in_forward_seen(monkeypatch)
+    report = fused_against_eager(FORMS[form], head, torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
+    assert report.counts.get("token_logprobs") == 1, report
+    assert seen == bits, seen
+
+
+def logged_entropy(head, h, ids):
+    # GRPO-style: the entropy read under no_grad for a metric, before the gather; the log-softmax written twice
+    logits = head.lm_head(h).float()
+    lsm = logits.log_softmax(-1)
+    index = ids.unsqueeze(-1)
+    with torch.no_grad():
+        entropy = -(logits.log_softmax(-1).exp() * lsm).sum(-1)
+    return lsm.gather(-1, index).squeeze(-1) * 0.5 + entropy
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trained"])
+def test_an_entropy_logged_under_no_grad_gets_no_gradient(frozen, monkeypatch):
+    # the op goes before the no_grad block (its log-probabilities record a gradient) and its entropy is detached,
+    # as the graph had it; with a frozen head the forward computes the log-probabilities' part alone
+    head = Head().requires_grad_(not frozen)
+    seen = _dx_in_forward_seen(monkeypatch)
+    h, ids = torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7))
+    report = fused_against_eager(logged_entropy, head, h, ids)
+    assert report.counts.get("token_logprobs") == 1, report
+    assert seen == ({1} if frozen else {0}), seen
+
+    def both(head, h, ids):
+        logits = head.lm_head(h).float()
+        lsm = logits.log_softmax(-1)
+        with torch.no_grad():
+            entropy = -(lsm.exp() * lsm).sum(-1)
+        return lsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1), entropy
+
+    logp, entropy = torch.compile(both, backend="sloth")(head, h.requires_grad_(True), ids)
+    assert logp.requires_grad and not entropy.requires_grad
+    torch.testing.assert_close(entropy, both(head, h, ids)[1])
 
 
 def test_a_bf16_head_under_the_tolerance_rule():
@@ -213,3 +269,18 @@ def test_views_and_orders_give_eagers_shapes(form, fused):
         why = "no labels give the entropy's shape" if form is flat_view_entropy_alone else \
             "the entropy is read before the labels are computed"
         assert any(why in r.reason for r in report.rejections), report
+
+
+def test_a_log_softmax_repeated_after_a_no_grad_one_keeps_its_gradient():
+    # the first log-softmax under no_grad (a logged entropy), the second recording the log-probabilities'
+    # gradient: not merged into the first, which has none to give
+    head = Head()
+
+    def later(head, h, ids):
+        logits = head.lm_head(h).float()
+        with torch.no_grad():
+            lsm0 = logits.log_softmax(-1)
+            entropy = -(lsm0.exp() * lsm0).sum(-1)
+        return logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) + entropy
+
+    fused_against_eager(later, head, torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))

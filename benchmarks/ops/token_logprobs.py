@@ -9,7 +9,10 @@ so every provider computes the same number and the same gradient:
 - ``logp``: ``-sum_i logp_i / n_valid`` (a DPO loss's per-sequence log-probability sums, up to the sign and the
   grouping). sloth's mean cross-entropy (lowering/linear_cross_entropy.py) computes the same value and is the
   yardstick the issue names (the token op at most 1.1x its time);
-- ``logp+ent``: ``-(sum_i logp_i + 0.01 sum_i H_i) / n_valid`` (GRPO's entropy bonus: both outputs get gradients).
+- ``logp, ent logged``: the same loss, the entropy computed beside it for a metric (TRL's SFT and GRPO log it),
+  no gradient through it; sloth's op as its pass emits it there (``dx_in_forward=1``: the entropy's part of dx
+  not computed);
+- ``logp+ent``: ``-(sum_i logp_i + 0.01 sum_i H_i) / n_valid`` (an entropy bonus: both outputs get gradients).
 
 Providers: eager (the logits, ``log_softmax``, ``gather``), Inductor on the same code, sloth's
 ``linear_token_logprobs``, and TRL 1.16's ``ChunkedLogProbFunction`` called as its trainers call it (the
@@ -31,26 +34,32 @@ from benchmarks.ops.cross_entropy import TRL_NOTES, _add_rates, _inputs, trl_hea
 ENTROPY_WEIGHT = 0.01
 
 
-def _eager(entropy: bool) -> Callable:
+def _total(logp: torch.Tensor, ent: torch.Tensor | None, case: str) -> torch.Tensor:
+    """The case's sum: the entropy added with its weight (``logp+ent``), or read without a gradient (``logged``:
+    its sum times zero keeps it computed and out of the gradient)."""
+    if ent is None:
+        return logp.sum()
+    return logp.sum() + (ENTROPY_WEIGHT * ent.sum() if case == "logp+ent" else 0.0 * ent.detach().sum())
+
+
+def _eager(case: str) -> Callable:
     def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = (x @ w.t()).float()
         logp_all = torch.log_softmax(logits, -1)
         valid = labels != -100
         logp = logp_all.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * valid
-        total = logp.sum()
-        if entropy:
-            total = total + ENTROPY_WEIGHT * (-(logp_all.exp() * logp_all).sum(-1) * valid).sum()
-        return -total / valid.sum().clamp(min=1)
+        ent = -(logp_all.exp() * logp_all).sum(-1) * valid if case != "logp" else None
+        return -_total(logp, ent, case) / valid.sum().clamp(min=1)
     return loss
 
 
-def _sloth(entropy: bool) -> Callable:
-    from sloth.lowering.token_logprobs import linear_token_logprobs
+def _sloth(case: str) -> Callable:
+    from sloth.lowering.token_logprobs import LOGP_GRAD, linear_token_logprobs
 
     def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logp, ent = linear_token_logprobs(x, w, None, labels, entropy=entropy)
-        total = logp.sum() + (ENTROPY_WEIGHT * ent.sum() if entropy else 0.0)
-        return -total / (labels != -100).sum().clamp(min=1)
+        logp, ent = linear_token_logprobs(x, w, None, labels, entropy=case != "logp",
+                                          dx_in_forward=LOGP_GRAD if case == "logged" else None)
+        return -_total(logp, ent, case) / (labels != -100).sum().clamp(min=1)
     return loss
 
 
@@ -60,7 +69,7 @@ def _sloth_mean_loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> 
     return linear_cross_entropy(x, w, None, labels)
 
 
-def _trl(outputs: tuple[str, ...]) -> Callable | str:
+def _trl(outputs: tuple[str, ...], case: str) -> Callable | str:
     head = trl_head()
     if isinstance(head, str):
         return head
@@ -68,8 +77,7 @@ def _trl(outputs: tuple[str, ...]) -> Callable | str:
     def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         mask = labels != -100
         logp, ent, *_ = head.apply(x[mask], w, None, labels[mask], 1.0, 32768, None, 1.0, outputs)
-        total = logp.sum() + (ENTROPY_WEIGHT * ent.sum() if "entropy" in outputs else 0.0)
-        return -total / mask.sum().clamp(min=1)
+        return -_total(logp, ent, case) / mask.sum().clamp(min=1)
     return loss
 
 
@@ -85,22 +93,23 @@ def main(argv: list[str] | None = None) -> int:
               "fwd+bwd": 2 * n * hidden * e + weight_bytes}
     rows: list[dict[str, Any]] = []
     missing: dict[str, str] = {}
-    for case, entropy in (("logp", False), ("logp+ent", True)):
+    trl_calls = {"logp": {"trl logp": ("log_probs",)},
+                 "logged": {"trl logp+ent+top1": ("log_probs", "entropy", "is_top1")},
+                 "logp+ent": {"trl logp+ent": ("log_probs", "entropy")}}
+    for case, trl_rows in trl_calls.items():
         torch._dynamo.reset()
-        eager = _eager(entropy)
+        eager = _eager(case)
         providers: dict[str, Callable] = {"eager": eager, "inductor": torch.compile(eager, dynamic=False),
-                                          "sloth": _sloth(entropy)}
-        if not entropy:
+                                          "sloth": _sloth(case)}
+        if case == "logp":
             providers["sloth mean loss"] = _sloth_mean_loss
-        trl_rows = {"trl logp": ("log_probs",)} if not entropy else {
-            "trl logp+ent": ("log_probs", "entropy"), "trl logp+ent+top1": ("log_probs", "entropy", "is_top1")}
         for name, outputs in trl_rows.items():
-            trl = _trl(outputs)
+            trl = _trl(outputs, case)
             if callable(trl):
                 providers[name] = trl
             else:
                 missing[name] = trl
-        shape = f"{case} {n}x{hidden}x{vocab}"
+        shape = f"{'logp, ent logged' if case == 'logged' else case} {n}x{hidden}x{vocab}"
         case_rows = harness.run(shape, providers, inputs, nbytes, copy_gbps)
         case_rows += [{"shape": shape, "mode": "fwd+bwd", "provider": name, "error": why[:120]}
                       for name, why in missing.items() if name in trl_rows]
