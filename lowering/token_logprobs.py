@@ -22,7 +22,10 @@ logits' size (a bias of 3000: 2.4e-4 an ulp) would otherwise land in ``logp = z_
 
     logp = (z_y - m) - log d,      H = log d - q / d,      p_j = exp((z_j - m) - log d),      E - m = q / d
 
-Each row keeps ``m``, ``log d`` and ``q / d`` (``stats``, [3, N] fp32) for the backward.
+Each row keeps ``m``, ``log d`` and ``q / d`` (``stats``, [3, N] fp32) for the backward. With ``statistics`` the
+same pass also gives TRL's per-token metrics (no gradient; rows 3-5 of ``stats``): ``log sum_j p_j^2 =
+log sum_j exp(2 (z_j - m)) - 2 log d`` (the sum rescaled by ``alpha^2``), the mean logit ``sum_j z_j / V``, and
+is-top-1 ``z_y >= m and z_y > max_{j<y} z_j`` (the first argmax, as ``torch.argmax`` breaks ties).
 
 Backward derivation, with upstream gradients ``a_i`` (of logp_i) and ``e_i`` (of H_i), ``t = tanh(s l / c)``::
 
@@ -80,7 +83,7 @@ def _token_stats_kernel(
     n_rows, n_cols, stride_l, ignore_index, softcap, logit_scale, inv_temperature,
     p_entropy_grad, stride_g,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, LOGP_GRAD: tl.constexpr,
-    ENTROPY_GRAD: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr, STATISTICS: tl.constexpr,
 ):
     # One program per row of the chunk: one pass over the row for the online log-sum-exp (m, d) and
     # q = sum_j exp(z_j - m) (z_j - m), every value relative to the running max m (module docstring), then z_y.
@@ -91,6 +94,9 @@ def _token_stats_kernel(
     b_m = tl.full([], float("-inf"), tl.float32)
     b_d = tl.zeros([], dtype=tl.float32)
     b_q = tl.zeros([], dtype=tl.float32)
+    b_sq = tl.zeros([], dtype=tl.float32)  # statistics: sum_j exp(2 (z_j - m)), sum_j z_j, max_{j < y} z_j
+    b_sum_z = tl.zeros([], dtype=tl.float32)
+    b_max_before = tl.full([], float("-inf"), tl.float32)
     for i_v in range(0, tl.cdiv(n_cols, BLOCK_V)):
         o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
         m_v = o_v < n_cols
@@ -104,6 +110,10 @@ def _token_stats_kernel(
         b_shift = tl.where(b_d > 0, b_m - b_m_new, 0.0) * b_d  # (m is -inf before the first block)
         b_q = b_alpha * (b_q + b_shift) + tl.sum(b_e * b_s, axis=0)
         b_d = b_d * b_alpha + tl.sum(b_e, axis=0)
+        if STATISTICS:
+            b_sq = b_sq * b_alpha * b_alpha + tl.sum(b_e * b_e, axis=0)
+            b_sum_z += tl.sum(tl.where(m_v, b_z, 0.0), axis=0)
+            b_max_before = tl.maximum(b_max_before, tl.max(tl.where(m_v & (o_v < b_y), b_z, float("-inf")), axis=0))
         b_m = b_m_new
     b_log_d = tl.log(b_d)
     b_mean = b_q / b_d  # E - m, with E = sum_j p_j z_j
@@ -117,6 +127,11 @@ def _token_stats_kernel(
     tl.store(p_stats + i_m, b_m)
     tl.store(p_stats + n_rows + i_m, b_log_d)
     tl.store(p_stats + 2 * n_rows + i_m, b_mean)
+    if STATISTICS:  # TRL's: log sum_j p_j^2, the mean logit, whether y is the first argmax
+        tl.store(p_stats + 3 * n_rows + i_m, tl.where(b_valid, tl.log(b_sq) - 2.0 * b_log_d, 0.0))
+        tl.store(p_stats + 4 * n_rows + i_m, tl.where(b_valid, b_sum_z / n_cols, 0.0))
+        b_top1 = tl.where((b_zy >= b_m) & (b_zy > b_max_before), 1.0, 0.0)
+        tl.store(p_stats + 5 * n_rows + i_m, tl.where(b_valid, b_top1 + b_bad, 0.0))
     if LOGP_GRAD or ENTROPY_GRAD:
         # dx_in_forward: dlogp/dl over the tile in place (a = 1, e = 0), dH/dl into the second tile (a = 0,
         # e = 1); a second read of the row, mostly from L2
@@ -193,8 +208,10 @@ def _z_reference(l: torch.Tensor, softcap: float, logit_scale: float, temperatur
 
 
 def _stats_reference(l: torch.Tensor, y: torch.Tensor, ignore_index: int, softcap: float, logit_scale: float,
-                     temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel's math on one tile in PyTorch (fp32): logp, entropy, and the stats m, log d, E - m."""
+                     temperature: float, statistics: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel's math on one tile in PyTorch (fp32): logp, entropy, and the stats m, log d, E - m (and
+    with ``statistics`` log sum p^2, the mean logit, is-top-1)."""
     z = _z_reference(l, softcap, logit_scale, temperature)
     valid = y != ignore_index
     in_range = (y >= 0) & (y < z.shape[1])
@@ -204,8 +221,15 @@ def _stats_reference(l: torch.Tensor, y: torch.Tensor, ignore_index: int, softca
     mean = (torch.softmax(s, -1) * s).sum(-1)
     sy = s.gather(1, torch.where(valid & in_range, y, 0)[:, None]).squeeze(1)
     bad = torch.where(in_range, 0.0, float("nan"))
+    rows = [m, log_d, mean]
+    if statistics:
+        zy = z.gather(1, torch.where(valid & in_range, y, 0)[:, None]).squeeze(1)
+        before = torch.arange(z.shape[1], device=z.device)[None, :] < y[:, None]
+        max_before = z.masked_fill(~before, float("-inf")).amax(-1)
+        top1 = ((zy >= m) & (zy > max_before)).float() + bad
+        rows += [torch.where(valid, t, 0.0) for t in (torch.logsumexp(2 * s, -1) - 2 * log_d, z.mean(-1), top1)]
     return (torch.where(valid, sy - log_d + bad, 0.0), torch.where(valid, log_d - mean + bad, 0.0),
-            torch.stack([m, log_d, mean]))
+            torch.stack(rows))
 
 
 def _grad_reference(l: torch.Tensor, y: torch.Tensor, stats: torch.Tensor, a: torch.Tensor,
@@ -264,14 +288,15 @@ def _forward_parts(dx_in_forward: int, entropy: bool) -> tuple[bool, bool]:
 
 def _ltl_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
              ignore_index: int, softcap: float, logit_scale: float, temperature: float, entropy: bool,
-             dx_in_forward: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             dx_in_forward: int = 0, statistics: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(x, w, bias, labels, temperature)
     logp_grad, entropy_grad = _forward_parts(dx_in_forward, entropy)
     n_rows, vocab = x.shape[0], w.shape[0]
     x = x.contiguous()
     logp = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     ent = torch.empty(n_rows if entropy else 0, dtype=torch.float32, device=x.device)
-    stats = torch.empty((3, n_rows), dtype=torch.float32, device=x.device)
+    stats = torch.empty((6 if statistics else 3, n_rows), dtype=torch.float32, device=x.device)
     # D1 then D2 (module docstring), fp32, accumulated into zeros by _accumulate_mm_fp32
     dx_parts = torch.zeros((logp_grad + entropy_grad, n_rows, x.shape[1]), dtype=torch.float32, device=x.device)
     triton_ok = use_triton(x)
@@ -289,10 +314,11 @@ def _ltl_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
                 l_CV, y_c, logp[start:], ent[start:] if entropy else logp, stats[:, start:],
                 n_rows, vocab, l_CV.stride(0), int(ignore_index), float(softcap), float(logit_scale),
                 1.0 / float(temperature), g2_CV, g2_CV.stride(0), HAS_SOFTCAP=bool(softcap), ENTROPY=entropy,
-                BLOCK_V=block_v, LOGP_GRAD=logp_grad, ENTROPY_GRAD=entropy_grad,
+                BLOCK_V=block_v, LOGP_GRAD=logp_grad, ENTROPY_GRAD=entropy_grad, STATISTICS=statistics,
                 num_warps=8 if block_v >= 2048 else 4)
         else:
-            lp, h, stats[:, start:stop] = _stats_reference(l_CV, y_c, ignore_index, softcap, logit_scale, temperature)
+            lp, h, stats[:, start:stop] = _stats_reference(l_CV, y_c, ignore_index, softcap, logit_scale, temperature,
+                                                           statistics)
             logp[start:stop] = lp
             if entropy:
                 ent[start:stop] = h
@@ -385,7 +411,7 @@ def _recompute_grads(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[t
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward = inputs
+    x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward, _ = inputs
     _, _, stats, dx_parts = output
     ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
     ctx.save_for_backward(x, w, bias, labels, stats, dx_parts)
@@ -400,7 +426,7 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_stats, _grad_dx_parts):
     dx, dw, db = torch.ops.sloth.linear_token_logprobs_backward(
         grad_logp, grad_entropy if entropy else None, x, w, bias, labels, stats, dx_parts, ignore_index, softcap,
         logit_scale, temperature, dx_in_forward, need_dx, need_dw or need_db)
-    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 7)
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), *([None] * 8)
 
 
 @functools.cache
@@ -409,12 +435,13 @@ def register() -> None:
     fwd = define("sloth::linear_token_logprobs", _ltl_fwd)
     bwd = define("sloth::linear_token_logprobs_backward", _ltl_bwd)
 
-    def fwd_fake(x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward=0):
+    def fwd_fake(x, w, bias, labels, ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward=0,
+                 statistics=False):
         check_one_device("sloth.linear_token_logprobs", ("x", x), ("w", w), ("bias", bias), ("labels", labels))
         logp_grad, entropy_grad = _forward_parts(dx_in_forward, entropy)
         n = x.shape[0]
         return (x.new_empty(n, dtype=torch.float32), x.new_empty(n if entropy else 0, dtype=torch.float32),
-                x.new_empty((3, n), dtype=torch.float32),
+                x.new_empty((6 if statistics else 3, n), dtype=torch.float32),
                 x.new_empty((logp_grad + entropy_grad, n, x.shape[1]), dtype=torch.float32))
 
     def bwd_fake(grad_logp, grad_entropy, x, w, bias, labels, stats, dx_parts, ignore_index, softcap, logit_scale,
@@ -431,20 +458,27 @@ def register() -> None:
 
 def linear_token_logprobs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                           ignore_index: int = -100, softcap: float = 0.0, logit_scale: float = 1.0,
-                          temperature: float = 1.0, entropy: bool = False, dx_in_forward: Optional[int] = None
-                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          temperature: float = 1.0, entropy: bool = False, dx_in_forward: Optional[int] = None,
+                          statistics: bool = False) -> tuple[Optional[torch.Tensor], ...]:
     """Per-token ``log_softmax(z)[labels]`` and, with ``entropy``, the entropy of ``softmax(z)``, for
     ``z = cap(x @ w.T + bias) * s / T`` (module docstring), both fp32 [N], without the [N, V] logits.
 
     ``dx_in_forward``: which row gradients of x the forward computes (module docstring; bit 1 the
     log-probabilities', bit 2 the entropy's). By default every output's when only x gets a gradient (a frozen
-    head), else none. Any choice gives the same gradients; it decides where the work is done."""
+    head), else none. Any choice gives the same gradients; it decides where the work is done.
+
+    ``statistics``: also TRL's per-token metrics, without gradient, as three more fp32 [N] values:
+    ``log sum_j p_j^2``, the mean of ``z``, and 1.0 where the label is the first argmax of ``z`` (else 0.0); all
+    0 on ignored rows. Returns ``(logp, entropy or None)``, or with ``statistics`` ``(logp, entropy or None,
+    log_sum_sq_probs, mean_logits, is_top1)``, TRL's order."""
     register()
     if dx_in_forward is None:
         frozen_head = not w.requires_grad and not (bias is not None and bias.requires_grad)
         dx_in_forward = (LOGP_GRAD | (ENTROPY_GRAD if entropy else 0)) if (
             torch.is_grad_enabled() and x.requires_grad and frozen_head) else 0
-    logp, ent, _, _ = torch.ops.sloth.linear_token_logprobs(
+    logp, ent, stats, _ = torch.ops.sloth.linear_token_logprobs(
         x, w, bias, labels, int(ignore_index), float(softcap), float(logit_scale), float(temperature), bool(entropy),
-        int(dx_in_forward))
+        int(dx_in_forward), bool(statistics))
+    if statistics:
+        return logp, (ent if entropy else None), stats[3], stats[4], stats[5]
     return logp, (ent if entropy else None)

@@ -221,9 +221,10 @@ def test_opcheck_forward_and_backward(dx_in_forward):
     trained = not dx_in_forward
     torch.library.opcheck(torch.ops.sloth.linear_token_logprobs.default,
                           (x.requires_grad_(True), w.requires_grad_(trained), b.requires_grad_(trained), labels, -100,
-                           2.0, 0.5, 1.3, True, dx_in_forward))
+                           2.0, 0.5, 1.3, True, dx_in_forward, trained))  # statistics too, once
     _, _, stats, parts = torch.ops.sloth.linear_token_logprobs.default(x.detach(), w.detach(), b.detach(), labels,
-                                                                       -100, 2.0, 0.5, 1.3, True, dx_in_forward)
+                                                                       -100, 2.0, 0.5, 1.3, True, dx_in_forward,
+                                                                       trained)
     torch.library.opcheck(torch.ops.sloth.linear_token_logprobs_backward.default,
                           (torch.randn(5), torch.randn(5), x.detach(), w.detach(), b.detach(), labels, stats, parts,
                            -100, 2.0, 0.5, 1.3, dx_in_forward, True, trained))
@@ -241,3 +242,55 @@ def test_logits_far_from_zero_keep_their_precision(offset):
     # forms them, not from lse itself (an ulp of 2.4e-4 there)
     x, w, b, labels = make_inputs(9, 16, 70, bias=True)
     check(x, w, b + offset, labels, torch.float32, entropy=True)
+
+
+def eager_statistics(x, w, b, labels, ignore_index=-100, softcap=0.0, logit_scale=1.0, temperature=1.0):
+    """TRL's per-token metrics as TRL's trainers define them: log sum_j p_j^2, the mean logit, whether the label is
+    ``argmax`` (the first maximum); 0 on ignored rows."""
+    z = F.linear(x, w, b)
+    z = (z.float() if z.dtype != torch.float64 else z) * logit_scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    valid = labels != ignore_index
+    p = z.softmax(-1)
+    top1 = (z.argmax(-1) == labels).to(z.dtype)
+    return tuple(torch.where(valid, t, 0.0) for t in ((p * p).sum(-1).log(), z.mean(-1), top1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opts", [dict(), dict(softcap=5.0, temperature=0.8, logit_scale=1.3)],
+                         ids=["plain", "capped-scaled"])
+def test_statistics_match_trls_definitions(opts, dtype, monkeypatch, device):
+    # several 4096-wide blocks and two rows per chunk, ignored rows; values under the tolerance rule, is-top-1 equal
+    monkeypatch.setattr(lowering, "chunk_rows", lambda n, v, h, dw=False: 2)
+    x32, w32, b32, labels = make_inputs(7, 16, 9001, bias=True, ignored=True)
+    labels[1] = int(F.linear(x32[1:2], w32, b32).argmax())  # one row whose label is the top-1
+    x, w, b, labels = x32.to(device, dtype), w32.to(device, dtype), b32.to(device, dtype), labels.to(device)
+    ours = linear_token_logprobs(x, w, b, labels, statistics=True, **opts)
+    assert len(ours) == 5 and ours[1] is None
+    eager = eager_statistics(x, w, b, labels, **opts)
+    reference = eager_statistics(x.double(), w.double(), b.double(), labels, **opts)
+    for name, a, e, r in zip(("log_sum_sq_probs", "mean_logits"), ours[2:4], eager, reference):
+        assert_close(name, a, e, r)
+    torch.testing.assert_close(ours[4], eager[2])
+    assert ours[4][1] == 1.0 and (ours[4][labels == -100] == 0).all()
+
+
+def test_is_top1_is_the_first_argmax(device):
+    # ties: the label tied with an earlier class is not the top-1 (argmax takes the first); with a later one it is
+    w = torch.zeros(6, 2)
+    w[1, 0] = w[3, 0] = 1.0  # classes 1 and 3 tie for the max on x = (1, 0)
+    x = torch.tensor([[1.0, 0.0]] * 3)
+    labels = torch.tensor([1, 3, 0])
+    *_, top1 = linear_token_logprobs(x.to(device), w.to(device), None, labels.to(device), statistics=True)
+    assert top1.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_statistics_on_the_reference_path(monkeypatch):
+    x, w, b, labels = make_inputs(9, 16, 70, bias=True, ignored=True)
+    kernels = linear_token_logprobs(x, w, b, labels, entropy=True, statistics=True, softcap=3.0)
+    force_fallback(monkeypatch, lowering, "_token_stats_kernel", "_token_grad_kernel")
+    reference = linear_token_logprobs(x, w, b, labels, entropy=True, statistics=True, softcap=3.0)
+    for a, r in zip(kernels, reference):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
