@@ -15,8 +15,10 @@ nowhere, so gradient-checkpointed layers stay in one graph (compiler/integration
 ``SLOTH_HUB_KERNELS_TRACEABLE=0`` turns it off); and, once transformers is loaded, its input-embedding
 ``requires_grad_`` hook (registered by ``gradient_checkpointing_enable()``) skipped while Dynamo traces a model
 without reentrant checkpointing, where it split the graph and nothing needs it
-(compiler/integrations/input_grads_hook.py; ``SLOTH_INPUT_GRADS_TRACEABLE=0`` turns it off). The custom ops register
-the first time a pass inserts them.
+(compiler/integrations/input_grads_hook.py; ``SLOTH_INPUT_GRADS_TRACEABLE=0`` turns it off); and, once TRL's trainer
+utilities are loaded, TRL's fused LM head run by sloth's ``linear_token_logprobs`` where a step compiled with sloth
+calls it (compiler/integrations/trl_head.py; ``SLOTH_TRL_HEAD=0`` turns it off). The custom ops register the first
+time a pass inserts them.
 """
 from .compiler.backend import last_report, report, reset_report, sloth_backend
 from .compiler.explain import explain
@@ -27,11 +29,13 @@ from .compiler.integrations.accelerate_name import register_with_accelerate
 from .compiler.integrations.peft_experts import install as _install_traceable_peft
 from .compiler.integrations.hub_kernels import install as _install_traceable_hub_kernels
 from .compiler.integrations.input_grads_hook import install as _install_traceable_input_grads
+from .compiler.integrations.trl_head import install as _install_trl_head
 
 register_with_accelerate()
 _install_traceable_peft()
 _install_traceable_hub_kernels()
 _install_traceable_input_grads()
+_install_trl_head()
 
 __all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "families", "register_family",
            "unregister_family", "Report", "Site", "Rejection"]

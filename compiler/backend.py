@@ -27,11 +27,12 @@ from .offload_partition import OffloadPartitioner
 from ..lowering.backend_choice import triton_interpreter_on
 from .late_passes import passes_off, with_post_grad_passes
 from .options import INNER_COMPILERS, OFFLOAD_NEEDS_PARTITION, check_attention, parse_options
-from .families import compile_with_families, families, pass_records
+from .families import compile_with_families, families, family_passes, pass_records
+from .fx_utils import module_path, source_location
 from .pipeline import run_passes
 from ..runtime.graph_grads import own_gradients
 from .planner import Plan, StepFacts, measured_peak_line, plan, savers_on, step_facts
-from .report import Report
+from .report import Report, Site
 
 log = logging.getLogger("sloth")
 
@@ -60,6 +61,26 @@ def reset_report() -> None:
     """Start ``report()`` afresh (for example before compiling the next model)."""
     global _last_report, _session_report
     _last_report, _session_report = None, Report()
+
+
+def note_site(family: str, op: str, detail: str) -> None:
+    """Record in ``report()`` a site an integration replaced outside any graph (at its first call)."""
+    _session_report.replaced(Site(family, op, "", "", detail))
+
+
+def _sites_given(gm: fx.GraphModule) -> list[Site]:
+    """The sloth ops already in the graph Dynamo traced (an integration put them there, or the user's code calls
+    them), each reported as a site of the family that emits the op."""
+    emitted_by = {op: f.name for f in family_passes() for op in f.emits}
+    sites = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "sloth":
+            name = target._opname
+            sites.append(Site(emitted_by.get(name, "integration"), f"sloth.{name}", module_path(node),
+                              source_location(node), "in the graph as traced (put there by an integration: "
+                              "compiler/integrations/, or called by the model)"))
+    return sites
 
 
 def _publish(graph_report: Report) -> None:
@@ -203,8 +224,14 @@ def sloth_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, options:
     late_off = passes_off(inner, opts.disable)
     plan_line = step_plan.describe(opts)
 
+    try:
+        given = _sites_given(gm)
+    except Exception as error:  # the report's count of traced-in ops, never a crash of the user's step
+        log.warning("sloth: could not list the sloth ops already in the graph (%s: %s)", type(error).__name__, error)
+        given = []
+
     def new_report() -> Report:
-        return Report(passes_off=dict(late_off), plan=[plan_line])
+        return Report(passes_off=dict(late_off), plan=[plan_line], sites=list(given))
 
     graph_report = new_report()
     rewritten = run_passes(gm, example_inputs, chosen, graph_report, pass_options, opts.dump)

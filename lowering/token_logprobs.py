@@ -242,7 +242,7 @@ def _grad_reference(l: torch.Tensor, y: torch.Tensor, stats: torch.Tensor, a: to
     valid = y != ignore_index
     in_range = (y >= 0) & (y < z.shape[1])
     a = torch.where(valid, torch.where(in_range, a.float(), float("nan")), 0.0)
-    m, log_d, mean = stats
+    m, log_d, mean = stats[:3]  # (with statistics, rows 3-5 are the metrics)
     s = z - m[:, None]
     p = torch.exp(s - log_d[:, None])
     onehot = torch.zeros_like(z).scatter_(1, torch.where(valid & in_range, y, 0)[:, None], 1.0)
@@ -417,6 +417,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, w, bias, labels, stats, dx_parts)
     ctx.args = (ignore_index, softcap, logit_scale, temperature, entropy, dx_in_forward)
     ctx.mark_non_differentiable(stats, dx_parts)
+    # an output nothing differentiates arrives as None, not zeros: no recompute pass for its part of dx
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_stats, _grad_dx_parts):
@@ -464,8 +466,10 @@ def linear_token_logprobs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     ``z = cap(x @ w.T + bias) * s / T`` (module docstring), both fp32 [N], without the [N, V] logits.
 
     ``dx_in_forward``: which row gradients of x the forward computes (module docstring; bit 1 the
-    log-probabilities', bit 2 the entropy's). By default every output's when only x gets a gradient (a frozen
-    head), else none. Any choice gives the same gradients; it decides where the work is done.
+    log-probabilities', bit 2 the entropy's). By default the log-probabilities' when only x gets a gradient (a
+    frozen head), else none: an entropy computed for a metric then costs nothing in the backward, one that is
+    differentiated one matmul more than with 3 (which the graph pass picks where the graph says so). Any choice
+    gives the same gradients; it decides where the work is done.
 
     ``statistics``: also TRL's per-token metrics, without gradient, as three more fp32 [N] values:
     ``log sum_j p_j^2``, the mean of ``z``, and 1.0 where the label is the first argmax of ``z`` (else 0.0); all
@@ -474,8 +478,7 @@ def linear_token_logprobs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     register()
     if dx_in_forward is None:
         frozen_head = not w.requires_grad and not (bias is not None and bias.requires_grad)
-        dx_in_forward = (LOGP_GRAD | (ENTROPY_GRAD if entropy else 0)) if (
-            torch.is_grad_enabled() and x.requires_grad and frozen_head) else 0
+        dx_in_forward = LOGP_GRAD if torch.is_grad_enabled() and x.requires_grad and frozen_head else 0
     logp, ent, stats, _ = torch.ops.sloth.linear_token_logprobs(
         x, w, bias, labels, int(ignore_index), float(softcap), float(logit_scale), float(temperature), bool(entropy),
         int(dx_in_forward), bool(statistics))

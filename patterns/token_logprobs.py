@@ -37,6 +37,7 @@ from ..compiler.fx_utils import erase_unused, grad_enabled_at, insert_call, inhe
     is_grad_switch, module_path, source_location, tensor_of
 from ..compiler.options import PassOptions
 from ..compiler.report import Report, Site
+from ..compiler.writes import mutated_producer
 from .cross_entropy import (_chain_to_linear, _class_selection, _is_row_step, _is_view, _row_selection,
                             _scale_and_softcap, _select_rows)
 
@@ -102,12 +103,32 @@ def _gather_index(node: fx.Node, lsm: fx.Node) -> Union[fx.Node, str, None]:
     return index
 
 
+def _twin(node: Any, lsm: fx.Node) -> bool:
+    """``node`` is the log-softmax ``lsm`` written again on the same logits, read once (by the entropy's product):
+    ``z.log_softmax(-1).exp() * z.log_softmax(-1)``, or the log-probabilities' one and a logged entropy's. The same
+    value unless the logits are written in place (``_match`` refuses any write to them)."""
+    return (_is_log_softmax(node) and node is not lsm and len(node.users) == 1 and node.target == lsm.target
+            and node.args == lsm.args and node.kwargs == lsm.kwargs)
+
+
 def _entropy_sum(node: fx.Node, lsm: fx.Node) -> Optional[fx.Node]:
-    """``sum(exp(lsm) * lsm, (-1,), keepdim)`` from ``node``, the ``exp(lsm)`` user of ``lsm``, else None."""
+    """``sum(exp(lsm) * lsm, (-1,), keepdim)`` from ``node``, a user of ``lsm``, else None: ``node`` is the
+    ``exp(lsm)`` (the product's other factor ``lsm`` or its twin), or the product itself with ``exp(twin)``."""
+    if is_call(node, torch.mul) and len(node.args) == 2 and lsm in node.args:
+        exp = node.args[1] if node.args[0] is lsm else node.args[0]
+        if not (is_call(exp, torch.exp) and len(exp.users) == 1 and _twin(exp.args[0], lsm)):
+            return None
+        node = exp
     if not is_call(node, torch.exp) or len(node.users) != 1:
         return None
     mul = next(iter(node.users))
-    if not is_call(mul, torch.mul) or set(mul.args) != {node, lsm} or len(mul.users) != 1:
+    if not is_call(mul, torch.mul) or len(mul.args) != 2 or node not in mul.args or len(mul.users) != 1:
+        return None
+    other = mul.args[1] if mul.args[0] is node else mul.args[0]
+    if node.args[0] is lsm:
+        if other is not lsm and not _twin(other, lsm):
+            return None
+    elif other is not lsm:  # exp(twin) * lsm
         return None
     total = next(iter(mul.users))
     lt = tensor_of(lsm)
@@ -154,7 +175,27 @@ def _match(lsm: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
     if gather is not None and entropy is not None and _position(index) > _position(entropy) and any(
             _position(u) < _position(gather) for u in entropy.users):
         return "the entropy is read before the labels are computed"
+    products = entropy.args[0].args if entropy is not None else ()  # (exp(lsm or twin), lsm or twin)
+    softmaxes = [a.args[0] if is_call(a, torch.exp) else a for a in products]
+    written = _written_in_place(linear, parts, [*steps, lsm, *softmaxes], [n for n in (gather, entropy) if n])
+    if written:
+        return written
     return TokenLogprobsMatch(lsm, linear, parts, gather, index, entropy, *head)
+
+
+def _written_in_place(linear: fx.Node, parts: tuple[Any, Any, Any], chain: list[fx.Node],
+                      readers: list[fx.Node]) -> Optional[str]:
+    """Why the op would read other values than the graph did: the head's x, w or bias, the logits (or a view of
+    them) or their log-softmax written in place between the linear and the last reader; else None."""
+    last = max(readers, key=_position)
+    between, node = [], linear.next
+    while node is not last and node.op != "output":
+        between.append(node)
+        node = node.next
+    tensors = {n for n in (*parts, linear, *chain) if isinstance(n, fx.Node)}
+    writer = mutated_producer(linear.graph, tensors, between)
+    return None if writer is None else (f"the head's inputs, its logits or their log-softmax are written in place "
+                                        f"({writer.name}) before the last read")
 
 
 def _position(node: fx.Node) -> int:
@@ -245,7 +286,17 @@ def _match_logsumexp(sub: fx.Node) -> Union[TokenLogprobsMatch, str, None]:
     head = _head(linear, parts, steps)
     if isinstance(head, str):
         return head
+    written = _written_in_place(linear, parts, [*steps, z], [sub])
+    if written:
+        return written
     return TokenLogprobsMatch(sub, linear, parts, sub, index, None, *head)
+
+
+def _records_gradient(reader: Optional[fx.Node]) -> bool:
+    """Whether the graph's value at ``reader`` (a gather, an entropy's sum) has a gradient: Dynamo's example value
+    says, which knows the grad mode of each line and what was computed under it (the log-softmax or the linear
+    under ``no_grad``, read outside)."""
+    return reader is not None and bool(getattr(tensor_of(reader), "requires_grad", False))
 
 
 def _placement(m: TokenLogprobsMatch) -> Union[fx.Node, str]:
@@ -254,7 +305,7 @@ def _placement(m: TokenLogprobsMatch) -> Union[fx.Node, str]:
     a gradient, autograd must record the op: it goes before the ``no_grad`` block, if its inputs are made there."""
     readers = [n for n in (m.gather, m.entropy_sum) if n is not None]
     first = min((n for n in readers if m.index is None or _position(m.index) < _position(n)), key=_position)
-    if grad_enabled_at(first) or not any(grad_enabled_at(n) for n in readers):
+    if grad_enabled_at(first) or not any(_records_gradient(n) for n in readers):
         return first
     inputs = [n for n in (*m.parts, m.index, *m.selection) if isinstance(n, fx.Node)]
     last_input = max(inputs, key=_position)
@@ -275,19 +326,14 @@ def _dx_in_forward(m: TokenLogprobsMatch, place: fx.Node) -> int:
     if not (grad_enabled_at(place) and x is not None and x.requires_grad) or any(
             t is not None and t.requires_grad for t in (w, b)):
         return 0
-    bits = 0
-    if m.gather is not None and grad_enabled_at(m.gather) and getattr(tensor_of(m.gather), "requires_grad", False):
-        bits |= lowering.LOGP_GRAD
-    if m.entropy_sum is not None and grad_enabled_at(m.entropy_sum) and getattr(
-            tensor_of(m.entropy_sum), "requires_grad", False):
-        bits |= lowering.ENTROPY_GRAD
-    return bits
+    return (lowering.LOGP_GRAD if _records_gradient(m.gather) else 0) | (
+        lowering.ENTROPY_GRAD if _records_gradient(m.entropy_sum) else 0)
 
 
 def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch, first: fx.Node) -> set[fx.Node]:
     """The op on x's rows (the logits' row selection replayed on x, then flattened) and the labels flattened,
     before ``first`` (``_placement``); its log-probabilities in the gather's shape and its negative entropy in the
-    sum's, each cast to the dtype the graph had there, and detached where the graph read it under ``no_grad``.
+    sum's, each cast to the dtype the graph had there, and detached where the graph's value had no gradient.
     Shapes come from views of the graph's own tensors (``view_as``), so symbolic sizes stay symbolic."""
     g = gm.graph
     x, w, b = m.parts
@@ -305,13 +351,13 @@ def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch, first: fx.Node) -> set[f
     recording = grad_enabled_at(first)
     if m.gather is not None:
         logp = insert_call(g, first, operator.getitem, (fused, 0), meta_from=m.gather)
-        if recording and not grad_enabled_at(m.gather):
+        if recording and not _records_gradient(m.gather):
             logp = insert_call(g, first, torch.detach, (logp,), meta_from=m.gather)
         logp = _in_place_of(g, first, logp, m.gather, like=m.index)
         m.gather.replace_all_uses_with(logp)
     if entropy:
         ent = insert_call(g, first, operator.getitem, (fused, 1), meta_from=m.entropy_sum)
-        if recording and not grad_enabled_at(m.entropy_sum):
+        if recording and not _records_gradient(m.entropy_sum):
             ent = insert_call(g, first, torch.detach, (ent,), meta_from=m.entropy_sum)
         neg = insert_call(g, first, torch.neg, (ent,), meta_from=m.entropy_sum)
         # the entropy's shape: the labels' rows where there are labels (any view of the logits keeps them in
@@ -338,25 +384,6 @@ def _in_place_of(g: fx.Graph, before: fx.Node, value: fx.Node, old: fx.Node, lik
     return node
 
 
-def _merge_repeated_log_softmax(g: fx.Graph) -> None:
-    """A log-softmax written again on the same logits (``z.log_softmax(-1).exp() * z.log_softmax(-1)``, or once
-    for the log-probabilities and again under ``no_grad`` for a logged entropy) becomes the first one: the same
-    value (under ``no_grad``, ops on it record nothing either way), so the entropy's product reads one node. Not
-    where the first is under ``no_grad`` and the second records a gradient: the first has none to give."""
-    first: dict[tuple, fx.Node] = {}
-    for node in list(g.nodes):
-        if not _is_log_softmax(node):
-            continue
-        key = (node.op, node.target, node.args, tuple(sorted(node.kwargs.items())))
-        try:
-            earlier = first.setdefault(key, node)
-        except TypeError:  # an argument that does not hash: left as written
-            continue
-        if earlier is not node and (grad_enabled_at(earlier) or not grad_enabled_at(node)):
-            node.replace_all_uses_with(earlier)
-            g.erase_node(node)
-
-
 def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], *, report: Report,
                              options: PassOptions = PassOptions()) -> fx.GraphModule:
     """Replace each linear head's log-softmax gathered at labels (and its entropy) with
@@ -367,7 +394,6 @@ def fuse_token_logprobs_pass(gm: fx.GraphModule, example_inputs: Sequence[Any], 
              lp = logp.reshape(...); s = -ent.reshape(...)
     """
     _lowering().register()
-    _merge_repeated_log_softmax(gm.graph)
     erased: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node in erased:

@@ -64,12 +64,12 @@ def forward_backward(fn, x, w, b, entropy, weight_grad=True):
     return logp.detach(), (ent.detach() if entropy else None), dx, dw, db
 
 
-def check(x32, w32, b32, labels, dtype, weight_grad=True, device="cpu", **opts):
+def check(x32, w32, b32, labels, dtype, weight_grad=True, device="cpu", dx_in_forward=None, **opts):
     x, w, labels = x32.to(device, dtype), w32.to(device, dtype), labels.to(device)
     b = b32.to(device, dtype) if b32 is not None else None
     entropy = opts.get("entropy", False)
-    actual = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, **opts), x, w, b, entropy,
-                              weight_grad)
+    actual = forward_backward(lambda a, c, d: linear_token_logprobs(a, c, d, labels, dx_in_forward=dx_in_forward,
+                                                                    **opts), x, w, b, entropy, weight_grad)
     eager = forward_backward(lambda a, c, d: eager_token_logprobs(a, c, d, labels, **opts), x, w, b, entropy,
                              weight_grad)
     reference = forward_backward(lambda a, c, d: eager_token_logprobs(a, c, d, labels, **opts), x.double(),
@@ -152,12 +152,32 @@ def test_a_frozen_head_gets_no_weight_gradient(dtype):
     check(x, w, b, labels, dtype, weight_grad=False, entropy=True)
 
 
+@pytest.mark.parametrize("dx_in_forward", [None, 1, 2, 3], ids=["trained", "frozen-1", "frozen-2", "frozen-3"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_large_vocabulary_over_several_blocks_and_chunks(dtype, monkeypatch, device):
-    # two rows per chunk, and a vocabulary of several 4096-wide blocks
+def test_a_large_vocabulary_over_several_blocks_and_chunks(dtype, dx_in_forward, monkeypatch, device):
+    # two rows per chunk (one with both of dx's parts in the forward), a vocabulary of several 4096-wide blocks
     monkeypatch.setattr(lowering, "chunk_rows", lambda n, v, h, dw=False: 2)
-    x, w, b, labels = make_inputs(5, 16, 9001, ignored=True)
-    check(x, w, b, labels, dtype, device=device, entropy=True, softcap=30.0)
+    x, w, b, labels = make_inputs(5, 16, 9001, bias=True, ignored=True)
+    check(x, w, b, labels, dtype, weight_grad=dx_in_forward is None, device=device, entropy=True, softcap=30.0,
+          logit_scale=0.5, temperature=1.3, dx_in_forward=dx_in_forward)
+
+
+@pytest.mark.parametrize("dx_in_forward, differentiated, recomputed", [
+    (1, "logp", []), (2, "entropy", []), (3, "both", []), (1, "both", [(False, True)]), (2, "both", [(True, False)]),
+    (0, "logp", [(True, False)])])
+def test_the_backward_recomputes_only_what_the_forward_left(dx_in_forward, differentiated, recomputed, monkeypatch):
+    # an output nothing differentiates brings no pass over the vocabulary (its gradient is None, not zeros)
+    seen, original = [], lowering._recompute_grads
+
+    def spy(grad_logp, grad_entropy, *args, **kwargs):
+        seen.append((grad_logp is not None, grad_entropy is not None))
+        return original(grad_logp, grad_entropy, *args, **kwargs)
+    monkeypatch.setattr(lowering, "_recompute_grads", spy)
+    x, w, _, labels = make_inputs(6, 8, 20)
+    logp, ent = linear_token_logprobs(x.requires_grad_(True), w, None, labels, entropy=True,
+                                      dx_in_forward=dx_in_forward)
+    {"logp": logp.sum(), "entropy": ent.sum(), "both": logp.sum() + ent.sum()}[differentiated].backward()
+    assert seen == recomputed, seen
 
 
 @pytest.mark.parametrize("head", ["trained", "frozen"])
@@ -287,10 +307,19 @@ def test_is_top1_is_the_first_argmax(device):
     assert top1.tolist() == [1.0, 0.0, 0.0]
 
 
-def test_statistics_on_the_reference_path(monkeypatch):
+@pytest.mark.parametrize("head", ["trained", "frozen"])
+def test_statistics_on_the_reference_path(monkeypatch, head):
+    # the statistics' rows beside the backward's three: every output and gradient as the kernels give them
     x, w, b, labels = make_inputs(9, 16, 70, bias=True, ignored=True)
-    kernels = linear_token_logprobs(x, w, b, labels, entropy=True, statistics=True, softcap=3.0)
+
+    def run():
+        xs, ws, bs = (t.detach().requires_grad_(t is x or head == "trained") for t in (x, w, b))
+        out = linear_token_logprobs(xs, ws, bs, labels, entropy=True, statistics=True, softcap=3.0)
+        wrt = [xs] + ([ws, bs] if head == "trained" else [])
+        return [o.detach() for o in out] + list(torch.autograd.grad(out[0].sum() + 2 * out[1].sum(), wrt))
+
+    kernels = run()
     force_fallback(monkeypatch, lowering, "_token_stats_kernel", "_token_grad_kernel")
-    reference = linear_token_logprobs(x, w, b, labels, entropy=True, statistics=True, softcap=3.0)
+    reference = run()
     for a, r in zip(kernels, reference):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)

@@ -60,7 +60,9 @@ def fused_against_eager(form, head, h, ids, rtol=1e-4, atol=1e-5):
     want = run(form, head, h, ids)
     got = run(torch.compile(form, backend="sloth"), head, h, ids)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
+        assert (a is None) == (b is None), "a gradient where eager has none, or none where it has one"
+        if a is not None:
+            torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
     return sloth.report()
 
 
@@ -272,10 +274,8 @@ def test_views_and_orders_give_eagers_shapes(form, fused):
 
 
 def test_a_log_softmax_repeated_after_a_no_grad_one_keeps_its_gradient():
-    # the first log-softmax under no_grad (a logged entropy), the second recording the log-probabilities'
-    # gradient: not merged into the first, which has none to give
-    head = Head()
-
+    # the first log-softmax under no_grad (a logged entropy), the second recording the log-probabilities' gradient:
+    # the entropy's and the log-probabilities' sites each their own
     def later(head, h, ids):
         logits = head.lm_head(h).float()
         with torch.no_grad():
@@ -283,4 +283,54 @@ def test_a_log_softmax_repeated_after_a_no_grad_one_keeps_its_gradient():
             entropy = -(lsm0.exp() * lsm0).sum(-1)
         return logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) + entropy
 
-    fused_against_eager(later, head, torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
+    fused_against_eager(later, Head(), torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
+
+
+def lsm_under_no_grad(head, h, ids):
+    # the log-softmax (or, below, the linear) under no_grad and read outside it: the graph's value has no gradient
+    logits = head.lm_head(h).float()
+    with torch.no_grad():
+        lsm = logits.log_softmax(-1)
+    return selective(lsm, ids) + h.sum(-1)
+
+
+def linear_under_no_grad(head, h, ids):
+    with torch.no_grad():
+        logits = head.lm_head(h).float()
+    return selective(logits.log_softmax(-1), ids) + h.sum(-1)
+
+
+@pytest.mark.parametrize("form", [lsm_under_no_grad, linear_under_no_grad], ids=lambda f: f.__name__)
+def test_what_no_grad_made_gets_no_gradient_from_the_op(form):
+    report = fused_against_eager(form, Head(), torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
+    assert report.counts.get("token_logprobs") == 1, report
+
+
+def scaled_in_place(head, h, ids):
+    logits = head.lm_head(h).float()
+    logits.mul_(3.0)
+    return selective(logits.log_softmax(-1), ids)
+
+
+def written_between_two(head, h, ids):
+    # the same logits' log-softmax twice, the logits written in place between: two values, not one
+    logits = head.lm_head(h).float()
+    first = selective(logits.log_softmax(-1), ids)
+    logits.div_(2.0)
+    second = logits.log_softmax(-1)
+    return first + (second.exp() * second).sum(-1)
+
+
+@pytest.mark.parametrize("form", [scaled_in_place, written_between_two], ids=lambda f: f.__name__)
+def test_logits_written_in_place_keep_eagers_values(form):
+    report = fused_against_eager(form, Head(), torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
+    assert any("written in place" in r for r in _reasons()), (_reasons(), report)
+
+
+def test_two_log_softmaxes_each_gathered_are_two_sites():
+    def two(head, h, ids):
+        logits = head.lm_head(h).float()
+        return selective(logits.log_softmax(-1), ids) - selective(logits.log_softmax(-1), ids.flip(-1))
+
+    report = fused_against_eager(two, Head(), torch.randn(2, 7, 16), torch.randint(0, 50, (2, 7)))
+    assert report.counts.get("token_logprobs") == 2, report

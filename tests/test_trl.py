@@ -6,8 +6,9 @@ Each logged step's loss, gradient norm and TRL's own metrics (entropy, token acc
 log-probabilities) must equal eager's, and the report must be reachable and list the families sloth replaced.
 TRL 1.16 computes the loss in its own fused LM head (``trl.trainer.utils.add_fused_lm_head``: the model is
 called with ``fused_lm_head=True`` and returns per-token log-probabilities), so no ``cross_entropy`` site exists
-for sloth in these graphs; TRL's head stays TRL's (why: docs/training.md, "TRL"). The tokenizer is a word-level
-one built here (no model hub).
+for sloth in these graphs; under sloth TRL's head is sloth's ``linear_token_logprobs``, traced into the model's
+graph (compiler/integrations/trl_head.py; why: docs/training.md, "TRL"). The tokenizer is a word-level one built
+here (no model hub).
 """
 from __future__ import annotations
 
@@ -69,8 +70,10 @@ def _assert_report(packed: bool = False) -> None:
     report = sloth.report()
     counts = dict(report.counts)
     forwards = counts.get("rms_norm", 0) // 9
-    per_forward = {"rms_norm": 9, "rope": 2, "glu": 2, "lora": 14, **({"packed_attention": 2} if packed else {})}
-    # no cross_entropy: TRL's fused head computes the loss (module docstring)
+    per_forward = {"rms_norm": 9, "rope": 2, "glu": 2, "lora": 14, "token_logprobs": 1,
+                   **({"packed_attention": 2} if packed else {})}
+    # no cross_entropy: TRL's fused head computes the loss (module docstring), as sloth's token_logprobs op
+    # (compiler/integrations/trl_head.py)
     assert forwards >= 1 and counts == {k: v * forwards for k, v in per_forward.items()}, str(report)
     assert not report.unexplained, str(report)
 
@@ -170,12 +173,11 @@ def graphs_and_reports(monkeypatch) -> list:
 # Graphs compiled over the 30 steps, measured (torch 2.13, transformers 5.25, TRL 1.16). The model's forward: one
 # graph at the first step's row length, then one of symbolic length for every later length (automatic dynamic
 # shapes); padded, one more for the last batch of each epoch, of one row (19 aphorisms in batches of 2: Dynamo
-# specialises a size of 1). TRL's fused LM head breaks Dynamo's graph twice (its chunked log-probabilities, then
-# the per-token masking), and each piece is compiled at a static and then a symbolic size, the masking piece also
-# at the one-row batch. So padded 3 + 2 + 3 = 8, packed 2 + 2 + 2 = 6. Nothing else makes a graph (TRL's
+# specialises a size of 1). TRL's fused LM head is sloth's op inside those graphs (compiler/integrations/trl_head.py;
+# TRL's own head broke each graph twice, 8 and 6 graphs in all). Nothing else makes a graph (TRL's
 # num_items_in_batch, the learning rate, the step's other Python values).
 MODEL_GRAPHS_30_STEPS = {False: 3, True: 2}
-GRAPHS_30_STEPS = {False: 8, True: 6}
+GRAPHS_30_STEPS = MODEL_GRAPHS_30_STEPS
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
@@ -184,7 +186,7 @@ def test_sft_30_steps_graphs_and_sites(tmp_path, graphs_and_reports, packing: bo
     per batch (lengths change every step) or packed, two rows of up to 32 tokens flattened into one (position ids
     restarting per aphorism; its length changes too). Every graph of the model's forward fuses all of its sites:
     the layer's two RMSNorms, RoPE, the GLU, the seven adapters (in bf16, as autocast runs them) and, packed, the
-    attention; the final norm. TRL's head graphs hold none. The graph counts are GRAPHS_30_STEPS'."""
+    attention; the final norm; TRL's head on sloth's op. The graph counts are GRAPHS_30_STEPS'."""
     lines = zen_of_python()
     tokenizer = zen_tokenizer(lines)
     config = transformers.AutoConfig.for_model(
@@ -204,7 +206,8 @@ def test_sft_30_steps_graphs_and_sites(tmp_path, graphs_and_reports, packing: bo
     assert trainer.state.global_step == 30
     summary = "\n".join(str(r) for r in graphs_and_reports)
     model_graphs = [r for r in graphs_and_reports if "rms_norm" in r.counts]
-    per_graph = {"rms_norm": 3, "rope": 1, "glu": 1, "lora": 7, **({"packed_attention": 1} if packing else {})}
+    per_graph = {"rms_norm": 3, "rope": 1, "glu": 1, "lora": 7, "token_logprobs": 1,
+                 **({"packed_attention": 1} if packing else {})}
     assert [dict(r.counts) for r in model_graphs] == [per_graph] * MODEL_GRAPHS_30_STEPS[packing], summary
     assert len(graphs_and_reports) == GRAPHS_30_STEPS[packing], summary
     # Padded, the mask is transformers' padding mask, read from attention_mask: packed_attention and causal_mask

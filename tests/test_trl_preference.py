@@ -5,17 +5,16 @@
 Every logged metric of every step equals eager's (fp32: rel 1e-4, abs 1e-5). The reference model is the policy
 with its adapters disabled (peft, no ``ref_model``), as TRL does.
 
-Why no ``token_logprobs`` site: TRL 1.16's DPO, GRPO, RLOO and KTO trainers never call ``selective_log_softmax``
-(trl/trainer/utils.py:538) or ``entropy_from_logits`` (:604); only experimental trainers (ORPO, CPO, SDPO, ...) and
-``selective_log_softmax_and_entropy`` still do. They patch the model with ``add_fused_lm_head``
-(trl/trainer/utils.py:1548, e.g. trl/trainer/dpo_trainer.py:960, trl/trainer/grpo_trainer.py:1068) and call it with
-``fused_lm_head=True`` (dpo_trainer.py:1299 and :1336, grpo_trainer.py:1498), which projects the hidden states
-through ``trl.kernels.ChunkedLogProbFunction.apply`` (trl/trainer/utils.py:1644; trl/kernels/chunked_logprob.py:299),
-an autograd.Function that computes the log-probabilities as ``target_logit - (running_max + log(sum_exp))`` over
-vocabulary tiles (chunked_logprob.py:378-379): the graphs hold no ``log_softmax`` (nor even the [N, V] logits as one
-tensor) for the family to anchor on, so there is nothing to replace and nothing to refuse. The unfused helper's
-spellings (``selective_log_softmax``'s float32 ``gather - stack([logsumexp(row)])`` and its bf16 per-row
-``log_softmax``, utils.py:582-594; ``entropy_from_logits``) are matched (tests/test_token_logprobs_pattern.py).
+Where the ``token_logprobs`` sites come from: TRL 1.16's DPO, GRPO, RLOO and KTO trainers never call
+``selective_log_softmax`` (trl/trainer/utils.py:538) or ``entropy_from_logits`` (:604); only experimental trainers
+(ORPO, CPO, SDPO, ...) and ``selective_log_softmax_and_entropy`` still do. They patch the model with
+``add_fused_lm_head`` (trl/trainer/utils.py:1548, e.g. trl/trainer/dpo_trainer.py:960, trl/trainer/grpo_trainer.py:1068)
+and call it with ``fused_lm_head=True`` (dpo_trainer.py:1299 and :1336, grpo_trainer.py:1498), which projects the
+hidden states through ``trl.kernels.ChunkedLogProbFunction.apply`` (trl/trainer/utils.py:1644): no ``log_softmax`` in
+any graph for the family's pass to anchor on. Under sloth that call is sloth's ``linear_token_logprobs``
+(compiler/integrations/trl_head.py), traced into the model's graph: one site per model forward, reported as traced
+in. The unfused helper's spellings (``selective_log_softmax``'s float32 ``gather - stack([logsumexp(row)])`` and its
+bf16 per-row ``log_softmax``; ``entropy_from_logits``) are matched by the pass (tests/test_token_logprobs_pattern.py).
 
 GRPO needs completions from generation (transformers' ``generate`` or vLLM); here ``_generate_and_score_completions``
 is replaced by one that returns fixed prompts, completions and advantages, so the trainer runs only its loss step
@@ -43,7 +42,7 @@ WORDS = [f"w{i}" for i in range(VOCAB - 4)]
 RTOL, ATOL = 1e-4, 1e-5
 # The families of one forward of the tiny Llama (2 layers) with LoRA on every linear: per layer two norms, and the
 # final one; RoPE; the GLU; the seven adapters. (Nothing for the head: TRL's fused head, module docstring.)
-PER_FORWARD = {"rms_norm": 5, "rope": 2, "glu": 2, "lora": 14}
+PER_FORWARD = {"rms_norm": 5, "rope": 2, "glu": 2, "lora": 14, "token_logprobs": 1}
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -90,12 +89,13 @@ def _assert_like_eager(eager: list[dict], compiled: list[dict], must: tuple[str,
 
 
 def _assert_report() -> dict:
-    """The model forwards' sites, and no token_logprobs site, refusal or unexplained anchor (module docstring)."""
+    """The model forwards' sites, TRL's head among them as sloth's op, and no refusal or unexplained anchor (module
+    docstring)."""
     report = sloth.report()
     counts = dict(report.counts)
     forwards = counts.get("rms_norm", 0) // PER_FORWARD["rms_norm"]
     assert forwards >= 1 and counts == {k: v * forwards for k, v in PER_FORWARD.items()}, str(report)
-    assert counts.get("token_logprobs", 0) == 0, str(report)
+    assert all("integration" in s.detail for s in report.sites if s.family == "token_logprobs"), str(report)
     assert not [r for r in report.rejections if r.family == "token_logprobs"], str(report)
     assert not report.unexplained, str(report)
     return counts
@@ -119,11 +119,11 @@ def _train_dpo(data, compiled: bool, output_dir) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def test_dpo_trainer_matches_eager_without_token_logprobs_sites(tmp_path) -> None:
+def test_dpo_trainer_matches_eager(tmp_path) -> None:
     """Two DPO steps (sigmoid loss, beta 0.5, a learning rate large enough that the second step's rewards are not
     zero): loss, gradient norm, rewards, margins, accuracies, log-probabilities, mean logits, entropy and token
-    accuracy as eager's (the first step's accuracies aside: ``_assert_like_eager``). TRL's fused LM head leaves the
-    token_logprobs family nothing to match (module docstring)."""
+    accuracy as eager's (the first step's accuracies aside: ``_assert_like_eager``), TRL's fused LM head on sloth's
+    op in each forward (module docstring)."""
     g = torch.Generator().manual_seed(5)
     data = datasets.Dataset.from_list([{"prompt": _text(g, 3), "chosen": _text(g, 4), "rejected": _text(g, 6)}
                                        for _ in range(8)])
@@ -195,10 +195,10 @@ def _train_grpo(data, compiled: bool, output_dir) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def test_grpo_loss_step_matches_eager_without_token_logprobs_sites(tmp_path) -> None:
+def test_grpo_loss_step_matches_eager(tmp_path) -> None:
     """Two GRPO steps on fixed completions (module docstring), beta 0.1 so the KL against the adapter-disabled
     reference is in the loss: loss, gradient norm, entropy, KL and clip ratios as eager's; the same sites as DPO's
-    and no token_logprobs site (GRPO's log-probabilities come from TRL's fused head too, grpo_trainer.py:1498)."""
+    (GRPO's log-probabilities come from TRL's fused head too, grpo_trainer.py:1498)."""
     g = torch.Generator().manual_seed(6)
     data = datasets.Dataset.from_list([{"prompt": _text(g, 3)} for _ in range(8)])
     eager = _train_grpo(data, False, tmp_path / "eager")

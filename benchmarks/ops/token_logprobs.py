@@ -10,9 +10,10 @@ so every provider computes the same number and the same gradient:
   grouping). sloth's mean cross-entropy (lowering/linear_cross_entropy.py) computes the same value and is the
   yardstick the issue names (the token op at most 1.1x its time);
 - ``logp, ent logged``: the same loss, the entropy computed beside it for a metric (TRL's SFT and GRPO log it),
-  no gradient through it; sloth's op as its pass emits it there (``dx_in_forward=1``: the entropy's part of dx
-  not computed);
-- ``logp+ent``: ``-(sum_i logp_i + 0.01 sum_i H_i) / n_valid`` (an entropy bonus: both outputs get gradients).
+  no gradient through it; sloth's op as its pass emits it there (``dx_in_forward=1``, the default: the
+  entropy's part of dx not computed);
+- ``logp+ent``: ``-(sum_i logp_i + 0.01 sum_i H_i) / n_valid`` (an entropy bonus: both outputs get gradients;
+  ``dx_in_forward=3``, as the pass emits it there).
 
 Providers: eager (the logits, ``log_softmax``, ``gather``), Inductor on the same code, sloth's
 ``linear_token_logprobs``, and TRL 1.16's ``ChunkedLogProbFunction`` called as its trainers call it (the
@@ -54,11 +55,11 @@ def _eager(case: str) -> Callable:
 
 
 def _sloth(case: str) -> Callable:
-    from sloth.lowering.token_logprobs import LOGP_GRAD, linear_token_logprobs
+    from sloth.lowering.token_logprobs import ENTROPY_GRAD, LOGP_GRAD, linear_token_logprobs
 
     def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logp, ent = linear_token_logprobs(x, w, None, labels, entropy=case != "logp",
-                                          dx_in_forward=LOGP_GRAD if case == "logged" else None)
+                                          dx_in_forward=LOGP_GRAD | ENTROPY_GRAD if case == "logp+ent" else None)
         return -_total(logp, ent, case) / (labels != -100).sum().clamp(min=1)
     return loss
 

@@ -6,7 +6,10 @@
     hub_kernels        the ``kernels`` package's routing store made readable under Dynamo, so gradient-checkpointed
                        layers stay in one graph
     input_grads_hook   transformers' input-embedding ``requires_grad_`` hook, skipped where nothing needs it
+    trl_head           TRL's fused LM head run by sloth's token_logprobs op in a step compiled with sloth
+                       (SLOTH_TRL_HEAD=0 turns it off)
     import_hooks       the shared mechanism: run an install when a library is imported, whichever comes first
 
-They patch other libraries' behaviour under Dynamo only, never the numbers; the compiler core does not import them.
+They patch other libraries' behaviour under Dynamo only; trl_head alone changes numbers (sloth's rounding in place of
+TRL's, inside a compile with sloth's backend only). The compiler core does not import them.
 """
