@@ -64,8 +64,10 @@ def reset_report() -> None:
 
 
 def note_site(family: str, op: str, detail: str) -> None:
-    """Record in ``report()`` a site an integration replaced outside any graph (at its first call)."""
-    _session_report.replaced(Site(family, op, "", "", detail))
+    """Record in ``report()`` a site an integration replaced outside any graph, once until ``reset_report()``."""
+    site = Site(family, op, "", "", detail)
+    if site not in _session_report.sites:
+        _session_report.replaced(site)
 
 
 def _sites_given(gm: fx.GraphModule) -> list[Site]:

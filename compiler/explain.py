@@ -25,12 +25,13 @@ def explain(model_or_fn: Callable, *args: Any, **kwargs: Any) -> Report:
     merged = Report()
 
     def capture(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        report = Report()
+        report = Report(sites=_backend._sites_given(gm))
         gm = run_passes(gm, example_inputs, families(), report, dump_root=dump_root(None))
         merged.merge(report)
         _backend._publish(report)
         return after_compile(gm, gm.forward)
 
+    capture.sloth_explain = True  # integrations act as under sloth's backend (compiler/integrations/trl_head.py)
     with torch.no_grad():
         torch.compile(model_or_fn, backend=capture)(*args, **kwargs)
     return merged

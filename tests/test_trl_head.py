@@ -121,7 +121,6 @@ def test_a_failure_of_sloths_op_gives_trls_head_for_good(head, monkeypatch, capl
 
 def test_run_eagerly_under_sloth_the_report_gets_the_site(head, monkeypatch):
     monkeypatch.setattr(trl_head, "_running_under_sloth", lambda: True)
-    monkeypatch.setattr(head, "reported", False)
     fn, params = call(("log_probs", "is_top1"))
     h, labels = inputs()
     got = fn(h, labels)
@@ -129,4 +128,29 @@ def test_run_eagerly_under_sloth_the_report_gets_the_site(head, monkeypatch):
     want = fn(h, labels)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[4], want[4])
+    fn(h, labels)  # once per report
     assert [s.detail for s in sloth.report().sites] == [trl_head.SITE_DETAIL]
+
+
+def test_sloths_backend_through_a_partial_and_in_explain(head):
+    # functools.partial(sloth_backend, options=...) is sloth's backend too, and sloth.explain shows what it runs
+    import functools
+
+    fn, params = call(("log_probs", "entropy"))
+    h, labels = inputs()
+    want = fn(h, labels)
+    backend = functools.partial(sloth.sloth_backend, options={"report": False})
+    got = torch.compile(fn, backend=backend, fullgraph=True)(h, labels)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert sloth.report().counts.get("token_logprobs") == 1
+    torch._dynamo.reset()
+    assert sloth.explain(fn, h, labels).counts.get("token_logprobs") == 1
+
+
+def test_trls_conventions_int32_labels_and_a_softcap_of_zero(head):
+    # TRL takes any integer labels, and reads a softcap of 0.0 as a cap of 1.0 (``softcap or 1.0``)
+    fn, params = call(("log_probs",), softcap=0.0)
+    h, labels = inputs()
+    want = fn(h, labels.int())
+    got = torch.compile(fn, backend="sloth", fullgraph=True)(h, labels.int())
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)

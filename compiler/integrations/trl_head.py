@@ -9,14 +9,18 @@ a pass to find: Dynamo breaks the graph before it (the labelled rows are a boole
 one pass over vocabulary tiles, and for a frozen head (LoRA) the log-probabilities' dx computed in the forward
 (``dx_in_forward``), two N x V x H matmuls where TRL's head does three (lowering/token_logprobs.py).
 
-When it acts: when the call runs inside a ``torch.compile`` with sloth's backend and the ``token_logprobs`` family
-on (``options={"disable": ["token_logprobs"]}`` gives TRL's head back), and not under DeepSpeed ZeRO-3 (TRL gathers
-the partitioned head for its own backward). Dynamo traces the head's frame (``torch.compiler.is_compiling``): which
-backend the trace is for is read once at trace time (``assume_constant_result``), and sloth's op goes into the graph,
-where the report lists it. A frame Dynamo gave up on runs eagerly inside the compiled call: the backend is then the
-active compile callback's, and the report gets the site at the first call. Anywhere else (eager training, another
-backend), and after sloth's op raised once (logged), TRL's own head runs. ``SLOTH_TRL_HEAD=0`` turns the integration
-off.
+When it acts: when the call runs inside a ``torch.compile`` with sloth's backend (``backend="sloth"``,
+``sloth.sloth_backend``, a ``functools.partial`` of it, under DDP too; ``sloth.explain`` shows it) and the
+``token_logprobs`` family on (``options={"disable": ["token_logprobs"]}`` gives TRL's head back), and not under
+DeepSpeed ZeRO-3 (TRL gathers the partitioned head for its own backward). Dynamo traces the head's frame
+(``torch.compiler.is_compiling``): which backend the trace is for is read once at trace time
+(``assume_constant_result``), and sloth's op goes into the graph, where the report lists it. On the CPU TRL scores
+every row and the head joins the model's graph; on a GPU TRL first selects the labelled rows (a boolean mask: a
+graph break), and the head is in the graph after it. A frame Dynamo gave up on runs eagerly inside the compiled call:
+the backend is then the active compile callback's, the report gets the site once per ``sloth.reset_report()``, and
+if sloth's op raises there (logged), TRL's head runs from then on. A traced call has no such fallback: an error
+there is a compile error. Anywhere else (eager training, another backend, a lambda around sloth's backend), TRL's
+own head runs. ``SLOTH_TRL_HEAD=0`` turns the integration off.
 
 Differences from TRL's head, none in the values' meaning: sloth's rounding (fp32 statistics from the logits tile
 in the compute dtype, as TRL's), ``chunk_size`` unused (sloth picks its own rows per tile), and an entropy that gets
@@ -24,6 +28,7 @@ a gradient after all is recomputed in the backward (TRL's trainers log it withou
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -45,7 +50,6 @@ class SlothLMHead:
     def __init__(self, trl_head: Any) -> None:
         self.trl_head = trl_head
         self.failed: Optional[str] = None  # why sloth's op gave way to TRL's for the rest of the process
-        self.reported = False
 
     def apply(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
               temperature: float, chunk_size: int, final_logit_softcapping: Optional[float] = None,
@@ -64,22 +68,36 @@ class SlothLMHead:
             log.warning("sloth: TRL's fused LM head could not run on sloth's op (%s); TRL's own head runs from now on",
                         self.failed)
             return self.trl_head.apply(*args)
-        if not self.reported:
-            self.reported = True
-            from ..backend import note_site
-            note_site("token_logprobs", "sloth.linear_token_logprobs", SITE_DETAIL)
+        from ..backend import note_site
+        note_site("token_logprobs", "sloth.linear_token_logprobs", SITE_DETAIL)
         return result
 
 
 def _sloth_options(backend: Any) -> Optional[dict]:
     """The options given to sloth's backend, when ``backend`` (a compile callback, or the backend Dynamo compiles
-    for, with their wrappers) is sloth's; else None."""
+    for) is sloth's, through any of its wrappers: Dynamo's own (``_torchdynamo_orig_backend``), torch.compile's
+    (``compiler_name``, ``compiler_fn``, ``kwargs``), DDP's graph splitter (``DDPOptimizer.compile_fn``, holding the
+    backend as ``backend_compile_fn``), ``functools.partial(sloth_backend, options=...)``, and ``sloth.explain``'s
+    capture; else None (a lambda around sloth's backend cannot be seen through: TRL's head runs there)."""
     from ..backend import sloth_backend
 
-    while hasattr(backend, "_torchdynamo_orig_backend"):
-        backend = backend._torchdynamo_orig_backend
-    if getattr(backend, "compiler_name", None) == "sloth" or getattr(backend, "compiler_fn", None) is sloth_backend:
-        return dict((getattr(backend, "kwargs", None) or {}).get("options") or {})
+    options: dict = {}
+    for _ in range(16):  # the wrappers, outermost first
+        if backend is sloth_backend or getattr(backend, "sloth_explain", False):
+            return options
+        if getattr(backend, "compiler_name", None) == "sloth":
+            return {**options, **((getattr(backend, "kwargs", None) or {}).get("options") or {})}
+        if isinstance(backend, functools.partial):
+            options = {**(backend.keywords.get("options") or {}), **options}
+            backend = backend.func
+        elif hasattr(backend, "_torchdynamo_orig_backend"):
+            backend = backend._torchdynamo_orig_backend
+        elif hasattr(getattr(backend, "__self__", None), "backend_compile_fn"):
+            backend = backend.__self__.backend_compile_fn
+        elif hasattr(backend, "compiler_fn"):
+            backend = backend.compiler_fn
+        else:
+            return None
     return None
 
 
@@ -130,6 +148,8 @@ def _sloth_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    # TRL's conventions: any integer labels; a softcap given as 0.0 is a cap of 1.0 (``softcap or 1.0``)
+    softcap = 0.0 if final_logit_softcapping is None else float(final_logit_softcapping or 1.0)
     x, w = hidden.to(dtype), weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
     frozen_head = not w.requires_grad and not (b is not None and b.requires_grad)
@@ -139,7 +159,7 @@ def _sloth_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     statistics = any(name in outputs for name in _STATISTICS)
     with torch.autocast(device, enabled=False):
         logp, ent, stats, _ = torch.ops.sloth.linear_token_logprobs.default(
-            x, w, b, targets, NO_IGNORED_ROWS, float(final_logit_softcapping or 0.0), float(logit_scale),
+            x, w, b, targets.long(), NO_IGNORED_ROWS, softcap, float(logit_scale),
             float(temperature), entropy, dx_in_forward, statistics)
     picked = {"entropy": ent, "log_sum_sq_probs": stats[3] if statistics else None,
               "mean_logits": stats[4] if statistics else None, "is_top1": stats[5] > 0.5 if statistics else None}
