@@ -4,7 +4,7 @@
     mutated_producer(graph, nodes) a node of ``graph`` writing memory one of ``nodes`` made (views included)
     body_of(node)                  the body GraphModule of a checkpoint/wrap higher-order op, else None
 
-Conservative by design: an op whose schema may write (any overload of a packet), ``out=``, ``inplace=True``
+Conservative by design: an op whose schema may write an argument given (any overload of a packet), ``out=``, ``inplace=True``
 (by keyword or by position), setitem and the augmented operators, any method or function named like an
 in-place op (``x.mul_``), a checkpointed body or a custom autograd.Function's forward body writing its
 placeholder, and every input of any other higher-order op all count as writes.
@@ -49,9 +49,9 @@ def _schema_writes(node: fx.Node, schema: Any) -> list[fx.Node]:
 
 def written(node: fx.Node) -> list[fx.Node]:
     """The nodes whose tensors ``node`` may write in place: setitem, ``x += y``, ``x.fill_()``, ``out=``,
-    ``inplace=True``, an op whose schema writes an argument (any of a packet's overloads counts for all its
-    arguments), a checkpointed body writing its placeholder, and, not knowing better, every input of any
-    other higher-order op. Empty for a functional node."""
+    ``inplace=True``, an op whose schema writes an argument the node passes (for a packet, any overload's), a
+    checkpointed body writing its placeholder, and, not knowing better, every input of any other higher-order op.
+    Empty for a functional node."""
     if node.op not in ("call_function", "call_method"):
         return []
     target = node.target
@@ -65,9 +65,9 @@ def written(node: fx.Node) -> list[fx.Node]:
         return node.all_input_nodes
     if isinstance(target, torch._ops.OpOverload):
         return _schema_writes(node, target._schema) + out
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        mutable = any(getattr(target, name)._schema.is_mutable for name in target.overloads())
-        return node.all_input_nodes if mutable else out
+    if isinstance(target, torch._ops.OpOverloadPacket):  # which overload runs is not known: any that writes
+        found = [n for name in target.overloads() for n in _schema_writes(node, getattr(target, name)._schema)]
+        return list(dict.fromkeys(found + out))  # (aten.index's out= overload writes only an out= given)
     if not node.args:
         return out
     name = target if node.op == "call_method" else getattr(target, "__name__", "")
@@ -128,11 +128,22 @@ def _body_call_writes(node: fx.Node, body: Optional[fx.GraphModule], operands: t
             if isinstance(operand, fx.Node) and mutated_producer(body.graph, {placeholder}) is not None]
 
 
+# The storage of a value whose storage cannot be read: functorch's batched tensors (a mask built with torch.vmap,
+# as transformers' Gemma 3 builds its image tokens' bidirectional mask) raise on ``untyped_storage()``. Two such
+# values compare equal, so a write to one counts as a write to any other (conservative: aliasing unknown).
+_UNREADABLE = object()
+
+
 def _storage(node: Any) -> Any:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     value = tensor_of(node)
-    return None if value is None else StorageWeakRef(value.untyped_storage())
+    if value is None:
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return _UNREADABLE
 
 
 def mutated_producer(graph: fx.Graph, producers: set[fx.Node],
