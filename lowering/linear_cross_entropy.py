@@ -322,12 +322,13 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     return loss, dx, dw, db
 
 
-def _raise_if_out_of_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """``IndexError`` for a label outside [0, V) that is not ``ignore_index``, as eager's cross-entropy raises.
-    Only for CPU tensors, where reading the labels is no host sync (see the module docstring)."""
+def _raise_if_out_of_range(labels: torch.Tensor, vocab: int, ignore_index: int,
+                           op: str = "sloth.linear_cross_entropy") -> None:
+    """``IndexError`` for a label outside [0, V) that is not ``ignore_index``, as eager's cross-entropy raises,
+    naming ``op``. Only for CPU tensors, where reading the labels is no host sync (see the module docstring)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bad.any():
-        raise IndexError(f"sloth.linear_cross_entropy: target {int(labels[bad][0])} is out of bounds (V = {vocab}, "
+        raise IndexError(f"{op}: target {int(labels[bad][0])} is out of bounds (V = {vocab}, "
                          f"ignore_index = {ignore_index})")
 
 

@@ -301,7 +301,7 @@ def _ltl_fwd(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], lab
     dx_parts = torch.zeros((logp_grad + entropy_grad, n_rows, x.shape[1]), dtype=torch.float32, device=x.device)
     triton_ok = use_triton(x)
     if not triton_ok and labels.device.type == "cpu":
-        _raise_if_out_of_range(labels, vocab, ignore_index)
+        _raise_if_out_of_range(labels, vocab, ignore_index, "sloth.linear_token_logprobs")
     block_v = min(next_power_of_2(max(vocab, 1)), 4096)
     rows = chunk_rows(n_rows, vocab, x.shape[1])
     rows = max(1, rows // 2) if entropy_grad else rows  # two tiles at once: each half the size

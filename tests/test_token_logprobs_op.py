@@ -217,7 +217,7 @@ def test_a_label_out_of_range_is_nan_or_an_error():
         logp, ent = linear_token_logprobs(x, w, None, labels, entropy=True)
         assert torch.isnan(logp[1]) and torch.isnan(ent[1]) and not torch.isnan(logp[[0, 2, 3]]).any()
     else:
-        with pytest.raises(IndexError, match="out of bounds"):
+        with pytest.raises(IndexError, match="sloth.linear_token_logprobs: target 10 is out of bounds"):
             linear_token_logprobs(x, w, None, labels)
 
 
@@ -323,3 +323,11 @@ def test_statistics_on_the_reference_path(monkeypatch, head):
     reference = run()
     for a, r in zip(kernels, reference):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_label_out_of_range_on_the_reference_path_names_the_op(monkeypatch):
+    force_fallback(monkeypatch, lowering, "_token_stats_kernel", "_token_grad_kernel")
+    x, w, b, labels = make_inputs(4, 8, 10)
+    labels[2] = -5
+    with pytest.raises(IndexError, match="sloth.linear_token_logprobs: target -5 is out of bounds"):
+        linear_token_logprobs(x, w, None, labels)
