@@ -36,9 +36,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 
-# The pattern and model tests with CUDA cases of their own (test_qlora.py: the qlora_linear op's).
+# The pattern and model tests with CUDA cases of their own (test_qlora.py: the qlora_linear op's; test_trl_head.py:
+# sloth's op against TRL's Triton head).
 PATTERN_FILES = ["test_gqa_attention_pattern.py", "test_attention_chunks.py", "test_grouped_gemm.py",
-                 "test_sm90_compile.py", "test_lean_backward.py", "test_peft_experts.py", "test_qlora.py"]
+                 "test_sm90_compile.py", "test_lean_backward.py", "test_peft_experts.py", "test_qlora.py",
+                 "test_trl_head.py"]
 # Model-sized cases (tens of GiB each, or minutes of one GPU): by test id, run alone after the rest.
 SERIAL = ("qwen3-moe or nemotron or gpt-oss-20b or gpt-oss-window or gpt-oss-full or deepseek-v3 or llama-3-8b "
           "or 4096x2048 or 3000-512 or past_two_to_the_31")

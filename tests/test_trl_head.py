@@ -25,12 +25,12 @@ def head():
     return installed
 
 
-def call(outputs, softcap=None, logit_scale=1.0, temperature=1.0, bias=False, trained=False):
-    """``fn(h, labels)`` calling TRL's head as add_fused_lm_head does (every row; the CPU's unmasked path), and the
-    head's parameters."""
+def call(outputs, softcap=None, logit_scale=1.0, temperature=1.0, bias=False, trained=False, device="cpu"):
+    """``fn(h, labels)`` calling TRL's head as add_fused_lm_head does (every row, as on the CPU; on a GPU TRL
+    passes the labelled rows alone, which the head sees the same way), and the head's parameters."""
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(61, 12, generator=g) * 0.5).requires_grad_(trained)
-    b = torch.randn(61, generator=g).requires_grad_(trained) if bias else None
+    w = (torch.randn(61, 12, generator=g) * 0.5).to(device).requires_grad_(trained)
+    b = torch.randn(61, generator=g).to(device).requires_grad_(trained) if bias else None
 
     def fn(h, labels):
         return trl_utils._ChunkedLogProbFunction.apply(h.reshape(-1, h.shape[-1]), w, b, labels.reshape(-1),
@@ -47,9 +47,9 @@ def outputs_and_grads(fn, params, h, labels):
     return [o.detach() if o is not None else None for o in out], grads
 
 
-def inputs():
+def inputs(device="cpu"):
     g = torch.Generator().manual_seed(1)
-    return torch.randn(3, 5, 12, generator=g), torch.randint(0, 61, (3, 5), generator=g)
+    return torch.randn(3, 5, 12, generator=g).to(device), torch.randint(0, 61, (3, 5), generator=g).to(device)
 
 
 @pytest.mark.parametrize("case", [
@@ -58,9 +58,10 @@ def inputs():
     dict(outputs=("log_probs", "entropy", "is_top1"), softcap=4.0, logit_scale=0.7, temperature=1.3, bias=True),
     dict(outputs=("log_probs", "entropy"), trained=True, bias=True),
 ], ids=["dpo", "all", "sft-capped", "full-fine-tuning"])
-def test_under_sloth_the_head_is_sloths_with_trls_values(case, head):
-    fn, params = call(**case)
-    h, labels = inputs()
+def test_under_sloth_the_head_is_sloths_with_trls_values(case, head, device):
+    # on a GPU (the lane's --device cuda) against TRL's Triton kernels, on the CPU against its PyTorch path
+    fn, params = call(**case, device=device)
+    h, labels = inputs(device)
     want, want_grads = outputs_and_grads(fn, params, h, labels)  # eager: TRL's own head
     got, got_grads = outputs_and_grads(torch.compile(fn, backend="sloth", fullgraph=True), params, h, labels)
     for name, a, b in zip(ALL, got, want):
@@ -74,11 +75,11 @@ def test_under_sloth_the_head_is_sloths_with_trls_values(case, head):
     assert len(sites) == 1 and sites[0].op == "sloth.linear_token_logprobs", sloth.report()
 
 
-def test_under_autocast_the_product_is_in_autocasts_dtype(head):
+def test_under_autocast_the_product_is_in_autocasts_dtype(head, device):
     # TRL casts the hidden states and the head to autocast's dtype for its matmul; sloth's op does the same
-    fn, params = call(("log_probs", "entropy"))
-    h, labels = inputs()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    fn, params = call(("log_probs", "entropy"), device=device)
+    h, labels = inputs(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         want, want_grads = outputs_and_grads(fn, params, h, labels)
         got, got_grads = outputs_and_grads(torch.compile(fn, backend="sloth", fullgraph=True), params, h, labels)
     for a, b in zip(got[:2] + list(got_grads), want[:2] + list(want_grads)):
