@@ -4,9 +4,9 @@
     mutated_producer(graph, nodes) a node of ``graph`` writing memory one of ``nodes`` made (views included)
     body_of(node)                  the body GraphModule of a checkpoint/wrap higher-order op, else None
 
-Conservative by design: an op whose schema may write an argument given (any overload of a packet), ``out=``, ``inplace=True``
-(by keyword or by position), setitem and the augmented operators, any method or function named like an
-in-place op (``x.mul_``), a checkpointed body or a custom autograd.Function's forward body writing its
+Conservative by design: an op whose schema may write an argument the node passes (any overload of a packet),
+``out=``, ``inplace=True`` (by keyword or by position), setitem and the augmented operators, any method or function
+named like an in-place op (``x.mul_``), a checkpointed body or a custom autograd.Function's forward body writing its
 placeholder, and every input of any other higher-order op all count as writes.
 """
 from __future__ import annotations

@@ -45,9 +45,11 @@ row gradients of x the forward computes, while the tile is there (a frozen head,
 (fp32, [N, H] each), and the backward is ``dx_i = a_i D1_i + e_i D2_i``: no second pass over the vocabulary. The
 logits' matmul and one matmul per part: two matmuls for the log-probabilities (as the mean cross-entropy) where
 recomputing takes three; a part not computed in the forward (an entropy asked for its value, then differentiated
-anyway), or dw, is recomputed in the backward as above, so the result never depends on the choice. A label outside [0, V) that is not
-``ignore_index`` makes the row's log-probability, entropy and gradient NaN (as the cross-entropy op does: no host
-sync); the PyTorch reference raises ``IndexError`` for CPU labels, as eager's gather does.
+anyway), or dw, is recomputed in the backward as above, so the result never depends on the choice.
+
+A label outside [0, V) that is not ``ignore_index`` makes the row's log-probability, entropy and gradient NaN (as
+the cross-entropy op does: no host sync); the PyTorch reference raises ``IndexError`` for CPU labels, as eager's
+gather does.
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ log = logging.getLogger("sloth")
 _MODULE = "trl.trainer.utils"
 _NAME = "_ChunkedLogProbFunction"  # how add_fused_lm_head refers to TRL's head, looked up at each call
 _STATISTICS = ("log_sum_sq_probs", "mean_logits", "is_top1")
-SITE_DETAIL = "TRL's fused LM head (trl.kernels.ChunkedLogProbFunction), run by sloth: compiler/integrations/trl_head.py"
+SITE_DETAIL = ("TRL's fused LM head (trl.kernels.ChunkedLogProbFunction), run by sloth: "
+               "compiler/integrations/trl_head.py")
 
 
 class SlothLMHead:
