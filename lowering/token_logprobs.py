@@ -460,6 +460,13 @@ def register() -> None:
     fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def default_dx_in_forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
+    """``dx_in_forward`` for a caller that does not know which outputs get a gradient: the log-probabilities' part
+    where only x gets one (a frozen head, recording autograd), else none."""
+    frozen_head = not w.requires_grad and not (bias is not None and bias.requires_grad)
+    return LOGP_GRAD if torch.is_grad_enabled() and x.requires_grad and frozen_head else 0
+
+
 def linear_token_logprobs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                           ignore_index: int = -100, softcap: float = 0.0, logit_scale: float = 1.0,
                           temperature: float = 1.0, entropy: bool = False, dx_in_forward: Optional[int] = None,
@@ -479,8 +486,7 @@ def linear_token_logprobs(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     log_sum_sq_probs, mean_logits, is_top1)``, TRL's order."""
     register()
     if dx_in_forward is None:
-        frozen_head = not w.requires_grad and not (bias is not None and bias.requires_grad)
-        dx_in_forward = LOGP_GRAD if torch.is_grad_enabled() and x.requires_grad and frozen_head else 0
+        dx_in_forward = default_dx_in_forward(x, w, bias)
     logp, ent, stats, _ = torch.ops.sloth.linear_token_logprobs(
         x, w, bias, labels, int(ignore_index), float(softcap), float(logit_scale), float(temperature), bool(entropy),
         int(dx_in_forward), bool(statistics))

@@ -144,7 +144,7 @@ def _sloth_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                 outputs: tuple[str, ...]) -> tuple:
     """TRL's five outputs from ``torch.ops.sloth.linear_token_logprobs``: the matmul in the compute dtype TRL uses
     (autocast's, else the hidden states'), every row scored (TRL passes only labelled rows, or clamped labels)."""
-    from ...lowering.token_logprobs import LOGP_GRAD
+    from ...lowering.token_logprobs import default_dx_in_forward
     from ...patterns.token_logprobs import NO_IGNORED_ROWS
 
     device = hidden.device.type
@@ -153,9 +153,8 @@ def _sloth_head(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     softcap = 0.0 if final_logit_softcapping is None else float(final_logit_softcapping or 1.0)
     x, w = hidden.to(dtype), weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
-    frozen_head = not w.requires_grad and not (b is not None and b.requires_grad)
     # the log-probabilities' dx in the forward (a frozen head); an entropy differentiated after all is recomputed
-    dx_in_forward = LOGP_GRAD if torch.is_grad_enabled() and x.requires_grad and frozen_head else 0
+    dx_in_forward = default_dx_in_forward(x, w, b)
     entropy = "entropy" in outputs
     statistics = any(name in outputs for name in _STATISTICS)
     with torch.autocast(device, enabled=False):
