@@ -27,7 +27,7 @@ import re
 import sys
 
 THRESHOLD_S = 4.0
-ADD_THRESHOLD_S = 3.0
+ADD_THRESHOLD_S = 2.0
 MIN_LEFT = 3  # tests a file keeps in the default run at the least, whatever they take
 # Whole-model tests the default run keeps however long they take: a transformers model through every family in fp32
 # and in bf16, a partial-rotary one, and the loss without logits.
