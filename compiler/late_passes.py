@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
@@ -94,6 +95,17 @@ def passes_off(inner: str, disabled: Sequence[str] = ()) -> dict[str, str]:
     return off
 
 
+def op_sources() -> set[str]:
+    """The files that define sloth's ops, their schemas, fake kernels, kernels and backwards (lowering/, runtime/).
+
+    Part of the cache key below, and through it of AOTAutograd's, whose key is the graph's code and Inductor's
+    config: a graph calls ``sloth::op`` by name, so after an upgrade that changes an op (one more output row,
+    another backward) a warm cache would hand back a graph compiled against the old op (seen: "expected size
+    3==2" when the token op's statistics went from two rows to three)."""
+    root = Path(__file__).resolve().parent.parent
+    return {str(path) for folder in ("lowering", "runtime") for path in (root / folder).rglob("*.py")}
+
+
 class PostGradPasses(CustomGraphPass):
     """The post-grad passes of ``LATE_PASSES`` not in ``off``, in order, each timed into ``report.pass_seconds``
     (when given), then ``then`` (a user's own pass), if any."""
@@ -116,7 +128,7 @@ class PostGradPasses(CustomGraphPass):
         # Inductor's cache keys compiled graphs by this: the passes that run, the source of each and of this module,
         # the attention chunks' thresholds, and the user's pass's uuid (none, or a falsy one, makes Inductor bypass
         # its cache, as theirs alone would).
-        files = {__file__} | {module.__file__ for late in self.passes for module in late.source}
+        files = {__file__} | {module.__file__ for late in self.passes for module in late.source} | op_sources()
         mine = (tuple(p.name for p in self.passes), get_hash_for_files(tuple(sorted(files))),
                 attention_chunks.MIN_BYTES, attention_chunks.CHUNK_BYTES)
         if self.then is None:

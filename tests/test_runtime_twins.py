@@ -201,3 +201,21 @@ def test_a_family_switched_off_by_name_does_not_run():
     report = sloth.report()
     assert "rms_norm" in report.disabled and not report.counts.get("rms_norm"), str(report)
     assert report.counts.get("lora"), str(report)
+
+
+def test_the_cache_key_changes_with_an_ops_source(monkeypatch, tmp_path) -> None:
+    # AOTAutograd's and Inductor's caches key a graph by its code and Inductor's config, where the post-grad pass's
+    # uuid is: a graph names sloth::op, so a change of the op (its schema, kernel or backward) must change the uuid.
+    import sloth.compiler.late_passes as late_passes
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    sources = late_passes.op_sources()
+    assert any(path.endswith("lowering/token_logprobs.py") for path in sources)
+    assert any("/runtime/" in path for path in sources)
+    edited = tmp_path / "op.py"
+    edited.write_text("# an op\n")
+    monkeypatch.setattr(late_passes, "op_sources", lambda: sources | {str(edited)})
+    before = late_passes.PostGradPasses().uuid()
+    edited.write_text("# the op, changed\n")
+    get_hash_for_files.cache_clear()
+    assert late_passes.PostGradPasses().uuid() != before
