@@ -154,3 +154,25 @@ def test_opt_out_leaves_the_hook_and_it_splits_the_graph():
     registered, graphs = result.stdout.strip().splitlines()[-1].split()
     # what the adjustment is for, so the one-graph test above can fail
     assert registered == "False" and int(graphs) > 1
+
+
+def test_checkpointing_turned_off_and_on_keeps_one_hook_and_one_graph():
+    # TRL runs each reference forward with checkpointing off (trl.models.utils.disable_gradient_checkpointing);
+    # turned on again, transformers registered one more hook, and Dynamo recompiled the model at every step.
+    model = build(reentrant=False)
+    base = model.get_base_model()
+    embeddings = model.get_input_embeddings()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting)
+    for step in range(3):
+        compiled(input_ids=IDS, labels=IDS).loss.backward()
+        base.gradient_checkpointing_disable()
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert len(embeddings._forward_hooks) == 1, step
+    assert len(graphs) == 1

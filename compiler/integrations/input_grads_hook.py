@@ -25,6 +25,12 @@ whenever ``_set_gradient_checkpointing`` runs (checkpointing enabled or disabled
 called: peft's ``prepare_model_for_kbit_training`` registers the hook first); Dynamo guards on the flag, so a
 change recompiles.
 
+And: re-enabling no longer stacks hooks. ``enable_input_require_grads`` replaces the model's list of hook handles
+without removing the hooks it held, and checkpointing re-enabled calls it again: under TRL 1.16 (which turns
+checkpointing off and on around each reference forward) one more hook every step, and a recompile of the whole model
+at every step under sloth, where the embedding is in the graph and Dynamo guards on the number of hooks. The wrapper
+removes the earlier hooks first.
+
 When. At ``import sloth`` if ``transformers.modeling_utils`` is loaded, else right after it is
 (compiler/integrations/import_hooks.py). A transformers without ``enable_input_require_grads`` and
 ``_set_gradient_checkpointing`` on ``PreTrainedModel`` is left alone, and so are hooks not found where 5.x keeps
@@ -101,6 +107,12 @@ def register(module) -> bool:
 
     @functools.wraps(enable)
     def enable_input_require_grads(self, *args, **kwargs):
+        # transformers replaces the list of handles without removing the hooks behind it, and re-enabling
+        # checkpointing calls this again (TRL turns checkpointing off and on around each reference forward), so
+        # each call left one more hook on the embeddings, and Dynamo, which guards on their number, recompiled the
+        # model at every step. The same hook once is all it needs.
+        for handle in getattr(self, "_require_grads_hooks", None) or ():
+            handle.remove()
         out = enable(self, *args, **kwargs)
         _wrap_registered(self)
         return out
