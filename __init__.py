@@ -17,7 +17,9 @@ nowhere, so gradient-checkpointed layers stay in one graph (compiler/integration
 without reentrant checkpointing, where it split the graph and nothing needs it
 (compiler/integrations/input_grads_hook.py; ``SLOTH_INPUT_GRADS_TRACEABLE=0`` turns it off); and, once TRL's trainer
 utilities are loaded, TRL's fused LM head run by sloth's ``linear_token_logprobs`` where a step compiled with sloth
-calls it (compiler/integrations/trl_head.py; ``SLOTH_TRL_HEAD=0`` turns it off). The custom ops register the first
+calls it (compiler/integrations/trl_head.py; ``SLOTH_TRL_HEAD=0`` turns it off); and, once bitsandbytes is loaded,
+its 4-bit layers' quant-state recovery made traceable, so a QLoRA layer sharded by FSDP2 stays in one graph
+(compiler/integrations/bnb_quant_state.py; ``SLOTH_BNB_TRACEABLE=0`` turns it off). The custom ops register the first
 time a pass inserts them.
 """
 from .compiler.backend import last_report, report, reset_report, sloth_backend
@@ -30,12 +32,14 @@ from .compiler.integrations.peft_experts import install as _install_traceable_pe
 from .compiler.integrations.hub_kernels import install as _install_traceable_hub_kernels
 from .compiler.integrations.input_grads_hook import install as _install_traceable_input_grads
 from .compiler.integrations.trl_head import install as _install_trl_head
+from .compiler.integrations.bnb_quant_state import install as _install_traceable_bnb_quant_state
 
 register_with_accelerate()
 _install_traceable_peft()
 _install_traceable_hub_kernels()
 _install_traceable_input_grads()
 _install_trl_head()
+_install_traceable_bnb_quant_state()
 
 __all__ = ["sloth_backend", "explain", "report", "reset_report", "last_report", "FAMILIES", "families", "register_family",
            "unregister_family", "Report", "Site", "Rejection"]

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.canonicalize import cast
-from ..compiler.fx_utils import tensor_of
+from ..compiler.fx_utils import insert_call, tensor_of
 
 _GEMM_4BIT = "bitsandbytes.gemm_4bit.default"  # compared by name: bitsandbytes need not be imported
 _DEQUANTIZE_4BIT = "bitsandbytes.dequantize_4bit.default"
@@ -95,14 +95,41 @@ def _from_gemm(gemm: fx.Node, out: fx.Node, hop: Optional[fx.Node], bodies: tupl
         return "an operand of gemm_4bit is computed inside the autograd function, not passed in"
     if nested and len(nested) != 3:
         return "a partly double-quantised absmax (some of absmax_8bit, absmax_code, absmax_offset missing)"
-    pt = tensor_of(packed)
-    if pt is None or pt.dtype != torch.uint8:
-        return f"the packed 4-bit weight is stored as {pt.dtype if pt is not None else 'unknown'}, not uint8"
+    refused = _storage_refused(packed, shape)
+    if refused:
+        return refused
     if nested:
         return Bnb4bitBase(out, hop, bodies, x, packed, nested["absmax_8bit"], nested["absmax_code"], absmax,
                            nested["absmax_offset"], bias, shape[0], shape[1], blocksize, quant_type)
     return Bnb4bitBase(out, hop, bodies, x, packed, absmax, None, None, None, bias, shape[0], shape[1], blocksize,
                        quant_type)
+
+
+def _storage_refused(packed: fx.Node, shape: Any) -> Optional[str]:
+    """Why the packed weight cannot be read as the 4-bit op's bytes, or None. bitsandbytes stores them as uint8, or,
+    with ``quant_storage`` (what FSDP needs to shard a 4-bit base), the same bytes viewed as a float dtype: the
+    fused op reads those as uint8 again (``packed_bytes``)."""
+    pt = tensor_of(packed)
+    if pt is None or (pt.dtype != torch.uint8 and not pt.dtype.is_floating_point):
+        return f"the packed 4-bit weight is stored as {pt.dtype if pt is not None else 'unknown'}, not bytes"
+    if pt.dtype != torch.uint8 and not pt.is_contiguous():
+        return f"the packed 4-bit weight, stored as {pt.dtype}, is not contiguous"
+    if pt.numel() * pt.element_size() != (shape[0] * shape[1] + 1) // 2:
+        return (f"the packed 4-bit weight holds {pt.numel() * pt.element_size()} bytes, not the "
+                f"{(shape[0] * shape[1] + 1) // 2} of a {shape[0]} x {shape[1]} weight")
+    return None
+
+
+def packed_bytes(graph: fx.Graph, packed: fx.Node, before: fx.Node) -> fx.Node:
+    """``packed`` as the fused op reads it: itself when stored as uint8, else a flat uint8 view of its bytes (a
+    view, no copy), inserted before ``before``."""
+    pt = tensor_of(packed)
+    if pt.dtype == torch.uint8:
+        return packed
+    as_bytes = insert_call(graph, before, torch.Tensor.view, (packed, torch.uint8), meta_from=before,
+                           value=pt.view(torch.uint8))
+    return insert_call(graph, before, torch.Tensor.view, (as_bytes, -1), meta_from=before,
+                       value=pt.view(torch.uint8).view(-1))
 
 
 def _is_gemm_4bit(node: Any) -> bool:
@@ -210,9 +237,9 @@ def _from_dequantize(linear: fx.Node, dequantized: fx.Node, out: fx.Node, hop: f
     if any(v is None for v in (x, packed, absmax)) or (bias_body is not None and bias is None) \
             or (nested is not None and any(v is None for v in nested)):
         return "an operand of the 4-bit linear is computed inside the autograd function, not passed in"
-    pt = tensor_of(packed)
-    if pt is None or pt.dtype != torch.uint8:
-        return f"the packed 4-bit weight is stored as {pt.dtype if pt is not None else 'unknown'}, not uint8"
+    refused = _storage_refused(packed, shape)
+    if refused:
+        return refused
     if nested is not None:
         codes, code, scale, offset = nested
         return Bnb4bitBase(out, hop, bodies, x, packed, codes, code, scale, offset, bias, shape[0], shape[1],

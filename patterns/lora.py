@@ -61,7 +61,7 @@ from ..compiler.options import PassOptions
 from ..compiler.families import Family
 from ..compiler.report import Report, Site
 from ..compiler.writes import mutated_producer, written
-from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused
+from .bnb_4bit import Bnb4bitBase, bnb_4bit_base, erase_if_unused, packed_bytes
 from .lora_shared import share_lora_inputs
 from .tiled_mlp import tile_lora_mlps
 
@@ -582,7 +582,7 @@ def _replace(gm: fx.GraphModule, m: LoraMatch, casts: _AutocastInputs) -> tuple[
         keep: tuple[Any, ...] = (m.x, m.w, m.bias, *factors)
     else:
         target = torch.ops.sloth.qlora_linear.default
-        args = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, q.out_features,
+        args = (m.x, packed_bytes(gm.graph, q.packed, m.out), q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, q.out_features,
                 q.in_features, q.blocksize, q.quant_type, m.bias, a, b, scale)
         keep = (m.x, q.packed, q.absmax, q.absmax_code, q.absmax_scale, q.absmax_offset, m.bias, *factors)
         _lowering_nf4().code_table(q.quant_type, tensor_of(q.packed).device)  # now, not on the first run

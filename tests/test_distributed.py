@@ -1,6 +1,7 @@
 """sloth under PyTorch's own distributed engines on the CPU: FSDP2 (``fully_shard``) and DDP, two processes on
 the gloo backend, a tiny Llama and a tiny Qwen3 with peft LoRA, FSDP2 also over gradient-checkpointed layers, both
-also with Inductor inside; and transformers' Trainer under ``torchrun`` (DDP). Each rank trains on its half of a batch; the gradients (averaged
+also with Inductor inside; transformers' Trainer under ``torchrun`` (DDP); and a peft QLoRA model (bitsandbytes 4-bit
+bases stored as float32) under FSDP2. Each rank trains on its half of a batch; the gradients (averaged
 over the ranks by FSDP2's reduce-scatter and DDP's all-reduce, gathered whole) must equal eager's averaged
 gradients under the whole-model tolerance rule, and each rank's report must count the sites a single-process
 compile counts (under FSDP2 the layers' causal masks, made in an eager frame, are checked on the device and run
@@ -257,3 +258,65 @@ def test_trainer_under_torchrun_ddp(tmp_path):
     assert len(eager) == len(ours) == 2 and ours == pytest.approx(eager, rel=1e-5), (ours, eager)
     counts = dict(found["COUNTS", "sloth"])
     assert counts == _single_process_counts("llama"), counts
+
+
+def _qlora_batches() -> torch.Tensor:
+    return torch.randint(0, 128, (WORLD, 2, 9), generator=torch.Generator().manual_seed(2))
+
+
+def _qlora_worker(rank: int, port: int, out: str) -> None:
+    """A tiny peft QLoRA Llama (tests/test_qlora.py: bitsandbytes NF4 bases, their bytes stored as float32 so that
+    FSDP2 shards them) under fully_shard per layer and on the root, compiled whole with sloth."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from test_qlora import qlora_model
+
+        model = qlora_model(torch.float32, storage=torch.float32)
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        compiled = torch.compile(model, backend="sloth", options={"inner": "aot_eager"})
+        ids = _qlora_batches()[rank]
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses = [torch.zeros(()) for _ in range(WORLD)]
+        dist.all_gather(losses, loss.detach())
+        grads = _grads(model)
+        report = sloth.report()
+        if rank == 0:
+            torch.save({"losses": losses, "grads": grads, "counts": dict(report.counts),
+                        "rejections": [(r.family, r.module, r.reason) for r in report.rejections]}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_qlora_under_fsdp2_on_two_ranks_matches_one_eager_process(tmp_path):
+    # Unfused before (0 of 14 sites: bitsandbytes' quant-state recovery broke the graph at each 4-bit linear, and
+    # its float-stored bytes were refused): compiler/integrations/bnb_quant_state.py, patterns/bnb_4bit.py.
+    pytest.importorskip("bitsandbytes")
+    from test_qlora import TARGETS, dense_fp64_copy, qlora_model
+
+    out = str(tmp_path / "rank0.pt")
+    mp.start_processes(_qlora_worker, args=(_free_port(), out), nprocs=WORLD, start_method="spawn", join=True)
+    result = torch.load(out)
+    model = qlora_model(torch.float32, storage=torch.float32)
+    averages = []
+    for run in (model, dense_fp64_copy(model)):  # eager, and the fp64 reference with bitsandbytes' own weights
+        total, losses = {}, []
+        for ids in _qlora_batches():
+            run.zero_grad(set_to_none=True)
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+            for name, p in run.named_parameters():
+                if p.grad is not None:
+                    total[_name(name)] = total.get(_name(name), 0) + p.grad.detach() / WORLD
+        averages.append((torch.stack(losses).mean(), total))
+    eager, reference = averages
+    loss = torch.stack(result["losses"]).mean()
+    assert set(result["grads"]) == set(eager[1]) and len(eager[1]) == 2 * len(TARGETS), sorted(result["grads"])
+    assert_model_close((loss, result["grads"]), eager, reference, torch.float32)
+    # The one layer's graph: each 4-bit linear with its adapter, one op per site.
+    assert result["counts"].get("lora") == len(TARGETS), (result["counts"], result["rejections"])

@@ -87,20 +87,22 @@ def test_op_refuses_a_bad_quant_type():
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def quantize_linears(root: nn.Module, dtype: torch.dtype, quant_type: str, nested: bool) -> None:
-    """Each ``nn.Linear`` under ``root`` replaced by a bitsandbytes ``Linear4bit`` of its weight, in place."""
+def quantize_linears(root: nn.Module, dtype: torch.dtype, quant_type: str, nested: bool,
+                     storage: torch.dtype = torch.uint8) -> None:
+    """Each ``nn.Linear`` under ``root`` replaced by a bitsandbytes ``Linear4bit`` of its weight, in place, its bytes
+    stored as ``storage`` (bitsandbytes' ``quant_storage``: a float dtype is what FSDP needs to shard it)."""
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False, compute_dtype=dtype,
-                                      quant_type=quant_type, compress_statistics=nested)
+                                      quant_type=quant_type, compress_statistics=nested, quant_storage=storage)
                 q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type=quant_type,
-                                             compress_statistics=nested, module=q)
+                                             compress_statistics=nested, module=q, quant_storage=storage)
                 setattr(parent, name, q.to("cpu"))  # quantises on the move
 
 
 def qlora_model(dtype: torch.dtype, quant_type: str = "nf4", nested: bool = True, model_type: str = "llama",
-                targets=None) -> nn.Module:
+                targets=None, storage: torch.dtype = torch.uint8) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -116,7 +118,7 @@ def qlora_model(dtype: torch.dtype, quant_type: str = "nf4", nested: bool = True
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    quantize_linears(model.model, dtype, quant_type, nested)
+    quantize_linears(model.model, dtype, quant_type, nested, storage)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS if targets is None else
                                              targets))
     for name, p in model.named_parameters():
@@ -167,6 +169,29 @@ def test_peft_qlora_model_every_linear_fused_and_within_the_tolerance_rule(dtype
     names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
     for name, ours, theirs, ref in zip(names, actual, eager, reference):
         assert_close(name, ours, theirs, ref, atol=1e-6 if dtype == torch.float32 else None)
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16], ids=str)
+def test_float_storage_and_fsdps_plain_weight_every_linear_fused_in_one_graph(storage):
+    # What FSDP2 does to a QLoRA layer, without processes: the 4-bit bytes stored as a float dtype (so it can shard
+    # them), and before each forward its own plain unsharded parameter in the module, with no quant_state on it.
+    # bitsandbytes re-wraps that weight, which Dynamo cannot trace: a graph break at every 4-bit linear and no site
+    # fused, until compiler/integrations/bnb_quant_state.py.
+    model = qlora_model(torch.float32, "nf4", True, storage=storage)
+    ids = torch.randint(0, 128, (2, 9), generator=seeded(8))
+    reference = loss_and_lora_grads(dense_fp64_copy(model), ids)
+    eager = loss_and_lora_grads(model, ids)
+    for layer in model.modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            assert layer.weight.dtype == storage
+            layer.weight = nn.Parameter(layer.weight.data, requires_grad=False)  # FSDP2's unsharded parameter
+    sloth.reset_report()
+    actual = loss_and_lora_grads(torch.compile(model, backend="sloth", options={"patterns": ["lora"]}), ids)
+    report = sloth.report()
+    assert report.graphs == 1 and report.counts == {"lora": len(TARGETS)}, str(report)
+    names = ["loss"] + [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, ours, theirs, ref in zip(names, actual, eager, reference):
+        assert_close(name, ours, theirs, ref, atol=1e-6)
 
 
 def test_fp32_qlora_model_under_bf16_autocast_every_linear_fused():

@@ -8,6 +8,8 @@
     input_grads_hook   transformers' input-embedding ``requires_grad_`` hook, skipped where nothing needs it
     trl_head           TRL's fused LM head run by sloth's token_logprobs op in a step compiled with sloth
                        (SLOTH_TRL_HEAD=0 turns it off)
+    bnb_quant_state    bitsandbytes' 4-bit quant-state recovery made traceable, so a QLoRA layer under FSDP2 stays in
+                       one graph (SLOTH_BNB_TRACEABLE=0 turns it off)
     import_hooks       the shared mechanism: run an install when a library is imported, whichever comes first
 
 They patch other libraries' behaviour under Dynamo only; trl_head alone changes numbers (sloth's rounding in place of
