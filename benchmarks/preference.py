@@ -191,6 +191,8 @@ def step_clock(warmup: int, sync: Callable[[], None], cuda: bool) -> Any:
         def on_step_end(self, args, state, control, **kwargs):
             sync()
             self.walls.append(time.perf_counter() - self.start)
+            # As it happens, so a run cut by its time limit shows how far it got (the parent prints the log's tail).
+            print(f"step {len(self.walls)}: {self.walls[-1] * 1e3:.1f} ms, {_unique_graphs()} graphs", flush=True)
             if cuda and len(self.walls) > warmup:
                 self.peak_gib = torch.cuda.max_memory_allocated() / common.GiB
                 self.reserved_gib = torch.cuda.max_memory_reserved() / common.GiB
@@ -275,6 +277,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError("TRL built a reference model; the benchmark means the adapter-disabled policy")
     flops = step_flops(trainer.model, cfg, shapes["rows"], shapes["seq"], shapes["scored"])
     setup_s = time.perf_counter() - setup_start
+    print(f"set up in {setup_s:.1f} s; training", flush=True)
 
     try:
         trainer.train()
@@ -409,8 +412,9 @@ def run_all(args: argparse.Namespace) -> int:
 
 def _run_child(args: argparse.Namespace, task: str, variant: str, tmp: Path) -> dict[str, Any]:
     json_out, log = tmp / f"{task}-{variant}.json", tmp / f"{task}-{variant}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           **VARIANT_SETTINGS[variant][1]}
+    # Recompiles logged with their reasons: a compile in a timed step is a finding, and one cut by the time limit too.
+    env = {"TORCH_LOGS": "recompiles", **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", **VARIANT_SETTINGS[variant][1]}
     print(f"[pref] {task} {variant}: running ...", flush=True)
     start = time.perf_counter()
     rc: int | str
