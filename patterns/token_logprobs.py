@@ -318,16 +318,22 @@ def _placement(m: TokenLogprobsMatch) -> Union[fx.Node, str]:
 
 
 def _dx_in_forward(m: TokenLogprobsMatch, place: fx.Node) -> int:
-    """The op's ``dx_in_forward`` (lowering/token_logprobs.py): the row gradients of x of each output that records
-    one, computed in the forward, when x gets a gradient and the head none (LoRA's frozen head); else 0. An output
-    read under ``no_grad`` (an entropy logged) gets none: its gradient would cost one more matmul for nothing."""
+    """The op's ``dx_in_forward`` (lowering/token_logprobs.py): the log-probabilities' row gradients of x computed in
+    the forward when they record a gradient, x gets one and the head none (LoRA's frozen head), and the entropy
+    records none (logged under ``no_grad``, or not asked for); else 0, everything recomputed in the backward.
+
+    Why not the entropy's part in the forward too: its second fp32 tile halves the rows a program holds, and on one
+    H100 that forward alone took 22.3 ms against 18.8 ms for TRL's whole forward and backward (three matmuls, as
+    recomputing is) at 4096 x 4096 x 128256 (benchmarks/results/2026-12-08_issue59_token_logprobs_h100.md); with
+    the log-probabilities' part alone the forward took 13.2 ms and the step 14.4 (two matmuls)."""
     lowering = _lowering()
     x, w, b = (tensor_of(p) for p in m.parts)
     if not (grad_enabled_at(place) and x is not None and x.requires_grad) or any(
             t is not None and t.requires_grad for t in (w, b)):
         return 0
-    return (lowering.LOGP_GRAD if _records_gradient(m.gather) else 0) | (
-        lowering.ENTROPY_GRAD if _records_gradient(m.entropy_sum) else 0)
+    if _records_gradient(m.entropy_sum):
+        return 0
+    return lowering.LOGP_GRAD if _records_gradient(m.gather) else 0
 
 
 def _replace(gm: fx.GraphModule, m: TokenLogprobsMatch, first: fx.Node) -> set[fx.Node]:

@@ -13,7 +13,8 @@ so every provider computes the same number and the same gradient:
   no gradient through it; sloth's op as its pass emits it there (``dx_in_forward=1``, the default: the
   entropy's part of dx not computed);
 - ``logp+ent``: ``-(sum_i logp_i + 0.01 sum_i H_i) / n_valid`` (an entropy bonus: both outputs get gradients;
-  ``dx_in_forward=3``, as the pass emits it there).
+  ``dx_in_forward=0``, as the pass emits it there: both parts recomputed in one backward pass), and ``sloth dx
+  1+2``, both parts in the forward (``dx_in_forward=3``, slower on an H100 on 2026-12-08, kept to watch it).
 
 Providers: eager (the logits, ``log_softmax``, ``gather``), Inductor on the same code, sloth's
 ``linear_token_logprobs``, and TRL 1.16's ``ChunkedLogProbFunction`` called as its trainers call it (the
@@ -54,12 +55,14 @@ def _eager(case: str) -> Callable:
     return loss
 
 
-def _sloth(case: str) -> Callable:
+def _sloth(case: str, both_in_forward: bool = False) -> Callable:
     from sloth.lowering.token_logprobs import ENTROPY_GRAD, LOGP_GRAD, linear_token_logprobs
 
+    # As the graph pass emits the op (patterns/token_logprobs.py _dx_in_forward), or both parts in the forward.
+    dx_in_forward = LOGP_GRAD | ENTROPY_GRAD if both_in_forward else 0 if case == "logp+ent" else None
+
     def loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logp, ent = linear_token_logprobs(x, w, None, labels, entropy=case != "logp",
-                                          dx_in_forward=LOGP_GRAD | ENTROPY_GRAD if case == "logp+ent" else None)
+        logp, ent = linear_token_logprobs(x, w, None, labels, entropy=case != "logp", dx_in_forward=dx_in_forward)
         return -_total(logp, ent, case) / (labels != -100).sum().clamp(min=1)
     return loss
 
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         eager = _eager(case)
         providers: dict[str, Callable] = {"eager": eager, "inductor": torch.compile(eager, dynamic=False),
                                           "sloth": _sloth(case)}
+        if case == "logp+ent":
+            providers["sloth dx 1+2"] = _sloth(case, both_in_forward=True)
         if case == "logp":
             providers["sloth mean loss"] = _sloth_mean_loss
         for name, outputs in trl_rows.items():
